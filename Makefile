@@ -1,0 +1,45 @@
+# The two commands: `make demo` and `make test`. Both set up .venv on a fresh machine first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+# Spinning OpenMP threads make small ops 30-190x slower on a busy 2-core machine.
+export OMP_WAIT_POLICY := PASSIVE
+
+.PHONY: demo test lint format clean-venv
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch goes in first, pinned, so nothing later pulls a CUDA build from the index.
+$(VENV)/.torch: | $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || \
+		$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	@touch $@
+
+$(VENV)/.installed-core: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e .
+	@touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@touch $@
+
+demo: $(VENV)/.installed-core
+	$(BIN)/temper train
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check temper recipes tests bench
+	$(BIN)/ruff format --check temper recipes tests bench
+
+format: $(VENV)/.installed-test
+	$(BIN)/ruff format temper recipes tests bench
+	$(BIN)/ruff check --fix temper recipes tests bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,63 @@
+"""The `Configurable` pattern: every component owns a nested `Config` dataclass.
+
+    class Sampler(Configurable):
+        @dataclass(kw_only=True)
+        class Config(Configurable.Config):
+            max_batch: int = 64
+            '''Most sequences decoded at once.'''
+
+        def __init__(self, config: Config, *, model: nn.Module) -> None: ...
+
+    sampler = Sampler.Config(max_batch=8).build(model=model)
+
+A config is complete before `build()`: the keyword arguments of `build()` are runtime objects
+(a model, a tokenizer, a device mesh), never settings, and passing a settings field there is an
+error rather than a silent override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+
+class Configurable:
+    """Base for components built from a nested `Config` dataclass."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config:
+        """Base config; subclasses are `@dataclass(kw_only=True)` nested in their owner."""
+
+        _owner: ClassVar[type | None] = None
+
+        def build(self, **runtime_objects: Any) -> Any:
+            """Construct the owning component from this config and runtime objects."""
+            owner = type(self)._owner
+            if owner is None:
+                raise TypeError(
+                    f"{type(self).__qualname__} is not nested in a Configurable class, "
+                    "so it has nothing to build"
+                )
+            setting_names = {field.name for field in dataclasses.fields(self)}
+            misplaced = sorted(setting_names & runtime_objects.keys())
+            if misplaced:
+                raise TypeError(
+                    f"{type(self).__qualname__}.build() got settings {misplaced} as keyword "
+                    "arguments; settings belong on the config (e.g. "
+                    f"dataclasses.replace(config, {misplaced[0]}=...)), build() takes only "
+                    "runtime objects"
+                )
+            return owner(self, **runtime_objects)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        config_cls = cls.__dict__.get("Config")
+        if config_cls is None:
+            return  # inherits the parent's Config, which keeps building the parent
+        if not (isinstance(config_cls, type) and issubclass(config_cls, Configurable.Config)):
+            raise TypeError(f"{cls.__qualname__}.Config must subclass Configurable.Config")
+        # is_dataclass() is also true for an undecorated subclass (it inherits the base's
+        # fields), whose annotated settings would silently not be fields; look at its own dict.
+        if "__dataclass_fields__" not in vars(config_cls):
+            raise TypeError(f"{cls.__qualname__}.Config must be a @dataclass(kw_only=True)")
+        config_cls._owner = cls

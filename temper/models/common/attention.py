@@ -1,0 +1,71 @@
+"""Grouped-query self-attention with optional per-head q/k RMSNorm, on SDPA.
+
+Shapes: B batch, T tokens, D model dim, N query heads, K key/value heads, H head dim.
+
+Causal attention over right-padded batches needs no mask: a real token never attends to the
+padding that follows it, so each sequence's outputs equal its unpadded forward. Left padding is
+not supported here; callers pad on the right.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.models.common.rmsnorm import RMSNorm
+from temper.models.common.rope import apply_rope
+
+
+class GroupedQueryAttention(nn.Module):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool,
+        bias: bool,
+        norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, num_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, num_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(num_heads * head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+
+    def project_qkv(
+        self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values as [B, heads, T, H], normalized and rotated."""
+        B, T, _ = x_BTD.shape
+        q_BTNH = self.wq(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k_BTKH = self.wk(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        v_BTKH = self.wv(x_BTD).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_BTNH = self.q_norm(q_BTNH)
+            k_BTKH = self.k_norm(k_BTKH)
+        q_BNTH = apply_rope(q_BTNH.transpose(1, 2), cos_BTH, sin_BTH)
+        k_BKTH = apply_rope(k_BTKH.transpose(1, 2), cos_BTH, sin_BTH)
+        return q_BNTH, k_BKTH, v_BTKH.transpose(1, 2)
+
+    def forward(
+        self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
+    ) -> torch.Tensor:
+        q_BNTH, k_BKTH, v_BKTH = self.project_qkv(x_BTD, cos_BTH, sin_BTH)
+        out_BNTH = F.scaled_dot_product_attention(
+            q_BNTH,
+            k_BKTH,
+            v_BKTH,
+            is_causal=True,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        B, _, T, _ = out_BNTH.shape
+        return self.wo(out_BNTH.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

@@ -1,0 +1,106 @@
+"""Log-probabilities of target tokens without materializing [tokens, vocab] fp32 logits.
+
+Shapes: N tokens (batch and time flattened), D model dim, V vocab, B batch, T time.
+
+The trainer and the sampler's `score()` both call `target_logprobs`, so their logprobs are
+bitwise equal when given the same hidden states. Rows are processed in chunks sized so one
+chunk of fp32 logits fits `chunk_bytes`; the backward pass recomputes each chunk's logits from
+the saved hidden states and log-normalizers instead of keeping them, so peak memory is one
+chunk in both directions.
+
+Numerics: logits are produced in the weights' dtype (as an `nn.Linear` unembedding would) and
+the softmax runs in fp32. With a temperature, the distribution is softmax(logits / temperature),
+the one a sampler at that temperature draws from.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def _chunk_rows(*, vocab_size: int, chunk_bytes: int) -> int:
+    return max(1, chunk_bytes // (vocab_size * 4))
+
+
+def _chunk_logits(
+    hidden_ND: torch.Tensor, weight_VD: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    logits_NV = F.linear(hidden_ND, weight_VD).float()
+    return logits_NV if temperature == 1.0 else logits_NV / temperature
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_rows):
+        num_tokens = hidden_ND.shape[0]
+        logprobs_N = hidden_ND.new_empty(num_tokens, dtype=torch.float32)
+        lse_N = hidden_ND.new_empty(num_tokens, dtype=torch.float32)
+        for start in range(0, num_tokens, chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
+            lse_N[rows] = torch.logsumexp(logits_NV, dim=-1)
+            target_logits_N = logits_NV.gather(-1, targets_N[rows, None]).squeeze(-1)
+            logprobs_N[rows] = target_logits_N - lse_N[rows]
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        return logprobs_N
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_N):
+        hidden_ND, weight_VD, targets_N, lse_N = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden_ND = torch.zeros_like(hidden_ND) if need_hidden else None
+        grad_weight_VD = (
+            torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+            if need_weight
+            else None
+        )
+        for start in range(0, hidden_ND.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
+            grad_N1 = grad_logprobs_N[rows, None].float()
+            # d logprob(target) / d logits = onehot(target) - softmax, times 1/temperature.
+            grad_logits_NV = torch.exp(logits_NV - lse_N[rows, None]).mul_(-grad_N1)
+            grad_logits_NV.scatter_add_(-1, targets_N[rows, None], grad_N1)
+            if temperature != 1.0:
+                grad_logits_NV.div_(temperature)
+            if need_hidden:
+                grad_hidden_ND[rows] = grad_logits_NV.to(weight_VD.dtype) @ weight_VD
+            if need_weight:
+                grad_weight_VD.addmm_(grad_logits_NV.T, hidden_ND[rows].float())
+        if grad_weight_VD is not None:
+            grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
+        return grad_hidden_ND, grad_weight_VD, None, None, None
+
+
+def target_logprobs(
+    hidden_BTD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / temperature)[target] as fp32, shaped like `targets_BT`.
+
+    Differentiable with respect to `hidden_BTD` and `weight_VD`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
+    if hidden_BTD.shape[:-1] != targets_BT.shape:
+        raise ValueError(
+            f"targets shape {tuple(targets_BT.shape)} does not match hidden states "
+            f"{tuple(hidden_BTD.shape[:-1])}"
+        )
+    vocab_size = weight_VD.shape[0]
+    rows = _chunk_rows(vocab_size=vocab_size, chunk_bytes=chunk_bytes)
+    hidden_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
+    logprobs_N = _TargetLogprobs.apply(
+        hidden_ND, weight_VD, targets_BT.reshape(-1), float(temperature), rows
+    )
+    return logprobs_N.view(targets_BT.shape)

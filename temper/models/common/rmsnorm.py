@@ -1,0 +1,27 @@
+"""RMSNorm with the reference numerics: normalize in fp32, cast back, then scale.
+
+The multiply by `weight` happens after the cast back to the input dtype (as in the HF Qwen3
+reference), which matters for bit-level parity in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        normed = x_fp32 * torch.rsqrt(variance + self.eps)
+        return self.weight * normed.to(input_dtype)

@@ -1,0 +1,153 @@
+"""Qwen3 <-> Hugging Face: config.json fields and state-dict key names.
+
+Our modules are named for reading (`blocks.3.attention.wq`); HF checkpoints use
+`model.layers.3.self_attn.q_proj`. This file is the only place that knows both. Tensor values
+are never transformed: both sides use the same rotate-half RoPE layout, so every tensor maps
+one to one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from temper.models.qwen3.model import Qwen3
+
+HF_ARCHITECTURE = "Qwen3ForCausalLM"
+HF_MODEL_TYPE = "qwen3"
+
+_GLOBAL_KEYS = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_KEYS = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
+    "feed_forward.w_up.weight": "mlp.up_proj.weight",
+    "feed_forward.w_down.weight": "mlp.down_proj.weight",
+}
+_HF_BLOCK_KEYS = {hf: ours for ours, hf in _BLOCK_KEYS.items()}
+_HF_GLOBAL_KEYS = {hf: ours for ours, hf in _GLOBAL_KEYS.items()}
+_OUR_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def key_to_hf(key: str) -> str:
+    """Our state-dict key -> the HF checkpoint key."""
+    if key in _GLOBAL_KEYS:
+        return _GLOBAL_KEYS[key]
+    match = _OUR_BLOCK.fullmatch(key)
+    if match is None or match.group(2) not in _BLOCK_KEYS:
+        raise KeyError(f"no HF name for Qwen3 parameter {key!r}")
+    return f"model.layers.{match.group(1)}.{_BLOCK_KEYS[match.group(2)]}"
+
+
+def key_from_hf(hf_key: str) -> str | None:
+    """HF checkpoint key -> our key, or None for a tensor Qwen3 does not use."""
+    if hf_key in _HF_GLOBAL_KEYS:
+        return _HF_GLOBAL_KEYS[hf_key]
+    match = _HF_BLOCK.fullmatch(hf_key)
+    if match is None or match.group(2) not in _HF_BLOCK_KEYS:
+        return None
+    return f"blocks.{match.group(1)}.{_HF_BLOCK_KEYS[match.group(2)]}"
+
+
+def to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    return {key_to_hf(key): value for key, value in state_dict.items()}
+
+
+def unknown_hf_keys(hf_keys: Iterable[str]) -> list[str]:
+    return sorted(key for key in hf_keys if key_from_hf(key) is None)
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has `rope_theta` and
+    # `rope_scaling` at the top level.
+    rope = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ValueError(
+            f"config.json: RoPE type {rope_type!r} is not supported; Temper's Qwen3 implements "
+            "the default (unscaled) RoPE only"
+        )
+    theta = rope.get("rope_theta", hf_config.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json: missing rope_theta (or rope_parameters.rope_theta)")
+    return float(theta)
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3.Config:
+    """Build our config from a HF Qwen3 config.json dict."""
+    if hf_config.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported for Qwen3")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"config.json: hidden_act {hf_config['hidden_act']!r} is not supported; "
+            "Qwen3 uses 'silu'"
+        )
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    required += ("intermediate_size",)
+    missing = [name for name in required if name not in hf_config]
+    if missing:
+        raise ValueError(f"config.json: missing required Qwen3 fields {missing}")
+    num_heads = hf_config["num_attention_heads"]
+    return Qwen3.Config(
+        vocab_size=hf_config["vocab_size"],
+        dim=hf_config["hidden_size"],
+        num_layers=hf_config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+        ffn_dim=hf_config["intermediate_size"],
+        rope_theta=_rope_theta(hf_config),
+        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        tie_embeddings=hf_config.get("tie_word_embeddings", False),
+        attention_bias=hf_config.get("attention_bias", False),
+        max_seq_len=hf_config.get("max_position_embeddings", 40_960),
+        init_std=hf_config.get("initializer_range", 0.02),
+    )
+
+
+def config_to_hf(config: Qwen3.Config, *, dtype_name: str) -> dict[str, Any]:
+    """A config.json dict that transformers (4.51+ and 5.x) loads as Qwen3ForCausalLM."""
+    return {
+        "architectures": [HF_ARCHITECTURE],
+        "model_type": HF_MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": config.num_layers,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }

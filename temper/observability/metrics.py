@@ -1,0 +1,320 @@
+"""Per-step scalar metrics: console (rich progress bar and tables), metrics.jsonl, TensorBoard.
+
+One `MetricsLogger.log(step, {name: value})` call fans out to every enabled sink. Things that
+are easy to get wrong and handled here:
+
+- `metrics.jsonl` is opened in append mode and flushed after every line, so a resumed run
+  continues the same file and a crash loses at most the line being written.
+- JSON has no NaN or infinity: non-finite values are written as `null` and warned about once
+  per metric name (the console still shows `nan`/`inf`).
+- Steps count from 0; after `log(step, ...)` the progress bar shows `step + 1` of
+  `total_steps` done.
+- On a console that is not a terminal (CI, pipes) rich draws the progress bar once, when the
+  logger closes, so the periodic tables are the progress record there.
+
+It does not decide which rank logs: in a distributed run build it on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, Literal, get_args
+
+from rich import get_console
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+from temper.config.configurable import Configurable
+
+Display = Literal["progress", "table", "none"]
+RESERVED_KEYS = ("step", "time")
+METRICS_FILE_NAME = "metrics.jsonl"
+TENSORBOARD_DIR_NAME = "tensorboard"
+
+
+class MetricsLogger(Configurable):
+    """Logs scalar metrics per step to the console, `run_dir/metrics.jsonl` and TensorBoard."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        display: Display = "progress"
+        """Console output: 'progress' (a progress bar plus a table every `table_every` steps),
+        'table' (tables only) or 'none' (silent, also for `summary()`)."""
+
+        table_every: int = 10
+        """Steps between console tables of the latest metric values; 0 turns tables off."""
+
+        progress_keys: tuple[str, ...] = ()
+        """Metric names shown on the progress bar; empty shows the first three names logged."""
+
+        jsonl: bool = True
+        """Append one JSON object per `log()` call to `run_dir/metrics.jsonl`."""
+
+        tensorboard: bool = False
+        """Also write TensorBoard event files to `run_dir/tensorboard` (needs the extra
+        `pip install 'temper[tensorboard]'`)."""
+
+        def __post_init__(self) -> None:
+            if self.display not in get_args(Display):
+                raise ValueError(
+                    f"MetricsLogger.Config.display={self.display!r} is not one of "
+                    f"{list(get_args(Display))}"
+                )
+            if not isinstance(self.table_every, int) or self.table_every < 0:
+                raise ValueError(
+                    f"MetricsLogger.Config.table_every={self.table_every!r} must be an int >= 0 "
+                    "(0 turns tables off)"
+                )
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        run_dir: Path,
+        total_steps: int | None,
+        description: str,
+        console: Console | None = None,
+    ) -> None:
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 0):
+            raise ValueError(f"total_steps={total_steps!r} must be None or an int >= 0")
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.description = description
+        self.console = console if console is not None else get_console()
+        # TensorBoard first: a missing extra must fail before any file or live display opens.
+        self._tensorboard_writer = _open_tensorboard(self.run_dir) if config.tensorboard else None
+        self._jsonl_file: IO[str] | None = None
+        if config.jsonl:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl_file = (self.run_dir / METRICS_FILE_NAME).open("a", encoding="utf-8")
+        self._progress_keys = list(config.progress_keys)
+        self._latest: dict[str, tuple[int, float]] = {}  # name -> (step logged, value)
+        self._warned_non_finite: set[str] = set()
+        self._last_step: int | None = None
+        self._last_table_step: int | None = None
+        self._closed = False
+        self._progress: Progress | None = None
+        if config.display == "progress":
+            self._progress = Progress(
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[metrics]}", markup=False),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(description, total=total_steps, metrics="")
+            self._progress.start()
+
+    @property
+    def latest(self) -> dict[str, float]:
+        """The most recent value of every metric logged so far (e.g. for `summary()`)."""
+        return {name: value for name, (_, value) in self._latest.items()}
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record `metrics` (floats, ints or 0-d tensors) for `step` in every enabled sink."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log() called after close()")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r} must be an int >= 0")
+        if self._last_step is not None and step < self._last_step:
+            raise ValueError(
+                f"step={step} is before the previously logged step {self._last_step}; "
+                "steps must not decrease within one logger"
+            )
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping of name -> number, got {type(metrics)}")
+        values = {_check_name(name): to_float(value, name=name) for name, value in metrics.items()}
+        self._last_step = step
+        self._write_sinks(step, values)
+        self._latest.update({name: (step, value) for name, value in values.items()})
+        if self._progress is not None:
+            self._update_progress(step)
+        if self._table_due(step):
+            self._last_table_step = step
+            self.console.print(self._latest_table(step))
+
+    def summary(self, columns: Mapping[str, Mapping[str, Any]], *, title: str = "Summary") -> None:
+        """Print a panel with one row per metric and one column per entry of `columns`.
+
+        For example `summary({"final": logger.latest, "best": best_values})`.
+        """
+        if self.config.display != "none":
+            self.console.print(summary_panel(columns, title=title))
+
+    def close(self) -> None:
+        """Stop the progress bar and flush and close the files; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+        if self._jsonl_file is not None:
+            self._jsonl_file.close()
+        if self._tensorboard_writer is not None:
+            self._tensorboard_writer.close()
+        never_logged = [key for key in self.config.progress_keys if key not in self._latest]
+        if never_logged and self._last_step is not None:
+            warnings.warn(
+                f"MetricsLogger.Config.progress_keys {never_logged} were never logged "
+                f"(logged names: {sorted(self._latest)})",
+                stacklevel=2,
+            )
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write_sinks(self, step: int, values: dict[str, float]) -> None:
+        now = time.time()
+        for name, value in values.items():
+            if not math.isfinite(value) and name not in self._warned_non_finite:
+                self._warned_non_finite.add(name)
+                warnings.warn(
+                    f"metric {name!r} is {value} at step {step}; metrics.jsonl stores "
+                    "non-finite values as null (warned once per metric)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        if self._jsonl_file is not None:
+            record = {"step": step, "time": now}
+            record.update({n: v if math.isfinite(v) else None for n, v in values.items()})
+            self._jsonl_file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._jsonl_file.flush()
+        if self._tensorboard_writer is not None:
+            for name, value in values.items():
+                self._tensorboard_writer.add_scalar(name, value, global_step=step, walltime=now)
+
+    def _update_progress(self, step: int) -> None:
+        assert self._progress is not None
+        if not self._progress_keys:
+            self._progress_keys = list(self._latest)[:3]
+        shown = [
+            f"{key} {format_value(self._latest[key][1])}"
+            for key in self._progress_keys
+            if key in self._latest
+        ]
+        self._progress.update(self._task, completed=step + 1, metrics="  ".join(shown))
+
+    def _table_due(self, step: int) -> bool:
+        every = self.config.table_every
+        if self.config.display == "none" or every == 0:
+            return False
+        # Print when the step crosses a multiple of `table_every`, so logging every k steps or
+        # resuming mid-interval still gives tables at round steps.
+        return self._last_table_step is None or step // every > self._last_table_step // every
+
+    def _latest_table(self, step: int) -> Table:
+        total = f"/{self.total_steps}" if self.total_steps is not None else ""
+        title = Text(f"{self.description} step {step}{total}")
+        table = Table(title=title, title_justify="left")
+        table.add_column("group", style="bold")
+        table.add_column("metrics")
+        groups: dict[str, list[Text]] = {}
+        for name, (logged_step, value) in self._latest.items():
+            group, _, short_name = name.partition("/") if "/" in name else ("", "", name)
+            cell = Text.assemble((short_name, "cyan"), " ", format_value(value))
+            if logged_step != step:
+                cell.append(f" @{logged_step}", style="dim")
+            groups.setdefault(group, []).append(cell)
+        for group, cells in groups.items():
+            table.add_row(group, Text("   ").join(cells))
+        return table
+
+
+def format_value(value: float) -> str:
+    """Four significant digits; integral values (counts) are shown whole."""
+    if math.isfinite(value) and value.is_integer() and abs(value) < 1e9:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def to_float(value: Any, *, name: str) -> float:
+    """Convert a python number or a 0-d tensor/array to float; `name` is used in the error."""
+    if isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0:
+        return float(value)
+    raise TypeError(
+        f"metric {name!r} has value {value!r} of type {type(value).__name__}; expected a "
+        "python number or a 0-d tensor"
+    )
+
+
+def summary_panel(columns: Mapping[str, Mapping[str, Any]], *, title: str) -> Panel:
+    """A panel holding a table: rows are metric names, columns the keys of `columns`."""
+    table = Table(show_edge=False)
+    table.add_column("metric", style="cyan")
+    for column in columns:
+        table.add_column(column, justify="right")
+    names = list(dict.fromkeys(name for values in columns.values() for name in values))
+    for name in names:
+        cells = [
+            format_value(to_float(values[name], name=name)) if name in values else "-"
+            for values in columns.values()
+        ]
+        table.add_row(name, *cells)
+    return Panel(table, title=Text(title), expand=False)
+
+
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
+    """Read a metrics.jsonl file; a malformed line raises ValueError naming its line number."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{line_number}: malformed JSON ({err.msg}): {line[:80]!r}"
+                ) from err
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError(
+                    f"{path}:{line_number}: expected a JSON object with an int 'step', "
+                    f"got {line[:80]!r}"
+                )
+            records.append(record)
+    return records
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or name in RESERVED_KEYS:
+        raise ValueError(
+            f"metric name {name!r} is invalid: names are non-empty strings other than "
+            f"{list(RESERVED_KEYS)}"
+        )
+    return name
+
+
+def _open_tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ImportError(
+            "MetricsLogger.Config.tensorboard=True needs the tensorboard package; install it "
+            "with `pip install 'temper[tensorboard]'` or set tensorboard=False"
+        ) from err
+    return SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR_NAME))

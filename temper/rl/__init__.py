@@ -1,0 +1,1 @@
+"""Reinforcement learning: tasks and environments (loops come with the RL issue)."""

@@ -1,0 +1,46 @@
+"""Random tiny HF Qwen3 models built from a config (no hub), for numerics references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def tiny_hf_qwen3(
+    *,
+    vocab_size: int = 97,
+    tie: bool = True,
+    attention_bias: bool = False,
+    seed: int = 0,
+    num_layers: int = 2,
+):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        attention_bias=attention_bias,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    # The HF init leaves norms at 1 and biases at 0; perturb them so a mix-up would show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def save_hf(model, directory: Path, **kwargs) -> Path:
+    model.save_pretrained(directory, **kwargs)
+    return directory

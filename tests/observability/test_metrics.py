@@ -1,0 +1,235 @@
+"""MetricsLogger sinks (console, metrics.jsonl, TensorBoard) and read_metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import io
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import temper.observability as observability
+from temper.observability import MetricsLogger, format_value, read_metrics
+
+
+def quiet_config(**overrides) -> MetricsLogger.Config:
+    return MetricsLogger.Config(display="none", **overrides)
+
+
+def captured_console() -> tuple[Console, io.StringIO]:
+    # A file-backed console is not a terminal, like stdout in CI or a pipe.
+    buffer = io.StringIO()
+    return Console(file=buffer, width=120, color_system=None), buffer
+
+
+def test_jsonl_is_appended_across_loggers(tmp_path: Path) -> None:
+    with quiet_config().build(run_dir=tmp_path, total_steps=3, description="sft") as logger:
+        logger.log(0, {"train/loss": 2.5, "train/tokens": 128})
+        logger.log(1, {"train/loss": 2.0})
+    # A resumed run builds a new logger on the same run dir.
+    with quiet_config().build(run_dir=tmp_path, total_steps=3, description="sft") as logger:
+        logger.log(2, {"train/loss": 1.5, "eval/accuracy": 0.25})
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [record["step"] for record in records] == [0, 1, 2]
+    assert records[0]["train/tokens"] == 128.0
+    assert [record["train/loss"] for record in records] == [2.5, 2.0, 1.5]
+    assert records[2]["eval/accuracy"] == 0.25
+    assert all(isinstance(record["time"], float) for record in records)
+    assert records[0]["time"] <= records[2]["time"]
+
+
+def test_lines_are_flushed_before_close(tmp_path: Path) -> None:
+    logger = quiet_config().build(run_dir=tmp_path, total_steps=None, description="rl")
+    logger.log(0, {"env/reward/mean": 0.5})
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["env/reward/mean"] == 0.5
+    logger.close()
+    logger.close()  # idempotent
+
+
+def test_tensor_and_integer_values_become_floats(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with quiet_config().build(run_dir=tmp_path, total_steps=1, description="sft") as logger:
+        logger.log(0, {"train/loss": torch.tensor(0.75), "train/count": 3, "flag": True})
+        assert logger.latest == {"train/loss": 0.75, "train/count": 3.0, "flag": 1.0}
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["train/loss"] == 0.75 and record["train/count"] == 3.0
+
+
+def test_non_finite_values_are_null_and_warned_once_per_name(tmp_path: Path) -> None:
+    with (
+        quiet_config().build(run_dir=tmp_path, total_steps=3, description="sft") as logger,
+        pytest.warns(RuntimeWarning) as caught,
+    ):
+        logger.log(0, {"train/loss": math.nan, "train/grad_norm": math.inf})
+        logger.log(1, {"train/loss": math.nan, "train/grad_norm": 1.0})
+        logger.log(2, {"train/loss": math.nan})
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == 2
+    assert any("'train/loss'" in message for message in messages)
+    assert any("'train/grad_norm'" in message for message in messages)
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])  # strict JSON: no NaN/Infinity tokens
+    assert first["train/loss"] is None and first["train/grad_norm"] is None
+    assert json.loads(lines[1])["train/grad_norm"] == 1.0
+    assert math.isnan(logger.latest["train/loss"])
+
+
+def test_read_metrics_reports_the_malformed_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "time": 1.0, "a": 1.0}\n\n{"step": 1, "time": 2.0, "a": \n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:3: malformed JSON"):
+        read_metrics(path)
+    path.write_text('{"step": 0}\n["not", "an", "object"]\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: expected a JSON object"):
+        read_metrics(path)
+    with pytest.raises(FileNotFoundError):
+        read_metrics(tmp_path / "missing.jsonl")
+
+
+def test_table_is_printed_every_n_steps(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(display="table", table_every=3, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=10, description="sft", console=console) as lg:
+        for step in range(10):
+            metrics = {"train/loss": 1.0 / (step + 1), "train/lr": 3e-4}
+            if step == 4:
+                metrics["eval/accuracy"] = 0.123456
+            lg.log(step, metrics)
+    output = buffer.getvalue()
+    titles = [line.strip() for line in output.splitlines() if line.strip().startswith("sft step")]
+    assert titles == ["sft step 0/10", "sft step 3/10", "sft step 6/10", "sft step 9/10"]
+    assert "loss 0.1   lr 0.0003" in output  # four significant digits, integral -> whole
+    assert "accuracy 0.1235 @4" in output  # a value from an earlier step is marked with it
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(display="table", table_every=10, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=None, description="rl", console=console) as lg:
+        for step in range(3, 40, 4):  # a resumed run that logs every 4th step
+            lg.log(step, {"loss": 1.0})
+    titles = [line.strip() for line in buffer.getvalue().splitlines() if "rl step" in line]
+    assert titles == ["rl step 3", "rl step 11", "rl step 23", "rl step 31"]
+
+
+def test_progress_bar_does_not_spam_a_non_terminal(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(table_every=0, progress_keys=("train/loss",), jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=50, description="sft", console=console) as lg:
+        for step in range(50):
+            lg.log(step, {"train/loss": 0.5, "train/lr": 1e-3})
+    lines = [line for line in buffer.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1  # the final state, drawn once at close
+    assert "50/50" in lines[0] and "train/loss 0.5" in lines[0] and "train/lr" not in lines[0]
+
+
+def test_summary_prints_caller_values(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(display="table", table_every=0, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=2, description="sft", console=console) as lg:
+        lg.log(0, {"eval/accuracy": 0.5, "train/loss": 2.0})
+        lg.log(1, {"eval/accuracy": 0.25, "train/loss": 1.0})
+        lg.summary({"final": lg.latest, "best": {"eval/accuracy": 0.5}}, title="SFT warm-up")
+    output = buffer.getvalue()
+    assert "SFT warm-up" in output
+    accuracy_row = next(line for line in output.splitlines() if "eval/accuracy" in line)
+    assert "0.25" in accuracy_row and "0.5" in accuracy_row
+    loss_row = next(line for line in output.splitlines() if "train/loss" in line)
+    assert "-" in loss_row.replace("train/loss", "")  # no best value given
+
+
+def test_display_none_prints_nothing(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    with quiet_config().build(
+        run_dir=tmp_path, total_steps=5, description="x", console=console
+    ) as lg:
+        for step in range(5):
+            lg.log(step, {"a": 1.0})
+        lg.summary({"final": lg.latest})
+    assert buffer.getvalue() == ""
+
+
+def test_tensorboard_without_package_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+    # Simulate the extra being absent even where it happens to be installed.
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    config = MetricsLogger.Config(display="none", tensorboard=True)
+    with pytest.raises(ImportError, match=r"pip install 'temper\[tensorboard\]'"):
+        config.build(run_dir=tmp_path, total_steps=1, description="sft")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None, reason="tensorboard extra not installed"
+)
+def test_tensorboard_writes_event_files(tmp_path: Path) -> None:
+    config = MetricsLogger.Config(display="none", tensorboard=True)
+    with config.build(run_dir=tmp_path, total_steps=1, description="sft") as logger:
+        logger.log(0, {"train/loss": 1.0})
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [({"display": "fancy"}, "display"), ({"table_every": -1}, "table_every")],
+)
+def test_bad_config_names_the_field(overrides: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        MetricsLogger.Config(**overrides)
+
+
+def test_bad_log_calls_are_rejected(tmp_path: Path) -> None:
+    with quiet_config().build(run_dir=tmp_path, total_steps=None, description="sft") as logger:
+        with pytest.raises(TypeError, match=r"'train/loss'.*str"):
+            logger.log(0, {"train/loss": "0.5"})
+        with pytest.raises(ValueError, match="'step'"):
+            logger.log(0, {"step": 1.0})
+        with pytest.raises(ValueError, match="step=-1"):
+            logger.log(-1, {"a": 1.0})
+        logger.log(5, {"a": 1.0})
+        logger.log(5, {"b": 1.0})  # several calls per step are fine
+        with pytest.raises(ValueError, match="step=4 is before"):
+            logger.log(4, {"a": 1.0})
+    with pytest.raises(RuntimeError, match="after close"):
+        logger.log(6, {"a": 1.0})
+    with pytest.raises(ValueError, match="total_steps"):
+        quiet_config().build(run_dir=tmp_path, total_steps=-3, description="sft")
+
+
+def test_unused_progress_key_is_warned_at_close(tmp_path: Path) -> None:
+    config = quiet_config(progress_keys=("train/loss", "eval/acc"), jsonl=False)
+    logger = config.build(run_dir=tmp_path, total_steps=1, description="sft")
+    logger.log(0, {"train/loss": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger.close()
+    assert len(caught) == 1 and "'eval/acc'" in str(caught[0].message)
+
+
+def test_format_value() -> None:
+    assert format_value(0.000123456) == "0.0001235"
+    assert format_value(123456.7) == "1.235e+05"
+    assert format_value(4096.0) == "4096"
+    assert format_value(math.nan) == "nan"
+
+
+def test_public_api() -> None:
+    for name in observability.__all__:
+        assert hasattr(observability, name)
+    parameters = inspect.signature(MetricsLogger.__init__).parameters
+    assert [p for p in parameters if parameters[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "run_dir",
+        "total_steps",
+        "description",
+        "console",
+    ]
+    fields = MetricsLogger.Config.__dataclass_fields__
+    assert {"display", "table_every", "progress_keys", "jsonl", "tensorboard"} <= set(fields)
