@@ -179,7 +179,9 @@ def save_pretrained(
     """Write `model` (and optionally its tokenizer) as a HF model directory; returns its path."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty; overwrite it with --overwrite (overwrite=True)"
+        )
     family = family_of_model(model)
     state_dict = model.state_dict()
     dtype = next(iter(state_dict.values())).dtype
@@ -191,7 +193,9 @@ def save_pretrained(
     generation_config: dict[str, Any] = {}
     if tokenizer is not None:
         hf_config.update(_special_token_ids(tokenizer))
-        generation_config = {k: v for k, v in _special_token_ids(tokenizer).items() if v is not None}
+        generation_config = {
+            k: v for k, v in _special_token_ids(tokenizer).items() if v is not None
+        }
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

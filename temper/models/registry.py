@@ -48,7 +48,9 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
 
 
 def _supported() -> str:
-    return ", ".join(f"{f.hf_architecture} (model_type {f.name!r})" for f in MODEL_FAMILIES.values())
+    return ", ".join(
+        f"{f.hf_architecture} (model_type {f.name!r})" for f in MODEL_FAMILIES.values()
+    )
 
 
 def family(name: str) -> ModelFamily:
@@ -75,4 +77,6 @@ def family_of_model(model: nn.Module) -> ModelFamily:
     for candidate in MODEL_FAMILIES.values():
         if isinstance(model, candidate.model_cls):
             return candidate
-    raise TypeError(f"{type(model).__name__} is not a Temper model family; supported: {_supported()}")
+    raise TypeError(
+        f"{type(model).__name__} is not a Temper model family; supported: {_supported()}"
+    )

@@ -112,7 +112,9 @@ class MetricsLogger(Configurable):
         self._last_table_step: int | None = None
         self._closed = False
         self._progress: Progress | None = None
-        if config.display == "progress":
+        # Off a terminal (CI logs, pipes) a live bar can only be drawn once, at the end, squeezed
+        # to 80 columns; the periodic tables already tell the story there.
+        if config.display == "progress" and self.console.is_terminal:
             self._progress = Progress(
                 TextColumn("{task.description}", markup=False),
                 BarColumn(),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -76,7 +75,9 @@ class SFTJob(Configurable):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"SFTJob.Config.{name} must be > 0, got {getattr(self, name)}")
             if self.learning_rate <= 0:
-                raise ValueError(f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}")
+                raise ValueError(
+                    f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}"
+                )
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -64,9 +64,7 @@ def test_export_loads_in_transformers_exactly(tmp_path):
 
     tokens_BT = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(
-            reloaded(tokens_BT).logits, model(tokens_BT), rtol=0, atol=1e-5
-        )
+        torch.testing.assert_close(reloaded(tokens_BT).logits, model(tokens_BT), rtol=0, atol=1e-5)
 
 
 def test_export_round_trip_through_temper_is_bitwise(tmp_path):

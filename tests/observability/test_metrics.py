@@ -121,15 +121,25 @@ def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> Non
     assert titles == ["rl step 3", "rl step 11", "rl step 23", "rl step 31"]
 
 
-def test_progress_bar_does_not_spam_a_non_terminal(tmp_path: Path) -> None:
+def test_progress_bar_is_not_drawn_off_a_terminal(tmp_path: Path) -> None:
     console, buffer = captured_console()
+    assert not console.is_terminal
     config = MetricsLogger.Config(table_every=0, progress_keys=("train/loss",), jsonl=False)
     with config.build(run_dir=tmp_path, total_steps=50, description="sft", console=console) as lg:
         for step in range(50):
             lg.log(step, {"train/loss": 0.5, "train/lr": 1e-3})
-    lines = [line for line in buffer.getvalue().splitlines() if line.strip()]
-    assert len(lines) == 1  # the final state, drawn once at close
-    assert "50/50" in lines[0] and "train/loss 0.5" in lines[0] and "train/lr" not in lines[0]
+    assert buffer.getvalue().strip() == ""
+
+
+def test_progress_bar_on_a_terminal_shows_chosen_keys(tmp_path: Path) -> None:
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=200, color_system=None)
+    config = MetricsLogger.Config(table_every=0, progress_keys=("train/loss",), jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=50, description="sft", console=console) as lg:
+        for step in range(50):
+            lg.log(step, {"train/loss": 0.5, "train/lr": 1e-3})
+    final = [line for line in buffer.getvalue().splitlines() if "50/50" in line][-1]
+    assert "50/50" in final and "train/loss 0.5" in final and "train/lr" not in final
 
 
 def test_summary_prints_caller_values(tmp_path: Path) -> None:

@@ -57,7 +57,9 @@ class Qwen3(Decoder, Configurable):
                     f"num_heads={self.num_heads}"
                 )
             if self.head_dim % 2 != 0:
-                raise ValueError(f"Qwen3.Config.head_dim must be even for RoPE, got {self.head_dim}")
+                raise ValueError(
+                    f"Qwen3.Config.head_dim must be even for RoPE, got {self.head_dim}"
+                )
             if self.activation_checkpointing not in ("none", "full"):
                 raise ValueError(
                     "Qwen3.Config.activation_checkpointing must be 'none' or 'full', got "

@@ -37,7 +37,10 @@ def test_reward_is_exact_match():
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"min_digits": 5, "max_digits": 3}, "min_digits <= max_digits"), ({"heldout_percent": 0}, "heldout_percent")],
+    [
+        ({"min_digits": 5, "max_digits": 3}, "min_digits <= max_digits"),
+        ({"heldout_percent": 0}, "heldout_percent"),
+    ],
 )
 def test_bad_config(overrides, message):
     with pytest.raises(ValueError, match=message):

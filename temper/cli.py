@@ -1,0 +1,147 @@
+"""The `temper` command line: `temper COMMAND [ARGS...]`.
+
+Subcommands are listed by `commands()`, built on each call rather than kept in a module-level
+table. A new command is one entry there: usually `function_command(fn, name=...)`, which turns
+the documented keyword-only parameters of `fn` into flags with tyro. `train` is special: its
+flags come from the chosen recipe's config (see temper/config/cli.py).
+
+Every command returns an exit code; `main` never calls sys.exit, so tests call it in-process.
+Usage errors exit with code 2, as tyro's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tyro
+
+from temper.commands import model_dir, plot
+from temper.config import cli as config_cli
+from temper.config import recipes, serialize
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand: a one-line description and a function from its argv to an exit code."""
+
+    description: str
+    run: Callable[[list[str]], int]
+
+
+def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Command]:
+    """The subcommands of `temper`, by name."""
+    return {
+        "train": Command(
+            description="Train from a recipe; flags override fields of its config.",
+            run=functools.partial(train, package=recipe_package),
+        ),
+        "recipes": Command(
+            description="List the registered recipes.",
+            run=functools.partial(show_recipes, package=recipe_package),
+        ),
+        "init-model": function_command(model_dir.init_model, name="init-model"),
+        "plot": function_command(plot.plot, name="plot"),
+    }
+
+
+def function_command(fn: Callable[..., int | None], *, name: str) -> Command:
+    """A command whose flags are `fn`'s parameters, described by its docstring's first line."""
+    description = (fn.__doc__ or "").strip().split("\n", 1)[0]
+    return Command(description=description, run=functools.partial(run_function, fn, name=name))
+
+
+def run_function(fn: Callable[..., int | None], argv: Sequence[str], *, name: str) -> int:
+    """Parse `argv` into `fn`'s parameters with tyro, call it and return its exit code."""
+    try:
+        result = tyro.cli(fn, args=list(argv), prog=f"temper {name}")
+    except SystemExit as exit_:
+        return _exit_code(exit_)
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
+        # Bad user input (a missing directory, an unknown size): a message, not a traceback.
+        print(f"temper {name}: error: {error}", file=sys.stderr)
+        return 2
+    return 0 if result is None else int(result)
+
+
+def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
+    """`temper train`: resolve the config, create the run dir, save config.json, build, run."""
+    try:
+        invocation = config_cli.parse_train_argv(argv, prog="temper train", package=package)
+        config_cli.prepare_run_dir(invocation.run_dir)
+    except SystemExit as exit_:
+        return _exit_code(exit_)
+    except ValueError as error:
+        print(f"temper train: error: {error}", file=sys.stderr)
+        return 2
+    serialize.save_config(
+        invocation.run_dir / "config.json", invocation.config, recipe=invocation.recipe
+    )
+    job: config_cli.Job = invocation.config.build()
+    job.run(run_dir=invocation.run_dir)
+    return 0
+
+
+def show_recipes(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
+    """`temper recipes`: a table of recipe names and descriptions."""
+
+    def list_recipes() -> None:
+        """List the registered recipes (run one with `temper train NAME`)."""
+        import rich.console
+        import rich.table
+
+        table = rich.table.Table("name", "description")
+        for info in recipes.list_recipes(package=package):
+            table.add_row(info.name, info.description + (" (default)" if info.default else ""))
+        rich.console.Console().print(table)
+
+    try:
+        return run_function(list_recipes, argv, name="recipes")
+    except ValueError as error:
+        print(f"temper recipes: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(
+    argv: Sequence[str] | None = None, *, recipe_package: str = recipes.RECIPES_PACKAGE
+) -> int:
+    """Run `temper` with `argv` (default: sys.argv[1:]) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    table = commands(recipe_package=recipe_package)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage(table), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    command = table.get(args[0])
+    if command is None:
+        close = difflib.get_close_matches(args[0], list(table), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(
+            f"temper: unknown command {args[0]!r}{hint}; valid commands: {', '.join(table)}",
+            file=sys.stderr,
+        )
+        return 2
+    return command.run(args[1:])
+
+
+def _usage(table: dict[str, Command]) -> str:
+    width = max(len(name) for name in table)
+    lines = [f"  {name.ljust(width)}  {command.description}" for name, command in table.items()]
+    return (
+        "usage: temper COMMAND [ARGS...]\n\ncommands:\n"
+        + "\n".join(lines)
+        + "\n\nRun `temper COMMAND --help` for the options of a command."
+    )
+
+
+def _exit_code(exit_: SystemExit) -> int:
+    code: Any = exit_.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)  # sys.exit("message") prints the message and exits with 1
+    return 1

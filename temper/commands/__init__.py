@@ -1,0 +1,1 @@
+"""Functions behind the non-train `temper` subcommands (their parameters become flags)."""

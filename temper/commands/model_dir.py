@@ -1,0 +1,48 @@
+"""`temper init-model`: write a randomly initialized model directory for offline work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from temper.models.base_model import init_model_dir
+
+
+def init_model(
+    out_dir: Annotated[Path, tyro.conf.Positional],
+    /,
+    *,
+    size: str = "tiny",
+    tokenizer: Literal["digits", "letters", "words"] = "digits",
+    family: Literal["qwen3"] = "qwen3",
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    seed: int = 0,
+    overwrite: bool = False,
+) -> int:
+    """Write a randomly initialized model directory (config.json, safetensors, tokenizer).
+
+    Args:
+        out_dir: Directory to create; it must not exist or be empty unless --overwrite.
+        size: Named model size (tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B).
+        tokenizer: Built-in vocabulary; the model's vocab_size is taken from it.
+        family: Model family (HF model_type).
+        dtype: Parameter dtype written to disk.
+        seed: Seed of the random initialization.
+        overwrite: Replace an existing non-empty directory.
+    """
+    tokenizer_obj = init_model_dir(
+        out_dir,
+        size=size,
+        tokenizer=tokenizer,
+        family=family,
+        dtype=dtype,
+        seed=seed,
+        overwrite=overwrite,
+    )
+    print(
+        f"wrote {size} {family} model with the {tokenizer!r} vocabulary "
+        f"({tokenizer_obj.vocab_size} tokens) to {out_dir}"
+    )
+    return 0

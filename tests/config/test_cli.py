@@ -1,0 +1,303 @@
+"""The `temper` command line, driven in-process through main(argv).
+
+The dummy root config and its recipe live in this module and are selected with the spec
+f"{__name__}:dummy_recipe", which works however pytest named this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Literal
+
+import pytest
+
+from temper.cli import function_command, main
+from temper.config import Configurable, config_to_dict, load_config
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+class DummyModel(Configurable):
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        width: int = 8
+        """Hidden width of the dummy model."""
+        dropout: float = 0.0
+        """Dropout probability."""
+
+
+class DummyAdam(Configurable):
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        learning_rate: float = 1e-3
+        """Step size."""
+
+
+class DummySgd(Configurable):
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        learning_rate: float = 0.1
+        """Step size."""
+        momentum: float = 0.0
+        """Momentum factor."""
+
+
+class Precision(enum.StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class DummyJob(Configurable):
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        model: DummyModel.Config = dataclasses.field(default_factory=DummyModel.Config)
+        """Model settings."""
+        optimizer: DummyAdam.Config | DummySgd.Config = dataclasses.field(
+            default_factory=DummyAdam.Config
+        )
+        """Optimizer settings."""
+        precision: Precision = Precision.FP32
+        """Numeric precision."""
+        mode: Literal["fast", "slow"] = "fast"
+        """How the dummy job runs."""
+        num_steps: int = 3
+        """Number of dummy steps."""
+        shape: tuple[int, ...] = (2, 2)
+        """Shape of nothing in particular."""
+        init_from: pathlib.Path | None = None
+        """Checkpoint to start from."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def run(self, *, run_dir: pathlib.Path) -> None:
+        (run_dir / "ran.json").write_text(json.dumps(config_to_dict(self.config)))
+
+
+def dummy_recipe() -> DummyJob.Config:
+    """Dummy run for CLI tests."""
+    return DummyJob.Config(num_steps=5)
+
+
+SPEC = f"{__name__}:dummy_recipe"
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tyro wraps help text to the terminal width; keep docstrings on one line.
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+@pytest.fixture
+def recipe_package(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A throwaway recipes package with a default recipe building DummyJob."""
+    name = f"recipes_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "pkgs" / name).mkdir(parents=True)
+    (tmp_path / "pkgs" / name / "__init__.py").write_text("")
+    (tmp_path / "pkgs" / name / "runs.py").write_text(
+        f"from temper.config import recipe\nfrom {__name__} import DummyJob\n\n"
+        '@recipe("The default dummy run.", default=True)\n'
+        "def dummy_default():\n    return DummyJob.Config(num_steps=11)\n\n"
+        '@recipe("A wide dummy run.")\n'
+        "def dummy_wide():\n    return DummyJob.Config(num_steps=1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    yield name
+    for module in [m for m in sys.modules if m.split(".")[0] == name]:
+        del sys.modules[module]
+
+
+def test_train_applies_typed_overrides_saves_config_and_runs(tmp_path: pathlib.Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = "--num_steps 7 --model.dropout 0.5 --shape 1 2 3 --mode slow --init_from ckpt/a"
+    argv = ["train", SPEC, "--run-dir", str(run_dir), *overrides.split()]
+    assert main(argv) == 0
+    expected = DummyJob.Config(
+        model=DummyModel.Config(dropout=0.5),
+        mode="slow",
+        num_steps=7,
+        shape=(1, 2, 3),
+        init_from=pathlib.Path("ckpt/a"),
+    )
+    loaded = load_config(run_dir / "config.json")
+    assert loaded.recipe == SPEC
+    assert loaded.config == expected
+    assert json.loads((run_dir / "ran.json").read_text()) == config_to_dict(expected)
+
+
+def test_help_shows_field_docstrings_and_train_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["train", SPEC, "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in [
+        "--model.width",
+        "Hidden width of the dummy model.",
+        "Number of dummy steps.",
+        "--config-file",
+        "--run-dir",
+    ]:
+        assert text in out
+
+
+def test_unknown_field_fails_naming_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", SPEC, "--run-dir", str(run_dir), "--model.widht", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--model.widht" in err
+    assert "--model.width INT" in err  # tyro's suggestion, with the expected type
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--num_steps", "many", "INT"),
+        ("--model.dropout", "x", "FLOAT"),
+        ("--mode", "medium", "'fast', 'slow'"),
+    ],
+)
+def test_wrong_type_fails_naming_field_and_type(
+    flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", SPEC, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag in err
+    assert expected in err
+
+
+def test_union_of_configs_is_a_subcommand_named_after_the_owner(tmp_path: pathlib.Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["--precision", "bf16", "optimizer:dummy-sgd", "--optimizer.momentum", "0.5"]
+    assert main(["train", SPEC, "--run-dir", str(run_dir), *argv]) == 0
+    config = load_config(run_dir / "config.json").config
+    assert config.optimizer == DummySgd.Config(momentum=0.5)
+    assert config.precision is Precision.BF16
+
+
+def test_config_file_reproduces_run_and_accepts_overrides(tmp_path: pathlib.Path) -> None:
+    first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert main(["train", SPEC, "--run-dir", str(first), "--model.width", "64"]) == 0
+    saved = load_config(first / "config.json")
+    assert (
+        main(["train", "--config-file", str(first / "config.json"), "--run-dir", str(second)]) == 0
+    )
+    assert load_config(second / "config.json") == saved
+    config_file = first / "config.json"
+    argv = ["train", f"--config-file={config_file}", f"--run-dir={third}", "--num_steps", "9"]
+    assert main(argv) == 0
+    again = load_config(third / "config.json")
+    assert again.config == dataclasses.replace(saved.config, num_steps=9)
+    assert again.recipe == SPEC
+
+
+def test_default_run_dir_is_under_runs(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", SPEC]) == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert re.fullmatch(r"dummy_recipe-\d{8}-\d{6}", run_dir.name)
+    assert sorted(path.name for path in run_dir.iterdir()) == ["config.json", "ran.json"]
+
+
+def test_non_empty_run_dir_is_refused(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "old").write_text("results of an earlier run")
+    assert main(["train", SPEC, "--run-dir", str(tmp_path)]) == 2
+    assert f"--run-dir {tmp_path} already exists and is not empty" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", SPEC, "--run-dir", str(empty)]) == 0
+
+
+def test_default_recipe_is_used_without_a_name(
+    recipe_package: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--run-dir", str(tmp_path / "run")], recipe_package=recipe_package) == 0
+    document = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert document["recipe"] == "dummy_default"
+    assert document["config"]["num_steps"] == 11
+    assert main(["train", "--help"], recipe_package=recipe_package) == 0
+    assert "(default: 11)" in capsys.readouterr().out
+
+
+def test_unknown_recipe_lists_known_names(
+    recipe_package: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "dummy_wdie"], recipe_package=recipe_package) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'dummy_wdie'" in err
+    assert "did you mean 'dummy_wide'?" in err
+    assert "dummy_default, dummy_wide" in err
+
+
+def test_bad_train_options_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", SPEC, "--config-file", "x/config.json"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["train", "--config-file", "x/config.json"]) == 2
+    assert "--config-file x/config.json: no such file" in capsys.readouterr().err
+    assert main(["train", SPEC, "--run-dir"]) == 2
+    assert "--run-dir needs a value" in capsys.readouterr().err
+
+
+def test_recipes_command_prints_table(
+    recipe_package: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["recipes"], recipe_package=recipe_package) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dummy_default\s+.*The default dummy run\. \(default\)", out)
+    assert re.search(r"dummy_wide\s+.*A wide dummy run\.", out)
+
+
+def test_top_level_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"train\s+Train from a recipe", out)
+    assert re.search(r"recipes\s+List the registered recipes", out)
+    assert main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian'" in err
+    assert "valid commands: train, recipes" in err
+    assert main([]) == 2
+
+
+def test_function_command_parses_keyword_only_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    def echo(*, text: str, times: int = 1) -> int:
+        """Print text several times."""
+        print(text * times)
+        return 3
+
+    command = function_command(echo, name="echo")
+    assert command.description == "Print text several times."
+    assert command.run(["--text", "ab", "--times", "2"]) == 3
+    assert capsys.readouterr().out == "abab\n"
+    assert command.run(["--times", "2"]) == 2  # --text is required
+
+
+def test_python_dash_m_temper_recipes() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
+    result = subprocess.run(
+        [sys.executable, "-m", "temper", "recipes"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "name" in result.stdout
+    assert "description" in result.stdout
