@@ -78,11 +78,19 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     except ValueError as error:
         print(f"temper train: error: {error}", file=sys.stderr)
         return 2
-    serialize.save_config(
-        invocation.run_dir / "config.json", invocation.config, recipe=invocation.recipe
-    )
-    job: config_cli.Job = invocation.config.build()
-    job.run(run_dir=invocation.run_dir)
+    config_path = invocation.run_dir / "config.json"
+    serialize.save_config(config_path, invocation.config, recipe=invocation.recipe)
+    try:
+        job: config_cli.Job = invocation.config.build()
+        job.run(run_dir=invocation.run_dir)
+    except (ValueError, FileNotFoundError) as error:
+        # Bad input found while building (a missing model directory, an unknown size): say
+        # so plainly, and do not leave behind a run directory that holds nothing but its config.
+        print(f"temper train: error: {error}", file=sys.stderr)
+        if [path.name for path in invocation.run_dir.iterdir()] == [config_path.name]:
+            config_path.unlink()
+            invocation.run_dir.rmdir()
+        return 1
     return 0
 
 

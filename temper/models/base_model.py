@@ -29,8 +29,7 @@ class BaseModel(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         path: str | None = None
-        """HF model directory (config.json, safetensors, tokenizer files). When unset, a
-        randomly initialized model of `size` with the built-in `tokenizer` is used."""
+        """HF model directory to load; unset: a random model of `size` with `tokenizer`."""
         family: str = "qwen3"
         """Model family of a random model (HF model_type)."""
         size: str = "tiny"

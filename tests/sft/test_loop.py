@@ -31,3 +31,11 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
     assert load_pretrained(run_dir / "model").config.vocab_size == 29
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["config"]["steps"] == 60
+
+
+def test_missing_model_directory_is_a_clean_error_and_leaves_no_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", "sum_digits_smoke", "--run-dir", str(run_dir)]
+    assert main([*argv, "--model.path", str(tmp_path / "nowhere")]) == 1
+    assert "is missing" in capsys.readouterr().err
+    assert not run_dir.exists()
