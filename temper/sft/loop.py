@@ -65,7 +65,7 @@ class SFTJob(Configurable):
         """'hf' writes the trained model (and tokenizer) to RUN_DIR/model."""
         metrics: MetricsLogger.Config = field(
             default_factory=lambda: MetricsLogger.Config(
-                progress_keys=("train/loss", "eval/accuracy")
+                progress_keys=("train/loss", "eval/accuracy"), table_every=100
             )
         )
         """Console, metrics.jsonl and TensorBoard logging."""

@@ -9,6 +9,7 @@ logits for convenience and for tests.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -24,32 +25,74 @@ from temper.models.common.rope import rope_cos_sin
 ActivationCheckpointing = Literal["none", "full"]
 
 
+@dataclass(kw_only=True)
+class DecoderConfig:
+    """Shape and numerics of a decoder; model families extend it with their own defaults."""
+
+    vocab_size: int
+    """Number of token ids the embedding and output layers cover."""
+    dim: int
+    """Model (hidden) width."""
+    num_layers: int
+    """Number of decoder blocks."""
+    num_heads: int
+    """Attention query heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    head_dim: int
+    """Width of each attention head."""
+    ffn_dim: int
+    """Hidden width of the SwiGLU feed-forward."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    attention_bias: bool = False
+    """Biases on the q/k/v/o projections."""
+    max_seq_len: int = 40_960
+    """Longest sequence (prompt + completion) the model is used with."""
+    init_std: float = 0.02
+    """Standard deviation of the random normal init of weight matrices."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """'full' recomputes each block's activations in backward to save memory."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__qualname__
+        positive = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
+        for field in (*positive, "head_dim", "ffn_dim", "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"{name}.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"{name}.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.activation_checkpointing not in ("none", "full"):
+            raise ValueError(
+                f"{name}.activation_checkpointing must be 'none' or 'full', got "
+                f"{self.activation_checkpointing!r}"
+            )
+
+
 class DecoderBlock(nn.Module):
-    def __init__(
-        self,
-        *,
-        dim: int,
-        ffn_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        qk_norm: bool,
-        attention_bias: bool,
-        norm_eps: float,
-    ) -> None:
+    def __init__(self, config: DecoderConfig, *, qk_norm: bool) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = GroupedQueryAttention(
-            dim=dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            dim=config.dim,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
             qk_norm=qk_norm,
-            bias=attention_bias,
-            norm_eps=norm_eps,
+            bias=config.attention_bias,
+            norm_eps=config.norm_eps,
         )
-        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = SwiGLU(dim=dim, hidden_dim=ffn_dim)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = SwiGLU(dim=config.dim, hidden_dim=config.ffn_dim)
 
     def forward(
         self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
@@ -59,45 +102,17 @@ class DecoderBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        dim: int,
-        num_layers: int,
-        ffn_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        qk_norm: bool,
-        attention_bias: bool,
-        norm_eps: float,
-        rope_theta: float,
-        tie_embeddings: bool,
-        init_std: float,
-        activation_checkpointing: ActivationCheckpointing,
-    ) -> None:
+    def __init__(self, config: DecoderConfig, *, qk_norm: bool) -> None:
         super().__init__()
-        self.head_dim = head_dim
-        self.rope_theta = rope_theta
-        self.init_std = init_std
-        self.activation_checkpointing = activation_checkpointing
-        self.embed = nn.Embedding(vocab_size, dim)
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(
-            DecoderBlock(
-                dim=dim,
-                ffn_dim=ffn_dim,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                qk_norm=qk_norm,
-                attention_bias=attention_bias,
-                norm_eps=norm_eps,
-            )
-            for _ in range(num_layers)
+            DecoderBlock(config, qk_norm=qk_norm) for _ in range(config.num_layers)
         )
-        self.norm = RMSNorm(dim, eps=norm_eps)
-        self.output = None if tie_embeddings else nn.Linear(dim, vocab_size, bias=False)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = (
+            None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
 
     @property
     def output_weight_VD(self) -> torch.Tensor:
@@ -111,7 +126,9 @@ class Decoder(nn.Module):
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
             elif isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=self.init_std, generator=generator)
+                nn.init.normal_(
+                    module.weight, mean=0.0, std=self.config.init_std, generator=generator
+                )
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
@@ -125,9 +142,12 @@ class Decoder(nn.Module):
             )
         x_BTD = self.embed(tokens_BT)
         cos_BTH, sin_BTH = rope_cos_sin(
-            positions_BT, head_dim=self.head_dim, theta=self.rope_theta, dtype=x_BTD.dtype
+            positions_BT,
+            head_dim=self.config.head_dim,
+            theta=self.config.rope_theta,
+            dtype=x_BTD.dtype,
         )
-        checkpointed = self.activation_checkpointing == "full" and torch.is_grad_enabled()
+        checkpointed = self.config.activation_checkpointing == "full" and torch.is_grad_enabled()
         for block in self.blocks:
             if checkpointed:
                 x_BTD = checkpoint(block, x_BTD, cos_BTH, sin_BTH, use_reentrant=False)
