@@ -14,7 +14,7 @@ from temper.sft import SFTJob
     "SFT a random tiny Qwen3 on sum-of-digits; held-out accuracy on CPU in ~2 min", default=True
 )
 def sum_digits() -> SFTJob.Config:
-    return SFTJob.Config(steps=1200, batch_size=64, learning_rate=3e-3, eval_every=100)
+    return SFTJob.Config(steps=1200, batch_size=64, learning_rate=2e-3, eval_every=100)
 
 
 @recipe("A 60-step sum_digits run for smoke tests (seconds on CPU)")

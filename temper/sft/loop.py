@@ -45,7 +45,7 @@ class SFTJob(Configurable):
         """Optimizer steps."""
         batch_size: int = 64
         """Problems per step."""
-        learning_rate: float = 3e-3
+        learning_rate: float = 2e-3
         """Peak AdamW learning rate."""
         warmup_steps: int = 20
         """Steps of linear learning-rate warm-up; then cosine decay to 10% of the peak."""

@@ -39,3 +39,20 @@ def test_missing_model_directory_is_a_clean_error_and_leaves_no_run(tmp_path, ca
     assert main([*argv, "--model.path", str(tmp_path / "nowhere")]) == 1
     assert "is missing" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_config_file_reproduces_the_run_exactly(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    argv = ["--metrics.display", "none", "--export", "none", "--steps", "8", "--eval_every", "4"]
+    assert main(["train", "sum_digits_smoke", "--run-dir", str(first), *argv]) == 0
+    config_file = str(first / "config.json")
+    assert main(["train", "--config-file", config_file, "--run-dir", str(second)]) == 0
+
+    def curves(run_dir):
+        return [
+            {k: v for k, v in record.items() if not k.startswith(("time", "train/tokens"))}
+            for record in read_metrics(run_dir / "metrics.jsonl")
+        ]
+
+    assert curves(first) == curves(second)
+    assert (first / "config.json").read_text() == (second / "config.json").read_text()
