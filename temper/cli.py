@@ -21,6 +21,7 @@ from typing import Any
 import tyro
 
 from temper.commands import model_dir, plot
+from temper.commands import sample as sample_command
 from temper.config import cli as config_cli
 from temper.config import recipes, serialize
 
@@ -46,6 +47,7 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
         ),
         "init-model": function_command(model_dir.init_model, name="init-model"),
         "plot": function_command(plot.plot, name="plot"),
+        "sample": function_command(sample_command.sample, name="sample"),
     }
 
 

@@ -5,9 +5,15 @@ Shapes: B batch, T tokens, D model dim, N query heads, K key/value heads, H head
 Causal attention over right-padded batches needs no mask: a real token never attends to the
 padding that follows it, so each sequence's outputs equal its unpadded forward. Left padding is
 not supported here; callers pad on the right.
+
+Where keys and values come from is pluggable: with no `AttentionBackend` a forward attends
+causally over its own tokens (training, scoring); a sampler passes a backend that writes them
+to its KV cache and attends over the cache. The model itself never holds a cache.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,10 +23,32 @@ from temper.models.common.rmsnorm import RMSNorm
 from temper.models.common.rope import apply_rope
 
 
+class AttentionBackend(Protocol):
+    def attend(
+        self, layer_index: int, q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention output [B, N, T, H] for this layer's rotated queries, keys and values."""
+        ...
+
+
+def causal_attention(
+    q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
+) -> torch.Tensor:
+    return F.scaled_dot_product_attention(
+        q_BNTH,
+        k_BKTH,
+        v_BKTH,
+        is_causal=True,
+        scale=q_BNTH.shape[-1] ** -0.5,
+        enable_gqa=q_BNTH.shape[1] != k_BKTH.shape[1],
+    )
+
+
 class GroupedQueryAttention(nn.Module):
     def __init__(
         self,
         *,
+        layer_index: int,
         dim: int,
         num_heads: int,
         num_kv_heads: int,
@@ -30,6 +58,7 @@ class GroupedQueryAttention(nn.Module):
         norm_eps: float,
     ) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -56,16 +85,16 @@ class GroupedQueryAttention(nn.Module):
         return q_BNTH, k_BKTH, v_BTKH.transpose(1, 2)
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTH: torch.Tensor,
+        sin_BTH: torch.Tensor,
+        attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
         q_BNTH, k_BKTH, v_BKTH = self.project_qkv(x_BTD, cos_BTH, sin_BTH)
-        out_BNTH = F.scaled_dot_product_attention(
-            q_BNTH,
-            k_BKTH,
-            v_BKTH,
-            is_causal=True,
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if attention is None:
+            out_BNTH = causal_attention(q_BNTH, k_BKTH, v_BKTH)
+        else:
+            out_BNTH = attention.attend(self.layer_index, q_BNTH, k_BKTH, v_BKTH)
         B, _, T, _ = out_BNTH.shape
         return self.wo(out_BNTH.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from temper.models.common.attention import GroupedQueryAttention
+from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rmsnorm import RMSNorm
 from temper.models.common.rope import rope_cos_sin
@@ -79,10 +79,11 @@ class DecoderConfig:
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, config: DecoderConfig, *, qk_norm: bool) -> None:
+    def __init__(self, config: DecoderConfig, *, layer_index: int, qk_norm: bool) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = GroupedQueryAttention(
+            layer_index=layer_index,
             dim=config.dim,
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
@@ -95,9 +96,13 @@ class DecoderBlock(nn.Module):
         self.feed_forward = SwiGLU(dim=config.dim, hidden_dim=config.ffn_dim)
 
     def forward(
-        self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
+        self,
+        x_BTD: torch.Tensor,
+        cos_BTH: torch.Tensor,
+        sin_BTH: torch.Tensor,
+        attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTH, sin_BTH)
+        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTH, sin_BTH, attention)
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -107,7 +112,8 @@ class Decoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, qk_norm=qk_norm) for _ in range(config.num_layers)
+            DecoderBlock(config, layer_index=index, qk_norm=qk_norm)
+            for index in range(config.num_layers)
         )
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = (
@@ -133,9 +139,17 @@ class Decoder(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def hidden_states(
-        self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor | None = None
+        self,
+        tokens_BT: torch.Tensor,
+        *,
+        positions_BT: torch.Tensor | None = None,
+        attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Final normalized hidden states [B, T, D] (before the output projection)."""
+        """Final normalized hidden states [B, T, D] (before the output projection).
+
+        `attention` routes keys and values through a KV cache (see attention.py); by default
+        each forward attends causally over its own tokens.
+        """
         if positions_BT is None:
             positions_BT = torch.arange(tokens_BT.shape[1], device=tokens_BT.device).expand_as(
                 tokens_BT
@@ -150,9 +164,9 @@ class Decoder(nn.Module):
         checkpointed = self.config.activation_checkpointing == "full" and torch.is_grad_enabled()
         for block in self.blocks:
             if checkpointed:
-                x_BTD = checkpoint(block, x_BTD, cos_BTH, sin_BTH, use_reentrant=False)
+                x_BTD = checkpoint(block, x_BTD, cos_BTH, sin_BTH, attention, use_reentrant=False)
             else:
-                x_BTD = block(x_BTD, cos_BTH, sin_BTH)
+                x_BTD = block(x_BTD, cos_BTH, sin_BTH, attention)
         return self.norm(x_BTD)
 
     def forward(

@@ -104,3 +104,18 @@ def target_logprobs(
         hidden_ND, weight_VD, targets_BT.reshape(-1), float(temperature), rows
     )
     return logprobs_N.view(targets_BT.shape)
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    inputs_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Logprobs of `targets_BT` after a full forward of `inputs_BT` (right-padded).
+
+    The one scoring path: the trainer and the sampler's `score()` both call it.
+    """
+    hidden_BTD = model.hidden_states(inputs_BT)
+    return target_logprobs(hidden_BTD, model.output_weight_VD, targets_BT, temperature=temperature)

@@ -1,0 +1,159 @@
+"""`temper sample`: completions of a raw-text prompt from a model directory, for a person to read.
+
+The prompt is encoded as is (no chat template), so a chat model wants the template written
+into it. The sampler is sized to this one call: one KV-cache slot per completion and exactly
+prompt + max_tokens positions, so a large model does not reserve its whole context.
+Completions are shown with their special tokens (an EOS that ended one is visible).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import rich.console
+import rich.rule
+import rich.table
+import rich.text
+import tyro
+
+from temper.api.types import SampledSequence, SamplingParams
+from temper.models.base_model import BaseModel, DType
+from temper.sampler.engine import SamplerEngine, SampleRequest
+from temper.tokenizer import Tokenizer
+
+_NUM_ALTERNATIVES = 3
+"""Most likely tokens shown beside each sampled token with --logprobs."""
+
+
+def sample(
+    *,
+    model: Path,
+    prompt: str,
+    n: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 4,
+    max_tokens: int = 32,
+    temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: tuple[str, ...] = (),
+    dtype: DType = "float32",
+    device: str = "cpu",
+    logprobs: bool = False,
+) -> int:
+    """Sample completions of a text prompt from a model directory and print them.
+
+    Args:
+        model: HF model directory (config.json, safetensors weights, tokenizer files).
+        prompt: Prompt text, encoded as is (no chat template is applied).
+        n: Number of completions.
+        max_tokens: Most tokens per completion.
+        temperature: Sampling temperature; 0 is greedy.
+        top_k: Keep the k most likely tokens; -1 keeps all.
+        top_p: Keep the smallest set of tokens whose probability reaches p; 1 keeps all.
+        seed: Seed for reproducible completions; unset: different ones on every run.
+        stop: Stop strings, e.g. --stop "User:" "###"; EOS stops as well.
+        dtype: Parameter dtype to load the model in.
+        device: Device to run on, e.g. 'cpu' or 'cuda'.
+        logprobs: Also print each generated token's logprob and the likeliest alternatives.
+    """
+    if n < 1:
+        raise ValueError(f"-n must be >= 1, got {n}")
+    # Checked before the model loads, so a typo costs nothing.
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=list(stop) or None,
+    )
+    if not model.is_dir():
+        raise FileNotFoundError(f"--model {str(model)!r} is not a directory")
+    base = BaseModel.Config(path=str(model), dtype=dtype, device=device).build()
+    prompt_tokens = base.tokenizer.encode(prompt)
+    if not prompt_tokens:
+        raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
+    context = base.model.config.max_seq_len
+    if len(prompt_tokens) + max_tokens > context:
+        print(
+            f"note: the prompt has {len(prompt_tokens)} tokens and the model's context is "
+            f"{context}, so completions stop after at most {context - len(prompt_tokens)} "
+            f"tokens, not --max-tokens {max_tokens}",
+            file=sys.stderr,
+        )
+    engine = SamplerEngine.Config(
+        max_batch=n, max_seq_len=min(context, len(prompt_tokens) + max_tokens)
+    ).build(model=base.model, tokenizer=base.tokenizer)
+    request = SampleRequest(
+        prompt=prompt_tokens,
+        params=params,
+        num_samples=n,
+        topk_sample_logprobs=_NUM_ALTERNATIVES if logprobs else 0,
+    )
+    start = time.perf_counter()
+    (response,) = engine.generate([request])
+    seconds = time.perf_counter() - start
+    _print_completions(
+        response.sequences,
+        tokenizer=base.tokenizer,
+        prompt=prompt,
+        num_prompt_tokens=len(prompt_tokens),
+        seconds=seconds,
+        logprobs=logprobs,
+    )
+    return 0
+
+
+def _print_completions(
+    sequences: list[SampledSequence],
+    *,
+    tokenizer: Tokenizer,
+    prompt: str,
+    num_prompt_tokens: int,
+    seconds: float,
+    logprobs: bool,
+) -> None:
+    console = rich.console.Console(highlight=False)
+    num_tokens = sum(len(sequence.tokens) for sequence in sequences)
+    console.print(
+        f"prompt: {_escaped(prompt)} ({num_prompt_tokens} tokens); {len(sequences)} "
+        f"completions, {num_tokens} tokens in {seconds:.2f} s",
+        markup=False,
+    )
+    for index, sequence in enumerate(sequences):
+        title = (
+            f"completion {index}: stop reason {sequence.stop_reason}, {len(sequence.tokens)} "
+            f"tokens, sum of logprobs {sum(sequence.logprobs):.3f}"
+        )
+        console.print(rich.rule.Rule(rich.text.Text(title), align="left"))
+        console.print(rich.text.Text(tokenizer.decode(sequence.tokens)))
+        if logprobs:
+            console.print(_token_table(sequence, tokenizer=tokenizer))
+
+
+def _token_table(sequence: SampledSequence, *, tokenizer: Tokenizer) -> rich.table.Table:
+    table = rich.table.Table("#", "id", "token", "logprob", f"top {_NUM_ALTERNATIVES} (logprob)")
+    topk = sequence.topk_logprobs or [[] for _ in sequence.tokens]
+    for position, (token, logprob, alternatives) in enumerate(
+        zip(sequence.tokens, sequence.logprobs, topk, strict=True)
+    ):
+        shown = "  ".join(
+            f"{_escaped(tokenizer.decode([other]))} ({value:.2f})" for other, value in alternatives
+        )
+        table.add_row(
+            str(position),
+            str(token),
+            rich.text.Text(_escaped(tokenizer.decode([token]))),
+            f"{logprob:.3f}",
+            rich.text.Text(shown),
+        )
+    return table
+
+
+def _escaped(text: str) -> str:
+    """`text` in double quotes with newlines and other control characters escaped."""
+    return json.dumps(text, ensure_ascii=False)

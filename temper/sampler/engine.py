@@ -1,0 +1,402 @@
+"""The sampling engine: batched KV-cache decoding with continuous batching and prefix sharing.
+
+Shapes: B rows, T tokens, D model dim, V vocab, L layers, K kv heads, H head dim.
+
+How a call to `generate` runs:
+- Every request is validated first; a bad one raises before any work is done.
+- Admission: while slots are free, waiting requests (oldest first) are prefilled together, one
+  row per prompt, writing their keys/values straight into the cache. A prompt is prefilled
+  once however many samples it has: its other samples copy its cached rows, and samples that
+  find no free slot yet keep a copy of the prompt's cache until they start. Each sample draws
+  its first token from the prompt's last logits.
+- Decode: one forward over all active slots per step; finished sequences free their slot at
+  once, and the next waiting sample takes it (continuous batching).
+
+Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
+row's random draw depends only on its seed and how many tokens it has drawn, so seeded
+results do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.config.configurable import Configurable
+from temper.models.common.logprobs import forward_logprobs
+from temper.sampler import sampling
+from temper.sampler.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
+from temper.sampler.requests import RequestState, SampleRequest
+from temper.sampler.slots import SlotOwner, SlotTable
+from temper.sampler.stopping import StopStringMatcher
+from temper.sampler.weights import WeightSource
+
+
+class SamplerEngine(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        max_batch: int = 64
+        """Sequences decoded at once (KV-cache slots)."""
+        max_seq_len: int = 2048
+        """Longest prompt + completion; the cache holds this many positions per slot."""
+        max_prefill_tokens: int = 8192
+        """Prompt tokens prefilled in one forward (a longer single prompt still runs alone)."""
+        max_score_tokens: int = 16384
+        """Tokens per forward in `score()`."""
+
+        def __post_init__(self) -> None:
+            for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
+                if getattr(self, name) < 1:
+                    raise ValueError(
+                        f"SamplerEngine.Config.{name} must be >= 1, got {getattr(self, name)}"
+                    )
+
+        def kv_cache_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
+            """Bytes the KV cache will take for a model, known before anything is allocated."""
+            return KVCache.bytes_needed(
+                num_layers=model_config.num_layers,
+                num_slots=self.max_batch,
+                num_kv_heads=model_config.num_kv_heads,
+                max_seq_len=self.max_seq_len,
+                head_dim=model_config.head_dim,
+                dtype=dtype,
+            )
+
+    def __init__(self, config: Config, *, model: nn.Module, tokenizer: Any = None) -> None:
+        self.config = config
+        model_config = model.config
+        if config.max_seq_len > model_config.max_seq_len:
+            raise ValueError(
+                f"SamplerEngine.Config.max_seq_len={config.max_seq_len} exceeds the model's "
+                f"max_seq_len={model_config.max_seq_len}"
+            )
+        self.weights = WeightSource(model)
+        self.tokenizer = tokenizer
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.vocab_size = model_config.vocab_size
+        self.cache = KVCache(
+            num_layers=model_config.num_layers,
+            num_slots=config.max_batch,
+            num_kv_heads=model_config.num_kv_heads,
+            max_seq_len=config.max_seq_len,
+            head_dim=model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.slots = SlotTable(
+            num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
+        )
+        self._entropy = random.Random()
+        self._num_python_rows = 0  # active slots needing per-token Python work
+
+    @property
+    def model(self) -> nn.Module:
+        return self.weights.model
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights in use (set by `update_weights`)."""
+        return self.weights.version
+
+    def describe(self) -> str:
+        mib = self.cache.nbytes / 2**20
+        return (
+            f"KV cache {mib:.1f} MiB: {self.config.max_batch} slots x {self.config.max_seq_len} "
+            f"positions, {str(self.dtype).removeprefix('torch.')}"
+        )
+
+    def update_weights(
+        self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int
+    ) -> None:
+        """Sample from new weights from now on; the cache is kept, and a module of matching
+        dtype and device is used in place, without a copy."""
+        self.weights.update(source, version=version)
+
+    def sample(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+    ) -> SampleResponse:
+        """Completions of one prompt (see `generate` for many requests at once)."""
+        request = SampleRequest(
+            prompt=prompt,
+            params=params or SamplingParams(),
+            num_samples=num_samples,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+        )
+        return self.generate([request])[0]
+
+    @torch.no_grad()
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        """Run requests to completion with continuous batching; responses in request order."""
+        states = [self._start(request, index) for index, request in enumerate(requests)]
+        waiting = deque(states)
+        try:
+            while waiting or self.slots.num_active:
+                if waiting and self.slots.num_free:
+                    self._admit(waiting)
+                if self.slots.num_active:
+                    self._decode_step()
+        finally:
+            # Only reached with sequences still active if a step raised; free their slots so
+            # the engine keeps serving.
+            self.slots.clear()
+            self._num_python_rows = 0
+        return [state.response() for state in states]
+
+    @torch.no_grad()
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Logprob of tokens[1:] of each sequence given the ones before it (fp32 tensors).
+
+        A full forward per batch, through the same function the trainer uses, so the result
+        equals the trainer's logprobs for the same batch bitwise.
+        """
+        for index, sequence in enumerate(sequences):
+            self._check_tokens(sequence, where=f"sequence {index}", min_len=2)
+        results: list[torch.Tensor] = []
+        for batch in _token_budget_batches(sequences, budget=self.config.max_score_tokens):
+            width = max(len(sequence) for sequence in batch) - 1
+            tokens_BT = torch.zeros((len(batch), width + 1), dtype=torch.long)
+            for row, sequence in enumerate(batch):
+                tokens_BT[row, : len(sequence)] = torch.tensor(sequence)
+            tokens_BT = tokens_BT.to(self.device)
+            logprobs_BT = forward_logprobs(
+                self.model, tokens_BT[:, :-1], tokens_BT[:, 1:], temperature=temperature
+            )
+            results.extend(logprobs_BT[row, : len(seq) - 1] for row, seq in enumerate(batch))
+        return results
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _start(self, request: SampleRequest, index: int) -> RequestState:
+        state = RequestState(
+            request,
+            index=index,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+            eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
+            entropy=self._entropy,
+        )
+        if state.params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"request {index}: stop strings need a tokenizer; build the engine with "
+                "tokenizer=... or pass stop token ids"
+            )
+        return state
+
+    def _admit(self, waiting: deque[RequestState]) -> None:
+        claims: list[tuple[RequestState, int]] = []  # (request, slot) of each starting sample
+        to_prefill: list[tuple[RequestState, int]] = []  # (request, slot its prompt goes to)
+        budget = self.config.max_prefill_tokens
+        for state in waiting:
+            if self.slots.num_free == 0:
+                break
+            if state.num_waiting == 0:
+                continue
+            if not state.prefilled:
+                if to_prefill and len(state.prompt) > budget:
+                    break  # keep arrival order: later requests wait for the next round
+                budget -= len(state.prompt)
+            take = min(state.num_waiting, self.slots.num_free)
+            for _ in range(take):
+                owner = self._owner(state, sample_index=state.num_admitted)
+                slot = self.slots.claim(owner, prompt_len=len(state.prompt))
+                state.num_admitted += 1
+                claims.append((state, slot))
+            if not state.prefilled:
+                to_prefill.append((state, claims[-take][1]))
+        if to_prefill:
+            self._prefill(to_prefill)
+        self._place_prompts(claims, prefill_slots={id(s): slot for s, slot in to_prefill})
+        while waiting and waiting[0].num_waiting == 0:
+            waiting.popleft()
+        for state, _ in claims:
+            if state.num_waiting == 0:
+                state.prefix = None  # every sample has started; the copy is no longer needed
+        logits_BV = torch.stack([state.first_logits_V for state, _ in claims])
+        self._draw_and_record(claims[0][1], logits_BV)
+
+    def _owner(self, state: RequestState, *, sample_index: int) -> SlotOwner:
+        matcher = None
+        if state.params.stop_strings:
+            matcher = StopStringMatcher(state.params.stop_strings, tokenizer=self.tokenizer)
+        topk = [] if state.request.topk_sample_logprobs else None
+        owner = SlotOwner(state=state, sample_index=sample_index, matcher=matcher, topk=topk)
+        if matcher is not None or topk is not None:
+            self._num_python_rows += 1
+        return owner
+
+    def _prefill(self, rows: list[tuple[RequestState, int]]) -> None:
+        lengths = [len(state.prompt) for state, _ in rows]
+        tokens_BT = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
+        for row, (state, _) in enumerate(rows):
+            tokens_BT[row, : lengths[row]] = torch.tensor(state.prompt)
+        tokens_BT = tokens_BT.to(self.device)
+        slots_B = torch.tensor([slot for _, slot in rows], device=self.device)
+        model = self.model
+        hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
+        last_B = torch.tensor(lengths, device=self.device) - 1
+        last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]
+        logits_BV = F.linear(last_hidden_BD, model.output_weight_VD).float()
+        for row, (state, _) in enumerate(rows):
+            state.first_logits_V = logits_BV[row]
+            request, hidden_TD = state.request, hidden_BTD[row, : lengths[row]]
+            if request.prompt_logprobs or request.topk_prompt_logprobs:
+                state.prompt_logprobs = prompt_logprobs(model, hidden_TD, tokens_BT[row])
+            if request.topk_prompt_logprobs:
+                state.topk_prompt_logprobs = topk_prompt_logprobs(
+                    model, hidden_TD, k=request.topk_prompt_logprobs
+                )
+
+    def _place_prompts(
+        self, claims: list[tuple[RequestState, int]], *, prefill_slots: dict[int, int]
+    ) -> None:
+        """Give every newly claimed slot its prompt's cached keys/values."""
+        for state, slot in claims:
+            source = prefill_slots.get(id(state))
+            if source == slot:
+                continue
+            if source is not None:
+                self.cache.copy_slot(source=source, target=slot, length=len(state.prompt))
+            else:
+                k_LKTH, v_LKTH = state.prefix
+                self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
+        for state, slot in claims:
+            if state.num_waiting and state.prefix is None:
+                state.prefix = self.cache.read_prefix(slot=slot, length=len(state.prompt))
+
+    # -- decoding --------------------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        num_rows = self.slots.num_active
+        positions_B = self.slots.positions_S[:num_rows]
+        width = int(positions_B.max()) + 1
+        model = self.model
+        hidden_B1D = model.hidden_states(
+            self.slots.last_token_S[:num_rows, None],
+            positions_BT=positions_B[:, None],
+            attention=DecodeAttention(self.cache, positions_B, width=width),
+        )
+        logits_BV = F.linear(hidden_B1D[:, 0], model.output_weight_VD).float()
+        positions_B += 1
+        self._draw_and_record(0, logits_BV)
+
+    def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
+        """Draw one token for slots first_slot.. (to the last active), store it, and retire
+        the sequences that are done."""
+        slots = self.slots
+        rows = slice(first_slot, slots.num_active)
+        temperature_B = slots.temperature_S[rows]
+        logprobs_BV = sampling.sampling_logprobs(
+            logits_BV,
+            temperature_B=temperature_B,
+            top_k_B=slots.top_k_S[rows],
+            top_p_B=slots.top_p_S[rows],
+        )
+        uniforms_B = sampling.seeded_uniforms(slots.seeds_S[rows], slots.num_generated_S[rows])
+        tokens_B = sampling.draw_tokens(
+            logits_BV, logprobs_BV, uniforms_B=uniforms_B, greedy_B=temperature_B == 0
+        )
+        slot_ids_B = torch.arange(first_slot, slots.num_active, device=self.device)
+        counts_B = slots.num_generated_S[rows]
+        slots.tokens_SM[slot_ids_B, counts_B] = tokens_B
+        slots.logprobs_SM[slot_ids_B, counts_B] = sampling.gather_logprobs(logprobs_BV, tokens_B)
+        counts_B += 1
+        slots.last_token_S[rows] = tokens_B
+        stopped_B = (tokens_B[:, None] == slots.stop_ids_SX[rows]).any(dim=-1)
+        if self._num_python_rows:
+            self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
+        done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
+        finished = torch.nonzero(done_B).flatten().tolist()
+        if finished:
+            stopped = stopped_B.tolist()
+            # Highest slot first, so each moved-down sequence is one that is still running.
+            for row in reversed(finished):
+                self._finish(first_slot + row, stopped=stopped[row])
+
+    def _per_token_python_work(
+        self,
+        first_slot: int,
+        tokens_B: torch.Tensor,
+        logprobs_BV: torch.Tensor,
+        stopped_B: torch.Tensor,
+    ) -> None:
+        """Stop strings and top-k logprobs: only for the rows that asked for them."""
+        tokens = tokens_B.tolist()
+        for row, token in enumerate(tokens):
+            owner = self.slots.owners[first_slot + row]
+            if owner.topk is not None:
+                k = owner.state.request.topk_sample_logprobs
+                ids_K, values_K = sampling.topk_logprobs(logprobs_BV[row : row + 1], k)
+                owner.topk.append(list(zip(ids_K[0].tolist(), values_K[0].tolist(), strict=True)))
+            if owner.matcher is not None and owner.matcher.push(token):
+                stopped_B[row] = True
+
+    def _finish(self, slot: int, *, stopped: bool) -> None:
+        slots = self.slots
+        owner = slots.owners[slot]
+        count = int(slots.num_generated_S[slot])
+        owner.state.sequences[owner.sample_index] = SampledSequence(
+            tokens=slots.tokens_SM[slot, :count].tolist(),
+            logprobs=slots.logprobs_SM[slot, :count].tolist(),
+            stop_reason="stop" if stopped else "length",
+            topk_logprobs=owner.topk,
+        )
+        if owner.matcher is not None or owner.topk is not None:
+            self._num_python_rows -= 1
+        last = slots.num_active - 1
+        if slot != last:
+            length = int(slots.positions_S[last])
+            self.cache.copy_slot(source=last, target=slot, length=length)
+            slots.move(source=last, target=slot)
+        slots.release_last()
+
+    def _check_tokens(self, tokens: Sequence[int], *, where: str, min_len: int) -> None:
+        if len(tokens) < min_len:
+            raise ValueError(f"{where}: needs at least {min_len} tokens, got {len(tokens)}")
+        if len(tokens) > self.model.config.max_seq_len:
+            raise ValueError(
+                f"{where}: {len(tokens)} tokens exceed the model's max_seq_len "
+                f"{self.model.config.max_seq_len}"
+            )
+        for position, token in enumerate(tokens):
+            if not 0 <= int(token) < self.vocab_size:
+                raise ValueError(
+                    f"{where}: token {token} at position {position} is outside the vocabulary; "
+                    f"valid ids are 0..{self.vocab_size - 1}"
+                )
+
+
+def _token_budget_batches(
+    sequences: Sequence[Sequence[int]], *, budget: int
+) -> Iterable[list[Sequence[int]]]:
+    batch: list[Sequence[int]] = []
+    width = 0
+    for sequence in sequences:
+        new_width = max(width, len(sequence))
+        if batch and new_width * (len(batch) + 1) > budget:
+            yield batch
+            batch, new_width = [], len(sequence)
+        batch.append(sequence)
+        width = new_width
+    if batch:
+        yield batch

@@ -1,0 +1,126 @@
+"""A static, preallocated KV cache and the attention backends that fill and read it.
+
+Shapes: L layers, S slots (sequences decoded at once), K key/value heads, C cache positions
+per slot, H head dim, B rows of a forward, N query heads, T tokens.
+
+The cache is allocated once, at its full size, when the engine is built (its byte size is
+known and reported up front); weight updates and requests never reallocate it. Decoding works
+on a prefix of the slots: the engine keeps active sequences in slots 0..B-1 (it moves a
+sequence down when one below it finishes), so a decode step reads `k[layer, :B]`, a view, and
+never gathers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from temper.models.common.attention import causal_attention
+
+
+class KVCache:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.k_LSKCH = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_LSKCH = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
+
+    @staticmethod
+    def bytes_needed(
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_slots * num_kv_heads * max_seq_len * head_dim * element_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LSKCH.nbytes + self.v_LSKCH.nbytes
+
+    def copy_slot(self, *, source: int, target: int, length: int) -> None:
+        """Copy the first `length` positions of one slot into another (all layers)."""
+        self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
+        self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
+
+    def read_prefix(self, *, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of one slot's first `length` positions, [L, K, length, H] each."""
+        return (
+            self.k_LSKCH[:, slot, :, :length].clone(),
+            self.v_LSKCH[:, slot, :, :length].clone(),
+        )
+
+    def write_prefix(self, *, slot: int, k_LKTH: torch.Tensor, v_LKTH: torch.Tensor) -> None:
+        length = k_LKTH.shape[2]
+        self.k_LSKCH[:, slot, :, :length] = k_LKTH
+        self.v_LSKCH[:, slot, :, :length] = v_LKTH
+
+
+class PrefillAttention:
+    """Full prompts, right-padded: attend causally, and store keys/values in `slots_B`."""
+
+    def __init__(self, cache: KVCache, slots_B: torch.Tensor) -> None:
+        self.cache = cache
+        self.slots_B = slots_B
+
+    def attend(
+        self, layer_index: int, q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
+    ) -> torch.Tensor:
+        length = k_BKTH.shape[2]
+        self.cache.k_LSKCH[layer_index, self.slots_B, :, :length] = k_BKTH
+        self.cache.v_LSKCH[layer_index, self.slots_B, :, :length] = v_BKTH
+        return causal_attention(q_BNTH, k_BKTH, v_BKTH)
+
+
+class DecodeAttention:
+    """One new token per row; row b is slot b and its token sits at `positions_B[b]`.
+
+    Keys past a row's position hold stale values from earlier occupants or prompt padding; the
+    mask hides them. Attention reads only the first `width` cache positions.
+    """
+
+    def __init__(self, cache: KVCache, positions_B: torch.Tensor, *, width: int) -> None:
+        self.cache = cache
+        self.width = width
+        num_rows, num_kv_heads = positions_B.shape[0], cache.k_LSKCH.shape[2]
+        device = positions_B.device
+        visible_BC = torch.arange(width, device=device) <= positions_B[:, None]
+        self.mask_B11C = visible_BC[:, None, None, :]
+        # Flat row index of (slot b, head k, position p) in a layer's [S * K * C, H] view:
+        # index_copy_ on it is several times faster than two-tensor advanced indexing.
+        rows_BK = torch.arange(num_rows, device=device)[:, None] * num_kv_heads
+        rows_BK = rows_BK + torch.arange(num_kv_heads, device=device)[None, :]
+        self.flat_index_N = (rows_BK * cache.max_seq_len + positions_B[:, None]).reshape(-1)
+
+    def attend(
+        self, layer_index: int, q_BN1H: torch.Tensor, k_BK1H: torch.Tensor, v_BK1H: torch.Tensor
+    ) -> torch.Tensor:
+        num_rows, num_kv_heads, _, head_dim = k_BK1H.shape
+        k_SKCH = self.cache.k_LSKCH[layer_index]
+        v_SKCH = self.cache.v_LSKCH[layer_index]
+        new_rows = num_rows * num_kv_heads
+        k_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, k_BK1H.reshape(new_rows, -1))
+        v_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, v_BK1H.reshape(new_rows, -1))
+        return F.scaled_dot_product_attention(
+            q_BN1H,
+            k_SKCH[:num_rows, :, : self.width],
+            v_SKCH[:num_rows, :, : self.width],
+            attn_mask=self.mask_B11C,
+            scale=head_dim**-0.5,
+            enable_gqa=q_BN1H.shape[1] != num_kv_heads,
+        )

@@ -1,0 +1,119 @@
+"""Sample requests: validation up front, and the per-request state the engine fills in.
+
+A request is validated whole before the engine does any work, so a bad request raises a
+ValueError naming the request and the parameter and leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from temper.api.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio); spreads sample indices
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRequest:
+    prompt: Sequence[int]
+    """Prompt token ids."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    """Independent completions of the prompt (its prefill is shared)."""
+    prompt_logprobs: bool = False
+    """Also return the logprob of every prompt token (None at position 0)."""
+    topk_prompt_logprobs: int = 0
+    """Also return the k most likely tokens at each prompt position."""
+    topk_sample_logprobs: int = 0
+    """Also return the k most likely tokens at each generated position."""
+
+
+def sample_seed(request_seed: int, sample_index: int) -> int:
+    """The seed of one sample: a function of the request seed and the sample's index only."""
+    mixed = (request_seed + (sample_index + 1) * _SEED_MIX) % 2**64
+    return mixed - 2**64 if mixed >= 2**63 else mixed  # as a signed int64
+
+
+class RequestState:
+    """One request in flight: its prompt, its samples' seeds and limits, and its results."""
+
+    def __init__(
+        self,
+        request: SampleRequest,
+        *,
+        index: int,
+        vocab_size: int,
+        max_seq_len: int,
+        eos_token_id: int | None,
+        entropy: random.Random,
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.params = request.params
+        _validate(request, index=index, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.prompt = [int(token) for token in request.prompt]
+        room = max_seq_len - len(self.prompt)
+        self.max_new_tokens = min(self.params.max_tokens or room, room)
+        stop_ids = set(self.params.stop_token_ids)
+        if self.params.stops_at_eos and eos_token_id is not None:
+            stop_ids.add(eos_token_id)
+        self.stop_token_ids = sorted(stop_ids)
+        base_seed = self.params.seed if self.params.seed is not None else entropy.getrandbits(63)
+        self.seeds = [sample_seed(base_seed, i) for i in range(request.num_samples)]
+        self.num_admitted = 0
+        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Cached prompt keys/values, kept while samples still wait for a slot."""
+        self.first_logits_V: torch.Tensor | None = None
+        self.prompt_logprobs: list[float | None] | None = None
+        self.topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+        self.sequences: list[SampledSequence | None] = [None] * request.num_samples
+
+    @property
+    def prefilled(self) -> bool:
+        return self.first_logits_V is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.request.num_samples - self.num_admitted
+
+    def response(self) -> SampleResponse:
+        assert all(sequence is not None for sequence in self.sequences)
+        return SampleResponse(
+            sequences=list(self.sequences),
+            prompt_logprobs=self.prompt_logprobs,
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
+        )
+
+
+def _validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_len: int) -> None:
+    where = f"request {index}"
+    if not isinstance(request.params, SamplingParams):
+        raise TypeError(f"{where}: params must be SamplingParams, got {type(request.params)}")
+    if len(request.prompt) == 0:
+        raise ValueError(f"{where}: prompt is empty; it needs at least one token")
+    for position, token in enumerate(request.prompt):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{where}: prompt token {token!r} at position {position} is outside the "
+                f"vocabulary; valid ids are 0..{vocab_size - 1}"
+            )
+    if len(request.prompt) >= max_seq_len:
+        raise ValueError(
+            f"{where}: prompt has {len(request.prompt)} tokens, but the sampler's context is "
+            f"{max_seq_len} (max_seq_len), which must also leave room for one new token"
+        )
+    if request.num_samples < 1:
+        raise ValueError(f"{where}: num_samples must be >= 1, got {request.num_samples}")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        value = getattr(request, name)
+        if not 0 <= value <= vocab_size:
+            raise ValueError(f"{where}: {name} must be in 0..{vocab_size}, got {value}")
+    for token in request.params.stop_token_ids:
+        if token >= vocab_size:
+            raise ValueError(
+                f"{where}: stop token id {token} is outside the vocabulary (0..{vocab_size - 1})"
+            )

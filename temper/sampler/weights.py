@@ -1,0 +1,81 @@
+"""Which weights the sampler reads, and how new ones arrive (versioned weight sync).
+
+In one process the sampler can read the trainer's module directly: when the dtype and device
+match, `update` just points at it (no copy, no extra memory). A state dict, or a module in
+another dtype, is copied into a private model the sampler owns; the trainer's module is never
+written to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from temper.models.build import materialize
+
+
+class WeightSource:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.version = 0
+        self._owned = True  # the engine may write into `model` (it was handed over for sampling)
+        parameter = next(model.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+
+    def update(self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int) -> None:
+        if isinstance(source, nn.Module):
+            self._check_compatible(source)
+            parameter = next(source.parameters())
+            if (parameter.dtype, parameter.device) == (self.dtype, self.device):
+                self.model, self._owned = source, False
+            else:
+                self._private_model().load_state_dict(source.state_dict())
+        elif isinstance(source, Mapping):
+            self._load_state_dict(source)
+        else:
+            raise TypeError(
+                f"update_weights takes an nn.Module or a state dict, got {type(source).__name__}"
+            )
+        self.version = version
+
+    def _private_model(self) -> nn.Module:
+        if not self._owned:
+            config = self.model.config
+            self.model = materialize(config, device=self.device, dtype=self.dtype, init="empty")
+            self._owned = True
+        return self.model
+
+    def _load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        target = self._private_model()
+        expected = target.state_dict()
+        missing = sorted(expected.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - expected.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights: state dict does not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        for name, value in state_dict.items():
+            if tuple(value.shape) != tuple(expected[name].shape):
+                raise ValueError(
+                    f"update_weights: tensor {name!r} has shape {tuple(value.shape)}, the model "
+                    f"expects {tuple(expected[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, value in state_dict.items():
+                expected[name].copy_(value)
+
+    def _check_compatible(self, source: nn.Module) -> None:
+        ours, theirs = self.model.config, getattr(source, "config", None)
+        if type(theirs) is not type(ours) or _shape(theirs) != _shape(ours):
+            raise ValueError(
+                f"update_weights: module {type(source).__name__} with config {theirs} does not "
+                f"match the sampler's model config {ours}"
+            )
+
+
+def _shape(config) -> tuple:
+    fields = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+    return tuple(getattr(config, name) for name in (*fields, "ffn_dim", "tie_embeddings"))

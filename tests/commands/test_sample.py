@@ -1,0 +1,106 @@
+"""`temper sample` through the real entry point, on a tiny random model with the letters vocabulary.
+
+Greedy output is checked against the reference decoder, so the command is known to print
+what the model generates, not just something shaped like it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.checkpoint.hf import load_pretrained
+from temper.cli import main
+from temper.models.base_model import init_model_dir
+from temper.sampler.reference import greedy_decode
+from temper.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sample") / "m"
+    init_model_dir(path, tokenizer="letters", seed=3)
+    return path
+
+
+def _completions(output: str) -> list[str]:
+    """The text under each completion's title line (output without --logprobs)."""
+    chunks = output.split("\ncompletion ")[1:]
+    return [chunk.split("\n", 1)[1].removesuffix("\n") for chunk in chunks]
+
+
+def _greedy_text(model_dir, prompt: str, *, max_tokens: int) -> str:
+    tokenizer = load_tokenizer(model_dir)
+    (tokens,) = greedy_decode(
+        load_pretrained(model_dir),
+        [tokenizer.encode(prompt)],
+        max_new_tokens=max_tokens,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
+    return tokenizer.decode(tokens)
+
+
+def test_prints_each_completion_with_its_stop_reason(model_dir, capsys):
+    argv = ["sample", "--model", str(model_dir), "--prompt", "Hi", "-n", "3", "--max-tokens", "6"]
+    assert main([*argv, "--seed", "7"]) == 0
+    output = capsys.readouterr().out
+    assert 'prompt: "Hi" (2 tokens); 3 completions' in output
+    titles = [line for line in output.splitlines() if line.startswith("completion ")]
+    assert [title.split(":")[0] for title in titles] == [f"completion {i}" for i in range(3)]
+    assert all("stop reason" in title and "sum of logprobs" in title for title in titles)
+    assert main([*argv, "--seed", "7"]) == 0
+    assert _completions(capsys.readouterr().out) == _completions(output)
+
+
+def test_greedy_matches_the_reference_decoder(model_dir, capsys):
+    argv = ["sample", "--model", str(model_dir), "--prompt", "abc", "--temperature", "0"]
+    assert main([*argv, "-n", "2", "--max-tokens", "8"]) == 0
+    expected = _greedy_text(model_dir, "abc", max_tokens=8)
+    assert _completions(capsys.readouterr().out) == [expected, expected]
+
+
+def test_stop_string_ends_the_completion(model_dir, capsys):
+    greedy = _greedy_text(model_dir, "abc", max_tokens=8)
+    stop = greedy[2:4]
+    argv = ["sample", "--model", str(model_dir), "--prompt", "abc", "--temperature", "0"]
+    assert main([*argv, "-n", "1", "--max-tokens", "8", "--stop", "~never~", stop]) == 0
+    output = capsys.readouterr().out
+    (completion,) = _completions(output)
+    assert completion.endswith(stop) and greedy.startswith(completion)
+    assert f"stop reason stop, {len(completion)} tokens" in output
+
+
+def test_logprobs_table(model_dir, capsys):
+    argv = ["sample", "--model", str(model_dir), "--prompt", "Hi", "-n", "1", "--max-tokens", "4"]
+    assert main([*argv, "--logprobs", "--seed", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "logprob" in output and "top 3 (logprob)" in output
+    rows = [line for line in output.splitlines() if line.startswith("\u2502")]
+    assert len(rows) == int(output.split(" tokens, sum of logprobs")[0].rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--top-k", "-3"], "top_k must be an int >= 1"),
+        (["--max-tokens", "0"], "max_tokens must be > 0"),
+        (["-n", "0"], "-n must be >= 1"),
+        (["--prompt", ""], "encodes to zero tokens"),
+        (["--prompt", "caf\u00e9"], "cannot encode the text"),
+    ],
+)
+def test_bad_input_is_a_clean_error(model_dir, capsys, flags, message):
+    assert main(["sample", "--model", str(model_dir), "--prompt", "Hi", *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("temper sample: error: ") and message in error
+
+
+def test_missing_model_dir_is_a_clean_error(tmp_path, capsys):
+    assert main(["sample", "--model", str(tmp_path / "nope"), "--prompt", "Hi"]) == 2
+    assert "temper sample: error: --model" in capsys.readouterr().err
+
+
+def test_sample_is_listed(capsys):
+    assert main(["--help"]) == 0
+    assert "sample" in capsys.readouterr().out
