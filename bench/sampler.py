@@ -6,6 +6,10 @@ Cases (prompt 16 tokens, 32 new tokens, sampling at temperature 1, no early stop
   bytes of weights a decode step reads divided by a copy bandwidth measured in this run;
 - on CUDA (when present): the 0.6B shape in bf16 at batch 256 and its HBM-bandwidth fraction.
 
+Decode-only throughput (the run minus prefill and first token) is what the bandwidth bound
+is compared with; `linear_kernel_gb_per_s` is what one feed-forward matmul of the framework
+streams at that batch, the ceiling for any engine built on it.
+
 Each case builds one random model, loads the same weights into HF, warms both up, then times
 `repeats` interleaved runs of each and keeps the medians. Prints one JSON line.
 
@@ -46,6 +50,17 @@ def copy_bandwidth(*, device: torch.device, nbytes: int = 2**30, repeats: int = 
     return 2 * nbytes / statistics.median(times[1:])
 
 
+def linear_bandwidth(config, *, batch: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Weight bytes per second one feed-forward matmul streams at this batch: the ceiling the
+    framework's own kernel sets, whatever the engine does around it."""
+    weight = torch.randn(config.ffn_dim, config.dim, device=device).to(dtype)
+    x = torch.randn(batch, config.dim, device=device).to(dtype)
+    seconds = 1 / _median_tokens_per_s(
+        lambda: torch.nn.functional.linear(x, weight), num_tokens=1, repeats=20, device=device
+    )
+    return weight.numel() * weight.element_size() / seconds
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -64,12 +79,19 @@ def _median_tokens_per_s(fn, *, num_tokens: int, repeats: int, device: torch.dev
 
 
 def _compare(
-    *, ours, hf, vocab: int, batch: int, device: torch.device, repeats: int
-) -> tuple[float, float]:
-    """(Temper, HF) tokens/s for one batch size."""
-    engine = SamplerEngine.Config(max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS).build(
-        model=ours
-    )
+    *,
+    ours,
+    hf,
+    vocab: int,
+    batch: int,
+    device: torch.device,
+    repeats: int,
+    num_threads: int | None,
+) -> dict[str, float]:
+    """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
+    engine = SamplerEngine.Config(
+        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads
+    ).build(model=ours)
     generator = torch.Generator().manual_seed(0)
     prompts_BT = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=generator)
     requests = [
@@ -80,8 +102,16 @@ def _compare(
     ]
     hf_inputs = prompts_BT.to(device)
 
+    first_token_only = [
+        SampleRequest(prompt=r.prompt, params=SamplingParams(max_tokens=1, stop=[], seed=i))
+        for i, r in enumerate(requests)
+    ]
+
     def temper_generate() -> None:
         engine.generate(requests)
+
+    def temper_prefill() -> None:
+        engine.generate(first_token_only)
 
     def hf_generate() -> None:
         with torch.no_grad():
@@ -95,12 +125,25 @@ def _compare(
                 pad_token_id=0,
             )
 
-    num_tokens = batch * NEW_TOKENS
-    timing = {"num_tokens": num_tokens, "repeats": repeats, "device": device}
-    return (
-        _median_tokens_per_s(temper_generate, **timing),
-        _median_tokens_per_s(hf_generate, **timing),
+    timing = {"num_tokens": batch * NEW_TOKENS, "repeats": repeats, "device": device}
+    result = {
+        "temper": _median_tokens_per_s(temper_generate, **timing),
+        "hf": _median_tokens_per_s(hf_generate, **timing),
+    }
+    # Decode alone (what a bandwidth bound describes): the whole run minus prefill + 1 token.
+    prefill_s = batch / _median_tokens_per_s(
+        temper_prefill, num_tokens=batch, repeats=repeats, device=device
     )
+    total_s = batch * NEW_TOKENS / result["temper"]
+    result["temper_decode"] = batch * (NEW_TOKENS - 1) / max(total_s - prefill_s, 1e-9)
+    if num_threads is not None and device.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            result["hf_same_threads"] = _median_tokens_per_s(hf_generate, **timing)
+        finally:
+            torch.set_num_threads(threads)
+    return result
 
 
 def run_case(
@@ -112,6 +155,7 @@ def run_case(
     device: torch.device,
     repeats: int,
     bandwidth: float | None,
+    num_threads: int | None,
 ) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -124,26 +168,41 @@ def run_case(
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     results = []
     for batch in batches:
-        ours_tps, hf_tps = _compare(
-            ours=ours, hf=hf, vocab=vocab, batch=batch, device=device, repeats=repeats
+        measured = _compare(
+            ours=ours,
+            hf=hf,
+            vocab=vocab,
+            batch=batch,
+            device=device,
+            repeats=repeats,
+            num_threads=num_threads,
         )
+        ours_tps = measured["temper"]
         result = {
             "model": size,
             "vocab": vocab,
             "dtype": str(dtype).removeprefix("torch."),
             "device": device.type,
             "batch": batch,
+            "temper_threads": num_threads or torch.get_num_threads(),
             "temper_tokens_per_s": round(ours_tps, 1),
-            "hf_tokens_per_s": round(hf_tps, 1),
-            "speedup_vs_hf": round(ours_tps / hf_tps, 2),
+            "hf_tokens_per_s": round(measured["hf"], 1),
+            "speedup_vs_hf": round(ours_tps / measured["hf"], 2),
         }
+        if "hf_same_threads" in measured:
+            result["hf_same_threads_tokens_per_s"] = round(measured["hf_same_threads"], 1)
+            result["speedup_vs_hf_same_threads"] = round(ours_tps / measured["hf_same_threads"], 2)
+        result["temper_decode_tokens_per_s"] = round(measured["temper_decode"], 1)
         if bandwidth is not None:
             # Every decode step reads all weights once; a step makes `batch` tokens.
             bound = batch * bandwidth / weight_bytes
             result.update(
                 weight_bytes=weight_bytes,
                 bandwidth_bound_tokens_per_s=round(bound, 1),
-                fraction_of_bound=round(ours_tps / bound, 3),
+                decode_fraction_of_bound=round(measured["temper_decode"] / bound, 3),
+                linear_kernel_gb_per_s=round(
+                    linear_bandwidth(config, batch=batch, dtype=dtype, device=device) / 1e9, 1
+                ),
             )
         results.append(result)
     return results
@@ -154,6 +213,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model only, fewer repeats")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary of the tiny model")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--tiny-threads", type=int, default=1, help="Temper's CPU threads for the tiny model"
+    )
     args = parser.parse_args()
     cpu = torch.device("cpu")
     cases = run_case(
@@ -164,6 +226,7 @@ def main() -> None:
         device=cpu,
         repeats=args.repeats,
         bandwidth=None,
+        num_threads=args.tiny_threads,
     )
     report: dict = {"bench": "sampler", "threads": torch.get_num_threads()}
     if not args.quick:
@@ -177,6 +240,7 @@ def main() -> None:
             device=cpu,
             repeats=max(2, args.repeats // 2),
             bandwidth=bandwidth,
+            num_threads=None,
         )
         if torch.cuda.is_available():
             cuda = torch.device("cuda")
@@ -190,6 +254,7 @@ def main() -> None:
                 device=cuda,
                 repeats=args.repeats,
                 bandwidth=hbm,
+                num_threads=None,
             )
     report["cases"] = cases
     print(json.dumps(report))

@@ -23,7 +23,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from temper.api.types import SampledSequence, SampleResponse, SamplingParams
 from temper.config.configurable import Configurable
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
+from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
 from temper.sampler.requests import RequestState, SampleRequest
@@ -52,6 +53,13 @@ class SamplerEngine(Configurable):
         """Prompt tokens prefilled in one forward (a longer single prompt still runs alone)."""
         max_score_tokens: int = 16384
         """Tokens per forward in `score()`."""
+        cuda_graphs: Literal["auto", "off"] = "auto"
+        """'auto' replays decode steps as CUDA graphs on a CUDA device (no effect on CPU)."""
+        graph_batch_sizes: tuple[int, ...] = ()
+        """Batch-size buckets captured as graphs; () = powers of two up to max_batch."""
+        num_threads: int | None = None
+        """CPU threads (torch intra-op) while generating; None keeps the process setting.
+        Small models decode faster on 1: waking another thread costs more than it saves."""
 
         def __post_init__(self) -> None:
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
@@ -59,6 +67,20 @@ class SamplerEngine(Configurable):
                     raise ValueError(
                         f"SamplerEngine.Config.{name} must be >= 1, got {getattr(self, name)}"
                     )
+            if any(size < 1 or size > self.max_batch for size in self.graph_batch_sizes):
+                raise ValueError(
+                    "SamplerEngine.Config.graph_batch_sizes must lie in 1..max_batch "
+                    f"({self.max_batch}), got {self.graph_batch_sizes}"
+                )
+            if self.cuda_graphs not in ("auto", "off"):
+                raise ValueError(
+                    f"SamplerEngine.Config.cuda_graphs must be 'auto' or 'off', got "
+                    f"{self.cuda_graphs!r}"
+                )
+            if self.num_threads is not None and self.num_threads < 1:
+                raise ValueError(
+                    f"SamplerEngine.Config.num_threads must be >= 1 or None, got {self.num_threads}"
+                )
 
         def kv_cache_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
             """Bytes the KV cache will take for a model, known before anything is allocated."""
@@ -98,6 +120,7 @@ class SamplerEngine(Configurable):
         )
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
+        self._static_decoder = self._build_static_decoder()
 
     @property
     def model(self) -> nn.Module:
@@ -121,6 +144,14 @@ class SamplerEngine(Configurable):
         """Sample from new weights from now on; the cache is kept, and a module of matching
         dtype and device is used in place, without a copy."""
         self.weights.update(source, version=version)
+        if self._static_decoder is not None and self._static_decoder.model is not self.model:
+            self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
+
+    def _build_static_decoder(self) -> StaticDecoder | None:
+        if self.config.cuda_graphs == "off" or self.device.type != "cuda":
+            return None
+        buckets = self.config.graph_batch_sizes or default_buckets(self.config.max_batch)
+        return StaticDecoder(model=self.model, cache=self.cache, buckets=buckets, capture=True)
 
     def sample(
         self,
@@ -148,6 +179,9 @@ class SamplerEngine(Configurable):
         """Run requests to completion with continuous batching; responses in request order."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
         waiting = deque(states)
+        previous_threads = torch.get_num_threads()
+        if self.config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(self.config.num_threads)
         try:
             while waiting or self.slots.num_active:
                 if waiting and self.slots.num_free:
@@ -159,6 +193,7 @@ class SamplerEngine(Configurable):
             # the engine keeps serving.
             self.slots.clear()
             self._num_python_rows = 0
+            torch.set_num_threads(previous_threads)
         return [state.response() for state in states]
 
     @torch.no_grad()
@@ -289,14 +324,17 @@ class SamplerEngine(Configurable):
     def _decode_step(self) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
-        width = int(positions_B.max()) + 1
-        model = self.model
-        hidden_B1D = model.hidden_states(
-            self.slots.last_token_S[:num_rows, None],
-            positions_BT=positions_B[:, None],
-            attention=DecodeAttention(self.cache, positions_B, width=width),
-        )
-        logits_BV = F.linear(hidden_B1D[:, 0], model.output_weight_VD).float()
+        tokens_B = self.slots.last_token_S[:num_rows]
+        if self._static_decoder is not None:
+            logits_BV = self._static_decoder.logits(tokens_B, positions_B)
+        else:
+            width = int(positions_B.max()) + 1  # attend over no more of the cache than used
+            hidden_B1D = self.model.hidden_states(
+                tokens_B[:, None],
+                positions_BT=positions_B[:, None],
+                attention=DecodeAttention(self.cache, positions_B, width=width),
+            )
+            logits_BV = F.linear(hidden_B1D[:, 0], self.model.output_weight_VD).float()
         positions_B += 1
         self._draw_and_record(0, logits_BV)
 

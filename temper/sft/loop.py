@@ -16,13 +16,14 @@ from typing import Literal
 
 import torch
 
+from temper.api import SamplingParams
 from temper.checkpoint.hf import save_pretrained
 from temper.config.configurable import Configurable
 from temper.models.base_model import BaseModel
 from temper.models.common.logprobs import target_logprobs
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
 from temper.rl.tasks import Problem, SumDigits
-from temper.sampler import greedy_decode
+from temper.sampler import SamplerEngine, SampleRequest
 from temper.sft.batches import TokenBatch, completion_batch
 
 
@@ -59,6 +60,12 @@ class SFTJob(Configurable):
         """Held-out problems per evaluation (a fixed set)."""
         max_new_tokens: int = 4
         """Most tokens generated per answer during evaluation."""
+        sampler: SamplerEngine.Config = field(
+            default_factory=lambda: SamplerEngine.Config(
+                max_batch=256, max_seq_len=64, num_threads=1
+            )
+        )
+        """The engine that decodes evaluation answers (greedy)."""
         seed: int = 0
         """Seed of the problem stream."""
         export: Literal["hf", "none"] = "hf"
@@ -88,6 +95,8 @@ class SFTJob(Configurable):
         base = config.model.build()
         model, tokenizer = base.model, base.tokenizer
         task = config.task.build()
+        # The engine reads the training module itself, so it always sees the current weights.
+        engine = config.sampler.build(model=model, tokenizer=tokenizer)
         rng = random.Random(config.seed)
         heldout = [
             task.sample(random.Random(f"heldout-{i}"), split="heldout")
@@ -117,13 +126,13 @@ class SFTJob(Configurable):
                 last = step == config.steps - 1
                 if (step + 1) % config.eval_every == 0 or last:
                     with timer.phase("eval"):
-                        accuracy = self._evaluate(model, tokenizer, task, heldout)
+                        accuracy = self._evaluate(engine, tokenizer, task, heldout)
                     accuracies.append(accuracy)
                     metrics["eval/accuracy"] = accuracy
                 phases = timer.collect()
                 metrics["train/tokens_per_s"] = batch.inputs_BT.numel() / phases["time/train"]
                 logger.log(step, {**metrics, **phases})
-            self._show_examples(logger, model, tokenizer, task, heldout[:4])
+            self._show_examples(logger, engine, tokenizer, task, heldout[:4])
             model_dir = None
             if config.export == "hf":
                 model_dir = save_pretrained(model, run_dir / "model", tokenizer=tokenizer)
@@ -173,26 +182,25 @@ class SFTJob(Configurable):
             "optim/lr": optimizer.param_groups[0]["lr"],
         }
 
-    def _complete(self, model, tokenizer, problems: list[Problem]) -> list[str]:
-        model.eval()
-        prompts = [tokenizer.encode(p.prompt) for p in problems]
-        completions = greedy_decode(
-            model,
-            prompts,
-            max_new_tokens=self.config.max_new_tokens,
-            stop_token_ids=[tokenizer.eos_token_id],
-            pad_token_id=tokenizer.pad_token_id or 0,
+    def _complete(self, engine: SamplerEngine, tokenizer, problems: list[Problem]) -> list[str]:
+        engine.model.eval()
+        params = SamplingParams(max_tokens=self.config.max_new_tokens, temperature=0.0)
+        responses = engine.generate(
+            [SampleRequest(prompt=tokenizer.encode(p.prompt), params=params) for p in problems]
         )
-        return [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        return [
+            tokenizer.decode(response.sequences[0].tokens, skip_special_tokens=True)
+            for response in responses
+        ]
 
-    def _evaluate(self, model, tokenizer, task, problems: list[Problem]) -> float:
-        completions = self._complete(model, tokenizer, problems)
+    def _evaluate(self, engine, tokenizer, task, problems: list[Problem]) -> float:
+        completions = self._complete(engine, tokenizer, problems)
         return sum(task.reward(p, c) for p, c in zip(problems, completions, strict=True)) / len(
             problems
         )
 
-    def _show_examples(self, logger, model, tokenizer, task, problems: list[Problem]) -> None:
-        completions = self._complete(model, tokenizer, problems)
+    def _show_examples(self, logger, engine, tokenizer, task, problems: list[Problem]) -> None:
+        completions = self._complete(engine, tokenizer, problems)
         for problem, completion in zip(problems, completions, strict=True):
             mark = "ok" if task.reward(problem, completion) == 1.0 else "wrong"
             logger.console.print(f"  {problem.prompt}{completion}  ({mark})")

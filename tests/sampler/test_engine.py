@@ -304,3 +304,38 @@ def test_max_tokens_is_capped_by_the_context(model):
     engine = _engine(model, max_seq_len=16)
     (sequence,) = engine.sample([1] * 10, SamplingParams(temperature=0)).sequences
     assert len(sequence.tokens) == 6 and sequence.stop_reason == "length"
+
+
+def test_static_decode_step_matches_the_eager_step(model):
+    """The CUDA-graph step (rows padded to a bucket, full cache width) run eagerly on CPU."""
+    from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+
+    assert default_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    engine = _engine(model, max_batch=8)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    params = SamplingParams(max_tokens=9, temperature=0)
+    eager = engine.generate([SampleRequest(prompt=p, params=params) for p in prompts])
+    engine._static_decoder = StaticDecoder(
+        model=model, cache=engine.cache, buckets=[1, 4, 8], capture=False
+    )
+    static = engine.generate([SampleRequest(prompt=p, params=params) for p in prompts])
+    for a, b in zip(eager, static, strict=True):
+        assert a.sequences[0].tokens == b.sequences[0].tokens
+        torch.testing.assert_close(
+            torch.tensor(a.sequences[0].logprobs),
+            torch.tensor(b.sequences[0].logprobs),
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager_on_gpu():
+    model = _model().cuda()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    requests = [SampleRequest(prompt=p, params=params) for p in PROMPTS]
+    graphed = _engine(model, cuda_graphs="auto", max_batch=4)
+    eager = _engine(model, cuda_graphs="off", max_batch=4)
+    assert graphed._static_decoder is not None and graphed._static_decoder.graphs
+    for a, b in zip(graphed.generate(requests), eager.generate(requests), strict=True):
+        assert a.sequences[0].tokens == b.sequences[0].tokens

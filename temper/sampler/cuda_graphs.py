@@ -1,0 +1,89 @@
+"""Decode steps with static shapes, captured as CUDA graphs (one per batch-size bucket).
+
+Shapes: S slots, B rows (a bucket), V vocab.
+
+A CUDA graph replays fixed kernels on fixed buffers, which removes the per-op launch cost that
+dominates decoding small batches on a GPU. The step is made static: the active rows are padded
+up to the next bucket size, and attention always spans the whole cache width (the mask hides
+what a row has not written). Padding rows decode token 0 at position 0 in slots no sequence
+occupies; a slot's position 0 is always rewritten when a sequence claims it.
+
+`capture=False` runs the same static step eagerly, which is how its padding logic is tested on
+CPU. Capturing writes to cache position 0 of the bucket's slots, so it happens only while no
+sequence is active: when the engine is built and when its weights move to another module
+(replaying a graph reads the parameters it was captured with).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.sampler.kv_cache import DecodeAttention, KVCache
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself."""
+    sizes = {1 << shift for shift in range(max_batch.bit_length()) if 1 << shift <= max_batch}
+    return sorted(sizes | {max_batch})
+
+
+class StaticDecoder:
+    def __init__(
+        self, *, model: nn.Module, cache: KVCache, buckets: Sequence[int], capture: bool
+    ) -> None:
+        if not buckets or max(buckets) > cache.num_slots or min(buckets) < 1:
+            raise ValueError(f"buckets {list(buckets)} must lie in 1..{cache.num_slots}")
+        self.model = model
+        self.cache = cache
+        self.buckets = sorted(buckets)
+        device = cache.k_LSKCH.device
+        self.tokens_S = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
+        self.positions_S = torch.zeros(cache.num_slots, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self._capture_all()
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        positions_B = self.positions_S[:bucket]
+        attention = DecodeAttention(self.cache, positions_B, width=self.cache.max_seq_len)
+        hidden_B1D = self.model.hidden_states(
+            self.tokens_S[:bucket, None], positions_BT=positions_B[:, None], attention=attention
+        )
+        return F.linear(hidden_B1D[:, 0], self.model.output_weight_VD).float()
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        self.tokens_S.zero_()
+        self.positions_S.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for bucket in self.buckets:  # warm-up: allocator and kernel selection
+                self._step(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits_BV = self._step(bucket)
+            self.graphs[bucket] = (graph, logits_BV)
+
+    @torch.no_grad()
+    def logits(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, V] (fp32) for rows 0..B-1, as an eager decode step gives."""
+        num_rows = tokens_B.shape[0]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, num_rows)]
+        self.tokens_S[:num_rows].copy_(tokens_B)
+        self.positions_S[:num_rows].copy_(positions_B)
+        self.tokens_S[num_rows:bucket].zero_()
+        self.positions_S[num_rows:bucket].zero_()
+        if bucket in self.graphs:
+            graph, logits_BV = self.graphs[bucket]
+            graph.replay()
+            return logits_BV[:num_rows]
+        return self._step(bucket)[:num_rows]
