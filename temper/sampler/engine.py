@@ -34,7 +34,7 @@ from temper.config.configurable import Configurable
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
-from temper.sampler.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape, PrefillAttention
 from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
 from temper.sampler.requests import RequestState, SampleRequest
 from temper.sampler.slots import SlotOwner, SlotTable
@@ -84,13 +84,11 @@ class SamplerEngine(Configurable):
 
         def kv_cache_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
             """Bytes the KV cache will take for a model, known before anything is allocated."""
-            return KVCache.bytes_needed(
-                num_layers=model_config.num_layers,
-                num_slots=self.max_batch,
-                num_kv_heads=model_config.num_kv_heads,
-                max_seq_len=self.max_seq_len,
-                head_dim=model_config.head_dim,
-                dtype=dtype,
+            return self.kv_cache_shape(model_config).nbytes(dtype)
+
+        def kv_cache_shape(self, model_config: Any) -> KVCacheShape:
+            return KVCacheShape.for_model(
+                model_config, num_slots=self.max_batch, max_seq_len=self.max_seq_len
             )
 
     def __init__(self, config: Config, *, model: nn.Module, tokenizer: Any = None) -> None:
@@ -107,13 +105,7 @@ class SamplerEngine(Configurable):
         self.device, self.dtype = parameter.device, parameter.dtype
         self.vocab_size = model_config.vocab_size
         self.cache = KVCache(
-            num_layers=model_config.num_layers,
-            num_slots=config.max_batch,
-            num_kv_heads=model_config.num_kv_heads,
-            max_seq_len=config.max_seq_len,
-            head_dim=model_config.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+            config.kv_cache_shape(model_config), dtype=self.dtype, device=self.device
         )
         self.slots = SlotTable(
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device

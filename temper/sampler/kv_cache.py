@@ -12,42 +12,49 @@ never gathers.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from temper.models.common.attention import causal_attention
 
 
-class KVCache:
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        max_seq_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
-        self.k_LSKCH = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_LSKCH = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self.max_seq_len = max_seq_len
+@dataclass(frozen=True, kw_only=True)
+class KVCacheShape:
+    num_layers: int
+    num_slots: int
+    num_kv_heads: int
+    max_seq_len: int
+    head_dim: int
 
-    @staticmethod
-    def bytes_needed(
-        *,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        max_seq_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_slots * num_kv_heads * max_seq_len * head_dim * element_size
+    @classmethod
+    def for_model(cls, model_config: Any, *, num_slots: int, max_seq_len: int) -> KVCacheShape:
+        return cls(
+            num_layers=model_config.num_layers,
+            num_slots=num_slots,
+            num_kv_heads=model_config.num_kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=model_config.head_dim,
+        )
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim)
+
+    def nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes of keys plus values, known before anything is allocated."""
+        return 2 * math.prod(self.dims) * torch.empty((), dtype=dtype).element_size()
+
+
+class KVCache:
+    def __init__(self, shape: KVCacheShape, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.k_LSKCH = torch.zeros(shape.dims, dtype=dtype, device=device)
+        self.v_LSKCH = torch.zeros(shape.dims, dtype=dtype, device=device)
+        self.num_slots = shape.num_slots
+        self.max_seq_len = shape.max_seq_len
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from temper.api.types import SamplingParams
 
@@ -31,6 +32,7 @@ from temper.api.types import SamplingParams
 # fp32 probabilities sum to < 2, and a token needs p >= 2**-62 to be drawable (float64 prefix
 # sums would absorb far larger ones).
 _FIXED_POINT_ONE = 2.0**62
+_CDF_BLOCK = 1024  # tokens per block of the two-level CDF walk in draw_tokens
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # splitmix64 constants, written as the signed int64 values of their bits.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -237,16 +239,37 @@ def draw_tokens(
         return logits_BV.argmax(dim=-1)
     # softmax (a row-wise kernel) re-derives the probabilities from the logprobs.
     probs_BV = torch.softmax(logprobs_BV.float(), dim=-1)
-    cdf_BV = (probs_BV * _FIXED_POINT_ONE).long().cumsum(dim=-1)
-    total_B1 = cdf_BV[:, -1:]
+    drawn_B = _walk_cdf((probs_BV * _FIXED_POINT_ONE).long(), uniforms_B)
+    if draw_mode == "sampled":
+        return drawn_B
+    return torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
+
+
+def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """First token whose cumulative fixed-point mass exceeds u * total, per row.
+
+    Two levels (N blocks of `_CDF_BLOCK` tokens, then one block) instead of a cumsum over the
+    whole vocabulary: integer sums are exact, so the token is the one a full cumsum finds, at
+    a fraction of the cost for large vocabularies.
+    """
+    num_rows, vocab_size = fixed_BV.shape
+    num_blocks = -(-vocab_size // _CDF_BLOCK)
+    padded_BV = F.pad(fixed_BV, (0, num_blocks * _CDF_BLOCK - vocab_size))
+    blocks_BNK = padded_BV.view(num_rows, num_blocks, _CDF_BLOCK)
+    block_cdf_BN = blocks_BNK.sum(dim=-1).cumsum(dim=-1)
+    total_B1 = block_cdf_BN[:, -1:]
     # u < 1, but u * total can round up to total in float64; the clamp keeps the threshold
     # below the last increase of the CDF, so the token found always has mass.
     threshold_B1 = (uniforms_B[:, None].double() * total_B1.double()).long()
     threshold_B1 = torch.minimum(threshold_B1, total_B1 - 1)
-    drawn_B = torch.searchsorted(cdf_BV, threshold_B1, right=True)[:, 0]
-    if draw_mode == "sampled":
-        return drawn_B
-    return torch.where(greedy_B, logits_BV.argmax(dim=-1), drawn_B)
+    block_B1 = torch.searchsorted(block_cdf_BN, threshold_B1, right=True)
+    mass_before_B1 = torch.where(
+        block_B1 > 0, block_cdf_BN.gather(-1, (block_B1 - 1).clamp(min=0)), 0
+    )
+    rows_B = torch.arange(num_rows, device=fixed_BV.device)
+    within_cdf_BK = blocks_BNK[rows_B, block_B1[:, 0]].cumsum(dim=-1) + mass_before_B1
+    offset_B1 = torch.searchsorted(within_cdf_BK, threshold_B1, right=True)
+    return (block_B1 * _CDF_BLOCK + offset_B1)[:, 0]
 
 
 def gather_logprobs(logprobs_BV: torch.Tensor, tokens_B: torch.Tensor) -> torch.Tensor:

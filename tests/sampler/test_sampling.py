@@ -10,6 +10,7 @@ import torch
 from temper.api.types import SamplingParams
 from temper.sampler.sampling import (
     RowParams,
+    _walk_cdf,
     draw_tokens,
     gather_logprobs,
     sampling_logprobs,
@@ -338,3 +339,21 @@ def test_draw_modes_agree_with_the_mixed_path():
         )
         assert rows.draw_mode != "mixed"
         assert torch.equal(rows.draw(logits_BV, logprobs_BV, counters_B=counters_B), mixed)
+
+
+@pytest.mark.parametrize("vocab_size", [29, 1024, 1025, 5000, 151_936])
+def test_two_level_cdf_walk_finds_the_full_cumsum_token(vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits_BV = torch.randn(16, vocab_size, generator=generator) * 3
+    if vocab_size > 100:
+        logits_BV[:, ::7] = float("-inf")  # zero-probability tokens inside blocks
+    probs_BV = torch.softmax(logits_BV, dim=-1)
+    fixed_BV = (probs_BV * 2.0**62).long()
+    uniforms_B = seeded_uniforms(torch.arange(16), torch.arange(16))
+    cdf_BV = fixed_BV.cumsum(dim=-1)
+    total_B1 = cdf_BV[:, -1:]
+    threshold_B1 = torch.minimum((uniforms_B[:, None] * total_B1.double()).long(), total_B1 - 1)
+    expected_B = torch.searchsorted(cdf_BV, threshold_B1, right=True)[:, 0]
+    drawn_B = _walk_cdf(fixed_BV, uniforms_B)
+    assert torch.equal(drawn_B, expected_B)
+    assert bool((probs_BV.gather(-1, drawn_B[:, None]) > 0).all())
