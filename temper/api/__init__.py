@@ -1,5 +1,31 @@
 """The Tinker-style API: domain types (clients come with the trainer)."""
 
-from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.api.types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    ModelInput,
+    OptimStepResponse,
+    SampledSequence,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsResponse,
+    TensorData,
+)
 
-__all__ = ["SampleResponse", "SampledSequence", "SamplingParams"]
+__all__ = [
+    "AdamParams",
+    "Datum",
+    "EncodedTextChunk",
+    "ForwardBackwardOutput",
+    "LoadWeightsResponse",
+    "ModelInput",
+    "OptimStepResponse",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "SaveWeightsResponse",
+    "TensorData",
+]

@@ -1,15 +1,19 @@
 """Domain types mirroring Tinker's names and semantics (the server converts wire types to these).
 
-Only the sampling types exist so far; training types (Datum, ModelInput, AdamParams, ...) join
-with the trainer.
+Cookbook-style code reads the same against these as against the `tinker` SDK's types:
+`ModelInput.from_ints`, `TensorData.from_torch(...).to_torch()`, `Datum(model_input=...,
+loss_fn_inputs={...})`, `AdamParams(learning_rate=...)`. Loss inputs given as torch tensors,
+numpy arrays or lists are converted to `TensorData` when a `Datum` is made.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
 
 StopReason = Literal["stop", "length"]
 TopkLogprobs = list[tuple[int, float]]
@@ -107,3 +111,175 @@ class SampleResponse:
     """Per prompt position (None at position 0), when requested."""
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     """Per prompt position (None at position 0), when requested."""
+
+
+TensorDType = Literal["int64", "float32"]
+_TORCH_DTYPES = {"int64": torch.int64, "float32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorData:
+    """A dense array: flat `data` in row-major order, its `dtype` and `shape`."""
+
+    data: list[int] | list[float]
+    dtype: TensorDType
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _TORCH_DTYPES:
+            raise ValueError(f"TensorData.dtype must be 'int64' or 'float32', got {self.dtype!r}")
+        if math.prod(self.shape) != len(self.data):
+            raise ValueError(f"TensorData has {len(self.data)} values but shape {list(self.shape)}")
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        if tensor.dtype.is_floating_point:
+            dtype: TensorDType = "float32"
+        elif tensor.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            dtype = "int64"
+        else:
+            raise TypeError(f"TensorData holds int64 or float32 values, got {tensor.dtype}")
+        flat = tensor.detach().to("cpu", _TORCH_DTYPES[dtype]).reshape(-1)
+        return cls(data=flat.tolist(), dtype=dtype, shape=tuple(tensor.shape))
+
+    @classmethod
+    def from_numpy(cls, array: Any) -> TensorData:
+        return cls.from_torch(torch.from_numpy(array))
+
+    def to_torch(self) -> torch.Tensor:
+        return torch.tensor(self.data, dtype=_TORCH_DTYPES[self.dtype]).reshape(self.shape)
+
+    def tolist(self) -> list:
+        return self.to_torch().tolist()
+
+
+def to_tensor_data(value: Any, *, name: str) -> TensorData:
+    """Accept TensorData, a torch tensor, a numpy array or a (nested) list of numbers."""
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if hasattr(value, "__array__") and not isinstance(value, list | tuple):
+        return TensorData.from_torch(torch.as_tensor(value))
+    if isinstance(value, list | tuple):
+        try:
+            return TensorData.from_torch(torch.tensor(value))
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"loss_fn_inputs[{name!r}]: not a numeric array ({error})") from None
+    raise TypeError(
+        f"loss_fn_inputs[{name!r}] must be TensorData, a torch tensor, a numpy array or a list, "
+        f"got {type(value).__name__}"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodedTextChunk:
+    tokens: tuple[int, ...]
+    type: Literal["encoded_text"] = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInput:
+    """Model input as chunks of token ids (text only), concatenated in order."""
+
+    chunks: tuple[EncodedTextChunk, ...] = ()
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls(chunks=(EncodedTextChunk(tokens=tuple(int(t) for t in tokens)),))
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls()
+
+    def to_ints(self) -> list[int]:
+        return [token for chunk in self.chunks for token in chunk.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(chunk.length for chunk in self.chunks)
+
+    def append_int(self, token: int) -> ModelInput:
+        return ModelInput.from_ints([*self.to_ints(), int(token)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Datum:
+    """One training example: the input tokens and its loss inputs, aligned position by position
+    (position i of the input predicts `target_tokens[i]`)."""
+
+    model_input: ModelInput
+    loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_input, ModelInput):
+            raise TypeError(f"Datum.model_input must be a ModelInput, got {self.model_input!r}")
+        converted = {
+            name: to_tensor_data(value, name=name) for name, value in self.loss_fn_inputs.items()
+        }
+        object.__setattr__(self, "loss_fn_inputs", converted)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamParams:
+    """One AdamW step's hyperparameters (Tinker defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    grad_clip_norm: float = 0.0
+    """Clip the global gradient norm to this first; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "learning_rate": self.learning_rate >= 0,
+            "beta1": 0 <= self.beta1 < 1,
+            "beta2": 0 <= self.beta2 < 1,
+            "eps": self.eps > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "grad_clip_norm": self.grad_clip_norm >= 0,
+        }
+        ranges = {
+            "learning_rate": ">= 0",
+            "beta1": "in [0, 1)",
+            "beta2": "in [0, 1)",
+            "eps": "> 0",
+            "weight_decay": ">= 0",
+            "grad_clip_norm": ">= 0 (0 disables clipping)",
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if not ok or not math.isfinite(value):
+                raise ValueError(f"AdamParams.{name} must be {ranges[name]}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBackwardOutput:
+    loss_fn_outputs: list[dict[str, TensorData]]
+    """Per datum: 'logprobs' (the trainer's logprob of each target) and 'elementwise_loss'."""
+    metrics: dict[str, float]
+    """Named `name:reduction`, e.g. 'loss:sum'."""
+    loss_fn_output_type: str = "ArrayRecord"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimStepResponse:
+    metrics: dict[str, float]
+    """'grad_norm:mean' (before clipping), 'learning_rate:mean', 'policy_version:max'."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveWeightsResponse:
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadWeightsResponse:
+    path: str

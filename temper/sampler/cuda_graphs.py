@@ -20,7 +20,6 @@ import bisect
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from temper.sampler.kv_cache import DecodeAttention, KVCache
@@ -54,7 +53,7 @@ class StaticDecoder:
         hidden_B1D = self.model.hidden_states(
             self.tokens_S[:bucket, None], positions_BT=positions_B[:, None], attention=attention
         )
-        return F.linear(hidden_B1D[:, 0], self.model.output_weight_VD).float()
+        return self.model.logits(hidden_B1D[:, 0]).float()
 
     @torch.no_grad()
     def _capture_all(self) -> None:

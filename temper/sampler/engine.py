@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
@@ -283,7 +282,7 @@ class SamplerEngine(Configurable):
         hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
         last_B = torch.tensor(lengths, device=self.device) - 1
         last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]
-        logits_BV = F.linear(last_hidden_BD, model.output_weight_VD).float()
+        logits_BV = model.logits(last_hidden_BD).float()
         for row, (state, _) in enumerate(rows):
             state.first_logits_V = logits_BV[row]
             request, hidden_TD = state.request, hidden_BTD[row, : lengths[row]]
@@ -326,7 +325,7 @@ class SamplerEngine(Configurable):
                 positions_BT=positions_B[:, None],
                 attention=DecodeAttention(self.cache, positions_B, width=width),
             )
-            logits_BV = F.linear(hidden_B1D[:, 0], self.model.output_weight_VD).float()
+            logits_BV = self.model.logits(hidden_B1D[:, 0]).float()
         positions_B += 1
         self._draw_and_record(0, logits_BV)
 

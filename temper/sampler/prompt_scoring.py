@@ -21,21 +21,20 @@ def prompt_logprobs(
     model: nn.Module, hidden_TD: torch.Tensor, tokens_T: torch.Tensor
 ) -> list[float | None]:
     length = hidden_TD.shape[0]
-    scored_T = target_logprobs(
-        hidden_TD[None, : length - 1], model.output_weight_VD, tokens_T[None, 1:length]
-    )
+    hidden_TX, weight_VX = model.logit_inputs(hidden_TD[: length - 1])
+    scored_T = target_logprobs(hidden_TX[None], weight_VX, tokens_T[None, 1:length])
     return [None, *scored_T[0].tolist()]
 
 
 def topk_prompt_logprobs(
     model: nn.Module, hidden_TD: torch.Tensor, *, k: int
 ) -> list[TopkLogprobs | None]:
-    weight_VD = model.output_weight_VD
-    rows = max(1, DEFAULT_CHUNK_BYTES // (weight_VD.shape[0] * 4))
+    # position t predicts token t + 1
+    predicting_TX, weight_VX = model.logit_inputs(hidden_TD[:-1])
+    rows = max(1, DEFAULT_CHUNK_BYTES // (weight_VX.shape[0] * 4))
     result: list[TopkLogprobs | None] = [None]
-    predicting_TD = hidden_TD[:-1]  # position t predicts token t + 1
-    for start in range(0, predicting_TD.shape[0], rows):
-        logprobs_TV = F.linear(predicting_TD[start : start + rows], weight_VD).float()
+    for start in range(0, predicting_TX.shape[0], rows):
+        logprobs_TV = F.linear(predicting_TX[start : start + rows], weight_VX).float()
         logprobs_TV = logprobs_TV.log_softmax(dim=-1)
         values_TK, ids_TK = logprobs_TV.topk(k, dim=-1)
         for ids, values in zip(ids_TK.tolist(), values_TK.tolist(), strict=True):

@@ -20,7 +20,7 @@ from temper.api import SamplingParams
 from temper.checkpoint.hf import save_pretrained
 from temper.config.configurable import Configurable
 from temper.models.base_model import BaseModel
-from temper.models.common.logprobs import target_logprobs
+from temper.models.common.logprobs import forward_logprobs
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
 from temper.rl.tasks import Problem, SumDigits
 from temper.sampler import SamplerEngine, SampleRequest
@@ -168,8 +168,7 @@ class SFTJob(Configurable):
 
     def _train_step(self, model, optimizer, batch: TokenBatch) -> dict[str, float]:
         model.train()
-        hidden_BTD = model.hidden_states(batch.inputs_BT)
-        logprobs_BT = target_logprobs(hidden_BTD, model.output_weight_VD, batch.targets_BT)
+        logprobs_BT = forward_logprobs(model, batch.inputs_BT, batch.targets_BT)
         loss = -(logprobs_BT * batch.weights_BT).sum() / batch.num_loss_tokens
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

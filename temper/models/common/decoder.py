@@ -119,11 +119,28 @@ class Decoder(nn.Module):
         self.output = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
+        # Optional trainable addition to the unembedding (e.g. LoRA); see `logit_inputs`.
+        self.output_adapter: nn.Module | None = None
 
     @property
     def output_weight_VD(self) -> torch.Tensor:
         """The unembedding matrix (the embedding itself when tied)."""
         return self.embed.weight if self.output is None else self.output.weight
+
+    def logit_inputs(self, hidden_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, weight) whose product gives the logits: logits = hidden @ weight.T.
+
+        Every logit computation goes through here so that an `output_adapter` applies
+        everywhere; an adapter extends both factors (its `augment(hidden, weight)`), which
+        keeps chunked logprobs exact without materializing a merged unembedding.
+        """
+        if self.output_adapter is None:
+            return hidden_BTD, self.output_weight_VD
+        return self.output_adapter.augment(hidden_BTD, self.output_weight_VD)
+
+    def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] in the model's dtype from final hidden states."""
+        return F.linear(*self.logit_inputs(hidden_BTD))
 
     @torch.no_grad()
     def init_weights(self, *, generator: torch.Generator | None = None) -> None:
@@ -173,5 +190,4 @@ class Decoder(nn.Module):
         self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits [B, T, V] in the model's dtype."""
-        hidden_BTD = self.hidden_states(tokens_BT, positions_BT=positions_BT)
-        return F.linear(hidden_BTD, self.output_weight_VD)
+        return self.logits(self.hidden_states(tokens_BT, positions_BT=positions_BT))

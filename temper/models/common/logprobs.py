@@ -117,5 +117,5 @@ def forward_logprobs(
 
     The one scoring path: the trainer and the sampler's `score()` both call it.
     """
-    hidden_BTD = model.hidden_states(inputs_BT)
-    return target_logprobs(hidden_BTD, model.output_weight_VD, targets_BT, temperature=temperature)
+    hidden_BTX, weight_VX = model.logit_inputs(model.hidden_states(inputs_BT))
+    return target_logprobs(hidden_BTX, weight_VX, targets_BT, temperature=temperature)
