@@ -10,9 +10,6 @@ and renamed, so a crash never leaves a half-written model directory behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.build import dtype_name, materialize, parse_dtype
 from temper.models.registry import ModelFamily, family_for_hf_config, family_of_model
 
@@ -177,11 +175,7 @@ def save_pretrained(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `model` (and optionally its tokenizer) as a HF model directory; returns its path."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} exists and is not empty; overwrite it with --overwrite (overwrite=True)"
-        )
+    out_dir = check_free(out_dir, overwrite=overwrite)
     family = family_of_model(model)
     state_dict = model.state_dict()
     dtype = next(iter(state_dict.values())).dtype
@@ -197,9 +191,7 @@ def save_pretrained(
             k: v for k, v in _special_token_ids(tokenizer).items() if v is not None
         }
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as staging:
         _write_weights(staging, tensors, max_shard_bytes=max_shard_bytes)
         (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         if generation_config:
@@ -207,19 +199,4 @@ def save_pretrained(
             (staging / "generation_config.json").write_text(text)
         if tokenizer is not None:
             tokenizer.save(staging)
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _replace_dir(staging: Path, out_dir: Path) -> None:
-    """Move a finished staging directory to `out_dir`, replacing what was there."""
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    retired = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    os.replace(out_dir, retired)
-    os.replace(staging, out_dir)
-    shutil.rmtree(retired)

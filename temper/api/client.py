@@ -1,0 +1,460 @@
+"""In-process Tinker-style clients: ServiceClient -> TrainingClient and SamplingClient.
+
+The same verbs and return types as the `tinker` SDK, run in this process: every call returns
+an `APIFuture` (`.result()`, or `await`), `*_async` variants return the future from a
+coroutine, and the requests of one training model run in submission order on one worker
+thread. Sampling clients made from a training client run on that same worker, so a sample
+never sees weights in the middle of an optimizer step.
+
+Weight sync: `save_weights_and_get_sampling_client()` serves the current policy version. With
+full fine-tuning the sampler reads the trainer's parameters directly (no copy); with LoRA the
+adapters are merged into the sampler's own copy in memory (nothing is written to disk). A
+sampling client whose version the trainer has moved past raises instead of silently sampling
+from newer weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from temper.api.futures import APIFuture, Worker
+from temper.api.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsResponse,
+)
+from temper.api.weights import (
+    SamplerWeights,
+    load_sampler_weights,
+    resolve_base_model,
+    sampler_model,
+    sampler_update,
+    save_sampler_weights,
+)
+from temper.checkpoint.dcp import load_train_state, save_train_state
+from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.sampler.engine import SamplerEngine
+from temper.sampler.requests import SampleRequest
+from temper.trainer.engine import CustomLossFn, TrainerEngine
+from temper.trainer.lora import LoraConfig
+
+DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelData:
+    model_name: str
+    arch: str = "qwen3"
+    tokenizer_id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GetInfoResponse:
+    model_id: str
+    model_data: ModelData
+    is_lora: bool
+    lora_rank: int | None
+
+    @property
+    def model_name(self) -> str:
+        return self.model_data.model_name
+
+
+class ServiceClient:
+    """Creates training and sampling clients on this machine.
+
+    `base_model` is a HF model directory, or a named size with random weights and a built-in
+    vocabulary: "tiny" (digits), "tiny:letters", "0.6B:words", ...
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_dir: str | Path = DEFAULT_STORAGE,
+        device: str = "cpu",
+        dtype: str = "float32",
+        trainer: TrainerEngine.Config | None = None,
+        sampler: SamplerEngine.Config | None = None,
+    ) -> None:
+        self.storage = CheckpointStorage(storage_dir)
+        self.device = device
+        self.dtype = dtype
+        self.trainer_config = trainer or TrainerEngine.Config()
+        self.sampler_config = sampler or SamplerEngine.Config()
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: Mapping[str, str] | None = None,
+    ) -> TrainingClient:
+        lora = LoraConfig(
+            rank=rank,
+            seed=0 if seed is None else seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+        )
+        return self._new_training_client(base_model, lora=lora, user_metadata=user_metadata)
+
+    def create_training_client(
+        self, base_model: str, user_metadata: Mapping[str, str] | None = None
+    ) -> TrainingClient:
+        """Full fine-tuning (every parameter trains); an addition to Tinker's API."""
+        return self._new_training_client(base_model, lora=None, user_metadata=user_metadata)
+
+    def create_training_client_from_state(self, path: str) -> TrainingClient:
+        """A new training client with the weights of a `save_state` checkpoint (fresh optimizer)."""
+        return self._from_state(path, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
+        return self._from_state(path, with_optimizer=True)
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """Sample from sampler weights (`tinker://.../sampler_weights/...`) or a base model."""
+        if (model_path is None) == (base_model is None):
+            raise ValueError("create_sampling_client takes exactly one of model_path, base_model")
+        if model_path is not None:
+            weights = load_sampler_weights(
+                self.storage, model_path, device=self.device, dtype=self.dtype
+            )
+        else:
+            base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
+            weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
+        engine = self.sampler_config.build(model=weights.model, tokenizer=weights.tokenizer)
+        return SamplingClient(
+            engine=engine, worker=Worker("temper-sampler"), tokenizer=weights.tokenizer, owner=None
+        )
+
+    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
+        return self.create_lora_training_client(*args, **kwargs)
+
+    async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
+        return self.create_sampling_client(*args, **kwargs)
+
+    def _new_training_client(
+        self,
+        base_model: str,
+        *,
+        lora: LoraConfig | None,
+        user_metadata: Mapping[str, str] | None,
+        run_id: str | None = None,
+    ) -> TrainingClient:
+        base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
+        engine = self.trainer_config.build(model=base.model, lora=lora)
+        run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
+        self.storage.write_run(
+            run_id,
+            {
+                "base_model": base_model,
+                "lora": None if lora is None else dataclasses.asdict(lora),
+                "user_metadata": dict(user_metadata or {}),
+            },
+        )
+        return TrainingClient(
+            service=self,
+            run_id=run_id,
+            base_model=base_model,
+            engine=engine,
+            tokenizer=base.tokenizer,
+        )
+
+    def _from_state(self, path: str, *, with_optimizer: bool) -> TrainingClient:
+        parsed, _ = self.storage.existing(path)
+        if parsed.kind != "weights":
+            raise ValueError(
+                f"{path} is a {parsed.kind} checkpoint; training state is under weights/"
+            )
+        run = self.storage.read_run(parsed.run_id)
+        lora = None if run["lora"] is None else LoraConfig(**run["lora"])
+        client = self._new_training_client(
+            run["base_model"], lora=lora, user_metadata=run.get("user_metadata")
+        )
+        client._load_state(parsed, with_optimizer=with_optimizer)
+        return client
+
+
+class TrainingClient:
+    def __init__(
+        self,
+        *,
+        service: ServiceClient,
+        run_id: str,
+        base_model: str,
+        engine: TrainerEngine,
+        tokenizer: Any,
+    ) -> None:
+        self.service = service
+        self.model_id = run_id
+        self.base_model = base_model
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._worker = Worker(f"temper-{run_id}")
+        self._sampler: SamplerEngine | None = None
+
+    # -- training ---------------------------------------------------------------------------
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self._worker.submit(
+            self.engine.forward_backward, list(data), loss_fn, loss_fn_config
+        )
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self._worker.submit(self.engine.forward, list(data), loss_fn, loss_fn_config)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self._worker.submit(self.engine.forward_backward_custom, list(data), loss_fn)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return self._worker.submit(self.engine.optim_step, adam_params)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsResponse]:
+        """Weights and optimizer state under `tinker://<model_id>/weights/<name>`."""
+        path = CheckpointPath(self.model_id, "weights", check_name(name, field="name"))
+        return self._worker.submit(self._save_state, path, overwrite)
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        """Weights from a `save_state` checkpoint; the optimizer starts fresh."""
+        parsed, _ = self.service.storage.existing(path)
+        return self._worker.submit(self._load_state, parsed, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
+        parsed, _ = self.service.storage.existing(path)
+        return self._worker.submit(self._load_state, parsed, with_optimizer=True)
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
+        """Sampler weights under `tinker://<model_id>/sampler_weights/<name>`."""
+        path = CheckpointPath(self.model_id, "sampler_weights", check_name(name, field="name"))
+        return self._worker.submit(self._save_sampler_weights, path)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """A sampling client on the current weights (no disk write unless `name` is given)."""
+        if name is not None:
+            self.save_weights_for_sampler(name).result()
+        version = self._worker.submit(self._sync_sampler).result()
+        return SamplingClient(
+            engine=self._sampler,
+            worker=self._worker,
+            tokenizer=self.tokenizer,
+            owner=(self, version),
+        )
+
+    def create_sampling_client(self, model_path: str) -> SamplingClient:
+        return self.service.create_sampling_client(model_path=model_path)
+
+    # -- info -----------------------------------------------------------------------------
+
+    def get_info(self) -> GetInfoResponse:
+        lora = self.engine.lora
+        return GetInfoResponse(
+            model_id=self.model_id,
+            model_data=ModelData(model_name=self.base_model, tokenizer_id=self.base_model),
+            is_lora=lora is not None,
+            lora_rank=None if lora is None else lora.rank,
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- async variants (Tinker: a coroutine that returns the future) -----------------------
+
+    async def forward_backward_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.forward_backward(*args, **kwargs)
+
+    async def forward_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_custom_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.forward_backward_custom(*args, **kwargs)
+
+    async def optim_step_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.optim_step(*args, **kwargs)
+
+    async def save_state_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.save_state(*args, **kwargs)
+
+    async def load_state_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.load_state(*args, **kwargs)
+
+    async def load_state_with_optimizer_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.load_state_with_optimizer(*args, **kwargs)
+
+    async def save_weights_for_sampler_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.save_weights_for_sampler(*args, **kwargs)
+
+    async def save_weights_and_get_sampling_client_async(
+        self, name: str | None = None
+    ) -> SamplingClient:
+        return self.save_weights_and_get_sampling_client(name)
+
+    # -- run on the worker ------------------------------------------------------------------
+
+    def _save_state(self, path: CheckpointPath, overwrite: bool) -> SaveWeightsResponse:
+        engine = self.engine
+        save_train_state(
+            self.service.storage.directory(path),
+            model=engine.model,
+            optimizer=engine.optimizer.torch_optimizer,
+            metadata={"policy_version": engine.policy_version, "run_id": self.model_id},
+            trainable_only=engine.lora is not None,
+            overwrite=overwrite,
+        )
+        return SaveWeightsResponse(path=str(path))
+
+    def _load_state(self, path: CheckpointPath, *, with_optimizer: bool) -> LoadWeightsResponse:
+        run = self.service.storage.read_run(path.run_id)
+        ours = None if self.engine.lora is None else dataclasses.asdict(self.engine.lora)
+        if run["base_model"] != self.base_model or run["lora"] != ours:
+            raise ValueError(
+                f"{path} was saved from base model {run['base_model']!r} with LoRA {run['lora']}, "
+                f"but this client trains {self.base_model!r} with LoRA {ours}"
+            )
+        engine = self.engine
+        engine.zero_grad()
+        if not with_optimizer:
+            engine.reset_optimizer()
+        metadata = load_train_state(
+            self.service.storage.directory(path),
+            model=engine.model,
+            optimizer=engine.optimizer.torch_optimizer if with_optimizer else None,
+            trainable_only=engine.lora is not None,
+        )
+        engine.policy_version = int(metadata["policy_version"])
+        return LoadWeightsResponse(path=str(path))
+
+    def _save_sampler_weights(self, path: CheckpointPath) -> SaveWeightsResponse:
+        save_sampler_weights(
+            self.service.storage.directory(path),
+            model=self.engine.model,
+            tokenizer=self.tokenizer,
+            base_model=self.base_model,
+            lora=self.engine.lora,
+        )
+        return SaveWeightsResponse(path=str(path))
+
+    def _sync_sampler(self) -> int:
+        """Point the sampler at the current policy version; returns it."""
+        engine, version = self.engine, self.engine.policy_version
+        if self._sampler is not None and self._sampler.version == version:
+            return version
+        if self._sampler is None:
+            self._sampler = self.service.sampler_config.build(
+                model=sampler_model(engine.model, lora=engine.lora), tokenizer=self.tokenizer
+            )
+        self._sampler.update_weights(
+            sampler_update(engine.model, lora=engine.lora), version=version
+        )
+        return version
+
+    def _check_fresh(self, version: int) -> None:
+        if self._sampler is None or self._sampler.version != version:
+            raise ValueError(
+                f"this sampling client serves policy version {version}, but the sampler now "
+                f"holds version {self._sampler.version if self._sampler else None}; call "
+                "save_weights_and_get_sampling_client() again for the current weights"
+            )
+        if self.engine.lora is None and self.engine.policy_version != version:
+            raise ValueError(
+                f"this sampling client serves policy version {version}, but training has moved "
+                f"to version {self.engine.policy_version} and the sampler shares the trainer's "
+                "weights; call save_weights_and_get_sampling_client() again (or "
+                "save_weights_for_sampler(name) for a lasting snapshot)"
+            )
+
+
+class SamplingClient:
+    def __init__(
+        self,
+        *,
+        engine: SamplerEngine,
+        worker: Worker,
+        tokenizer: Any,
+        owner: tuple[TrainingClient, int] | None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._worker = worker
+        self._owner = owner
+
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
+        if not isinstance(prompt, ModelInput):
+            raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
+        request = SampleRequest(
+            prompt=prompt.to_ints(),
+            params=sampling_params or SamplingParams(),
+            num_samples=num_samples,
+            prompt_logprobs=include_prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+        )
+        return self._worker.submit(self._generate, request)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
+        """Logprob of each prompt token given the ones before it (None for the first)."""
+        if not isinstance(prompt, ModelInput):
+            raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
+        return self._worker.submit(self._compute_logprobs, prompt.to_ints())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.engine.version if self._owner is None else self._owner[1]
+
+    async def sample_async(self, *args: Any, **kwargs: Any) -> APIFuture[SampleResponse]:
+        return self.sample(*args, **kwargs)
+
+    async def compute_logprobs_async(self, *args: Any, **kwargs: Any) -> APIFuture:
+        return self.compute_logprobs(*args, **kwargs)
+
+    def _generate(self, request: SampleRequest) -> SampleResponse:
+        self._check_fresh()
+        return self.engine.generate([request])[0]
+
+    def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
+        self._check_fresh()
+        if len(tokens) < 2:
+            return [None] * len(tokens)
+        return [None, *self.engine.score([tokens])[0].tolist()]
+
+    def _check_fresh(self) -> None:
+        if self._owner is not None:
+            training_client, version = self._owner
+            training_client._check_fresh(version)

@@ -1,0 +1,237 @@
+"""Train-state checkpoints: model weights and optimizer state with torch.distributed.checkpoint.
+
+A checkpoint is a directory holding DCP's files (`.metadata`, `*.distcp`) and `metadata.json`
+(the caller's JSON metadata: step, policy version, LoRA config, ...). The state dicts come from
+`torch.distributed.checkpoint.state_dict` keyed by parameter name, so the same code saves and
+loads FSDP/TP-sharded models and reshards between world sizes. With `trainable_only` only
+parameters that require grad are written (LoRA adapters; the frozen base is not).
+
+What is unusual here:
+- The directory is written under a temporary sibling name and renamed into place, so a crash
+  never leaves a half-written checkpoint, and an overwritten one is replaced whole.
+- Tensor names and shapes are checked against the checkpoint's DCP metadata before anything is
+  loaded, so a mismatch is a ValueError naming the tensor and leaves the model as it was.
+- An optimizer that has taken no step yet is saved as its param_groups only. DCP's state-dict
+  API would otherwise initialize its state with a zero-lr step (AdamW step count 1), which
+  changes the next update; resuming from such a checkpoint gives an optimizer with no state.
+
+This module does not coordinate ranks yet: it is called in one process (DCP runs with
+`no_dist` when no process group is initialized); several ranks need rank 0 to own the staging
+directory and the rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from temper.checkpoint.atomic import check_free, staged_directory
+
+METADATA_FILE = "metadata.json"
+DCP_METADATA_FILE = ".metadata"
+_MODEL = "model"
+_OPTIMIZER = "optim"
+# How many missing tensor names an error message lists before summarizing.
+_MAX_NAMES_SHOWN = 5
+
+
+def save_train_state(
+    directory: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    metadata: Mapping[str, Any],
+    trainable_only: bool,
+    overwrite: bool = False,
+) -> Path:
+    """Write the model (and optimizer) state and `metadata` to `directory`; returns its path."""
+    metadata_text = _metadata_json(metadata)
+    directory = check_free(directory, overwrite=overwrite)
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    state: dict[str, Any] = {_MODEL: get_model_state_dict(model, options=options)}
+    if optimizer is not None:
+        state[_OPTIMIZER] = _optimizer_state_to_save(model, optimizer, options=options)
+
+    with staged_directory(directory) as staging, _single_process_quiet():
+        torch_dcp.save(
+            state, storage_writer=torch_dcp.FileSystemWriter(staging), no_dist=_no_dist()
+        )
+        _write_synced(staging / METADATA_FILE, metadata_text)
+    return directory
+
+
+def load_train_state(
+    directory: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainable_only: bool,
+) -> dict[str, Any]:
+    """Load a checkpoint into `model` (and `optimizer`, unless None); returns its metadata.
+
+    With trainable_only only the parameters that require grad are read; the others keep
+    their values. Loading restores the optimizer's param_groups (lr, betas, ...) as saved.
+    """
+    directory = Path(directory)
+    metadata = read_train_state_metadata(directory)
+    saved = torch_dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+    state: dict[str, Any] = {_MODEL: get_model_state_dict(model, options=options)}
+    _check_tensors(state, saved=saved, directory=directory)
+    if optimizer is not None:
+        state[_OPTIMIZER] = _optimizer_state_to_load(
+            model, optimizer, options=options, saved=saved, directory=directory
+        )
+
+    with _single_process_quiet():
+        torch_dcp.load(
+            state, storage_reader=torch_dcp.FileSystemReader(directory), no_dist=_no_dist()
+        )
+    set_model_state_dict(model, state[_MODEL], options=options)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state[_OPTIMIZER], options=options)
+    return metadata
+
+
+def read_train_state_metadata(directory: str | Path) -> dict[str, Any]:
+    """The metadata a train-state checkpoint was saved with."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"train-state checkpoint directory {directory} does not exist")
+    missing = [
+        name for name in (METADATA_FILE, DCP_METADATA_FILE) if not (directory / name).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} is not a train-state checkpoint: it lacks {', '.join(missing)}"
+        )
+    return json.loads((directory / METADATA_FILE).read_text())
+
+
+def _metadata_json(metadata: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(dict(metadata), indent=2) + "\n"
+    except TypeError as error:
+        raise TypeError(
+            f"metadata must be JSON-serializable (str, int, float, bool, None and lists and "
+            f"dicts of them), got {error}"
+        ) from error
+
+
+def _optimizer_state_to_save(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, options: StateDictOptions
+) -> dict[str, Any]:
+    had_state = bool(optimizer.state)
+    state_dict = get_optimizer_state_dict(model, optimizer, options=options)
+    if not had_state:
+        # Undo the zero-lr initialization step DCP took (see the module docstring).
+        optimizer.state.clear()
+        state_dict["state"] = {}
+    return state_dict
+
+
+def _optimizer_state_to_load(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    options: StateDictOptions,
+    saved: Mapping[str, Any],
+    directory: Path,
+) -> dict[str, Any]:
+    if not any(key.startswith(f"{_OPTIMIZER}.") for key in saved):
+        raise ValueError(
+            f"{directory} holds no optimizer state (it was saved with optimizer=None); "
+            "load it with optimizer=None"
+        )
+    had_state = bool(optimizer.state)
+    # For an optimizer with no state yet this takes DCP's zero-lr initialization step, which
+    # creates the state tensors the checkpoint is loaded into.
+    state_dict = get_optimizer_state_dict(model, optimizer, options=options)
+    if not any(key.startswith(f"{_OPTIMIZER}.state.") for key in saved):
+        state_dict["state"] = {}  # saved before its first step: load param_groups, no state
+    try:
+        _check_tensors({_OPTIMIZER: state_dict}, saved=saved, directory=directory)
+    except ValueError:
+        if not had_state:
+            optimizer.state.clear()
+        raise
+    return state_dict
+
+
+def _check_tensors(state: Mapping[str, Any], *, saved: Mapping[str, Any], directory: Path) -> None:
+    """Every tensor to load exists in the checkpoint with the same (global) shape."""
+    missing = []
+    for key, tensor in _tensor_leaves(state):
+        entry = saved.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            missing.append(key)
+        elif tuple(entry.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"{directory}: checkpoint tensor {key!r} has shape {tuple(entry.size)} but the "
+                f"model expects {tuple(tensor.shape)}"
+            )
+    if missing:
+        shown = ", ".join(repr(key) for key in missing[:_MAX_NAMES_SHOWN])
+        more = (
+            f" and {len(missing) - _MAX_NAMES_SHOWN} more"
+            if len(missing) > _MAX_NAMES_SHOWN
+            else ""
+        )
+        hint = ""
+        if any(key.startswith(f"{_MODEL}.") for key in missing):
+            hint = (
+                "; a checkpoint saved with trainable_only=True holds only the parameters that "
+                "required grad, so load it with trainable_only=True"
+            )
+        raise ValueError(f"{directory}: checkpoint lacks tensors {shown}{more}{hint}")
+
+
+def _tensor_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(flat key, tensor) pairs, keyed the way DCP flattens nested state dicts."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _tensor_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(tree, list | tuple):
+        for index, value in enumerate(tree):
+            yield from _tensor_leaves(value, f"{prefix}.{index}")
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's per-call warning that it assumes one process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())

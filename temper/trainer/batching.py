@@ -1,0 +1,149 @@
+"""Datums -> validated per-datum tensors -> right-padded micro-batches within a token budget.
+
+Shapes: B datums in a micro-batch, T padded length, N loss positions of a micro-batch.
+
+Everything a call could reject is checked here, before the model runs, so a bad call changes
+nothing: every error names the datum index and the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from temper.api.types import Datum
+
+
+@dataclass(frozen=True)
+class PreparedDatum:
+    index: int
+    tokens_T: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    """Loss inputs, each [T] (int64 target_tokens, float32 otherwise)."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    datums: list[PreparedDatum]
+    tokens_BT: torch.Tensor
+    targets_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    """True at real (non-padding) positions."""
+
+    def flat_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Each loss input concatenated over datums in order: [N]."""
+        names = self.datums[0].inputs.keys()
+        return {name: torch.cat([d.inputs[name] for d in self.datums]).to(device) for name in names}
+
+
+def prepare(
+    data: Sequence[Datum],
+    *,
+    required: Sequence[str],
+    optional: Sequence[str] = (),
+    vocab_size: int,
+    max_seq_len: int,
+) -> list[PreparedDatum]:
+    if len(data) == 0:
+        raise ValueError("data is empty; pass at least one Datum")
+    allowed = set(required) | set(optional)
+    prepared = []
+    for index, datum in enumerate(data):
+        if not isinstance(datum, Datum):
+            raise TypeError(f"datum {index}: expected a Datum, got {type(datum).__name__}")
+        where = f"datum {index}"
+        tokens = datum.model_input.to_ints()
+        length = len(tokens)
+        if length == 0:
+            raise ValueError(f"{where}: model_input is empty")
+        if length > max_seq_len:
+            raise ValueError(
+                f"{where}: model_input has {length} tokens, more than the model's max_seq_len "
+                f"{max_seq_len}"
+            )
+        _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
+        missing = [name for name in required if name not in datum.loss_fn_inputs]
+        if missing:
+            raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
+        inputs = {}
+        for name, value in datum.loss_fn_inputs.items():
+            if name not in allowed:
+                continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
+            if tuple(value.shape) != (length,):
+                raise ValueError(
+                    f"{where}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}, but "
+                    f"model_input has {length} tokens; expected [{length}]"
+                )
+            inputs[name] = _checked_input(value.to_torch(), name=name, where=where)
+        if "target_tokens" in inputs:
+            targets = inputs["target_tokens"].tolist()
+            _check_ids(
+                targets, where=f"{where}: loss_fn_inputs['target_tokens']", vocab_size=vocab_size
+            )
+        prepared.append(PreparedDatum(index=index, tokens_T=torch.tensor(tokens), inputs=inputs))
+    return prepared
+
+
+def _check_ids(tokens: Sequence[int], *, where: str, vocab_size: int) -> None:
+    for position, token in enumerate(tokens):
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{where}: token {token} at position {position} is outside the vocabulary; "
+                f"valid ids are 0..{vocab_size - 1}"
+            )
+
+
+def _checked_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tensor:
+    if name == "target_tokens":
+        if tensor.dtype.is_floating_point and not torch.equal(tensor, tensor.round()):
+            raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be integers")
+        return tensor.long()
+    tensor = tensor.float()
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{name!r}] has a non-finite value "
+            f"({tensor[position].item()}) at position {position}"
+        )
+    return tensor
+
+
+def micro_batches(
+    datums: Sequence[PreparedDatum], *, max_tokens: int, pad_token_id: int = 0
+) -> Iterator[MicroBatch]:
+    """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`; a
+    datum longer than the budget forms a batch of its own."""
+    group: list[PreparedDatum] = []
+    longest = 0
+    for datum in datums:
+        length = datum.tokens_T.shape[0]
+        if group and max(longest, length) * (len(group) + 1) > max_tokens:
+            yield _collate(group, pad_token_id=pad_token_id)
+            group, longest = [], 0
+        group.append(datum)
+        longest = max(longest, length)
+    if group:
+        yield _collate(group, pad_token_id=pad_token_id)
+
+
+def _collate(group: list[PreparedDatum], *, pad_token_id: int) -> MicroBatch:
+    width = max(d.tokens_T.shape[0] for d in group)
+    tokens_BT = torch.full((len(group), width), pad_token_id, dtype=torch.long)
+    targets_BT = torch.zeros((len(group), width), dtype=torch.long)
+    mask_BT = torch.zeros((len(group), width), dtype=torch.bool)
+    for row, datum in enumerate(group):
+        length = datum.tokens_T.shape[0]
+        tokens_BT[row, :length] = datum.tokens_T
+        if "target_tokens" in datum.inputs:
+            targets_BT[row, :length] = datum.inputs["target_tokens"]
+        mask_BT[row, :length] = True
+    return MicroBatch(datums=group, tokens_BT=tokens_BT, targets_BT=targets_BT, mask_BT=mask_BT)
+
+
+def split_per_datum(values_N: torch.Tensor, datums: Sequence[PreparedDatum]) -> list[torch.Tensor]:
+    lengths = [d.tokens_T.shape[0] for d in datums]
+    assert sum(lengths) == values_N.shape[0]
+    return list(values_N.split(lengths))

@@ -1,0 +1,215 @@
+"""The trainer engine: forward_backward / forward / optim_step on one model (LoRA or full).
+
+Shapes: B datums in a micro-batch, T padded length, N loss positions.
+
+Losses are sums over tokens (Tinker semantics), so a batch split into micro-batches by a token
+budget gives the whole-batch gradient up to float rounding, with memory bounded by the budget.
+Gradients accumulate across calls until `optim_step`.
+
+A failed call changes nothing: inputs are validated before the model runs, and the gradients
+accumulated by earlier calls are set aside while a call computes its own, then added back (on
+success) or restored untouched (on failure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from temper.api.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepResponse,
+    TensorData,
+)
+from temper.config.configurable import Configurable
+from temper.losses import get_loss, resolve_config
+from temper.models.common.logprobs import forward_logprobs
+from temper.trainer.batching import MicroBatch, micro_batches, prepare, split_per_datum
+from temper.trainer.lora import LoraConfig, apply_lora
+from temper.trainer.optim import AdamW
+
+CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+"""Tinker's custom loss: (data, per-datum logprobs) -> (loss, metrics)."""
+
+
+class TrainerEngine(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        max_tokens_per_microbatch: int = 8192
+        """Padded tokens per forward/backward; bigger calls are split (same gradient)."""
+
+        def __post_init__(self) -> None:
+            if self.max_tokens_per_microbatch < 1:
+                raise ValueError(
+                    "TrainerEngine.Config.max_tokens_per_microbatch must be >= 1, got "
+                    f"{self.max_tokens_per_microbatch}"
+                )
+
+    def __init__(self, config: Config, *, model: nn.Module, lora: LoraConfig | None) -> None:
+        self.config = config
+        self.model = model
+        self.lora = lora
+        if lora is not None:
+            apply_lora(model, lora)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = AdamW(self.trainable)
+        self.policy_version = 0
+        self.device = next(model.parameters()).device
+
+    # -- the Tinker verbs ------------------------------------------------------------------
+
+    def forward_backward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+    ) -> ForwardBackwardOutput:
+        """Loss, per-datum outputs and gradients (accumulated until `optim_step`)."""
+        return self._run(data, loss_fn, loss_fn_config, backward=True)
+
+    def forward(
+        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+    ) -> ForwardBackwardOutput:
+        """Loss and per-datum outputs; gradients are not touched."""
+        return self._run(data, loss_fn, loss_fn_config, backward=False)
+
+    def forward_backward_custom(
+        self, data: Sequence[Datum], loss_fn: CustomLossFn
+    ) -> ForwardBackwardOutput:
+        """A loss computed by `loss_fn` from the per-datum logprobs.
+
+        Two passes keep memory bounded: the logprobs are computed without a graph, the user's
+        loss is differentiated with respect to them, and a second, micro-batched pass
+        back-propagates sum(logprobs * dloss/dlogprobs), whose gradient equals the loss's.
+        """
+        prepared = self._prepare(data, required=("target_tokens",))
+        with torch.no_grad():
+            logprobs = [lp for batch in self._batches(prepared) for lp in self._logprobs(batch)]
+        leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
+        loss, metrics = loss_fn(list(data), leaves)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise TypeError("forward_backward_custom: loss_fn must return (0-d tensor, metrics)")
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        weights = [
+            torch.zeros_like(leaf) if grad is None else grad.detach()
+            for leaf, grad in zip(leaves, grads, strict=True)
+        ]
+
+        def surrogate(batch: MicroBatch) -> torch.Tensor:
+            logprobs_N = torch.cat(self._logprobs(batch))
+            rows = [d.index for d in batch.datums]
+            return (logprobs_N * torch.cat([weights[row] for row in rows])).sum()
+
+        with self._atomic_gradients():
+            for batch in self._batches(prepared):
+                surrogate(batch).backward()
+        outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in logprobs]
+        return ForwardBackwardOutput(
+            loss_fn_outputs=outputs, metrics={**metrics, "loss:sum": float(loss.detach())}
+        )
+
+    def optim_step(self, params: AdamParams) -> OptimStepResponse:
+        """One AdamW step on the accumulated gradients; bumps the policy version."""
+        if not isinstance(params, AdamParams):
+            raise TypeError(f"optim_step takes AdamParams, got {type(params).__name__}")
+        grad_norm = self.optimizer.step(params)
+        self.policy_version += 1
+        return OptimStepResponse(
+            metrics={
+                "grad_norm:mean": grad_norm,
+                "learning_rate:mean": params.learning_rate,
+                "policy_version:max": float(self.policy_version),
+            }
+        )
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer (no moments), as after loading weights without optimizer state."""
+        self.optimizer = AdamW(self.trainable)
+
+    def zero_grad(self) -> None:
+        for parameter in self.trainable:
+            parameter.grad = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prepare(self, data: Sequence[Datum], *, required, optional=()) -> list:
+        model_config = self.model.config
+        return prepare(
+            data,
+            required=required,
+            optional=optional,
+            vocab_size=model_config.vocab_size,
+            max_seq_len=model_config.max_seq_len,
+        )
+
+    def _batches(self, prepared) -> list[MicroBatch]:
+        return list(micro_batches(prepared, max_tokens=self.config.max_tokens_per_microbatch))
+
+    def _logprobs(self, batch: MicroBatch) -> list[torch.Tensor]:
+        """The trainer's logprob of each datum's targets, [T_i] per datum."""
+        logprobs_BT = forward_logprobs(
+            self.model, batch.tokens_BT.to(self.device), batch.targets_BT.to(self.device)
+        )
+        return split_per_datum(logprobs_BT[batch.mask_BT.to(self.device)], batch.datums)
+
+    def _run(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None,
+        *,
+        backward: bool,
+    ) -> ForwardBackwardOutput:
+        spec = get_loss(loss_fn)
+        config = resolve_config(spec, loss_fn_config)
+        prepared = self._prepare(data, required=spec.required_inputs, optional=spec.optional_inputs)
+        outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
+        total_loss = 0.0
+        with self._atomic_gradients() if backward else torch.no_grad():
+            for batch in self._batches(prepared):
+                per_datum = self._logprobs(batch)
+                logprobs_N = torch.cat(per_datum)
+                loss_N = spec.fn(
+                    logprobs_N=logprobs_N, inputs=batch.flat_inputs(self.device), config=config
+                )
+                loss = loss_N.sum()
+                if backward:
+                    loss.backward()
+                total_loss += float(loss.detach())
+                losses = split_per_datum(loss_N.detach(), batch.datums)
+                for datum, logprobs_T, loss_T in zip(batch.datums, per_datum, losses, strict=True):
+                    outputs[datum.index] = {
+                        "logprobs": TensorData.from_torch(logprobs_T),
+                        "elementwise_loss": TensorData.from_torch(loss_T),
+                    }
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
+
+    def _atomic_gradients(self) -> _GradientStash:
+        return _GradientStash(self.trainable)
+
+
+class _GradientStash:
+    """Set accumulated gradients aside for one call; add the call's to them on success,
+    restore them untouched on failure."""
+
+    def __init__(self, parameters: list[nn.Parameter]) -> None:
+        self.parameters = parameters
+        self.saved: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> _GradientStash:
+        self.saved = [p.grad for p in self.parameters]
+        for parameter in self.parameters:
+            parameter.grad = None
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        for parameter, saved in zip(self.parameters, self.saved, strict=True):
+            if exc_type is not None:
+                parameter.grad = saved
+            elif saved is not None:
+                if parameter.grad is not None:
+                    saved.add_(parameter.grad)
+                parameter.grad = saved

@@ -1,0 +1,220 @@
+"""LoRA adapters: low-rank trainable additions to a frozen decoder's projections.
+
+Shapes: B batch, T tokens, D model dim, V vocab, R LoRA rank, I/O a linear's in/out features.
+
+`apply_lora` swaps each target `nn.Linear` for a `LoraLinear` that keeps the very same
+`weight`/`bias` Parameter objects, so base state-dict keys (`blocks.0.attention.wq.weight`)
+and any code holding those Parameters are unaffected; only `lora_A`/`lora_B` are added. The
+unembedding is adapted through the decoder's `output_adapter` hook rather than by wrapping a
+module, because a tied model has no output module: the adapter extends both factors of
+`logits = hidden @ weight.T` (see `LoraUnembedding.augment`), so the input embedding stays
+untouched and chunked logprobs stay exact. This is what PEFT does for `lm_head` on a tied
+model too (it wraps `lm_head` only, sharing the base weight with the embedding).
+
+Initialization follows PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0, scale = alpha / rank, so a
+fresh adapter changes nothing. A is drawn in fp32 on the CPU from one generator seeded with
+`LoraConfig.seed` (same seed, same adapter, whatever the model's device) and then cast to the
+model's dtype and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.models.common.decoder import Decoder, DecoderConfig
+
+ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
+MLP_TARGETS = ("w_gate", "w_up", "w_down")
+LORA_SUFFIXES = (".lora_A", ".lora_B")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Which projections get a LoRA adapter, and its rank, scale and seed."""
+
+    rank: int
+    """Rank R of every adapter (the inner width of B @ A)."""
+    alpha: float = 32.0
+    """Scale numerator: the adapter adds (alpha / rank) * B @ A to each weight."""
+    train_attn: bool = True
+    """Adapt the attention projections (q, k, v, o)."""
+    train_mlp: bool = True
+    """Adapt the feed-forward projections (gate, up, down)."""
+    train_unembed: bool = True
+    """Adapt the unembedding (output projection; the input embedding is never changed)."""
+    seed: int = 0
+    """Seed of the random init of the A matrices."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be an int >= 1, got {self.rank!r}")
+        if not math.isfinite(self.alpha) or self.alpha <= 0:
+            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise ValueError(
+                "LoraConfig: at least one of train_attn, train_mlp, train_unembed must be True "
+                "(all are False, so nothing would be trained)"
+            )
+
+
+def _init_lora_A(
+    *, rank: int, in_features: int, like: torch.Tensor, generator: torch.Generator
+) -> nn.Parameter:
+    lora_A_RI = torch.empty(rank, in_features)
+    nn.init.kaiming_uniform_(lora_A_RI, a=math.sqrt(5), generator=generator)
+    return nn.Parameter(lora_A_RI.to(device=like.device, dtype=like.dtype))
+
+
+class LoraLinear(nn.Linear):
+    """An `nn.Linear` plus scale * B @ A, sharing the base linear's weight and bias objects."""
+
+    def __init__(
+        self, base: nn.Linear, *, rank: int, alpha: float, generator: torch.Generator
+    ) -> None:
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a fresh weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.lora_A = _init_lora_A(
+            rank=rank, in_features=base.in_features, like=base.weight, generator=generator
+        )
+        self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return F.linear(x, self.weight, self.bias) + self.scale * delta
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A [O, I] in fp32 (what merging adds to the weight)."""
+        return self.scale * (self.lora_B.float() @ self.lora_A.float())
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
+
+
+class LoraUnembedding(nn.Module):
+    """LoRA on the unembedding, applied by extending both factors of the logit product."""
+
+    def __init__(
+        self, *, weight_VD: torch.Tensor, rank: int, alpha: float, generator: torch.Generator
+    ) -> None:
+        super().__init__()
+        vocab_size, dim = weight_VD.shape
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.lora_A = _init_lora_A(rank=rank, in_features=dim, like=weight_VD, generator=generator)
+        self.lora_B = nn.Parameter(weight_VD.new_zeros(vocab_size, rank))
+
+    def augment(
+        self, hidden_BTD: torch.Tensor, weight_VD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden', weight') with hidden' @ weight'.T = hidden @ (weight + scale * B @ A).T.
+
+        hidden' = [hidden, scale * hidden @ A.T] and weight' = [weight, B] (R extra columns),
+        so the merged [V, D] unembedding is never formed.
+        """
+        low_rank_BTR = self.scale * F.linear(hidden_BTD, self.lora_A)
+        return torch.cat([hidden_BTD, low_rank_BTR], -1), torch.cat([weight_VD, self.lora_B], -1)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A [V, D] in fp32."""
+        return self.scale * (self.lora_B.float() @ self.lora_A.float())
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}"
+
+
+def _target_linears(model: Decoder, config: LoraConfig) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every linear to adapt, in a fixed order (it fixes the init)."""
+    targets = []
+    for block in model.blocks:
+        if config.train_attn:
+            targets += [(block.attention, name) for name in ATTENTION_TARGETS]
+        if config.train_mlp:
+            targets += [(block.feed_forward, name) for name in MLP_TARGETS]
+    return targets
+
+
+def apply_lora(model: Decoder, config: LoraConfig) -> None:
+    """Add LoRA adapters to `model` in place and freeze everything else.
+
+    Afterwards only `lora_A`/`lora_B` parameters require grad. The model computes the same
+    function as before until B moves away from zero.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"apply_lora: config must be a LoraConfig, got {type(config).__name__}")
+    if has_lora(model):
+        raise ValueError("apply_lora: the model already has LoRA adapters; apply it once")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    generator = torch.Generator().manual_seed(config.seed)
+    for parent, name in _target_linears(model, config):
+        base = getattr(parent, name)
+        lora = LoraLinear(base, rank=config.rank, alpha=config.alpha, generator=generator)
+        setattr(parent, name, lora)
+    if config.train_unembed:
+        model.output_adapter = LoraUnembedding(
+            weight_VD=model.output_weight_VD,
+            rank=config.rank,
+            alpha=config.alpha,
+            generator=generator,
+        )
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraUnembedding]:
+    """Every LoRA module of `model` by its qualified name (e.g. 'blocks.0.attention.wq')."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLinear | LoraUnembedding)
+    }
+
+
+def has_lora(model: nn.Module) -> bool:
+    return bool(lora_modules(model))
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the LoRA tensors, e.g. 'blocks.0.attention.wq.lora_A', 'output_adapter.lora_B'."""
+    return {key: value for key, value in model.state_dict().items() if key.endswith(LORA_SUFFIXES)}
+
+
+def _unembedding_adapter(model: Decoder) -> LoraUnembedding | None:
+    adapter = getattr(model, "output_adapter", None)
+    return adapter if isinstance(adapter, LoraUnembedding) else None
+
+
+def merged_config(model: Decoder) -> DecoderConfig:
+    """The Config of the plain model that `merged_state_dict(model)` loads into.
+
+    Merging an unembedding adapter into a tied model unties it (the embedding is unchanged,
+    the output projection is not), so that case returns `tie_embeddings=False`.
+    """
+    if model.config.tie_embeddings and _unembedding_adapter(model) is not None:
+        return dataclasses.replace(model.config, tie_embeddings=False)
+    return model.config
+
+
+@torch.no_grad()
+def merged_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
+    """The plain model's state dict with every adapter merged: W + scale * B @ A.
+
+    Sums are formed in fp32 and cast to the weight's dtype; keys are those of a model built
+    from `merged_config(model)` (with a tied model's adapted unembedding as 'output.weight').
+    """
+    merged = {
+        key: value for key, value in model.state_dict().items() if not key.endswith(LORA_SUFFIXES)
+    }
+    for name, module in lora_modules(model).items():
+        if isinstance(module, LoraUnembedding):
+            key, weight = "output.weight", model.output_weight_VD
+        else:
+            key, weight = f"{name}.weight", module.weight
+        merged[key] = (weight.float() + module.delta_weight()).to(weight.dtype)
+    return merged

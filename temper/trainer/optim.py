@@ -1,0 +1,47 @@
+"""AdamW whose hyperparameters come with each step (Tinker's `optim_step(AdamParams)`).
+
+The torch AdamW instance is kept for its state (moments, step counts); before each step its
+param groups take the call's learning rate, betas, eps and weight decay. The gradient norm is
+measured over all trainable parameters before clipping and reported either way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from temper.api.types import AdamParams
+
+
+class AdamW:
+    def __init__(self, parameters: Sequence[nn.Parameter]) -> None:
+        self.parameters = list(parameters)
+        if not self.parameters:
+            raise ValueError("no trainable parameters: nothing for the optimizer to update")
+        # Hyperparameters are placeholders until the first step sets them.
+        self.torch_optimizer = torch.optim.AdamW(self.parameters, lr=0.0, weight_decay=0.0)
+
+    def step(self, params: AdamParams) -> float:
+        """One AdamW step on the accumulated gradients, then clear them; returns the gradient
+        norm before clipping."""
+        with_grad = [p for p in self.parameters if p.grad is not None]
+        grad_norm = 0.0
+        if with_grad:
+            max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
+            if math.isinf(max_norm):
+                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grad]))
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+        for group in self.torch_optimizer.param_groups:
+            group.update(
+                lr=params.learning_rate,
+                betas=(params.beta1, params.beta2),
+                eps=params.eps,
+                weight_decay=params.weight_decay,
+            )
+        self.torch_optimizer.step()
+        self.torch_optimizer.zero_grad(set_to_none=True)
+        return grad_norm

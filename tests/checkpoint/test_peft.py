@@ -1,0 +1,118 @@
+"""LoRA exports: a PEFT adapter that `peft` loads onto the HF base model, and a merged HF model.
+
+Both are checked by logits: HF transformers (+ peft) must compute what Temper's LoRA model does.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from temper.checkpoint.hf import load_pretrained
+from temper.checkpoint.merge import save_merged_pretrained
+from temper.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, save_peft_adapter
+from temper.trainer.lora import LoraConfig, apply_lora, lora_modules
+from tests.models.hf_reference import save_hf, tiny_hf_qwen3
+
+pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def _randomize_B(model, *, std: float = 0.2) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for module in lora_modules(model).values():
+        module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=generator) * std)
+
+
+def _lora_model(base_dir, config: LoraConfig):
+    model = load_pretrained(base_dir, dtype=torch.float32).eval()
+    apply_lora(model, config)
+    _randomize_B(model)
+    return model
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_peft_loads_the_adapter_with_equal_logits(tmp_path, tie):
+    peft = pytest.importorskip("peft")
+    hf_model = tiny_hf_qwen3(tie=tie, attention_bias=True, seed=2)
+    save_hf(hf_model, tmp_path / "base")
+    model = _lora_model(tmp_path / "base", LoraConfig(rank=4, alpha=8.0))
+    save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny-qwen3")
+
+    tokens_BT = _tokens()
+    with torch.no_grad():
+        base_BTV = hf_model(input_ids=tokens_BT).logits
+        expected_BTV = model(tokens_BT)
+    with warnings.catch_warnings():
+        # PEFT warns that lm_head is tied to the embedding; it adapts lm_head only, as we do.
+        warnings.simplefilter("ignore")
+        peft_model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        actual_BTV = peft_model(input_ids=tokens_BT).logits
+    assert (expected_BTV - base_BTV).abs().max() > 1e-2  # the adapter is far from a no-op
+    torch.testing.assert_close(actual_BTV, expected_BTV, rtol=0, atol=1e-5)
+
+
+def test_adapter_files_use_peft_names(tmp_path):
+    save_hf(tiny_hf_qwen3(tie=True, num_layers=1), tmp_path / "base")
+    model = _lora_model(tmp_path / "base", LoraConfig(rank=2, alpha=4.0, train_mlp=False))
+    out = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="org/base")
+
+    config = json.loads((out / ADAPTER_CONFIG_FILE).read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"]) == (2, 4.0)
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+    assert config["base_model_name_or_path"] == "org/base"
+    assert (config["lora_dropout"], config["bias"], config["fan_in_fan_out"]) == (
+        0.0,
+        "none",
+        False,
+    )
+    with safe_open(str(out / ADAPTER_WEIGHTS_FILE), framework="pt") as handle:
+        keys = set(handle.keys())
+        q_A = handle.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
+    assert "base_model.model.lm_head.lora_B.weight" in keys
+    assert len(keys) == 2 * 5
+    assert torch.equal(q_A, model.blocks[0].attention.wq.lora_A)
+
+    with pytest.raises(FileExistsError, match="overwrite"):
+        save_peft_adapter(model, out, base_model_name_or_path="org/base")
+
+
+def test_saving_a_model_without_adapters_raises(tmp_path):
+    save_hf(tiny_hf_qwen3(num_layers=1), tmp_path / "base")
+    model = load_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="apply_lora"):
+        save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="x")
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path, tie):
+    from transformers import AutoModelForCausalLM
+
+    save_hf(tiny_hf_qwen3(tie=tie, seed=4), tmp_path / "base")
+    model = _lora_model(tmp_path / "base", LoraConfig(rank=4, alpha=8.0))
+    save_merged_pretrained(model, tmp_path / "merged")
+
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is (
+        False
+    )
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
+    tokens_BT = _tokens()
+    with torch.no_grad():
+        expected_BTV = model(tokens_BT)
+        actual_BTV = reloaded(input_ids=tokens_BT).logits
+        temper_BTV = load_pretrained(tmp_path / "merged")(tokens_BT)
+    torch.testing.assert_close(actual_BTV, expected_BTV, rtol=0, atol=1e-5)
+    torch.testing.assert_close(temper_BTV, expected_BTV, rtol=0, atol=1e-5)
