@@ -86,13 +86,15 @@ def prepare(
     return prepared
 
 
-def _check_ids(tokens: Sequence[int], *, where: str, vocab_size: int) -> None:
-    for position, token in enumerate(tokens):
-        if not 0 <= token < vocab_size:
-            raise ValueError(
-                f"{where}: token {token} at position {position} is outside the vocabulary; "
-                f"valid ids are 0..{vocab_size - 1}"
-            )
+def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: int) -> None:
+    ids = torch.as_tensor(tokens)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{where}: token {int(ids[position])} at position {position} is outside the "
+            f"vocabulary; valid ids are 0..{vocab_size - 1}"
+        )
 
 
 def _checked_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tensor:

@@ -4,9 +4,9 @@ Shapes: N tokens (batch and time flattened), D model dim, V vocab, B batch, T ti
 
 The trainer and the sampler's `score()` both call `target_logprobs`, so their logprobs are
 bitwise equal when given the same hidden states. Rows are processed in chunks sized so one
-chunk of fp32 logits fits `chunk_bytes`; the backward pass recomputes each chunk's logits from
-the saved hidden states and log-normalizers instead of keeping them, so peak memory is one
-chunk in both directions.
+chunk of fp32 logits fits `chunk_bytes`; with several chunks the backward pass recomputes each
+chunk's logits from the saved hidden states and log-normalizers instead of keeping them, so
+peak memory is one chunk in both directions (a lone chunk's logits are simply kept).
 
 Numerics: logits are produced in the weights' dtype (as an `nn.Linear` unembedding would) and
 the softmax runs in fp32. With a temperature, the distribution is softmax(logits / temperature),
@@ -44,6 +44,10 @@ class _TargetLogprobs(torch.autograd.Function):
             lse_N[rows] = torch.logsumexp(logits_NV, dim=-1)
             target_logits_N = logits_NV.gather(-1, targets_N[rows, None]).squeeze(-1)
             logprobs_N[rows] = target_logits_N - lse_N[rows]
+        # A single chunk fits the memory budget by construction: keep its logits for backward
+        # instead of recomputing them (saves a [N, D] x [D, V] matmul). Without a backward
+        # (no_grad), autograd drops ctx right away.
+        ctx.saved_logits = logits_NV if 0 < num_tokens <= chunk_rows else None
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
@@ -62,7 +66,9 @@ class _TargetLogprobs(torch.autograd.Function):
         )
         for start in range(0, hidden_ND.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
+            logits_NV = ctx.saved_logits
+            if logits_NV is None:
+                logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
             grad_N1 = grad_logprobs_N[rows, None].float()
             # d logprob(target) / d logits = onehot(target) - softmax, times 1/temperature.
             grad_logits_NV = torch.exp(logits_NV - lse_N[rows, None]).mul_(-grad_N1)
