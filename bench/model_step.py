@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 
 import torch
+from timing import median_seconds
 
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import target_logprobs
-
-
-def _median_seconds(fn, *, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -81,8 +70,8 @@ def main() -> None:
         ("forward", (ours_forward, hf_forward)),
         ("train", (ours_train, hf_train)),
     ]:
-        ours_s = _median_seconds(fn[0], repeats=args.repeats)
-        hf_s = _median_seconds(fn[1], repeats=args.repeats)
+        ours_s = median_seconds(fn[0], repeats=args.repeats)
+        hf_s = median_seconds(fn[1], repeats=args.repeats)
         results[f"{name}_tokens_per_s"] = round(num_tokens / ours_s)
         results[f"{name}_hf_tokens_per_s"] = round(num_tokens / hf_s)
         results[f"{name}_speedup_vs_hf"] = round(hf_s / ours_s, 3)

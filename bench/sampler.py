@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
@@ -40,14 +39,7 @@ def copy_bandwidth(*, device: torch.device, nbytes: int = 2**30, repeats: int = 
     """Bytes per second moved by a large tensor copy (read + write both counted)."""
     source = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1)
     target = torch.empty_like(source)
-    times = []
-    for _ in range(repeats + 1):
-        _sync(device)
-        start = time.perf_counter()
-        target.copy_(source)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times[1:])
+    return 2 * nbytes / median_seconds(lambda: target.copy_(source), repeats=repeats, device=device)
 
 
 def linear_bandwidth(config, *, batch: int, dtype: torch.dtype, device: torch.device) -> float:
@@ -61,21 +53,8 @@ def linear_bandwidth(config, *, batch: int, dtype: torch.dtype, device: torch.de
     return weight.numel() * weight.element_size() / seconds
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _median_tokens_per_s(fn, *, num_tokens: int, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return num_tokens / statistics.median(times)
+    return num_tokens / median_seconds(fn, repeats=repeats, device=device)
 
 
 def _compare(

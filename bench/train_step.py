@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timing import median_seconds
 
 from temper.api import AdamParams, Datum, ModelInput
 from temper.checkpoint.hf import load_pretrained, save_pretrained
@@ -25,20 +24,6 @@ from temper.models import materialize, qwen3_size
 from temper.trainer import TrainerEngine
 
 ADAM = AdamParams(learning_rate=1e-4, weight_decay=0.0)
-
-
-def _median_seconds(fn, *, repeats: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _models(size: str, *, vocab: int, dtype: torch.dtype, device: torch.device):
@@ -84,8 +69,8 @@ def compare(*, size: str, vocab: int, batch: int, seq: int, repeats: int) -> dic
         hf_optimizer.zero_grad(set_to_none=True)
 
     num_tokens = batch * seq
-    ours_s = _median_seconds(temper_step, repeats=repeats, device=device)
-    hf_s = _median_seconds(hf_step, repeats=repeats, device=device)
+    ours_s = median_seconds(temper_step, repeats=repeats, device=device)
+    hf_s = median_seconds(hf_step, repeats=repeats, device=device)
     return {
         "model": size,
         "vocab": vocab,
@@ -118,7 +103,7 @@ def cuda_mfu(*, repeats: int) -> dict:
         engine.forward_backward(data, "cross_entropy")
         engine.optim_step(ADAM)
 
-    seconds = _median_seconds(step, repeats=repeats, device=device)
+    seconds = median_seconds(step, repeats=repeats, device=device)
     # 6 N per token for the matmuls, plus attention: 12 * layers * dim * seq per token.
     flops_per_token = 6 * config.num_params + 12 * config.num_layers * config.dim * seq
     achieved = flops_per_token * batch * seq / seconds
