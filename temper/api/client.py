@@ -423,7 +423,8 @@ class SamplingClient:
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
         )
-        return self._worker.submit(self._generate, request)
+        # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
+        return self._worker.submit_batched(self, request, self._generate)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """Logprob of each prompt token given the ones before it (None for the first)."""
@@ -444,9 +445,9 @@ class SamplingClient:
     async def compute_logprobs_async(self, *args: Any, **kwargs: Any) -> APIFuture:
         return self.compute_logprobs(*args, **kwargs)
 
-    def _generate(self, request: SampleRequest) -> SampleResponse:
+    def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
         self._check_fresh()
-        return self.engine.generate([request])[0]
+        return self.engine.generate(requests)
 
     def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
         self._check_fresh()

@@ -2,13 +2,19 @@
 
 Each training model runs its requests on one worker thread, in submission order (Tinker's
 ordering contract); a future resolves when its request has run.
+
+Requests that batch well (sampling) can be coalesced: everything submitted with the same key
+between two ordinary calls runs as one batch, at the position of the first of them. An
+ordinary call (a training step) starts a new epoch, so a sample submitted after an optimizer
+step is never answered with the weights from before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Callable, Generator
+import threading
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -38,9 +44,47 @@ class Worker:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name
         )
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._pending: dict[tuple[Hashable, int], list[tuple[Any, concurrent.futures.Future]]] = {}
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> APIFuture[T]:
-        return APIFuture(self._executor.submit(fn, *args, **kwargs))
+        with self._lock:
+            self._epoch += 1
+            return APIFuture(self._executor.submit(fn, *args, **kwargs))
+
+    def submit_batched(
+        self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], list[Any]]
+    ) -> APIFuture:
+        """Queue `item`; items with the same key in the same epoch run in one `run_batch`."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            slot = (key, self._epoch)
+            batch = self._pending.setdefault(slot, [])
+            batch.append((item, future))
+            if len(batch) == 1:
+                self._executor.submit(self._flush, slot, run_batch)
+        return APIFuture(future)
+
+    def _flush(self, slot: tuple[Hashable, int], run_batch: Callable) -> None:
+        with self._lock:
+            batch = self._pending.pop(slot)
+        try:
+            results = run_batch([item for item, _ in batch])
+        except Exception:
+            # One bad item must not fail the others: run them one at a time for exact answers.
+            for item, future in batch:
+                _settle(future, run_batch, item)
+            return
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+def _settle(future: concurrent.futures.Future, run_batch: Callable, item: Any) -> None:
+    try:
+        future.set_result(run_batch([item])[0])
+    except Exception as error:
+        future.set_exception(error)

@@ -190,3 +190,28 @@ def test_bad_names_and_paths_are_refused(service):
         client.save_state("once").result()
     with pytest.raises(ValueError, match="exactly one of model_path, base_model"):
         service.create_sampling_client()
+
+
+def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, monkeypatch):
+    client = service.create_training_client("tiny")
+    data = _data(client.get_tokenizer())
+    sampler = client.save_weights_and_get_sampling_client()
+    calls = []
+    original = sampler.engine.generate
+    monkeypatch.setattr(
+        sampler.engine,
+        "generate",
+        lambda requests: (calls.append(len(requests)), original(requests))[1],
+    )
+    blocker = client.forward(data, "cross_entropy")  # keeps the worker busy while we submit
+    params = SamplingParams(max_tokens=2, temperature=0)
+    prompts = [ModelInput.from_ints([1 + i, 2]) for i in range(5)]
+    futures = [sampler.sample(p, 2, params) for p in prompts]
+    blocker.result()
+    assert [len(f.result().sequences) for f in futures] == [2] * 5
+    assert calls == [5]
+    bad = sampler.sample(ModelInput.from_ints([10_000]), 1, params)
+    good = sampler.sample(prompts[0], 1, params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bad.result()
+    assert good.result().sequences[0].tokens
