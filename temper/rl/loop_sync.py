@@ -169,8 +169,9 @@ class RLJob(Configurable):
                         "last RL step": rewards[-1] if rewards else "-",
                     },
                 },
-                title=f"done: plots in {plots[0].parent}, weights at {sampler_path}",
+                title="GRPO done",
             )
+            logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
         return RLResult(
             warmup_accuracy=warmup_accuracy,
             final_accuracy=final_accuracy,
