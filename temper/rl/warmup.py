@@ -7,7 +7,6 @@ the model to the RL loop. Learning rate: linear warm-up, then cosine decay to 10
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from temper.api.types import AdamParams
 from temper.config.configurable import Configurable
 from temper.rl.env import Task
 from temper.rl.rollout import supervised_datum
+from temper.trainer.schedule import warmup_cosine
 
 
 class SFTWarmup(Configurable):
@@ -43,11 +43,8 @@ class SFTWarmup(Configurable):
 
     def learning_rate(self, step: int) -> float:
         config = self.config
-        if step < config.warmup_steps:
-            return config.learning_rate * (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return config.learning_rate * (0.1 + 0.9 * cosine)
+        factor = warmup_cosine(step, warmup_steps=config.warmup_steps, total_steps=config.steps)
+        return config.learning_rate * factor
 
     def run(
         self,

@@ -22,9 +22,11 @@ from temper.config.configurable import Configurable
 from temper.models.base_model import BaseModel
 from temper.models.common.logprobs import forward_logprobs
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
+from temper.rl.evaluation import heldout_problems
 from temper.rl.tasks import Problem, SumDigits
 from temper.sampler import SamplerEngine, SampleRequest
 from temper.sft.batches import TokenBatch, completion_batch
+from temper.trainer.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,7 @@ class SFTJob(Configurable):
         # The engine reads the training module itself, so it always sees the current weights.
         engine = config.sampler.build(model=model, tokenizer=tokenizer)
         rng = random.Random(config.seed)
-        heldout = [
-            task.sample(random.Random(f"heldout-{i}"), split="heldout")
-            for i in range(config.eval_problems)
-        ]
+        heldout = heldout_problems(task, count=config.eval_problems)
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=config.learning_rate,
@@ -152,11 +151,8 @@ class SFTJob(Configurable):
         )
 
     def _lr_factor(self, step: int) -> float:
-        warmup, total = self.config.warmup_steps, self.config.steps
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        config = self.config
+        return warmup_cosine(step, warmup_steps=config.warmup_steps, total_steps=config.steps)
 
     @staticmethod
     def _batch(problems: list[Problem], tokenizer) -> TokenBatch:
