@@ -101,7 +101,10 @@ class ServiceClient:
         train_attn: bool = True,
         train_unembed: bool = True,
         user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
     ) -> TrainingClient:
+        """`run_id` names the run (and its `tinker://<run_id>/...` paths); default: random."""
         lora = LoraConfig(
             rank=rank,
             seed=0 if seed is None else seed,
@@ -109,20 +112,32 @@ class ServiceClient:
             train_attn=train_attn,
             train_unembed=train_unembed,
         )
-        return self._new_training_client(base_model, lora=lora, user_metadata=user_metadata)
+        return self._new_training_client(
+            base_model, lora=lora, user_metadata=user_metadata, run_id=run_id
+        )
 
     def create_training_client(
-        self, base_model: str, user_metadata: Mapping[str, str] | None = None
+        self,
+        base_model: str,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
     ) -> TrainingClient:
         """Full fine-tuning (every parameter trains); an addition to Tinker's API."""
-        return self._new_training_client(base_model, lora=None, user_metadata=user_metadata)
+        return self._new_training_client(
+            base_model, lora=None, user_metadata=user_metadata, run_id=run_id
+        )
 
-    def create_training_client_from_state(self, path: str) -> TrainingClient:
+    def create_training_client_from_state(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingClient:
         """A new training client with the weights of a `save_state` checkpoint (fresh optimizer)."""
-        return self._from_state(path, with_optimizer=False)
+        return self._from_state(path, with_optimizer=False, run_id=run_id)
 
-    def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient:
-        return self._from_state(path, with_optimizer=True)
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingClient:
+        return self._from_state(path, with_optimizer=True, run_id=run_id)
 
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
@@ -175,7 +190,9 @@ class ServiceClient:
             tokenizer=base.tokenizer,
         )
 
-    def _from_state(self, path: str, *, with_optimizer: bool) -> TrainingClient:
+    def _from_state(
+        self, path: str, *, with_optimizer: bool, run_id: str | None = None
+    ) -> TrainingClient:
         parsed, _ = self.storage.existing(path)
         if parsed.kind != "weights":
             raise ValueError(
@@ -184,7 +201,7 @@ class ServiceClient:
         run = self.storage.read_run(parsed.run_id)
         lora = None if run["lora"] is None else LoraConfig(**run["lora"])
         client = self._new_training_client(
-            run["base_model"], lora=lora, user_metadata=run.get("user_metadata")
+            run["base_model"], lora=lora, user_metadata=run.get("user_metadata"), run_id=run_id
         )
         client._load_state(parsed, with_optimizer=with_optimizer)
         return client
@@ -413,6 +430,7 @@ class SamplingClient:
         sampling_params: SamplingParams | None = None,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
     ) -> APIFuture[SampleResponse]:
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
@@ -422,6 +440,7 @@ class SamplingClient:
             num_samples=num_samples,
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
         )
         # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
         return self._worker.submit_batched(self, request, self._generate)
