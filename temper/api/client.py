@@ -3,21 +3,28 @@
 The same verbs and return types as the `tinker` SDK, run in this process: every call returns
 an `APIFuture` (`.result()`, or `await`), `*_async` variants return the future from a
 coroutine, and the requests of one training model run in submission order on one worker
-thread. Sampling clients made from a training client run on that same worker, so a sample
-never sees weights in the middle of an optimizer step.
+thread. Sampling clients made from a training client run on a second worker, so sampling
+overlaps training calls (an asynchronous RL loop samples the next batch meanwhile).
 
-Weight sync: `save_weights_and_get_sampling_client()` serves the current policy version. With
-full fine-tuning the sampler reads the trainer's parameters directly (no copy); with LoRA the
-adapters are merged into the sampler's own copy in memory (nothing is written to disk). A
-sampling client whose version the trainer has moved past raises instead of silently sampling
-from newer weights.
+Weight sync: `save_weights_and_get_sampling_client()` serves the current policy version, and a
+sampling client is a snapshot of that version for as long as it lives. With full fine-tuning
+the sampler reads the trainer's parameters directly (no copy); with LoRA the adapters are merged
+into the sampler's own copy in memory (nothing is written to disk). Copy-on-write keeps older
+clients valid: a lock keeps the trainer from changing weights while a sampler reads them, and
+just before the weights change (optim_step, load_state; for LoRA, the next merge) every client
+of the current weights that is still alive gets them for itself (full fine-tuning: one private
+copy, shared by those clients; LoRA: the old merged copy, while the trainer merges into a new
+one). A loop that drops its sampling client before the next optimizer step never copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import uuid
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +50,7 @@ from temper.api.weights import (
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
 from temper.trainer.engine import CustomLossFn, TrainerEngine
@@ -224,6 +232,17 @@ class TrainingClient:
         self.tokenizer = tokenizer
         self._worker = Worker(f"temper-{run_id}")
         self._sampler: SamplerEngine | None = None
+        # Sampling clients run here; the thread starts now, because a thread started by the
+        # first sample() would take that request alone instead of batching it with the rest.
+        self._sampler_worker = Worker(f"temper-{run_id}-sampler")
+        self._sampler_worker.submit(lambda: None).result()
+        # Held while the trainer changes weights and while a sampler reads shared weights.
+        self._weights_lock = threading.Lock()
+        self._weights_generation = 0  # bumped by every change of the weights
+        self._synced_generation = -1  # the generation self._sampler holds
+        self._sharing: weakref.WeakSet[SamplingClient] = weakref.WeakSet()
+        self.num_sampler_snapshots = 0
+        """Times live sampling clients were given the old weights before a change."""
 
     # -- training ---------------------------------------------------------------------------
 
@@ -251,7 +270,7 @@ class TrainingClient:
         return self._worker.submit(self.engine.forward_backward_custom, list(data), loss_fn)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
-        return self._worker.submit(self.engine.optim_step, adam_params)
+        return self._worker.submit(self._optim_step, adam_params)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -278,13 +297,7 @@ class TrainingClient:
         """A sampling client on the current weights (no disk write unless `name` is given)."""
         if name is not None:
             self.save_weights_for_sampler(name).result()
-        version = self._worker.submit(self._sync_sampler).result()
-        return SamplingClient(
-            engine=self._sampler,
-            worker=self._worker,
-            tokenizer=self.tokenizer,
-            owner=(self, version),
-        )
+        return self._worker.submit(self._new_sampling_client).result()
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
         return self.service.create_sampling_client(model_path=model_path)
@@ -357,16 +370,17 @@ class TrainingClient:
                 f"but this client trains {self.base_model!r} with LoRA {ours}"
             )
         engine = self.engine
-        engine.zero_grad()
-        if not with_optimizer:
-            engine.reset_optimizer()
-        metadata = load_train_state(
-            self.service.storage.directory(path),
-            model=engine.model,
-            optimizer=engine.optimizer.torch_optimizer if with_optimizer else None,
-            trainable_only=engine.lora is not None,
-        )
-        engine.policy_version = int(metadata["policy_version"])
+        with self._changing_weights():
+            engine.zero_grad()
+            if not with_optimizer:
+                engine.reset_optimizer()
+            metadata = load_train_state(
+                self.service.storage.directory(path),
+                model=engine.model,
+                optimizer=engine.optimizer.torch_optimizer if with_optimizer else None,
+                trainable_only=engine.lora is not None,
+            )
+            engine.policy_version = int(metadata["policy_version"])
         return LoadWeightsResponse(path=str(path))
 
     def _save_sampler_weights(self, path: CheckpointPath) -> SaveWeightsResponse:
@@ -379,34 +393,73 @@ class TrainingClient:
         )
         return SaveWeightsResponse(path=str(path))
 
-    def _sync_sampler(self) -> int:
-        """Point the sampler at the current policy version; returns it."""
-        engine, version = self.engine, self.engine.policy_version
-        if self._sampler is not None and self._sampler.version == version:
-            return version
-        if self._sampler is None:
-            self._sampler = self.service.sampler_config.build(
-                model=sampler_model(engine.model, lora=engine.lora), tokenizer=self.tokenizer
-            )
-        self._sampler.update_weights(
-            sampler_update(engine.model, lora=engine.lora), version=version
-        )
-        return version
+    def _optim_step(self, params: AdamParams) -> OptimStepResponse:
+        with self._changing_weights():
+            return self.engine.optim_step(params)
 
-    def _check_fresh(self, version: int) -> None:
-        if self._sampler is None or self._sampler.version != version:
-            raise ValueError(
-                f"this sampling client serves policy version {version}, but the sampler now "
-                f"holds version {self._sampler.version if self._sampler else None}; call "
-                "save_weights_and_get_sampling_client() again for the current weights"
+    @contextlib.contextmanager
+    def _changing_weights(self) -> Iterator[None]:
+        """Around every change of the trainer's weights (on the worker)."""
+        with self._weights_lock:
+            if self.engine.lora is None:
+                # Full fine-tuning samplers read these very tensors: live clients copy first.
+                self._detach_sharing(self._snapshot_engine)
+            try:
+                yield
+            finally:
+                self._weights_generation += 1
+
+    def _new_sampling_client(self) -> SamplingClient:
+        """A client on the current weights (on the worker, so no change slips in between)."""
+        with self._weights_lock:
+            engine, version = self.engine, self.engine.policy_version
+            if self._sampler is None or self._synced_generation != self._weights_generation:
+                if self._sampler is not None and engine.lora is not None:
+                    # The merge below rewrites the sampler's copy: live clients keep the old one.
+                    old_sampler = self._sampler
+                    if self._detach_sharing(lambda: old_sampler):
+                        self._sampler = None
+                if self._sampler is None:
+                    self._sampler = self.service.sampler_config.build(
+                        model=sampler_model(engine.model, lora=engine.lora),
+                        tokenizer=self.tokenizer,
+                    )
+                self._sampler.update_weights(
+                    sampler_update(engine.model, lora=engine.lora), version=version
+                )
+                self._synced_generation = self._weights_generation
+            client = SamplingClient(
+                engine=self._sampler,
+                worker=self._sampler_worker,
+                tokenizer=self.tokenizer,
+                owner=(self, version),
             )
-        if self.engine.lora is None and self.engine.policy_version != version:
-            raise ValueError(
-                f"this sampling client serves policy version {version}, but training has moved "
-                f"to version {self.engine.policy_version} and the sampler shares the trainer's "
-                "weights; call save_weights_and_get_sampling_client() again (or "
-                "save_weights_for_sampler(name) for a lasting snapshot)"
-            )
+            self._sharing.add(client)
+            return client
+
+    def _detach_sharing(self, make_engine: Callable[[], SamplerEngine]) -> bool:
+        """Give the live clients that share the trainer's sampler an engine of their own
+        (`make_engine()`, called only if there are any); returns whether there were."""
+        live = list(self._sharing)
+        self._sharing.clear()
+        if not live:
+            return False
+        engine = make_engine()
+        for client in live:
+            client._detach(engine)
+        self.num_sampler_snapshots += 1
+        return True
+
+    def _snapshot_engine(self) -> SamplerEngine:
+        """A sampler on a private copy of the current (full fine-tuning) weights."""
+        model = self.engine.model
+        parameter = next(model.parameters())
+        copy = materialize(
+            model.config, device=parameter.device, dtype=parameter.dtype, init="empty"
+        )
+        engine = self.service.sampler_config.build(model=copy, tokenizer=self.tokenizer)
+        engine.update_weights(model.state_dict(), version=self.engine.policy_version)
+        return engine
 
 
 class SamplingClient:
@@ -422,6 +475,8 @@ class SamplingClient:
         self.tokenizer = tokenizer
         self._worker = worker
         self._owner = owner
+        # True while `engine` is the training client's own sampler (maybe on its tensors).
+        self._shared = owner is not None
 
     def sample(
         self,
@@ -465,16 +520,24 @@ class SamplingClient:
         return self.compute_logprobs(*args, **kwargs)
 
     def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        self._check_fresh()
-        return self.engine.generate(requests)
+        with self._reading() as engine:
+            return engine.generate(requests)
 
     def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
-        self._check_fresh()
         if len(tokens) < 2:
             return [None] * len(tokens)
-        return [None, *self.engine.score([tokens])[0].tolist()]
+        with self._reading() as engine:
+            return [None, *engine.score([tokens])[0].tolist()]
 
-    def _check_fresh(self) -> None:
-        if self._owner is not None:
-            training_client, version = self._owner
-            training_client._check_fresh(version)
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[SamplerEngine]:
+        """The engine to use; weights shared with a trainer are held against changes."""
+        if not self._shared:  # a detached client never shares again
+            yield self.engine
+            return
+        with self._owner[0]._weights_lock:
+            yield self.engine
+
+    def _detach(self, engine: SamplerEngine) -> None:
+        """Serve the same version from `engine` from now on (under the owner's lock)."""
+        self.engine, self._shared = engine, False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -104,7 +105,7 @@ def test_load_state_without_optimizer_resets_moments(service):
     assert not fresh.engine.optimizer.torch_optimizer.state
 
 
-def test_full_fine_tuning_sampler_shares_weights_and_refuses_stale_use(service):
+def test_full_fine_tuning_sampler_shares_weights_until_they_change(service):
     client = service.create_training_client("tiny")
     data = _data(client.get_tokenizer())
     _train(client, data, 3)
@@ -112,12 +113,13 @@ def test_full_fine_tuning_sampler_shares_weights_and_refuses_stale_use(service):
     assert sampler.engine.model is client.engine.model  # no copy
     prompt = ModelInput.from_ints(data[0].model_input.to_ints()[:3])
     params = SamplingParams(max_tokens=3, temperature=0)
-    assert len(sampler.sample(prompt, 2, params).result().sequences) == 2
-    _train(client, data, 1)
-    with pytest.raises(ValueError, match="training has moved to version"):
-        sampler.sample(prompt, 1, params).result()
+    before = sampler.sample(prompt, 2, params).result().sequences
+    _train(client, data, 1)  # the live client keeps its version (copy-on-write)
+    assert sampler.sample(prompt, 2, params).result().sequences == before
+    assert sampler.version == 3 and client.num_sampler_snapshots == 1
     fresh = client.save_weights_and_get_sampling_client()
-    assert fresh.version == client.engine.policy_version
+    assert fresh.version == client.engine.policy_version == 4
+    assert fresh.engine.model is client.engine.model
     assert not (service.storage.root / client.model_id / "sampler_weights").exists()
 
 
@@ -194,7 +196,6 @@ def test_bad_names_and_paths_are_refused(service):
 
 def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, monkeypatch):
     client = service.create_training_client("tiny")
-    data = _data(client.get_tokenizer())
     sampler = client.save_weights_and_get_sampling_client()
     calls = []
     original = sampler.engine.generate
@@ -203,10 +204,12 @@ def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, 
         "generate",
         lambda requests: (calls.append(len(requests)), original(requests))[1],
     )
-    blocker = client.forward(data, "cross_entropy")  # keeps the worker busy while we submit
+    release = threading.Event()
+    blocker = sampler._worker.submit(release.wait)  # keeps the sampler busy while we submit
     params = SamplingParams(max_tokens=2, temperature=0)
     prompts = [ModelInput.from_ints([1 + i, 2]) for i in range(5)]
     futures = [sampler.sample(p, 2, params) for p in prompts]
+    release.set()
     blocker.result()
     assert [len(f.result().sequences) for f in futures] == [2] * 5
     assert calls == [5]
