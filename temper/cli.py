@@ -22,6 +22,7 @@ import tyro
 
 from temper.commands import model_dir, plot
 from temper.commands import sample as sample_command
+from temper.commands import serve as serve_command
 from temper.config import cli as config_cli
 from temper.config import recipes, serialize
 
@@ -48,6 +49,10 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
         "init-model": function_command(model_dir.init_model, name="init-model"),
         "plot": function_command(plot.plot, name="plot"),
         "sample": function_command(sample_command.sample, name="sample"),
+        "serve": Command(
+            description="Serve a model over the Tinker HTTP API (needs the server extra).",
+            run=serve_command.serve,
+        ),
     }
 
 

@@ -1,0 +1,114 @@
+"""The seam between a front end (the HTTP server) and whatever runs the Tinker verbs.
+
+Three small Protocols mirror the Tinker API one for one. The in-process clients of
+`temper.api.client` satisfy them (a test pins that), and `temper.server` calls nothing else on
+them, so another backend (a pool of GPU workers, a remote trainer) can sit behind the same
+server by implementing these verbs.
+
+Every verb returns an `APIFuture` except the ones Tinker also makes synchronous: creating
+clients, `save_weights_and_get_sampling_client`, `get_info` and `get_tokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from temper.api.futures import APIFuture
+from temper.api.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    LoadWeightsResponse,
+    ModelInput,
+    OptimStepResponse,
+    SampleResponse,
+    SamplingParams,
+    SaveWeightsResponse,
+)
+
+
+@runtime_checkable
+class SamplingBackend(Protocol):
+    def sample(
+        self,
+        prompt: ModelInput,
+        num_samples: int = 1,
+        sampling_params: SamplingParams | None = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]: ...
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]: ...
+
+
+@runtime_checkable
+class TrainingBackend(Protocol):
+    model_id: str
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]: ...
+
+    def save_state(self, name: str, overwrite: bool = False) -> APIFuture[SaveWeightsResponse]: ...
+
+    def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]: ...
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]: ...
+
+    def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]: ...
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingBackend: ...
+
+    def get_info(self) -> Any: ...
+
+    def get_tokenizer(self) -> Any: ...
+
+
+@runtime_checkable
+class ServiceBackend(Protocol):
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
+    ) -> TrainingBackend: ...
+
+    def create_training_client(
+        self,
+        base_model: str,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
+    ) -> TrainingBackend: ...
+
+    def create_training_client_from_state(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingBackend: ...
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingBackend: ...
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingBackend: ...

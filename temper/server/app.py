@@ -1,0 +1,129 @@
+"""The FastAPI app: client config, sessions, telemetry, errors, and the route modules.
+
+Routes are thin: they validate, queue a backend call and answer with a future (see
+scheduler.py). Every rejection is a 4xx with a JSON body `{"detail", "category"}`; the server
+keeps serving after any bad request. Client config turns off the SDK features a local server
+does not need (JWT exchange, parallel forward/backward chunks, server-side custom losses).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from tinker import types as tinker_types
+
+from temper.server.errors import USER_ERRORS, RequestError, error_body
+from temper.server.responses import json_response
+from temper.server.runs_routes import runs_router
+from temper.server.sampling_routes import sampling_router
+from temper.server.security import key_checker
+from temper.server.server import Session, TemperServer
+from temper.server.storage import new_session_id
+from temper.server.training_routes import training_router
+
+log = logging.getLogger("temper.server")
+
+CLIENT_CONFIG = tinker_types.ClientConfigResponse(
+    pjwt_auth_enabled=False,
+    # One chunk at a time: arrival order is then submission order for a model's requests.
+    parallel_fwdbwd_chunks=False,
+    proto_compress_fwdbwd=False,
+    sample_use_retrieve_futures=False,
+    custom_loss_server_side=False,
+    sample_join_sampling_session=False,
+    sample_max_concurrent_requests=256,
+)
+
+
+def create_app(server: TemperServer) -> FastAPI:
+    app = FastAPI(
+        title="Temper (Tinker-compatible)",
+        dependencies=[Depends(key_checker(server.config.api_key))],
+    )
+    app.state.server = server
+    _add_error_handlers(app)
+    app.include_router(_session_router(server))
+    app.include_router(training_router(server))
+    app.include_router(sampling_router(server))
+    app.include_router(runs_router(server))
+    return app
+
+
+def _session_router(server: TemperServer):
+    from fastapi import APIRouter
+
+    router = APIRouter(prefix="/api/v1")
+
+    @router.post("/client/config")
+    async def client_config() -> Response:
+        return json_response(CLIENT_CONFIG)
+
+    @router.post("/client/dynamic_config")
+    async def dynamic_config() -> Response:
+        return json_response(tinker_types.ClientDynamicConfigResponse(refresh_interval_sec=300))
+
+    @router.post("/create_session")
+    async def create_session(body: tinker_types.CreateSessionRequest) -> Response:
+        session_id = new_session_id()
+        server.sessions[session_id] = Session(session_id=session_id)
+        log.info("session %s (sdk %s)", session_id, body.sdk_version)
+        return json_response(
+            tinker_types.CreateSessionResponse(
+                session_id=session_id,
+                info_message=f"Temper serving {server.model_name}",
+            )
+        )
+
+    @router.post("/session_heartbeat")
+    async def heartbeat(body: tinker_types.SessionHeartbeatRequest) -> Response:
+        if body.session_id not in server.sessions:
+            # 410 tells the SDK the session is over (e.g. the server restarted).
+            return JSONResponse(error_body("session is gone"), status_code=410)
+        return json_response(tinker_types.SessionHeartbeatResponse())
+
+    @router.post("/sessions/{session_id}/finish")
+    async def finish(session_id: str) -> Response:
+        server.finish_session(session_id)
+        return Response(status_code=204)
+
+    @router.post("/telemetry")
+    async def telemetry() -> Response:
+        return json_response(tinker_types.TelemetryResponse(status="accepted"))
+
+    @router.get("/healthz")
+    async def healthz() -> Response:
+        return json_response(tinker_types.HealthResponse(status="ok"))
+
+    return router
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, error: RequestError) -> JSONResponse:
+        return JSONResponse(error_body(error.message), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        return JSONResponse(error_body(f"malformed request: {problems}"), status_code=400)
+
+    async def user_error(_: Request, error: Exception) -> JSONResponse:
+        # Bad input the backend found while the route ran (e.g. a checkpoint that does not
+        # match the served model): the caller's fault, not a retryable server error.
+        return JSONResponse(error_body(f"{type(error).__name__}: {error}"), status_code=400)
+
+    for error_type in USER_ERRORS:
+        app.add_exception_handler(error_type, user_error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(
+            error_body(f"{type(error).__name__}: {error}", category="server"), status_code=500
+        )

@@ -1,0 +1,113 @@
+"""Sampling routes (create_sampling_session, samplers/{id}, asample) and retrieve_future.
+
+A sampling session is a handle on one backend sampling client. Sessions on the base model
+share one client, as do sessions on the same sampler checkpoint; each
+`save_weights_and_get_sampling_client` makes its own (see training_routes). Concurrent
+samples on one client decode together in one batch (the backend batches them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response
+from tinker import types as tinker_types
+from tinker.types.try_again_response import TryAgainResponse
+
+from temper.server import wire
+from temper.server.errors import BadRequest
+from temper.server.responses import future_response, json_response, protobuf_answer
+from temper.server.server import SamplingSession, TemperServer
+from temper.server.storage import new_sampling_session_id
+from temper.server.validation import check_prompt
+
+
+def sampling_router(server: TemperServer) -> APIRouter:
+    router = APIRouter(prefix="/api/v1")
+
+    @router.post("/create_sampling_session")
+    async def create_sampling_session(
+        body: tinker_types.CreateSamplingSessionRequest,
+    ) -> Response:
+        server.session(body.session_id)
+        backend = server.backend
+        if body.model_path is not None:
+            path = server.catalog.parse(body.model_path, kind="sampler_weights")
+            base = server.base_model(server.catalog.run(path.run_id)["base_model"])
+            model_path = str(path)
+            client = await asyncio.to_thread(
+                server.shared_sampler,
+                model_path,
+                lambda: backend.create_sampling_client(model_path=model_path),
+            )
+        elif body.base_model is not None:
+            base, model_path = server.base_model(body.base_model), None
+            client = await asyncio.to_thread(
+                server.shared_sampler, base, lambda: backend.create_sampling_client(base_model=base)
+            )
+        else:
+            raise BadRequest("create_sampling_session needs model_path or base_model")
+        sampling = SamplingSession(
+            sampling_session_id=new_sampling_session_id(),
+            client=client,
+            base_model=base,
+            model_path=model_path,
+        )
+        server.add_sampling_session(body.session_id, sampling)
+        return json_response(
+            tinker_types.CreateSamplingSessionResponse(
+                sampling_session_id=sampling.sampling_session_id
+            )
+        )
+
+    @router.get("/samplers/{sampling_session_id}")
+    async def get_sampler(sampling_session_id: str) -> Response:
+        sampling = server.sampling_session(sampling_session_id)
+        return json_response(
+            tinker_types.GetSamplerResponse(
+                sampler_id=sampling.sampling_session_id,
+                base_model=sampling.base_model,
+                model_path=sampling.model_path,
+            )
+        )
+
+    @router.post("/asample")
+    async def asample(body: tinker_types.SampleRequest) -> Response:
+        if body.sampling_session_id is None:
+            raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
+        sampling = server.sampling_session(body.sampling_session_id)
+        call = wire.decode_sample(body)
+        check_prompt(call.prompt, num_samples=call.num_samples, limits=server.limits)
+        prompt_length = call.prompt.length
+
+        def run():
+            return sampling.client.sample(
+                call.prompt,
+                call.num_samples,
+                call.params,
+                include_prompt_logprobs=call.prompt_logprobs,
+                topk_prompt_logprobs=call.topk_prompt_logprobs,
+                topk_sample_logprobs=call.topk_sample_logprobs,
+            )
+
+        key = None if body.seq_id is None else (sampling.sampling_session_id, body.seq_id)
+        request_id = server.scheduler.submit(
+            run,
+            encode=lambda result: protobuf_answer(
+                wire.encode_sample_response(result, call=call, prompt_length=prompt_length)
+            ),
+            key=key,
+        )
+        sequence_ids = [f"{request_id}-{index}" for index in range(call.num_samples)]
+        return future_response(request_id, sample_sequence_ids=sequence_ids)
+
+    @router.post("/retrieve_future")
+    async def retrieve_future(body: tinker_types.FutureRetrieveRequest) -> Response:
+        answer = await server.scheduler.retrieve(
+            body.request_id, timeout=server.config.poll_seconds
+        )
+        if answer is None:
+            return json_response(TryAgainResponse(request_id=body.request_id, queue_state="active"))
+        return Response(answer.content, media_type=answer.media_type)
+
+    return router

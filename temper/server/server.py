@@ -1,0 +1,216 @@
+"""The server's state: its config, the backend, and who holds which model and sampler.
+
+One `ServiceBackend` (by default the in-process `temper.ServiceClient`) serves every client.
+Each Tinker training model is one backend `TrainingClient` (its own LoRA adapters or, with
+`fine_tuning="full"`, its own full copy, and its own optimizer state), named by the Tinker
+model id, which is also its run id on disk. Sampling sessions map onto backend sampling
+clients: one shared client per base model and per sampler checkpoint, one per
+`save_weights_and_get_sampling_client` call. Sessions own their models and sampling sessions;
+finishing a session releases them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
+from temper.checkpoint.hf import read_hf_config
+from temper.checkpoint.storage import CheckpointStorage
+from temper.config.configurable import Configurable
+from temper.models.registry import family
+from temper.sampler.engine import SamplerEngine
+from temper.server.errors import NotFound
+from temper.server.scheduler import Scheduler
+from temper.server.storage import CheckpointCatalog
+from temper.trainer.engine import TrainerEngine
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLimits:
+    vocab_size: int
+    max_seq_len: int
+    """Longest training sequence."""
+    max_sample_len: int
+    """Longest prompt + completion a sampler holds."""
+
+
+@dataclass
+class ServedModel:
+    model_id: str
+    session_id: str
+    is_lora: bool
+    lora_rank: int | None
+    training: TrainingBackend | None = None
+    """Set once the creating request has run on the model's queue."""
+    last_request_time: datetime.datetime = field(default_factory=lambda: _now())
+
+
+@dataclass(frozen=True)
+class SamplingSession:
+    sampling_session_id: str
+    client: SamplingBackend
+    base_model: str
+    model_path: str | None
+
+
+@dataclass
+class Session:
+    session_id: str
+    model_ids: list[str] = field(default_factory=list)
+    sampling_session_ids: list[str] = field(default_factory=list)
+
+
+class TemperServer(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        model: str
+        """HF model directory to serve (`temper init-model DIR` writes a small one)."""
+        host: str = "127.0.0.1"
+        """Address to bind. Any address other than loopback requires --api-key."""
+        port: int = 8000
+        """TCP port."""
+        storage: str = "~/.cache/temper/checkpoints"
+        """Directory that holds checkpoints; tinker:// paths saved here load after a restart."""
+        api_key: str | None = None
+        """Require this X-API-Key (must start with 'tml-', as the tinker SDK checks)."""
+        fine_tuning: Literal["lora", "full"] = "lora"
+        """'lora': create_lora_training_client trains LoRA adapters (Tinker); 'full': it
+        trains every weight instead (the LoRA config is then ignored)."""
+        device: str = "cpu"
+        """Device for models, e.g. 'cpu' or 'cuda'."""
+        dtype: Literal["float32", "bfloat16"] = "float32"
+        """Parameter dtype."""
+        poll_seconds: float = 20.0
+        """Longest hold of a retrieve_future long poll before answering try_again."""
+        result_ttl_s: float = 900.0
+        """How long a finished request's result stays retrievable."""
+        trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
+        sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
+
+        def __post_init__(self) -> None:
+            if not 0 < self.poll_seconds <= 40:
+                raise ValueError(
+                    f"TemperServer.Config.poll_seconds must be in (0, 40] (the SDK times a poll "
+                    f"out at 45 s), got {self.poll_seconds}"
+                )
+            if not 0 <= self.port <= 65535:
+                raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")
+
+    def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
+        self.config = config
+        model_dir = Path(config.model).expanduser()
+        hf_config = read_hf_config(model_dir)
+        decoder = family(hf_config.get("model_type", "qwen3")).config_from_hf(hf_config)
+        self.model_name = str(model_dir.resolve())
+        """The served model's canonical name (its absolute path): get_info's model_name and
+        tokenizer_id, so `get_tokenizer()` loads it offline."""
+        self.model_names = {config.model, self.model_name, model_dir.name, str(model_dir)}
+        self.arch = str(hf_config.get("model_type", "qwen3"))
+        self.limits = ModelLimits(
+            vocab_size=decoder.vocab_size,
+            max_seq_len=decoder.max_seq_len,
+            max_sample_len=min(decoder.max_seq_len, config.sampler.max_seq_len),
+        )
+        storage = CheckpointStorage(config.storage)
+        self.catalog = CheckpointCatalog(storage)
+        if backend is None:
+            from temper.api.client import ServiceClient
+
+            backend = ServiceClient(
+                storage_dir=storage.root,
+                device=config.device,
+                dtype=config.dtype,
+                trainer=config.trainer,
+                sampler=config.sampler,
+            )
+        self.backend = backend
+        self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ServedModel] = {}
+        self.sampling_sessions: dict[str, SamplingSession] = {}
+        self._shared_samplers: dict[str, SamplingBackend] = {}
+        self._shared_lock = threading.Lock()
+
+    # -- lookups (each raises NotFound naming what is unknown) --------------------------------
+
+    def session(self, session_id: str) -> Session:
+        if session_id not in self.sessions:
+            raise NotFound(f"unknown session {session_id!r}; create one with create_session")
+        return self.sessions[session_id]
+
+    def model(self, model_id: str) -> ServedModel:
+        if model_id not in self.models:
+            raise NotFound(f"unknown model id {model_id!r}")
+        served = self.models[model_id]
+        served.last_request_time = _now()
+        return served
+
+    def training(self, served: ServedModel) -> TrainingBackend:
+        """The model's backend client; called on its queue, after the creating request."""
+        if served.training is None:
+            raise NotFound(f"model {served.model_id!r} failed to be created")
+        return served.training
+
+    def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+        if sampling_session_id not in self.sampling_sessions:
+            raise NotFound(f"unknown sampling session {sampling_session_id!r}")
+        return self.sampling_sessions[sampling_session_id]
+
+    def base_model(self, name: str) -> str:
+        """The canonical name of `name` if this server serves it."""
+        if name not in self.model_names:
+            raise NotFound(
+                f"base model {name!r} is not served here; this server serves {self.model_name!r}"
+            )
+        return self.model_name
+
+    # -- registration -----------------------------------------------------------------------
+
+    def add_model(self, served: ServedModel) -> None:
+        self.models[served.model_id] = served
+        self.sessions[served.session_id].model_ids.append(served.model_id)
+
+    def drop_model(self, model_id: str) -> None:
+        self.models.pop(model_id, None)
+        self.scheduler.close_queue(model_id)
+
+    def add_sampling_session(self, session_id: str | None, sampling: SamplingSession) -> None:
+        self.sampling_sessions[sampling.sampling_session_id] = sampling
+        if session_id in self.sessions:
+            self.sessions[session_id].sampling_session_ids.append(sampling.sampling_session_id)
+
+    def shared_sampler(self, key: str, build: Any) -> SamplingBackend:
+        """One backend sampling client per base model / sampler checkpoint (thread-safe)."""
+        with self._shared_lock:
+            if key not in self._shared_samplers:
+                self._shared_samplers[key] = build()
+            return self._shared_samplers[key]
+
+    def forget_sampler(self, key: str) -> None:
+        with self._shared_lock:
+            self._shared_samplers.pop(key, None)
+
+    def finish_session(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        for model_id in session.model_ids:
+            self.drop_model(model_id)
+        for sampling_session_id in session.sampling_session_ids:
+            self.sampling_sessions.pop(sampling_session_id, None)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "fine_tuning": self.config.fine_tuning,
+            "limits": dataclasses.asdict(self.limits),
+        }
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(tz=datetime.UTC)

@@ -1,0 +1,138 @@
+"""Ids the server hands out, and the checkpoint catalog as Tinker's REST types see it.
+
+Checkpoints themselves live in `temper.checkpoint.storage.CheckpointStorage` (the same root
+the backend writes to): `<root>/<run>/{run.json, weights/<name>, sampler_weights/<name>}`.
+A training run id is the Tinker model id, `<session>:train:<n>`, so `tinker://` paths name
+directories directly and survive a server restart. Every id and name that reaches the disk
+goes through `check_name`, so no request can address a path outside the root.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tinker import types as tinker_types
+
+from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.server.errors import BadRequest, NotFound
+
+_CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def new_session_id() -> str:
+    return f"sess-{uuid.uuid4().hex[:16]}"
+
+
+def new_sampling_session_id() -> str:
+    # No ':' or '/' (it appears in URL paths and other servers route on ':').
+    return f"samp-{uuid.uuid4().hex[:16]}"
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def model_id(session_id: str, model_seq_id: int) -> str:
+    """Tinker's scheme; the SDK derives exactly this id itself for create-via-load."""
+    return checked(f"{session_id}:train:{model_seq_id}", field="model id")
+
+
+def checked(name: str, *, field: str) -> str:
+    try:
+        return check_name(name, field=field)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+
+class CheckpointCatalog:
+    """Reads checkpoints and runs from the storage root as Tinker REST objects."""
+
+    def __init__(self, storage: CheckpointStorage) -> None:
+        self.storage = storage
+
+    def parse(self, path: str, *, kind: str | None = None) -> CheckpointPath:
+        """A `tinker://` path to an existing checkpoint (of `kind`, when given)."""
+        try:
+            parsed, _ = self.storage.existing(path)
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        except FileNotFoundError as error:
+            raise NotFound(str(error)) from None
+        if kind is not None and parsed.kind != kind:
+            hint = {
+                "weights": "training state comes from save_state (tinker://<run>/weights/<name>)",
+                "sampler_weights": "sampler weights come from save_weights_for_sampler "
+                "(tinker://<run>/sampler_weights/<name>)",
+            }[kind]
+            raise BadRequest(f"{path} is a {parsed.kind} checkpoint; {hint}")
+        return parsed
+
+    def exists(self, path: CheckpointPath) -> bool:
+        return self.storage.directory(path).is_dir()
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        try:
+            return self.storage.read_run(checked(run_id, field="training run id"))
+        except FileNotFoundError as error:
+            raise NotFound(str(error)) from None
+
+    def checkpoints(self, run_id: str) -> list[tinker_types.Checkpoint]:
+        self.run(run_id)
+        found = [self.checkpoint(path) for path in self.storage.list(run_id)]
+        return sorted(found, key=lambda checkpoint: checkpoint.time)
+
+    def checkpoint(self, path: CheckpointPath) -> tinker_types.Checkpoint:
+        directory = self.storage.directory(path)
+        return tinker_types.Checkpoint(
+            checkpoint_id=f"{path.kind}/{path.name}",
+            checkpoint_type=_CHECKPOINT_TYPES[path.kind],
+            time=_mtime(directory),
+            tinker_path=str(path),
+            size_bytes=sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()),
+        )
+
+    def training_run(
+        self, run_id: str, *, last_request_time: datetime.datetime | None
+    ) -> tinker_types.TrainingRun:
+        run = self.run(run_id)
+        checkpoints = self.checkpoints(run_id)
+        by_type = {
+            kind: [c for c in checkpoints if c.checkpoint_type == kind]
+            for kind in ("training", "sampler")
+        }
+        lora = run.get("lora")
+        return tinker_types.TrainingRun(
+            training_run_id=run_id,
+            base_model=run["base_model"],
+            model_owner="local",
+            is_lora=lora is not None,
+            lora_rank=None if lora is None else lora["rank"],
+            last_request_time=last_request_time or _mtime(self.storage.root / run_id / "run.json"),
+            last_checkpoint=by_type["training"][-1] if by_type["training"] else None,
+            last_sampler_checkpoint=by_type["sampler"][-1] if by_type["sampler"] else None,
+            user_metadata={key: str(value) for key, value in run.get("user_metadata", {}).items()},
+        )
+
+    def weights_info(self, path: str) -> tinker_types.WeightsInfoResponse:
+        parsed = self.parse(path)
+        lora = self.run(parsed.run_id).get("lora")
+        return tinker_types.WeightsInfoResponse(
+            base_model=self.run(parsed.run_id)["base_model"],
+            is_lora=lora is not None,
+            lora_rank=None if lora is None else lora["rank"],
+            train_unembed=None if lora is None else lora["train_unembed"],
+            train_mlp=None if lora is None else lora["train_mlp"],
+            train_attn=None if lora is None else lora["train_attn"],
+        )
+
+    def delete(self, path: str) -> CheckpointPath:
+        parsed = self.parse(path)
+        self.storage.delete(parsed)
+        return parsed
+
+
+def _mtime(path: Path) -> datetime.datetime:
+    return datetime.datetime.fromtimestamp(path.stat().st_mtime, tz=datetime.UTC)

@@ -1,0 +1,267 @@
+"""Training routes: create_model, get_info, forward_backward, optim_step, save/load weights.
+
+Each route validates, queues one backend call on the model's queue and answers with a future.
+The model id is `<session>:train:<model_seq_id>` (the SDK derives the same id itself when it
+creates a model from a checkpoint) and doubles as the run id on disk.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from tinker import types as tinker_types
+
+from temper.checkpoint.storage import CheckpointPath
+from temper.server import wire
+from temper.server.errors import BadRequest
+from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
+from temper.server.server import SamplingSession, ServedModel, TemperServer
+from temper.server.storage import checked, model_id, new_sampling_session_id
+from temper.server.validation import check_training_data
+
+
+def training_router(server: TemperServer) -> APIRouter:
+    router = APIRouter(prefix="/api/v1")
+    scheduler = server.scheduler
+
+    def queue(served: ServedModel, call, *, encode, seq_id: int | None) -> str:
+        key = None if seq_id is None else (served.model_id, seq_id)
+        return scheduler.submit(call, encode=encode, queue=served.model_id, key=key)
+
+    @router.post("/create_model")
+    async def create_model(body: tinker_types.CreateModelRequest) -> Response:
+        server.session(body.session_id)
+        base = server.base_model(body.base_model)
+        if body.optimizer_config.type != "adamw":
+            raise BadRequest(
+                f"optimizer {body.optimizer_config.type!r} is not supported; use adamw"
+            )
+        new_id = model_id(body.session_id, body.model_seq_id)
+        lora = body.lora_config or tinker_types.LoraConfig(rank=32)
+        full = server.config.fine_tuning == "full"
+        metadata = {key: str(value) for key, value in (body.user_metadata or {}).items()}
+
+        def create() -> tinker_types.CreateModelResponse:
+            backend = server.backend
+            if full:
+                training = backend.create_training_client(base, metadata, run_id=new_id)
+            else:
+                training = backend.create_lora_training_client(
+                    base,
+                    rank=lora.rank,
+                    seed=lora.seed,
+                    train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn,
+                    train_unembed=lora.train_unembed,
+                    user_metadata=metadata,
+                    run_id=new_id,
+                )
+            served.training = training
+            return tinker_types.CreateModelResponse(model_id=new_id)
+
+        key = ("create", new_id)
+        if scheduler.known(key) is not None:
+            return future_response(scheduler.known(key), model_id=new_id)
+        if new_id in server.models:
+            raise BadRequest(f"model id {new_id!r} exists already (model_seq_id reused)")
+        served = ServedModel(
+            model_id=new_id,
+            session_id=body.session_id,
+            is_lora=not full,
+            lora_rank=None if full else lora.rank,
+        )
+        server.add_model(served)
+        request_id = scheduler.submit(
+            _dropping_on_failure(server, new_id, create),
+            encode=json_answer,
+            queue=new_id,
+            key=key,
+        )
+        return future_response(request_id, model_id=new_id)
+
+    @router.post("/get_info")
+    async def get_info(body: tinker_types.GetInfoRequest) -> Response:
+        served = server.model(body.model_id)
+        return json_response(
+            tinker_types.GetInfoResponse(
+                model_id=served.model_id,
+                model_data=tinker_types.ModelData(
+                    arch=server.arch, model_name=server.model_name, tokenizer_id=server.model_name
+                ),
+                is_lora=served.is_lora,
+                lora_rank=served.lora_rank,
+                model_name=server.model_name,
+            )
+        )
+
+    @router.post("/forward_backward")
+    async def forward_backward(request: Request) -> Response:
+        call = wire.decode_forward_backward(
+            await request.body(), content_encoding=request.headers.get("content-encoding")
+        )
+        served = server.model(call.model_id)
+        check_training_data(
+            call.data,
+            loss_fn=call.loss_fn,
+            loss_fn_config=call.loss_fn_config,
+            limits=server.limits,
+        )
+
+        def run():
+            training = server.training(served)
+            verb = training.forward if call.forward_only else training.forward_backward
+            return verb(call.data, call.loss_fn, call.loss_fn_config)
+
+        request_id = queue(served, run, encode=_encode_fwdbwd, seq_id=call.seq_id)
+        return future_response(request_id, model_id=served.model_id)
+
+    @router.post("/optim_step")
+    async def optim_step(body: tinker_types.OptimStepRequest) -> Response:
+        served = server.model(body.model_id)
+        params = wire.adam_params(body.optim_params)
+        request_id = queue(
+            served,
+            lambda: server.training(served).optim_step(params),
+            encode=lambda result: json_answer(
+                tinker_types.OptimStepResponse(metrics=result.metrics)
+            ),
+            seq_id=body.seq_id,
+        )
+        return future_response(request_id, model_id=served.model_id)
+
+    @router.post("/save_weights")
+    async def save_weights(body: tinker_types.SaveWeightsRequest) -> Response:
+        served = server.model(body.model_id)
+        name = checked(body.path or "", field="checkpoint name")
+        target = CheckpointPath(served.model_id, "weights", name)
+        if server.catalog.exists(target) and not body.overwrite:
+            raise BadRequest(f"checkpoint {target} exists already; pass overwrite=True")
+        request_id = queue(
+            served,
+            lambda: server.training(served).save_state(name, overwrite=body.overwrite),
+            encode=lambda result: json_answer(tinker_types.SaveWeightsResponse(path=result.path)),
+            seq_id=body.seq_id,
+        )
+        return future_response(request_id, model_id=served.model_id)
+
+    @router.post("/load_weights")
+    async def load_weights(body: tinker_types.LoadWeightsRequest) -> Response:
+        path = server.catalog.parse(body.path, kind="weights")
+        run = server.catalog.run(path.run_id)
+        server.base_model(run["base_model"])
+        if body.session_id is not None:
+            return _create_from_state(server, body, path_run=run)
+        if body.model_id is None:
+            raise BadRequest("load_weights needs model_id (load in place) or session_id")
+        served = server.model(body.model_id)
+
+        def load():
+            training = server.training(served)
+            verb = training.load_state_with_optimizer if body.optimizer else training.load_state
+            return verb(body.path)
+
+        request_id = queue(
+            served,
+            load,
+            encode=lambda result: json_answer(
+                tinker_types.LoadWeightsResponse(path=result.path, model_id=served.model_id)
+            ),
+            seq_id=body.seq_id,
+        )
+        return future_response(request_id, model_id=served.model_id)
+
+    @router.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(
+        body: tinker_types.SaveWeightsForSamplerRequest,
+    ) -> Response:
+        served = server.model(body.model_id)
+        if body.path is not None:
+            name = checked(body.path, field="checkpoint name")
+            target = CheckpointPath(served.model_id, "sampler_weights", name)
+            if server.catalog.exists(target):
+                raise BadRequest(f"sampler checkpoint {target} exists already; choose another name")
+            request_id = queue(
+                served,
+                lambda: server.training(served).save_weights_for_sampler(name),
+                encode=lambda result: json_answer(
+                    tinker_types.SaveWeightsForSamplerResponseInternal(path=result.path)
+                ),
+                seq_id=body.seq_id,
+            )
+            return future_response(request_id, model_id=served.model_id)
+
+        def snapshot(client) -> object:
+            sampling = SamplingSession(
+                sampling_session_id=new_sampling_session_id(),
+                client=client,
+                base_model=server.model_name,
+                model_path=None,
+            )
+            server.add_sampling_session(served.session_id, sampling)
+            return json_answer(
+                tinker_types.SaveWeightsForSamplerResponseInternal(
+                    sampling_session_id=sampling.sampling_session_id
+                )
+            )
+
+        request_id = queue(
+            served,
+            lambda: server.training(served).save_weights_and_get_sampling_client(),
+            encode=snapshot,
+            seq_id=body.seq_id,
+        )
+        return future_response(request_id, model_id=served.model_id)
+
+    return router
+
+
+def _encode_fwdbwd(result):
+    return protobuf_answer(wire.encode_forward_backward_output(result))
+
+
+def _create_from_state(
+    server: TemperServer, body: tinker_types.LoadWeightsRequest, *, path_run: dict
+) -> Response:
+    """Create-via-load: a new model whose first request loads the checkpoint."""
+    server.session(body.session_id)
+    if body.model_seq_id is None:
+        raise BadRequest("load_weights with session_id needs model_seq_id")
+    new_id = model_id(body.session_id, body.model_seq_id)
+    key = ("create", new_id)
+    if server.scheduler.known(key) is not None:
+        return future_response(server.scheduler.known(key), model_id=new_id)
+    if new_id in server.models:
+        raise BadRequest(f"model id {new_id!r} exists already (model_seq_id reused)")
+    lora = path_run.get("lora")
+    served = ServedModel(
+        model_id=new_id,
+        session_id=body.session_id,
+        is_lora=lora is not None,
+        lora_rank=None if lora is None else lora["rank"],
+    )
+    server.add_model(served)
+
+    def create() -> tinker_types.LoadWeightsResponse:
+        backend = server.backend
+        create_from = (
+            backend.create_training_client_from_state_with_optimizer
+            if body.optimizer
+            else backend.create_training_client_from_state
+        )
+        served.training = create_from(body.path, run_id=new_id)
+        return tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id)
+
+    request_id = server.scheduler.submit(
+        _dropping_on_failure(server, new_id, create), encode=json_answer, queue=new_id, key=key
+    )
+    return future_response(request_id, model_id=new_id)
+
+
+def _dropping_on_failure(server: TemperServer, new_id: str, create):
+    def run():
+        try:
+            return create()
+        except Exception:
+            server.drop_model(new_id)
+            raise
+
+    return run

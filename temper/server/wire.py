@@ -1,0 +1,294 @@
+"""Tinker wire types <-> `temper.api.types`, at the HTTP boundary.
+
+The schema is the `tinker` SDK's own: its pydantic request models for the JSON bodies and its
+generated protobuf module (`tinker.proto.tinker_public_pb2`) for the binary ones, imported
+rather than copied. Forward/backward requests and the results of forward/backward and sample
+are protobuf; every byte array is a raw little-endian numpy buffer.
+
+Conventions kept here (they are what the SDK and tinker-cookbook rely on): token ids are int32
+on the wire; 2-D loss inputs may arrive as sparse CSR; per-datum outputs travel as one
+`ArrayRecord` whose BatchedTensors hold the datums back to back with int64 byte offsets;
+metric keys are `name:reduction`; prompt logprobs are float32 with NaN where not scored; an
+empty top-k cell is token 0 with logprob -99999.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tinker import types as tinker_types
+from tinker.proto import tinker_public_pb2 as pb
+
+from temper.api.types import (
+    AdamParams,
+    Datum,
+    EncodedTextChunk,
+    ForwardBackwardOutput,
+    ModelInput,
+    SampleResponse,
+    SamplingParams,
+    TensorData,
+    TopkLogprobs,
+)
+from temper.server.errors import BadRequest
+
+_TENSOR_DTYPES = {
+    pb.DTYPE_FLOAT32: (np.dtype(np.float32), "float32"),
+    pb.DTYPE_INT64: (np.dtype(np.int64), "int64"),
+    pb.DTYPE_INT32: (np.dtype(np.int32), "int64"),
+}
+_OUTPUT_DTYPES = {"float32": (np.float32, pb.DTYPE_FLOAT32), "int64": (np.int64, pb.DTYPE_INT64)}
+_EMPTY_TOPK = (0, -99999.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBackwardCall:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float | str]
+    forward_only: bool
+    data: list[Datum]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleCall:
+    prompt: ModelInput
+    num_samples: int
+    params: SamplingParams
+    prompt_logprobs: bool
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+    prompt_logprobs_last_n: int | None
+
+
+# -- forward_backward: protobuf in, protobuf out ----------------------------------------------
+
+
+def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> ForwardBackwardCall:
+    if content_encoding == "zstd":
+        import zstandard
+
+        try:
+            body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+        except zstandard.ZstdError as error:
+            raise BadRequest(f"forward_backward body is not valid zstd: {error}") from None
+    elif content_encoding not in (None, "", "identity"):
+        raise BadRequest(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except Exception as error:  # protobuf's DecodeError, and anything a fuzzed body triggers
+        raise BadRequest(
+            f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    if not message.model_id:
+        raise BadRequest("forward_backward: model_id is missing")
+    config: dict[str, float | str] = dict(message.loss_fn_config)
+    for key, value in message.loss_fn_config_v2.items():
+        config[key] = value.text if value.WhichOneof("value") == "text" else value.number
+    data = [_datum(datum, index=index) for index, datum in enumerate(message.data)]
+    return ForwardBackwardCall(
+        model_id=message.model_id,
+        seq_id=message.seq_id,
+        loss_fn=message.loss_fn,
+        loss_fn_config=config,
+        forward_only=message.forward_only,
+        data=data,
+    )
+
+
+def _datum(message: pb.Datum, *, index: int) -> Datum:
+    chunks = []
+    for chunk in message.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise BadRequest(
+                f"datum {index}: model_input chunk of type {kind!r}; this server serves a "
+                "text-only model (encoded_text chunks)"
+            )
+        tokens = _frombuffer(chunk.encoded_text.tokens, np.int32, where=f"datum {index} tokens")
+        chunks.append(EncodedTextChunk(tokens=tuple(tokens.tolist())))
+    inputs = {
+        name: _tensor(tensor, where=f"datum {index}: loss_fn_inputs[{name!r}]")
+        for name, tensor in message.loss_fn_inputs.items()
+    }
+    return Datum(model_input=ModelInput(chunks=tuple(chunks)), loss_fn_inputs=inputs)
+
+
+def _tensor(message: pb.Tensor, *, where: str) -> TensorData:
+    if message.dtype not in _TENSOR_DTYPES:
+        raise BadRequest(f"{where}: unsupported dtype {message.dtype}; use float32 or int64")
+    np_dtype, dtype = _TENSOR_DTYPES[message.dtype]
+    shape = tuple(message.shape)
+    if message.HasField("sparse_csr"):
+        array = _dense_from_csr(message.sparse_csr, np_dtype, shape, where=where)
+    else:
+        array = _frombuffer(message.dense, np_dtype, where=where)
+        if not shape:
+            shape = (array.size,)
+        if math.prod(shape) != array.size:
+            raise BadRequest(f"{where}: {array.size} values do not fill shape {list(shape)}")
+    return TensorData(data=array.reshape(-1).tolist(), dtype=dtype, shape=shape)
+
+
+def _dense_from_csr(csr: pb.SparseCsr, np_dtype, shape: tuple[int, ...], *, where: str):
+    values = _frombuffer(csr.values, np_dtype, where=f"{where} values")
+    crow = _frombuffer(csr.crow_indices, np.int64, where=f"{where} crow_indices")
+    col = _frombuffer(csr.col_indices, np.int64, where=f"{where} col_indices")
+    valid = (
+        len(shape) == 2
+        and crow.size == shape[0] + 1
+        and crow[0] == 0
+        and crow[-1] == values.size == col.size
+        and bool(np.all(np.diff(crow) >= 0))
+        and bool(np.all((col >= 0) & (col < shape[1])))
+    )
+    if not valid:
+        raise BadRequest(f"{where}: inconsistent sparse CSR tensor of shape {list(shape)}")
+    dense = np.zeros(shape, dtype=np_dtype)
+    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+    dense[rows, col] = values
+    return dense
+
+
+def _frombuffer(data: bytes, dtype, *, where: str) -> np.ndarray:
+    if len(data) % np.dtype(dtype).itemsize:
+        raise BadRequest(f"{where}: {len(data)} bytes is not a whole number of {dtype} values")
+    return np.frombuffer(data, dtype=dtype)
+
+
+def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
+    message = pb.ForwardBackwardOutput(loss_fn_output_type=output.loss_fn_output_type)
+    record = message.loss_fn_outputs.add(
+        type_tag=output.loss_fn_output_type, num_datums=len(output.loss_fn_outputs)
+    )
+    names = output.loss_fn_outputs[0].keys() if output.loss_fn_outputs else ()
+    for name in names:
+        tensors = [datum[name] for datum in output.loss_fn_outputs]
+        np_dtype, wire_dtype = _OUTPUT_DTYPES[tensors[0].dtype]
+        arrays = [np.asarray(tensor.data, dtype=np_dtype) for tensor in tensors]
+        offsets = np.cumsum([0, *(array.nbytes for array in arrays)], dtype=np.int64)
+        batched = record.fields[name]
+        batched.data = b"".join(array.tobytes() for array in arrays)
+        batched.offsets = offsets.tobytes()
+        batched.dtype = wire_dtype
+        batched.trailing_shape.extend(tensors[0].shape[1:])
+    for key, value in output.metrics.items():
+        # The SDK splits every key on ':' when merging chunks; a bare name would crash it.
+        message.metrics[key if ":" in key else f"{key}:mean"] = float(value)
+    return message.SerializeToString()
+
+
+# -- sampling: JSON in, protobuf out ----------------------------------------------------------
+
+
+def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
+    if request.target_prompt_logprobs is not None:
+        raise BadRequest("target_prompt_logprobs is not supported by this server")
+    if request.prompt_alt_tokens_k:
+        raise BadRequest("prompt_alt_tokens_k is not supported by this server; send 0")
+    if request.record_stability_info:
+        raise BadRequest("record_stability_info (stable_reinforce) is not supported")
+    prompt = model_input(request.prompt, where="prompt")
+    params = request.sampling_params
+    stop = params.stop
+    try:
+        sampling_params = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop=stop if stop is None or isinstance(stop, str) else list(stop),
+            seed=params.seed,
+        )
+    except (TypeError, ValueError) as error:
+        raise BadRequest(f"sampling_params: {error}") from None
+    topk_prompt = request.topk_prompt_logprobs
+    last_n = request.prompt_logprobs_last_n
+    if last_n is not None and not 1 <= last_n <= prompt.length - 1:
+        raise BadRequest(
+            f"prompt_logprobs_last_n must be in [1, {prompt.length - 1}] (prompt length - 1), "
+            f"got {last_n}"
+        )
+    return SampleCall(
+        prompt=prompt,
+        num_samples=request.num_samples,
+        params=sampling_params,
+        prompt_logprobs=bool(request.prompt_logprobs) or topk_prompt > 0,
+        topk_prompt_logprobs=topk_prompt,
+        topk_sample_logprobs=request.topk_sample_logprobs,
+        prompt_logprobs_last_n=last_n,
+    )
+
+
+def model_input(value: tinker_types.ModelInput, *, where: str) -> ModelInput:
+    chunks = []
+    for chunk in value.chunks:
+        if not isinstance(chunk, tinker_types.EncodedTextChunk):
+            raise BadRequest(
+                f"{where}: {type(chunk).__name__} chunks are not supported (text only)"
+            )
+        chunks.append(EncodedTextChunk(tokens=tuple(int(token) for token in chunk.tokens)))
+    return ModelInput(chunks=tuple(chunks))
+
+
+def encode_sample_response(
+    response: SampleResponse, *, call: SampleCall, prompt_length: int
+) -> bytes:
+    message = pb.SampleResponse()
+    for sequence in response.sequences:
+        wire = message.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP
+            if sequence.stop_reason == "stop"
+            else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(sequence.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(sequence.logprobs, dtype=np.float32).tobytes(),
+        )
+        if call.topk_sample_logprobs and sequence.topk_logprobs is not None:
+            wire.topk_sampled_logprobs.CopyFrom(
+                _topk(sequence.topk_logprobs, k=call.topk_sample_logprobs)
+            )
+    # Positions before the last n are left unscored (NaN / empty), as the SDK checks.
+    first_scored = prompt_length - (call.prompt_logprobs_last_n or prompt_length)
+    if call.prompt_logprobs and response.prompt_logprobs is not None:
+        values = [
+            math.nan if value is None or position < first_scored else value
+            for position, value in enumerate(response.prompt_logprobs)
+        ]
+        message.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if call.topk_prompt_logprobs and response.topk_prompt_logprobs is not None:
+        rows = [
+            row if position >= first_scored else None
+            for position, row in enumerate(response.topk_prompt_logprobs)
+        ]
+        message.topk_prompt_logprobs.CopyFrom(_topk(rows, k=call.topk_prompt_logprobs))
+    return message.SerializeToString()
+
+
+def _topk(rows: list[TopkLogprobs | None], *, k: int) -> pb.TopkLogprobs:
+    token_ids = np.full((len(rows), k), _EMPTY_TOPK[0], dtype=np.int32)
+    logprobs = np.full((len(rows), k), _EMPTY_TOPK[1], dtype=np.float32)
+    for position, row in enumerate(rows):
+        for rank, (token, value) in enumerate((row or [])[:k]):
+            token_ids[position, rank] = token
+            logprobs[position, rank] = value
+    return pb.TopkLogprobs(
+        token_ids=token_ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows)
+    )
+
+
+# -- small JSON conversions -----------------------------------------------------------------
+
+
+def adam_params(params: object) -> AdamParams:
+    if not isinstance(params, tinker_types.AdamParams):
+        kind = getattr(params, "type", type(params).__name__)
+        raise BadRequest(f"optim_step: optimizer {kind!r} is not supported; send adam_params")
+    try:
+        return AdamParams(**params.model_dump())
+    except (TypeError, ValueError) as error:
+        raise BadRequest(f"adam_params: {error}") from None
