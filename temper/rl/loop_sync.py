@@ -24,7 +24,7 @@ from temper.rl.env import make_groups
 from temper.rl.evaluation import greedy_accuracy, heldout_problems
 from temper.rl.rollout import Trajectory, policy_datum, rollout_groups
 from temper.rl.step_metrics import mismatch_metrics, rollout_metrics
-from temper.rl.tasks import SumDigits
+from temper.rl.tasks import SumDigits, TaskConfig
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
 
@@ -45,7 +45,7 @@ class RLJob(Configurable):
         """Model directory, or a named size with a built-in vocabulary (e.g. 'tiny')."""
         lora_rank: int | None = None
         """LoRA rank; None trains every parameter."""
-        task: SumDigits.Config = field(default_factory=SumDigits.Config)
+        task: TaskConfig = field(default_factory=SumDigits.Config)
         """The task problems and rewards come from."""
         warmup: SFTWarmup.Config = field(default_factory=SFTWarmup.Config)
         """Supervised warm-up before RL."""

@@ -7,20 +7,19 @@ on numbers the model never trains on.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
-from typing import Literal
 
 from temper.config.configurable import Configurable
+from temper.rl.tasks.problem import (
+    Problem,
+    Split,
+    check_heldout_percent,
+    draw_from_split,
+    split_of,
+)
 
-Split = Literal["train", "heldout"]
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
+__all__ = ["Problem", "SumDigits"]
 
 
 class SumDigits(Configurable):
@@ -39,27 +38,30 @@ class SumDigits(Configurable):
                     "SumDigits.Config needs 1 <= min_digits <= max_digits, got "
                     f"min_digits={self.min_digits}, max_digits={self.max_digits}"
                 )
-            if not 0 < self.heldout_percent < 100:
-                raise ValueError(
-                    f"SumDigits.Config.heldout_percent must be in 1..99, got {self.heldout_percent}"
-                )
+            check_heldout_percent("SumDigits.Config", self.heldout_percent)
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def split_of(self, number: int) -> Split:
-        digest = hashlib.sha256(str(number).encode()).digest()
-        heldout = int.from_bytes(digest[:4], "little") % 100 < self.config.heldout_percent
-        return "heldout" if heldout else "train"
+        return split_of(str(number), heldout_percent=self.config.heldout_percent)
 
     def sample(self, rng: random.Random, *, split: Split) -> Problem:
         """One random problem from `split`."""
-        while True:
-            num_digits = rng.randint(self.config.min_digits, self.config.max_digits)
-            low = 0 if num_digits == 1 else 10 ** (num_digits - 1)
-            number = rng.randint(low, 10**num_digits - 1)
-            if self.split_of(number) == split:
-                return Problem(prompt=f"{number}=", answer=str(sum(map(int, str(number)))))
+        return draw_from_split(
+            self._draw,
+            rng,
+            split=split,
+            heldout_percent=self.config.heldout_percent,
+            owner="SumDigits",
+            key=lambda problem: problem.prompt.removesuffix("="),  # the number itself
+        )
+
+    def _draw(self, rng: random.Random) -> Problem:
+        num_digits = rng.randint(self.config.min_digits, self.config.max_digits)
+        low = 0 if num_digits == 1 else 10 ** (num_digits - 1)
+        number = rng.randint(low, 10**num_digits - 1)
+        return Problem(prompt=f"{number}=", answer=str(sum(map(int, str(number)))))
 
     def reward(self, problem: Problem, completion: str) -> float:
         """1.0 for exactly the right answer, else 0.0."""

@@ -1,0 +1,93 @@
+"""GSM8K-format JSONL: one `{"question": "...", "answer": "... #### 42"}` object per line.
+
+The answer is a worked solution whose final number follows `####` (as in GSM8K). Reading is
+strict: every problem in the file is checked when the file is read, and a bad line is a
+ValueError naming the file and the 1-based line number, so a run fails before it trains.
+Blank lines are skipped. `final_number` also reads a model's completion, which may end its
+answer with `####`, with `\\boxed{...}`, or just with a last number.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ANSWER_MARK = "####"
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+@dataclass(frozen=True)
+class MathRow:
+    question: str
+    solution: str
+    """The full answer text, ending in `#### <number>`."""
+    final: float
+    """The number after `####`."""
+    line: int
+    """1-based line number in the file, for messages."""
+
+
+def parse_number(text: str) -> float | None:
+    """The first number in `text` ("1,200" -> 1200.0, "$-3.5" -> -3.5), or None."""
+    match = _NUMBER.search(text)
+    return float(match.group().replace(",", "")) if match else None
+
+
+def final_number(text: str) -> float | None:
+    """The answer a text ends with: after the last `####`, else in the last `\\boxed{}`, else
+    its last number; None when there is none."""
+    if ANSWER_MARK in text:
+        return parse_number(text.rpartition(ANSWER_MARK)[2])
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return parse_number(boxed[-1])
+    numbers = _NUMBER.findall(text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def same_number(a: float, b: float) -> bool:
+    """Equal up to float rounding of the decimal text (GSM8K answers are mostly integers)."""
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def read_gsm8k_jsonl(path: str | Path, *, field: str = "path") -> list[MathRow]:
+    """Every problem of a GSM8K-format file; `field` names the config field in messages."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{field}: no such file {str(path)!r} (resolved: {path.resolve()}); expected a "
+            'GSM8K-format JSONL file with one {"question": ..., "answer": "... #### 42"} per line'
+        )
+    rows = []
+    with path.open(encoding="utf-8") as file:
+        for line_number, line in enumerate(file, start=1):
+            if line.strip():
+                rows.append(_parse_line(line, path=path, line_number=line_number))
+    if not rows:
+        raise ValueError(f"{path}: no problems in the file (every line is blank)")
+    return rows
+
+
+def _parse_line(line: str, *, path: Path, line_number: int) -> MathRow:
+    where = f"{path}:{line_number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in ("question", "answer"):
+        if key not in record:
+            raise ValueError(f"{where}: missing key {key!r} (keys: {sorted(record)})")
+        if not isinstance(record[key], str) or not record[key].strip():
+            raise ValueError(f"{where}: {key!r} must be a non-empty string, got {record[key]!r}")
+    answer = record["answer"]
+    final = parse_number(answer.rpartition(ANSWER_MARK)[2]) if ANSWER_MARK in answer else None
+    if final is None:
+        raise ValueError(
+            f"{where}: the answer must end with '{ANSWER_MARK} <number>', got ...{answer[-40:]!r}"
+        )
+    return MathRow(question=record["question"], solution=answer, final=final, line=line_number)

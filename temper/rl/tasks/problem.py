@@ -1,0 +1,60 @@
+"""What every task shares: the `Problem` type and the seed-independent train/held-out split.
+
+A problem's split is a fixed hash of its key (the prompt text, or a dataset row's question), so
+held-out accuracy is measured on problems the model never trains on, whatever the run's seed.
+Generated tasks draw until they hit the wanted split; `draw_from_split` bounds the draws, so a
+problem space too small to hold both splits is an error instead of an endless loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+Split = Literal["train", "heldout"]
+
+MAX_DRAWS = 10_000
+"""Draws `draw_from_split` makes before it decides the split is (nearly) empty."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    """Text the policy continues."""
+    answer: str
+    """The reference completion: the supervised target, and what the reward compares with."""
+
+
+def split_of(key: str, *, heldout_percent: int) -> Split:
+    """'heldout' for about `heldout_percent`% of keys, chosen by a hash (not by any seed)."""
+    digest = hashlib.sha256(key.encode()).digest()
+    heldout = int.from_bytes(digest[:4], "little") % 100 < heldout_percent
+    return "heldout" if heldout else "train"
+
+
+def check_heldout_percent(owner: str, value: int) -> None:
+    if not 0 < value < 100:
+        raise ValueError(f"{owner}.heldout_percent must be in 1..99, got {value}")
+
+
+def draw_from_split(
+    draw: Callable[[random.Random], Problem],
+    rng: random.Random,
+    *,
+    split: Split,
+    heldout_percent: int,
+    owner: str,
+    key: Callable[[Problem], str] = lambda problem: problem.prompt,
+) -> Problem:
+    """Draw problems until one falls in `split`; `key(problem)` is what is hashed."""
+    for _ in range(MAX_DRAWS):
+        problem = draw(rng)
+        if split_of(key(problem), heldout_percent=heldout_percent) == split:
+            return problem
+    raise ValueError(
+        f"{owner}: no {split!r} problem in {MAX_DRAWS} draws; the problem space is too small "
+        f"for a {heldout_percent}% held-out split (allow more digits, characters or operations)"
+    )
