@@ -1,0 +1,47 @@
+"""Renderers: conversations -> token ids with per-token loss weights, and generation prompts.
+
+Chat formatting lives here, never in the sampler or the trainer. `build_renderer(name,
+tokenizer=...)` returns one of RENDERER_NAMES; see `base.py` for the protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from temper.tokenizer.renderers.base import (
+    ROLES,
+    Message,
+    Renderer,
+    TrainOn,
+    WeightedTokens,
+    check_messages,
+)
+from temper.tokenizer.renderers.qwen3 import Qwen3Renderer
+from temper.tokenizer.renderers.role_colon import RoleColonRenderer
+
+RendererName = Literal["role_colon", "qwen3", "qwen3_no_think"]
+RENDERER_NAMES: tuple[str, ...] = get_args(RendererName)
+
+
+def build_renderer(name: RendererName, *, tokenizer) -> Renderer:
+    """The renderer called `name` over `tokenizer`."""
+    if name == "role_colon":
+        return RoleColonRenderer(tokenizer)
+    if name in ("qwen3", "qwen3_no_think"):
+        return Qwen3Renderer(tokenizer, thinking=name == "qwen3")
+    raise ValueError(f"unknown renderer {name!r}; valid renderers are {list(RENDERER_NAMES)}")
+
+
+__all__ = [
+    "RENDERER_NAMES",
+    "ROLES",
+    "Message",
+    "Qwen3Renderer",
+    "Renderer",
+    "RendererName",
+    "RoleColonRenderer",
+    "TrainOn",
+    "WeightedTokens",
+    "build_renderer",
+    "check_messages",
+]
