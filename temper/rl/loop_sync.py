@@ -1,32 +1,48 @@
-"""The synchronous RL loop (GRPO-style), written only against the public client API.
+"""The RL job (GRPO-style) and its synchronous loop, written only against the public client API.
 
 One step: a sampling client on the current weights -> `group_size` completions for each of
-`prompts_per_step` problems (one batched decode) -> rewards -> group-relative advantages ->
-`forward_backward(loss_fn)` -> `optim_step`. An optional supervised warm-up runs first. The
-same loop runs in-process (here) or against a Tinker-compatible server.
+`prompts_per_step` problems (one batched decode) -> rewards -> group-relative advantages
+(optionally a KL penalty to the initial policy) -> `forward_backward(loss_fn)` -> `optim_step`.
+An optional supervised warm-up runs first. The step functions live in steps.py; this module
+runs them in lock-step (`mode="sync"`), loop_async.py overlaps sampling with training
+(`mode="async"`). The same job runs in-process (here) or against a Tinker-compatible server.
+
+Resume: every `checkpoint_every` steps (warm-up and RL steps counted together) the job saves
+the training client's state and its own loop state (temper/checkpoint/run_state.py);
+`run(run_dir=..., resume=True)` (`temper train --resume RUN_DIR`) continues from the last one,
+bitwise equal to a run that never stopped.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from temper.api.client import ServiceClient
-from temper.api.types import AdamParams, SamplingParams
+from temper.checkpoint.run_state import (
+    RunState,
+    load_run_state,
+    rng_from_json,
+    rng_to_json,
+    save_run_state,
+    truncate_jsonl,
+)
 from temper.config.configurable import Configurable
-from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
-from temper.rl.advantages import AdvantageMode, group_advantages, is_uniform
-from temper.rl.env import make_groups
+from temper.observability import MetricsLogger, plot_metrics
+from temper.observability.metrics import METRICS_FILE_NAME
+from temper.rl.advantages import AdvantageMode
 from temper.rl.evaluation import greedy_accuracy, heldout_problems
-from temper.rl.rollout import Trajectory, policy_datum, rollout_groups
-from temper.rl.step_metrics import mismatch_metrics, rollout_metrics
+from temper.rl.kl import KLEstimator
+from temper.rl.loop_async import run_async
+from temper.rl.steps import RLSteps
 from temper.rl.tasks import SumDigits, TaskConfig
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
+
+ROLLOUTS_FILE_NAME = "rollouts.jsonl"
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,9 @@ class RLJob(Configurable):
         """Problems per RL step."""
         group_size: int = 8
         """Completions per problem, compared with each other (GRPO groups)."""
+        num_substeps: int = 1
+        """Optimizer steps per RL step: the step's problems split into this many equal
+        minibatches (prompts_per_step must be divisible by it)."""
         max_tokens: int = 4
         """Most tokens per completion."""
         temperature: float = 1.0
@@ -67,6 +86,20 @@ class RLJob(Configurable):
         """grpo (std-normalized), dr_grpo (mean baseline only) or rloo."""
         drop_uniform_groups: bool = True
         """Skip groups whose rewards are all equal (no signal)."""
+        mode: Literal["sync", "async"] = "sync"
+        """sync: sample, then train, every step. async: sample later steps while this one
+        trains, from weights at most `max_staleness` steps old (the PPO / importance ratio
+        against the sampler's logprobs corrects for the lag)."""
+        max_staleness: int = 1
+        """async: how many RL steps older than the trained policy the sampling weights may be
+        (0 behaves exactly like sync)."""
+        kl_coef: float = 0.0
+        """Weight of the KL penalty to the policy at the start of RL (0 = off)."""
+        kl_estimator: KLEstimator = "k3"
+        """Per-token KL estimator of the penalty: k1 (log-ratio) or k3 (nonnegative)."""
+        checkpoint_every: int = 0
+        """Steps (warm-up and RL together) between full-state checkpoints that
+        `temper train --resume` continues from; 0 = only at the end."""
         eval_every: int = 20
         """RL steps between held-out evaluations (plus one after warm-up and one at the end)."""
         eval_problems: int = 256
@@ -89,35 +122,30 @@ class RLJob(Configurable):
         """Console, metrics.jsonl and TensorBoard logging."""
 
         def __post_init__(self) -> None:
-            if self.group_size < 2:
-                raise ValueError(
-                    f"RLJob.Config.group_size must be >= 2 (GRPO compares members of a group), "
-                    f"got {self.group_size}"
-                )
-            for name in ("steps", "prompts_per_step", "max_tokens", "eval_every", "eval_problems"):
-                if getattr(self, name) < (0 if name == "steps" else 1):
-                    raise ValueError(f"RLJob.Config.{name} is out of range: {getattr(self, name)}")
-            if self.lora_rank is not None and self.lora_rank < 1:
-                raise ValueError(
-                    f"RLJob.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
-                )
+            _check_config(self)
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def run(self, *, run_dir: Path) -> RLResult:
+    def run(self, *, run_dir: Path, resume: bool = False) -> RLResult:
+        """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
         config, run_dir = self.config, Path(run_dir)
         service = ServiceClient(storage_dir=run_dir / "checkpoints", sampler=config.sampler)
-        if config.lora_rank is None:
-            training = service.create_training_client(config.base_model)
+        state = load_run_state(run_dir) if resume else None
+        if state is None:
+            training = self._new_training_client(service)
+            rng, loop = random.Random(config.seed), {"rewards": []}
         else:
-            training = service.create_lora_training_client(
-                config.base_model, rank=config.lora_rank, seed=config.seed
-            )
+            training = service.create_training_client_from_state_with_optimizer(state.train_state)
+            rng, loop = rng_from_json(state.loop["rng"]), dict(state.loop)
+            for name in (METRICS_FILE_NAME, ROLLOUTS_FILE_NAME):
+                truncate_jsonl(run_dir / name, before_step=state.step)
+        start = 0 if state is None else state.step
         tokenizer, task = training.get_tokenizer(), config.task.build()
-        rng = random.Random(config.seed)
         heldout = heldout_problems(task, count=config.eval_problems)
-        warmup = config.warmup.build()
+        checkpoints = _Checkpoints(
+            config, run_dir=run_dir, training=training, rng=rng, loop=loop, previous=state
+        )
 
         def evaluate() -> float:
             sampler = training.save_weights_and_get_sampling_client()
@@ -126,52 +154,102 @@ class RLJob(Configurable):
             )
             return accuracy
 
-        total_steps = config.warmup.steps + config.steps
+        num_warmup = config.warmup.steps
         with MetricsLogger(
-            config.metrics, run_dir=run_dir, total_steps=total_steps, description="GRPO"
+            config.metrics,
+            run_dir=run_dir,
+            total_steps=num_warmup + config.steps,
+            description="GRPO",
         ) as logger:
-            warmup_accuracy = None
-            if config.warmup.steps:
-                logger.console.print(f"SFT warm-up: {config.warmup.steps} steps")
+            if start < num_warmup:
+                logger.console.print(f"SFT warm-up: {num_warmup} steps")
 
                 def on_warmup_step(step: int, metrics: dict[str, float]) -> None:
-                    if step == config.warmup.steps - 1:
+                    if step == num_warmup - 1:
                         metrics = {**metrics, "eval/accuracy": evaluate()}
+                        loop["warmup_accuracy"] = metrics["eval/accuracy"]
                     logger.log(step, metrics)
+                    checkpoints.step_done(step + 1)
 
-                warmup.run(
-                    training, task=task, tokenizer=tokenizer, rng=rng, on_step=on_warmup_step
+                config.warmup.build().run(
+                    training,
+                    task=task,
+                    tokenizer=tokenizer,
+                    rng=rng,
+                    on_step=on_warmup_step,
+                    start_step=start,
                 )
-                warmup_accuracy = logger.latest["eval/accuracy"]
+            if config.kl_coef > 0 and "kl_reference" not in loop:
+                loop["kl_reference"] = (
+                    training.save_weights_for_sampler("kl_reference").result().path
+                )
+            reference = None
+            if config.kl_coef > 0:
+                reference = service.create_sampling_client(model_path=loop["kl_reference"])
             logger.console.print(
-                f"RL ({config.loss_fn}, {config.advantages}): {config.steps} steps"
+                f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
             )
-            rewards = self._rl_steps(
-                training,
-                task=task,
-                tokenizer=tokenizer,
-                rng=rng,
-                logger=logger,
-                evaluate=evaluate,
-                run_dir=run_dir,
+            with (run_dir / ROLLOUTS_FILE_NAME).open("a") as rollouts_file:
+                steps = RLSteps(
+                    config,
+                    training=training,
+                    task=task,
+                    tokenizer=tokenizer,
+                    rng=rng,
+                    reference=reference,
+                    logger=logger,
+                    rollouts_file=rollouts_file,
+                    evaluate=evaluate,
+                )
+
+                def on_rl_step(steps_done: int) -> None:
+                    loop["rewards"].append(logger.latest["reward/mean"])
+                    checkpoints.step_done(num_warmup + steps_done)
+
+                first = max(start - num_warmup, 0)
+                if config.mode == "sync":
+                    run_sync(steps, first=first, on_step_done=on_rl_step)
+                else:
+                    run_async(
+                        steps,
+                        first=first,
+                        max_staleness=config.max_staleness,
+                        barrier=checkpoints.rl_barrier,
+                        on_step_done=on_rl_step,
+                    )
+            return self._finish(
+                training, logger=logger, loop=loop, evaluate=evaluate, run_dir=run_dir
             )
-            final_accuracy = logger.latest.get("eval/accuracy", evaluate())
-            sampler_path = training.save_weights_for_sampler("final").result().path
-            plots = plot_metrics(run_dir)
-            logger.summary(
-                {
-                    "held-out accuracy": {
-                        "after warm-up": warmup_accuracy if warmup_accuracy is not None else "-",
-                        "final": final_accuracy,
-                    },
-                    "rollout reward": {
-                        "first RL step": rewards[0] if rewards else "-",
-                        "last RL step": rewards[-1] if rewards else "-",
-                    },
+
+    def _new_training_client(self, service: ServiceClient):
+        config = self.config
+        if config.lora_rank is None:
+            return service.create_training_client(config.base_model)
+        return service.create_lora_training_client(
+            config.base_model, rank=config.lora_rank, seed=config.seed
+        )
+
+    def _finish(self, training, *, logger, loop, evaluate, run_dir: Path) -> RLResult:
+        rewards, warmup_accuracy = loop["rewards"], loop.get("warmup_accuracy")
+        final_accuracy = logger.latest.get("eval/accuracy", None)
+        if final_accuracy is None:
+            final_accuracy = evaluate()
+        sampler_path = training.save_weights_for_sampler("final").result().path
+        plots = plot_metrics(run_dir)
+        logger.summary(
+            {
+                "held-out accuracy": {
+                    "after warm-up": warmup_accuracy if warmup_accuracy is not None else "-",
+                    "final": final_accuracy,
                 },
-                title="GRPO done",
-            )
-            logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
+                "rollout reward": {
+                    "first RL step": rewards[0] if rewards else "-",
+                    "last RL step": rewards[-1] if rewards else "-",
+                },
+            },
+            title="GRPO done",
+        )
+        logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
         return RLResult(
             warmup_accuracy=warmup_accuracy,
             final_accuracy=final_accuracy,
@@ -180,83 +258,77 @@ class RLJob(Configurable):
             sampler_path=sampler_path,
         )
 
-    def _rl_steps(
-        self, training, *, task, tokenizer, rng, logger, evaluate, run_dir
-    ) -> list[float]:
-        config = self.config
-        params = SamplingParams(
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
-            stop=[tokenizer.eos_token_id],
-        )
-        adam = AdamParams(learning_rate=config.learning_rate, beta2=0.95, grad_clip_norm=1.0)
-        timer, rewards = PhaseTimer(), []
-        with (run_dir / "rollouts.jsonl").open("a") as rollouts_file:
-            for rl_step in range(config.steps):
-                step = config.warmup.steps + rl_step
-                started = time.perf_counter()
-                with timer.phase("sample"):
-                    sampler = training.save_weights_and_get_sampling_client()
-                    groups = make_groups(
-                        task,
-                        tokenizer=tokenizer,
-                        rng=rng,
-                        num_groups=config.prompts_per_step,
-                        group_size=config.group_size,
-                        split="train",
-                    )
-                    trajectories = rollout_groups(sampler, groups, params=params, rng=rng)
-                metrics = rollout_metrics(trajectories)
-                rewards.append(metrics["reward/mean"])
-                with timer.phase("train"):
-                    metrics |= self._train_on(training, trajectories, adam=adam)
-                if (rl_step + 1) % config.eval_every == 0 or rl_step == config.steps - 1:
-                    with timer.phase("eval"):
-                        metrics["eval/accuracy"] = evaluate()
-                num_tokens = sum(len(t.completion) for g in trajectories for t in g)
-                metrics["throughput/tokens_per_s"] = num_tokens / (time.perf_counter() - started)
-                logger.log(step, metrics | timer.collect())
-                self._write_rollouts(rollouts_file, step, trajectories, tokenizer)
-        return rewards
 
-    def _train_on(self, training, groups: list[list[Trajectory]], *, adam) -> dict[str, float]:
-        config = self.config
-        kept = [
-            g
-            for g in groups
-            if not (config.drop_uniform_groups and is_uniform([t.reward for t in g]))
-        ]
-        metrics = {"rollout/groups_kept": len(kept) / len(groups)}
-        if not kept:
-            return metrics
-        # Sum losses (Tinker): dividing advantages by the completion tokens makes the loss a
-        # per-token mean over the step, so the step size does not grow with batch size.
-        num_tokens = sum(len(t.completion) for g in kept for t in g)
-        data, flat = [], []
-        for group in kept:
-            advantages = group_advantages([t.reward for t in group], mode=config.advantages)
-            for trajectory, advantage in zip(group, advantages, strict=True):
-                data.append(policy_datum(trajectory, advantage=advantage / num_tokens))
-                flat.append(trajectory)
-        output = training.forward_backward(data, config.loss_fn).result()
-        step = training.optim_step(adam).result()
-        return (
-            metrics
-            | mismatch_metrics(flat, output)
-            | {
-                "optim/grad_norm": step.metrics["grad_norm:mean"],
-                "optim/lr": adam.learning_rate,
-            }
-        )
+def run_sync(steps: RLSteps, *, first: int, on_step_done) -> None:
+    """Sample, then train, one RL step at a time, from RL step `first`."""
+    for rl_step in range(first, steps.config.steps):
+        steps.finish(steps.submit(rl_step, steps_done=rl_step))
+        on_step_done(rl_step + 1)
 
-    def _write_rollouts(self, file, step: int, groups, tokenizer) -> None:
-        for group in groups[: self.config.rollouts_per_step]:
-            trajectory = group[0]
-            record = {
-                "step": step,
-                "prompt": tokenizer.decode(trajectory.prompt),
-                "completion": tokenizer.decode(trajectory.completion),
-                "reward": trajectory.reward,
-            }
-            file.write(json.dumps(record) + "\n")
-        file.flush()
+
+class _Checkpoints:
+    """Full-state checkpoints every `checkpoint_every` steps and at the end; keeps the last."""
+
+    def __init__(self, config, *, run_dir: Path, training, rng, loop, previous) -> None:
+        self.every = config.checkpoint_every
+        self.num_warmup = config.warmup.steps
+        self.total = config.warmup.steps + config.steps
+        self.run_dir, self.training, self.rng, self.loop = run_dir, training, rng, loop
+        self.previous = None if previous is None else previous.train_state
+
+    def due(self, steps_done: int) -> bool:
+        return steps_done == self.total or (self.every > 0 and steps_done % self.every == 0)
+
+    def rl_barrier(self, rl_step: int) -> int:
+        """RL steps that must be done before sampling for `rl_step` may start: those up to
+        the last checkpoint at or before it, so a resumed run samples what this one did."""
+        if self.every == 0:
+            return 0
+        return max(0, (self.num_warmup + rl_step) // self.every * self.every - self.num_warmup)
+
+    def step_done(self, steps_done: int) -> None:
+        if not self.due(steps_done):
+            return
+        path = self.training.save_state(f"step-{steps_done:06d}").result().path
+        loop = {**self.loop, "rng": rng_to_json(self.rng)}
+        save_run_state(self.run_dir, RunState(step=steps_done, train_state=path, loop=loop))
+        if self.previous is not None and self.previous != path:
+            self.training.service.storage.delete(self.previous)
+        self.previous = path
+
+
+def _check_config(config: RLJob.Config) -> None:
+    """Bad settings fail when the config is made, before any model is built."""
+    name = "RLJob.Config"
+    if config.group_size < 2:
+        raise ValueError(
+            f"{name}.group_size must be >= 2 (GRPO compares members of a group), "
+            f"got {config.group_size}"
+        )
+    for field_name in ("prompts_per_step", "num_substeps", "max_tokens", "eval_every"):
+        if getattr(config, field_name) < 1:
+            raise ValueError(f"{name}.{field_name} must be >= 1, got {getattr(config, field_name)}")
+    for field_name in ("steps", "max_staleness", "checkpoint_every", "eval_problems"):
+        if getattr(config, field_name) < (1 if field_name == "eval_problems" else 0):
+            raise ValueError(f"{name}.{field_name} is out of range: {getattr(config, field_name)}")
+    if config.prompts_per_step % config.num_substeps:
+        raise ValueError(
+            f"{name}.prompts_per_step ({config.prompts_per_step}) must be divisible by "
+            f"num_substeps ({config.num_substeps}): each substep trains on an equal share"
+        )
+    if config.lora_rank is not None and config.lora_rank < 1:
+        raise ValueError(f"{name}.lora_rank must be >= 1 or None, got {config.lora_rank}")
+    if config.mode not in ("sync", "async"):
+        raise ValueError(f"{name}.mode must be 'sync' or 'async', got {config.mode!r}")
+    if config.kl_coef < 0:
+        raise ValueError(
+            f"{name}.kl_coef must be >= 0 (0 turns the penalty off), got {config.kl_coef}"
+        )
+    if config.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")
+    if config.mode == "sync" and config.max_staleness != 1:
+        warnings.warn(
+            f"{name}.max_staleness={config.max_staleness} is ignored in mode='sync' "
+            "(set mode='async')",
+            stacklevel=3,
+        )

@@ -2,9 +2,12 @@
 
 Shapes: P prompt tokens, C completion tokens; a datum has P + C - 1 positions.
 
-All groups of a step are submitted before any result is read, so the sampler decodes them as
-one batch. A datum's loss inputs cover every position; prompt positions get advantage 0 and
-logprob 0, so they contribute nothing to the importance-sampling and PPO losses.
+A rollout is submitted, then collected: `submit_rollouts` draws every request's seed and sends
+all groups of a step before any result is read (so the sampler decodes them as one batch, and
+an asynchronous loop can go on training meanwhile); `PendingRollouts.wait()` blocks for the
+completions and `score_rollouts` asks the environments for rewards. A datum's loss inputs
+cover every position; prompt positions get advantage 0 and logprob 0, so they contribute
+nothing to the importance-sampling and PPO losses.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from temper.api.types import Datum, ModelInput, SamplingParams
+from temper.api.futures import APIFuture
+from temper.api.types import Datum, ModelInput, SampleResponse, SamplingParams
 from temper.rl.env import ProblemEnv
 
 
@@ -28,15 +32,28 @@ class Trajectory:
     metrics: dict[str, float]
 
 
-def rollout_groups(
+@dataclass(frozen=True)
+class PendingRollouts:
+    """Sample requests in flight: one per group, answered by one sampling client."""
+
+    groups: list[list[ProblemEnv]]
+    futures: list[APIFuture[SampleResponse]]
+    sampler_version: int
+    """Policy version of the sampling client that answers them."""
+
+    def wait(self) -> list[SampleResponse]:
+        return [future.result() for future in self.futures]
+
+
+def submit_rollouts(
     sampling_client,
     groups: Sequence[Sequence[ProblemEnv]],
     *,
     params: SamplingParams,
     rng: random.Random | None = None,
-) -> list[list[Trajectory]]:
-    """Sample each group (one request of `len(group)` samples); with `rng`, every request
-    gets a seed from it, so a seeded run reproduces its rollouts exactly."""
+) -> PendingRollouts:
+    """Send one request of `len(group)` samples per group; with `rng`, every request gets a
+    seed from it (drawn here, in order), so a seeded run reproduces its rollouts exactly."""
     futures = []
     for group in groups:
         request_params = params
@@ -44,9 +61,19 @@ def rollout_groups(
             request_params = dataclasses.replace(params, seed=rng.getrandbits(63))
         prompt = ModelInput.from_ints(group[0].initial_observation())
         futures.append(sampling_client.sample(prompt, len(group), request_params))
+    return PendingRollouts(
+        groups=[list(group) for group in groups],
+        futures=futures,
+        sampler_version=sampling_client.version,
+    )
+
+
+def score_rollouts(
+    groups: Sequence[Sequence[ProblemEnv]], responses: Sequence[SampleResponse]
+) -> list[list[Trajectory]]:
+    """Rewards from each group's environments for its sampled completions."""
     results = []
-    for group, future in zip(groups, futures, strict=True):
-        response = future.result()
+    for group, response in zip(groups, responses, strict=True):
         trajectories = []
         for env, sequence in zip(group, response.sequences, strict=True):
             step = env.step(sequence.tokens)
@@ -64,19 +91,42 @@ def rollout_groups(
     return results
 
 
-def policy_datum(trajectory: Trajectory, *, advantage: float) -> Datum:
+def rollout_groups(
+    sampling_client,
+    groups: Sequence[Sequence[ProblemEnv]],
+    *,
+    params: SamplingParams,
+    rng: random.Random | None = None,
+) -> list[list[Trajectory]]:
+    """Submit, wait and score in one call."""
+    pending = submit_rollouts(sampling_client, groups, params=params, rng=rng)
+    return score_rollouts(pending.groups, pending.wait())
+
+
+def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) -> Datum:
     """Inputs for `importance_sampling` / `ppo`: targets, sampler logprobs, advantages.
 
-    The losses are sums over tokens; the caller folds any normalization into `advantage`."""
+    `advantage` is one number for every completion token, or one per completion token (e.g.
+    with a per-token KL penalty). The losses are sums over tokens; the caller folds any
+    normalization into `advantage`."""
     tokens = trajectory.prompt + trajectory.completion
     num_prompt_targets = len(trajectory.prompt) - 1
     num_completion = len(trajectory.completion)
+    if isinstance(advantage, Sequence):
+        advantages_C = list(advantage)
+        if len(advantages_C) != num_completion:
+            raise ValueError(
+                f"policy_datum: {len(advantages_C)} advantages for {num_completion} completion "
+                "tokens; give one per token or a single number"
+            )
+    else:
+        advantages_C = [advantage] * num_completion
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
             "target_tokens": tokens[1:],
             "logprobs": [0.0] * num_prompt_targets + trajectory.sampler_logprobs,
-            "advantages": [0.0] * num_prompt_targets + [advantage] * num_completion,
+            "advantages": [0.0] * num_prompt_targets + advantages_C,
         },
     )
 

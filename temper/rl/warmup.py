@@ -54,9 +54,11 @@ class SFTWarmup(Configurable):
         tokenizer,
         rng: random.Random,
         on_step: Callable[[int, dict[str, float]], None],
+        start_step: int = 0,
     ) -> None:
-        """Train `steps` steps; `on_step(step, metrics)` after each (for logging and evals)."""
-        for step in range(self.config.steps):
+        """Train steps `start_step`..`steps - 1`; `on_step(step, metrics)` after each (for
+        logging, evals and checkpoints). A resumed run passes the steps already done."""
+        for step in range(start_step, self.config.steps):
             problems = [task.sample(rng, split="train") for _ in range(self.config.batch_size)]
             pairs = [
                 (tokenizer.encode(p.prompt), [*tokenizer.encode(p.answer), tokenizer.eos_token_id])

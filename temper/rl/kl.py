@@ -1,0 +1,88 @@
+"""KL penalty to a reference policy (the policy at the start of RL), shaped into the advantages.
+
+Shapes: N completion tokens of a step; C completion tokens of one trajectory.
+
+The sampled tokens come from the sampler's policy pi, so with the log-ratio
+d = log pi(x) - log pi_ref(x) at each sampled token x, two standard estimators of
+KL(pi || pi_ref) are
+    k1 = d                       unbiased, can be negative, high variance;
+    k3 = exp(-d) - 1 + d         unbiased, never negative, lower variance
+(J. Schulman, "Approximating KL divergence", 2020). log pi is the sampler's logprob of the
+token (the distribution it was drawn from); log pi_ref comes from `compute_logprobs` of a
+sampling client on the reference weights.
+
+"KL in reward" shaping: every completion token's advantage becomes A - coef * (k_t - mean_k),
+where mean_k is the step's mean over all completion tokens. Subtracting the mean changes no
+expected gradient (a constant times the score function averages to zero) but keeps the penalty
+from pushing every token down at once; tokens that drift further from the reference than
+average are discouraged, those closer are encouraged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from temper.api.futures import APIFuture
+from temper.api.types import ModelInput
+from temper.rl.rollout import Trajectory
+
+KLEstimator = Literal["k1", "k3"]
+
+
+def kl_estimate(log_ratio_N: torch.Tensor, *, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from d = log pi - log pi_ref at sampled tokens."""
+    if estimator == "k1":
+        return log_ratio_N
+    if estimator == "k3":
+        return torch.expm1(-log_ratio_N) + log_ratio_N
+    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def submit_reference_logprobs(
+    reference_client, trajectories: Sequence[Trajectory]
+) -> list[APIFuture]:
+    """One `compute_logprobs` request per trajectory, all sent before any is read."""
+    return [
+        reference_client.compute_logprobs(ModelInput.from_ints(t.prompt + t.completion))
+        for t in trajectories
+    ]
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    penalties: list[list[float]]
+    """Per trajectory, per completion token: what to subtract from the advantage."""
+    metrics: dict[str, float]
+
+
+def kl_penalty(
+    trajectories: Sequence[Trajectory],
+    reference_futures: Sequence[APIFuture],
+    *,
+    coef: float,
+    estimator: KLEstimator,
+) -> KLPenalty:
+    """Centered per-token penalties coef * (k_t - mean_k), and kl/* metrics (both estimators)."""
+    log_ratios_C = []
+    for trajectory, future in zip(trajectories, reference_futures, strict=True):
+        reference = future.result()[len(trajectory.prompt) :]
+        log_ratios_C.append(
+            torch.tensor(trajectory.sampler_logprobs, dtype=torch.float64)
+            - torch.tensor(reference, dtype=torch.float64)
+        )
+    log_ratio_N = torch.cat(log_ratios_C)
+    kl_N = kl_estimate(log_ratio_N, estimator=estimator)
+    mean = kl_N.mean() if kl_N.numel() else torch.zeros((), dtype=torch.float64)
+    penalties = [
+        (coef * (kl_estimate(d_C, estimator=estimator) - mean)).tolist() for d_C in log_ratios_C
+    ]
+    metrics = {
+        "kl/k1": kl_estimate(log_ratio_N, estimator="k1").mean().item(),
+        "kl/k3": kl_estimate(log_ratio_N, estimator="k3").mean().item(),
+        "kl/penalty_max": coef * (kl_N - mean).abs().max().item() if kl_N.numel() else 0.0,
+    }
+    return KLPenalty(penalties=penalties, metrics=metrics)
