@@ -13,6 +13,7 @@ import logging
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from tinker import types as tinker_types
 
 from temper.server.errors import USER_ERRORS, RequestError, error_body
@@ -104,6 +105,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError) -> JSONResponse:
         return JSONResponse(error_body(error.message), status_code=error.status_code)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        # Unknown paths and methods: still a JSON body with a category.
+        return JSONResponse(error_body(str(error.detail)), status_code=error.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
