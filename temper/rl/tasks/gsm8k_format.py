@@ -3,8 +3,8 @@
 The answer is a worked solution whose final number follows `####` (as in GSM8K). Reading is
 strict: every problem in the file is checked when the file is read, and a bad line is a
 ValueError naming the file and the 1-based line number, so a run fails before it trains.
-Blank lines are skipped. `final_number` also reads a model's completion, which may end its
-answer with `####`, with `\\boxed{...}`, or just with a last number.
+Blank lines are skipped. `final_number` also reads a model's completion, which may give its
+answer after `####`, in `\\boxed{...}`, or just as its last number.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ def parse_number(text: str) -> float | None:
 
 
 def final_number(text: str) -> float | None:
-    """The answer a text ends with: after the last `####`, else in the last `\\boxed{}`, else
-    its last number; None when there is none."""
+    """The answer a text gives: the number after its first `####`, else in its last
+    `\\boxed{}`, else its last number; None when there is none.
+
+    The first `####` ends a GSM8K answer; a model that runs on past it (a new "Question: ...",
+    with more numbers) is still scored on the answer it gave."""
     if ANSWER_MARK in text:
-        return parse_number(text.rpartition(ANSWER_MARK)[2])
+        return parse_number(text.partition(ANSWER_MARK)[2])
     boxed = _BOXED.findall(text)
     if boxed:
         return parse_number(boxed[-1])
@@ -85,7 +88,7 @@ def _parse_line(line: str, *, path: Path, line_number: int) -> MathRow:
         if not isinstance(record[key], str) or not record[key].strip():
             raise ValueError(f"{where}: {key!r} must be a non-empty string, got {record[key]!r}")
     answer = record["answer"]
-    final = parse_number(answer.rpartition(ANSWER_MARK)[2]) if ANSWER_MARK in answer else None
+    final = final_number(answer) if ANSWER_MARK in answer else None
     if final is None:
         raise ValueError(
             f"{where}: the answer must end with '{ANSWER_MARK} <number>', got ...{answer[-40:]!r}"

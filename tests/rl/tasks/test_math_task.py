@@ -34,7 +34,8 @@ def good_line(question: str = "What is 2 + 3?", answer: str = "2 + 3 = 5\n#### 5
         ("The answer is \\boxed{42}.", 42.0),
         ("first 3 then \\boxed{7} and later 9", 7.0),
         ("She pays 4 * 5 = 20 dollars, then 20 + 2 = 22", 22.0),
-        ("#### 12 apples\nthen 99", 12.0),  # the number right after the last ####
+        ("#### 12 apples\nthen 99", 12.0),  # the number right after ####
+        ("#### 12\nQuestion: Sam has 3 pens.\nAnswer: 3\n#### 3", 12.0),  # the first ####
         ("no digits here", None),
         ("#### none", None),
     ],

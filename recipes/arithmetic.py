@@ -1,0 +1,40 @@
+"""arithmetic: a randomly initialized tiny Qwen3 learns two-digit addition and subtraction.
+
+Same shape as sum_digits: a supervised warm-up (RL alone does not find the task from random
+weights), then GRPO with PPO-clipped importance sampling, through the Tinker-style client API.
+Answers are at most 3 characters ("-87", "198"), so 5 new tokens leave room for the stop token.
+"""
+
+from __future__ import annotations
+
+from temper.config.recipes import recipe
+from temper.rl.loop_sync import RLJob
+from temper.rl.tasks import Arithmetic
+from temper.rl.warmup import SFTWarmup
+
+
+@recipe("SFT warm-up then GRPO on 2-digit a+b and a-b, tiny Qwen3 from scratch (CPU, minutes)")
+def arithmetic() -> RLJob.Config:
+    return RLJob.Config(
+        base_model="tiny",
+        task=Arithmetic.Config(ops=("add", "sub"), min_digits=1, max_digits=2),
+        warmup=SFTWarmup.Config(steps=600, batch_size=64, learning_rate=2e-3),
+        steps=100,
+        prompts_per_step=32,
+        group_size=8,
+        max_tokens=5,
+        learning_rate=3e-5,
+        eval_every=25,
+    )
+
+
+@recipe("A few-second arithmetic run for smoke tests: 20 warm-up steps, 4 GRPO steps")
+def arithmetic_smoke() -> RLJob.Config:
+    config = arithmetic()
+    config.warmup.steps = 20
+    config.steps = 4
+    config.prompts_per_step = 8
+    config.group_size = 4
+    config.eval_every = 2
+    config.eval_problems = 32
+    return config
