@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,13 +80,16 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     """`temper train`: resolve the config, create the run dir, save config.json, build, run."""
     try:
         invocation = config_cli.parse_train_argv(argv, prog="temper train", package=package)
-        config_cli.prepare_run_dir(invocation.run_dir)
+        if not invocation.resume:
+            config_cli.prepare_run_dir(invocation.run_dir)
     except SystemExit as exit_:
         return _exit_code(exit_)
     except ValueError as error:
         print(f"temper train: error: {error}", file=sys.stderr)
         return 2
     config_path = invocation.run_dir / "config.json"
+    if invocation.resume:
+        return _resume(invocation)
     serialize.save_config(config_path, invocation.config, recipe=invocation.recipe)
     try:
         job: config_cli.Job = invocation.config.build()
@@ -97,6 +101,23 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         if [path.name for path in invocation.run_dir.iterdir()] == [config_path.name]:
             config_path.unlink()
             invocation.run_dir.rmdir()
+        return 1
+    return 0
+
+
+def _resume(invocation: config_cli.TrainInvocation) -> int:
+    """`temper train --resume RUN_DIR`: jobs that can resume take `run(..., resume=True)`."""
+    job = invocation.config.build()
+    if "resume" not in inspect.signature(job.run).parameters:
+        print(
+            f"temper train: error: --resume: {type(job).__qualname__} cannot resume a run yet",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        job.run(run_dir=invocation.run_dir, resume=True)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"temper train: error: {error}", file=sys.stderr)
         return 1
     return 0
 

@@ -33,14 +33,17 @@ TRAIN_USAGE = """\
 Train from a recipe's config; the options below override its fields.
 
   temper train [RECIPE] [--config-file PATH] [--run-dir DIR] [--FIELD VALUE ...]
+  temper train --resume RUN_DIR
 
   RECIPE              a name from `temper recipes`, module:function or path/to/file.py:function
                       (default: the recipe marked default)
   --config-file PATH  reproduce a run: start from its config.json instead of a recipe
   --run-dir DIR       where the run writes (default: runs/<recipe>-<YYYYmmdd-HHMMSS>);
-                      must not exist or be empty"""
+                      must not exist or be empty
+  --resume RUN_DIR    continue a stopped run from its last checkpoint, with its config.json
+                      (no other options)"""
 
-_TRAIN_OPTIONS = ("--config-file", "--run-dir")
+_TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume")
 
 
 class Job(Protocol):
@@ -58,7 +61,9 @@ class TrainInvocation:
     config: Configurable.Config
     """Root config, overrides applied."""
     run_dir: pathlib.Path
-    """Directory the run writes into; not created yet."""
+    """Directory the run writes into; not created yet (unless resuming)."""
+    resume: bool = False
+    """Continue the run in `run_dir` from its last checkpoint."""
 
 
 def parse_train_argv(
@@ -72,6 +77,8 @@ def parse_train_argv(
     args = list(argv)
     recipe_arg = args.pop(0) if args and not args[0].startswith("-") else None
     options, overrides = _split_train_options(args)
+    if "--resume" in options:
+        return _resume_invocation(options, recipe_arg=recipe_arg, overrides=overrides)
     config_file = options.get("--config-file")
     if config_file is not None:
         if recipe_arg is not None:
@@ -104,6 +111,25 @@ def parse_train_argv(
         config=config,
         run_dir=pathlib.Path(run_dir) if run_dir else default_run_dir(recipe_name),
     )
+
+
+def _resume_invocation(
+    options: dict[str, str], *, recipe_arg: str | None, overrides: list[str]
+) -> TrainInvocation:
+    """`--resume RUN_DIR`: the run's own config.json, unchanged, into the same directory."""
+    run_dir = pathlib.Path(options["--resume"])
+    others = [*(["RECIPE " + recipe_arg] if recipe_arg else []), *options.keys() - {"--resume"}]
+    if others or overrides:
+        raise ValueError(
+            f"--resume {run_dir} continues the run with its saved config; it takes no other "
+            f"options (got {[*others, *overrides]})"
+        )
+    config_file = run_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"--resume {run_dir}: no run there (no {config_file})")
+    loaded = serialize.load_config(config_file)
+    check_root_config(loaded.config, recipe=loaded.recipe)
+    return TrainInvocation(recipe=loaded.recipe, config=loaded.config, run_dir=run_dir, resume=True)
 
 
 def _split_train_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -220,13 +246,13 @@ def default_run_dir(recipe: str | None, *, now: datetime.datetime | None = None)
 
 
 def prepare_run_dir(run_dir: pathlib.Path) -> None:
-    """Create `run_dir`; an existing non-empty one is refused (resuming is not supported yet)."""
+    """Create `run_dir`; an existing non-empty one is refused (continue one with --resume)."""
     if run_dir.exists():
         if not run_dir.is_dir():
             raise ValueError(f"--run-dir {run_dir} exists and is not a directory")
         if any(run_dir.iterdir()):
             raise ValueError(
                 f"--run-dir {run_dir} already exists and is not empty; choose a new directory "
-                "(resuming a run is not supported yet)"
+                f"(or continue that run with --resume {run_dir})"
             )
     run_dir.mkdir(parents=True, exist_ok=True)

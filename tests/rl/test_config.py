@@ -1,0 +1,30 @@
+"""Bad RL settings fail when the config is made, before any model is built or step trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.rl.loop_sync import RLJob
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"group_size": 1}, "group_size must be >= 2"),
+        ({"prompts_per_step": 6, "num_substeps": 4}, r"prompts_per_step \(6\) must be divisible"),
+        ({"num_substeps": 0}, "num_substeps must be >= 1"),
+        ({"mode": "async", "max_staleness": -1}, "max_staleness is out of range"),
+        ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
+        ({"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
+        ({"mode": "eager"}, "mode must be 'sync' or 'async'"),
+        ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
+    ],
+)
+def test_bad_settings_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RLJob.Config(**fields)
+
+
+def test_staleness_without_async_mode_warns():
+    with pytest.warns(UserWarning, match="max_staleness=3 is ignored in mode='sync'"):
+        RLJob.Config(max_staleness=3)

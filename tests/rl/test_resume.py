@@ -1,0 +1,84 @@
+"""Full-state resume: a run that stops and is resumed (`temper train --resume`) ends bitwise
+equal to one that never stopped, and its metrics.jsonl is the same curve, each step once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from temper.checkpoint.run_state import load_run_state
+from temper.cli import main
+from temper.config import serialize
+from temper.rl import loop_sync
+from temper.rl.loop_sync import RLJob
+from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_after(monkeypatch, steps_done: int) -> None:
+    original = loop_sync._Checkpoints.step_done
+
+    def step_done(self, done: int) -> None:
+        original(self, done)
+        if done == steps_done:
+            raise Crash(f"stopped after step {done - 1}")
+
+    monkeypatch.setattr(loop_sync._Checkpoints, "step_done", step_done)
+
+
+def _final_weights(run_dir):
+    state = load_run_state(run_dir)
+    assert state.step == 14  # 8 warm-up + 6 RL steps, the last checkpoint is the end
+
+    class Result:
+        sampler_path = None
+
+    sampler_dirs = sorted((run_dir / "checkpoints").glob("*/sampler_weights/final"))
+    assert len(sampler_dirs) == 1
+    Result.sampler_path = f"tinker://{sampler_dirs[0].parent.parent.name}/sampler_weights/final"
+    return final_weights(run_dir, Result)
+
+
+@pytest.mark.parametrize(
+    ("mode", "crash_at"),
+    [("sync", 10), ("async", 12), ("sync", 5)],
+    ids=["sync-in-rl", "async-in-rl", "in-warmup"],
+)
+def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch, no_plots, mode, crash_at):
+    config = tiny_rl_config(mode=mode, checkpoint_every=3, kl_coef=0.05)
+    straight = tmp_path / "straight"
+    RLJob(config).run(run_dir=straight)
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    serialize.save_config(stopped / "config.json", config, recipe=None)
+    with monkeypatch.context() as patch:
+        _crash_after(patch, crash_at)
+        with pytest.raises(Crash):
+            RLJob(config).run(run_dir=stopped)
+    last_checkpoint = crash_at // 3 * 3
+    assert load_run_state(stopped).step == last_checkpoint
+    logged = [r["step"] for r in comparable_metrics(stopped)]
+    assert logged[-1] == crash_at - 1  # steps after the checkpoint were logged, then lost
+
+    assert main(["train", "--resume", str(stopped)]) == 0
+    assert comparable_metrics(stopped) == comparable_metrics(straight)
+    a, b = _final_weights(straight), _final_weights(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Only the last train state is kept.
+    assert len(list((stopped / "checkpoints").glob("*/weights/*"))) == 1
+
+
+def test_resume_needs_a_checkpoint_and_no_other_options(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    serialize.save_config(run_dir / "config.json", tiny_rl_config(), recipe=None)
+    assert main(["train", "--resume", str(run_dir)]) == 1
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run_dir), "--steps", "3"]) == 2
+    assert "takes no other options" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "no run there" in capsys.readouterr().err
