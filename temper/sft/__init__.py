@@ -1,5 +1,13 @@
-"""Supervised fine-tuning."""
+"""Supervised fine-tuning on a task's problems or on JSONL conversations, via the client API."""
 
-from temper.sft.loop import SFTJob, SFTResult
+from temper.sft.datasets import ConversationDataset, DataPosition, load_conversations
+from temper.sft.loop import SFTJob, SFTResult, SFTState
 
-__all__ = ["SFTJob", "SFTResult"]
+__all__ = [
+    "ConversationDataset",
+    "DataPosition",
+    "SFTJob",
+    "SFTResult",
+    "SFTState",
+    "load_conversations",
+]

@@ -1,53 +1,46 @@
-"""Turn (prompt, completion) token lists into right-padded next-token training batches.
+"""Supervised datums for `cross_entropy`, normalized to a mean loss per trained token.
 
-Shapes: B batch, T tokens.
-
-Inputs are the sequence without its last token, targets the sequence shifted by one, and the
-weight of a position is 1 where its target is a completion token (the loss never trains the
-model to predict the prompt).
+A `WeightedTokens` sequence of n tokens becomes one datum of n - 1 positions: inputs are the
+tokens without the last, targets the tokens shifted by one, and the weight of a position is the
+weight of its target token. Losses are sums (Tinker); every weight of a batch is divided by the
+batch's number of weighted tokens, so the summed loss is the mean loss per trained token and
+the step size does not depend on how many tokens a batch happens to train on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-import torch
+from temper.api.types import Datum, ModelInput
+from temper.tokenizer.renderers import WeightedTokens
 
 
-@dataclass(frozen=True)
-class TokenBatch:
-    inputs_BT: torch.Tensor
-    targets_BT: torch.Tensor
-    weights_BT: torch.Tensor
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.weights_BT.sum())
-
-    def to(self, device: torch.device) -> TokenBatch:
-        return TokenBatch(
-            inputs_BT=self.inputs_BT.to(device),
-            targets_BT=self.targets_BT.to(device),
-            weights_BT=self.weights_BT.to(device),
+def completion_tokens(prompt: Sequence[int], completion: Sequence[int]) -> WeightedTokens:
+    """A prompt (weight 0) followed by a completion (weight 1)."""
+    if not prompt or not completion:
+        raise ValueError(
+            f"prompt and completion must both be non-empty, got {len(prompt)} prompt and "
+            f"{len(completion)} completion tokens"
         )
+    return WeightedTokens(
+        tokens=[*prompt, *completion], weights=[0.0] * len(prompt) + [1.0] * len(completion)
+    )
 
 
-def completion_batch(
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]], *, pad_token_id: int
-) -> TokenBatch:
-    """Batch (prompt_ids, completion_ids) pairs; loss weight on completion targets only."""
-    lengths = [len(prompt) + len(completion) - 1 for prompt, completion in examples]
-    width = max(lengths)
-    inputs_BT = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
-    targets_BT = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
-    weights_BT = torch.zeros((len(examples), width), dtype=torch.float32)
-    for row, (prompt, completion) in enumerate(examples):
-        if not prompt or not completion:
-            raise ValueError(f"example {row}: prompt and completion must both be non-empty")
-        sequence = torch.tensor([*prompt, *completion], dtype=torch.long)
-        length = lengths[row]
-        inputs_BT[row, :length] = sequence[:-1]
-        targets_BT[row, :length] = sequence[1:]
-        weights_BT[row, len(prompt) - 1 : length] = 1.0
-    return TokenBatch(inputs_BT=inputs_BT, targets_BT=targets_BT, weights_BT=weights_BT)
+def supervised_data(examples: Sequence[WeightedTokens]) -> list[Datum]:
+    """One datum per example; the summed `cross_entropy` of all of them is a per-token mean."""
+    # The first token is never predicted, so its weight (0 in every renderer) cannot count.
+    num_weighted = sum(sum(w > 0 for w in example.weights[1:]) for example in examples)
+    if num_weighted == 0:
+        raise ValueError(f"none of the {len(examples)} examples has a token to train on")
+    scale = 1.0 / num_weighted
+    return [
+        Datum(
+            model_input=ModelInput.from_ints(example.tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": example.tokens[1:],
+                "weights": [weight * scale for weight in example.weights[1:]],
+            },
+        )
+        for example in examples
+    ]

@@ -1,53 +1,84 @@
-"""Supervised fine-tuning on a task's problems, with held-out greedy accuracy.
+"""Supervised fine-tuning through the public client API, on a task or on JSONL conversations.
 
-This is the smallest real end-to-end job on the foundation: build (or load) a model, train it
-with next-token cross-entropy on the answers, evaluate exact-match accuracy on held-out
-problems, log metrics, plot them, and export the result as a HF model directory. The RL loop
-uses it as its warm-up stage.
+The loop only calls `ServiceClient` and its clients: `forward_backward(data, "cross_entropy")`
+and `optim_step` to train, `forward` for the held-out loss, a sampling client for greedy
+held-out accuracy, `save_weights_for_sampler` for the final weights. So the same loop runs
+in-process (here) or against a Tinker-compatible server. Loss weights are 1 on answer tokens
+(task) or on assistant tokens (conversations, see `temper/tokenizer/renderers`), divided by
+the batch's count of such tokens: `train/loss` and `eval/loss` are mean losses per token.
+
+What a resumed run needs besides the checkpoint (weights and optimizer) is `SFTState`: the
+steps done and the data position, all plain ints.
 """
 
 from __future__ import annotations
 
-import math
-import random
+import os
+import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
-from temper.api import SamplingParams
-from temper.checkpoint.hf import save_pretrained
+from temper.api.client import ServiceClient, TrainingClient
+from temper.api.types import AdamParams
+from temper.api.weights import SAMPLER_FILE
 from temper.config.configurable import Configurable
-from temper.models.base_model import BaseModel
-from temper.models.common.logprobs import forward_logprobs
+from temper.models.base_model import DType
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
-from temper.rl.evaluation import heldout_problems
-from temper.rl.tasks import Problem, SumDigits, TaskConfig
-from temper.sampler import SamplerEngine, SampleRequest
-from temper.sft.batches import TokenBatch, completion_batch
+from temper.rl.tasks import SumDigits, TaskConfig
+from temper.sampler import SamplerEngine
+from temper.sft.batches import supervised_data
+from temper.sft.datasets import ConversationDataset, DataPosition
+from temper.sft.sources import ConversationSource, Example, TaskSource
 from temper.trainer.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
 class SFTResult:
     steps: int
+    initial_heldout_loss: float
+    heldout_loss: float
     heldout_accuracy: float
     best_heldout_accuracy: float
+    sampler_path: str
+    """`tinker://<run>/sampler_weights/final`."""
     model_dir: Path | None
+    """The exported HF model directory (export='hf'), else None."""
+
+
+@dataclass
+class SFTState:
+    """The loop's position: all a resume needs besides the weights and optimizer state."""
+
+    step: int
+    """Optimizer steps done."""
+    data: DataPosition
 
 
 class SFTJob(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        model: BaseModel.Config = field(default_factory=BaseModel.Config)
-        """The model to train."""
+        base_model: str = "tiny"
+        """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:words')."""
+        lora_rank: int | None = None
+        """LoRA rank; None trains every parameter."""
+        dtype: DType = "float32"
+        """Parameter dtype of the model."""
+        device: str = "cpu"
+        """Device of the model, e.g. 'cpu' or 'cuda'."""
+        source: Literal["task", "conversations"] = "task"
+        """Train on the problems of `task`, or on the JSONL conversations of `conversations`."""
         task: TaskConfig = field(default_factory=SumDigits.Config)
         """The task whose problems are trained on and evaluated."""
+        conversations: ConversationDataset.Config = field(
+            default_factory=ConversationDataset.Config
+        )
+        """The conversation dataset and its chat format (source='conversations')."""
         steps: int = 400
         """Optimizer steps."""
         batch_size: int = 64
-        """Problems per step."""
+        """Problems or conversations per step."""
         learning_rate: float = 2e-3
         """Peak AdamW learning rate."""
         warmup_steps: int = 20
@@ -59,22 +90,23 @@ class SFTJob(Configurable):
         eval_every: int = 50
         """Steps between held-out evaluations (and one at the end)."""
         eval_problems: int = 256
-        """Held-out problems per evaluation (a fixed set)."""
+        """Held-out problems per evaluation (a fixed set; source='task'). Conversations are
+        evaluated on the whole held-out split."""
         max_new_tokens: int = 4
-        """Most tokens generated per answer during evaluation."""
+        """Most tokens generated per greedy held-out reply."""
         sampler: SamplerEngine.Config = field(
             default_factory=lambda: SamplerEngine.Config(
                 max_batch=256, max_seq_len=64, num_threads=1
             )
         )
-        """The engine that decodes evaluation answers (greedy)."""
+        """The engine behind the sampling clients (greedy held-out replies)."""
         seed: int = 0
-        """Seed of the problem stream."""
+        """Seed of the training data order (and of LoRA initialization)."""
         export: Literal["hf", "none"] = "hf"
-        """'hf' writes the trained model (and tokenizer) to RUN_DIR/model."""
+        """'hf' also copies the final weights (a HF model directory) to RUN_DIR/model."""
         metrics: MetricsLogger.Config = field(
             default_factory=lambda: MetricsLogger.Config(
-                progress_keys=("train/loss", "eval/accuracy"), table_every=100
+                progress_keys=("train/loss", "eval/loss", "eval/accuracy"), table_every=100
             )
         )
         """Console, metrics.jsonl and TensorBoard logging."""
@@ -87,115 +119,175 @@ class SFTJob(Configurable):
                 raise ValueError(
                     f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}"
                 )
+            if self.lora_rank is not None and self.lora_rank < 1:
+                raise ValueError(
+                    f"SFTJob.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
+                )
+            if self.export == "hf" and self.lora_rank is not None:
+                raise ValueError(
+                    "SFTJob.Config.export='hf' writes a full model directory, but lora_rank="
+                    f"{self.lora_rank} trains adapters; use export='none' (the adapters are "
+                    "saved as sampler weights under RUN_DIR/checkpoints either way)"
+                )
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def run(self, *, run_dir: Path) -> SFTResult:
-        config = self.config
-        run_dir = Path(run_dir)
-        base = config.model.build()
-        model, tokenizer = base.model, base.tokenizer
-        task = config.task.build()
-        # The engine reads the training module itself, so it always sees the current weights.
-        engine = config.sampler.build(model=model, tokenizer=tokenizer)
-        rng = random.Random(config.seed)
-        heldout = heldout_problems(task, count=config.eval_problems)
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
-            betas=(0.9, 0.95),
+        config, run_dir = self.config, Path(run_dir)
+        # Load and validate the dataset first: a bad file fails before any model is built.
+        dataset = config.conversations.build() if config.source == "conversations" else None
+        service = ServiceClient(
+            storage_dir=run_dir / "checkpoints",
+            device=config.device,
+            dtype=config.dtype,
+            sampler=config.sampler,
         )
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        training = self._training_client(service)
+        source = self._source(training.get_tokenizer(), dataset=dataset)
+        state = SFTState(step=0, data=source.position)
+        initial_loss = self._heldout_loss(training, source)
         accuracies: list[float] = []
+        examples: list[Example] = []
         timer = PhaseTimer()
         with MetricsLogger(
-            config.metrics,
-            run_dir=run_dir,
-            total_steps=config.steps,
-            description=f"SFT {type(task).__name__}",
+            config.metrics, run_dir=run_dir, total_steps=config.steps, description=self._title()
         ) as logger:
-            for step in range(config.steps):
+            logger.console.print(f"held-out loss before training: {initial_loss:.4f}")
+            while state.step < config.steps:
                 with timer.phase("train"):
-                    problems = [task.sample(rng, split="train") for _ in range(config.batch_size)]
-                    batch = self._batch(problems, tokenizer).to(base.device)
-                    metrics = self._train_step(model, optimizer, batch)
-                    schedule.step()
-                last = step == config.steps - 1
-                if (step + 1) % config.eval_every == 0 or last:
+                    metrics = self._train_step(training, source, step=state.step)
+                state.data = source.position
+                last = state.step == config.steps - 1
+                if (state.step + 1) % config.eval_every == 0 or last:
                     with timer.phase("eval"):
-                        accuracy = self._evaluate(engine, tokenizer, task, heldout)
-                    accuracies.append(accuracy)
-                    metrics["eval/accuracy"] = accuracy
-                phases = timer.collect()
-                metrics["train/tokens_per_s"] = batch.inputs_BT.numel() / phases["time/train"]
-                logger.log(step, {**metrics, **phases})
-            self._show_examples(logger, engine, tokenizer, task, heldout[:4])
+                        eval_metrics, examples = self._evaluate(training, source)
+                    accuracies.append(eval_metrics["eval/accuracy"])
+                    metrics |= eval_metrics
+                logger.log(state.step, metrics | timer.collect())
+                state.step += 1
+            self._show_examples(logger, examples[:4])
+            sampler_path = training.save_weights_for_sampler("final").result().path
             model_dir = None
             if config.export == "hf":
-                model_dir = save_pretrained(model, run_dir / "model", tokenizer=tokenizer)
+                model_dir = export_model_dir(service, sampler_path, out_dir=run_dir / "model")
             plots = plot_metrics(run_dir)
+            final_loss = logger.latest["eval/loss"]
             logger.summary(
                 {
+                    "held-out loss": {"before": initial_loss, "final": final_loss},
                     "held-out accuracy": {"final": accuracies[-1], "best": max(accuracies)},
                     "train/loss": {"final": logger.latest["train/loss"]},
                 },
-                title=f"SFT done: {config.steps} steps, plots in {plots[0].parent}",
+                title=f"SFT done: {config.steps} steps",
             )
+            logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
         return SFTResult(
             steps=config.steps,
+            initial_heldout_loss=initial_loss,
+            heldout_loss=final_loss,
             heldout_accuracy=accuracies[-1],
             best_heldout_accuracy=max(accuracies),
+            sampler_path=sampler_path,
             model_dir=model_dir,
         )
 
-    def _lr_factor(self, step: int) -> float:
+    def learning_rate(self, step: int) -> float:
         config = self.config
-        return warmup_cosine(step, warmup_steps=config.warmup_steps, total_steps=config.steps)
+        factor = warmup_cosine(step, warmup_steps=config.warmup_steps, total_steps=config.steps)
+        return config.learning_rate * factor
 
-    @staticmethod
-    def _batch(problems: list[Problem], tokenizer) -> TokenBatch:
-        examples = [
-            (tokenizer.encode(p.prompt), [*tokenizer.encode(p.answer), tokenizer.eos_token_id])
-            for p in problems
-        ]
-        return completion_batch(examples, pad_token_id=tokenizer.pad_token_id or 0)
+    def _title(self) -> str:
+        config = self.config
+        if config.source == "conversations":
+            return f"SFT {Path(config.conversations.path).name} ({config.conversations.renderer})"
+        return f"SFT {type(config.task).__qualname__.split('.')[0]}"
 
-    def _train_step(self, model, optimizer, batch: TokenBatch) -> dict[str, float]:
-        model.train()
-        logprobs_BT = forward_logprobs(model, batch.inputs_BT, batch.targets_BT)
-        loss = -(logprobs_BT * batch.weights_BT).sum() / batch.num_loss_tokens
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = self.config.grad_clip_norm if self.config.grad_clip_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
+    def _training_client(self, service: ServiceClient) -> TrainingClient:
+        config = self.config
+        if config.lora_rank is None:
+            return service.create_training_client(config.base_model)
+        return service.create_lora_training_client(
+            config.base_model, rank=config.lora_rank, seed=config.seed
+        )
+
+    def _source(
+        self, tokenizer, *, dataset: ConversationDataset | None
+    ) -> TaskSource | ConversationSource:
+        config = self.config
+        if dataset is not None:
+            return ConversationSource(dataset, tokenizer=tokenizer, seed=config.seed)
+        return TaskSource(
+            config.task.build(),
+            tokenizer=tokenizer,
+            seed=config.seed,
+            num_heldout=config.eval_problems,
+        )
+
+    def _train_step(self, training: TrainingClient, source, *, step: int) -> dict[str, float]:
+        config = self.config
+        started = time.perf_counter()
+        examples = source.next_batch(config.batch_size)
+        learning_rate = self.learning_rate(step)
+        backward = training.forward_backward(supervised_data(examples), "cross_entropy")
+        optim = training.optim_step(
+            AdamParams(
+                learning_rate=learning_rate,
+                beta2=0.95,
+                weight_decay=config.weight_decay,
+                grad_clip_norm=config.grad_clip_norm,
+            )
+        )
+        loss = backward.result().metrics["loss:sum"]
+        grad_norm = optim.result().metrics["grad_norm:mean"]
+        num_tokens = sum(len(e.tokens) - 1 for e in examples)
         return {
-            "train/loss": loss.item(),
-            "optim/grad_norm": grad_norm.item(),
-            "optim/lr": optimizer.param_groups[0]["lr"],
+            "train/loss": loss,
+            "train/trained_tokens": float(sum(e.num_weighted for e in examples)),
+            "train/tokens_per_s": num_tokens / (time.perf_counter() - started),
+            "optim/grad_norm": grad_norm,
+            "optim/lr": learning_rate,
         }
 
-    def _complete(self, engine: SamplerEngine, tokenizer, problems: list[Problem]) -> list[str]:
-        engine.model.eval()
-        params = SamplingParams(max_tokens=self.config.max_new_tokens, temperature=0.0)
-        responses = engine.generate(
-            [SampleRequest(prompt=tokenizer.encode(p.prompt), params=params) for p in problems]
-        )
-        return [
-            tokenizer.decode(response.sequences[0].tokens, skip_special_tokens=True)
-            for response in responses
-        ]
+    @staticmethod
+    def _heldout_loss(training: TrainingClient, source) -> float:
+        """Mean loss per trained token over the whole held-out set (no gradients)."""
+        output = training.forward(supervised_data(source.heldout), "cross_entropy").result()
+        return output.metrics["loss:sum"]
 
-    def _evaluate(self, engine, tokenizer, task, problems: list[Problem]) -> float:
-        completions = self._complete(engine, tokenizer, problems)
-        return sum(task.reward(p, c) for p, c in zip(problems, completions, strict=True)) / len(
-            problems
-        )
+    def _evaluate(self, training: TrainingClient, source) -> tuple[dict[str, float], list]:
+        loss = self._heldout_loss(training, source)
+        sampler = training.save_weights_and_get_sampling_client()
+        accuracy, examples = source.accuracy(sampler, max_tokens=self.config.max_new_tokens)
+        return {"eval/loss": loss, "eval/accuracy": accuracy}, examples
 
-    def _show_examples(self, logger, engine, tokenizer, task, problems: list[Problem]) -> None:
-        completions = self._complete(engine, tokenizer, problems)
-        for problem, completion in zip(problems, completions, strict=True):
-            mark = "ok" if task.reward(problem, completion) == 1.0 else "wrong"
-            logger.console.print(f"  {problem.prompt}{completion}  ({mark})")
+    @staticmethod
+    def _show_examples(logger: MetricsLogger, examples: list[Example]) -> None:
+        for example in examples:
+            mark = "ok" if example.correct else f"wrong, expected {example.reference!r}"
+            logger.console.print(f"  {example.prompt!r} -> {example.reply!r}  ({mark})")
+
+
+def export_model_dir(service: ServiceClient, sampler_path: str, *, out_dir: Path) -> Path:
+    """Copy full-model sampler weights (a HF model directory) to `out_dir`.
+
+    Local files only: it reads the service's checkpoint storage, so it needs the in-process
+    client. Files are hard-linked where the file system allows (no second copy on disk).
+    """
+    _, directory = service.storage.existing(sampler_path)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; the export does not overwrite it")
+
+    def link_or_copy(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+    shutil.copytree(
+        directory,
+        out_dir,
+        copy_function=link_or_copy,
+        ignore=shutil.ignore_patterns(SAMPLER_FILE),
+    )
+    return out_dir

@@ -1,9 +1,13 @@
-"""The demo job end to end: `temper train` on the smoke recipe learns and writes its outputs."""
+"""The SFT job end to end through `temper train`: a task recipe and a conversation recipe learn,
+write their outputs, and bad input fails cleanly before training."""
 
 from __future__ import annotations
 
 import json
+import runpy
+from pathlib import Path
 
+from recipes.sft_conversations import sft_conversations
 from temper.checkpoint.hf import load_pretrained
 from temper.cli import main
 from temper.config import load_config
@@ -29,6 +33,8 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
     assert loaded.config.seed == 1 and loaded.config.eval_problems == 32
     assert (run_dir / "plots" / "loss.png").is_file()
     assert load_pretrained(run_dir / "model").config.vocab_size == 29
+    assert not (run_dir / "model" / "sampler.json").exists()
+    assert list((run_dir / "checkpoints").glob("run-*/sampler_weights/final/sampler.json"))
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["config"]["steps"] == 60
 
@@ -36,8 +42,8 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
 def test_missing_model_directory_is_a_clean_error_and_leaves_no_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = ["train", "sum_digits_smoke", "--run-dir", str(run_dir)]
-    assert main([*argv, "--model.path", str(tmp_path / "nowhere")]) == 1
-    assert "is missing" in capsys.readouterr().err
+    assert main([*argv, "--base_model", str(tmp_path / "nowhere")]) == 1
+    assert "neither a model directory nor a named size" in capsys.readouterr().err
     assert not run_dir.exists()
 
 
@@ -56,3 +62,43 @@ def test_config_file_reproduces_the_run_exactly(tmp_path):
 
     assert curves(first) == curves(second)
     assert (first / "config.json").read_text() == (second / "config.json").read_text()
+
+
+def test_conversation_recipe_heldout_loss_falls(tmp_path):
+    config = sft_conversations()
+    config.steps, config.eval_every = 40, 20
+    config.metrics.display = "none"
+    result = config.build().run(run_dir=tmp_path / "run")
+    # From random init the loss per assistant token is about ln(vocab size) = 6.6.
+    assert result.initial_heldout_loss > 5.0
+    assert result.heldout_loss < 0.35 * result.initial_heldout_loss, result
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    eval_losses = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert len(eval_losses) == 2 and eval_losses[-1] == result.heldout_loss
+    assert {"train/loss", "optim/lr", "optim/grad_norm", "eval/accuracy"} <= {
+        key for record in records for key in record
+    }
+
+
+def test_bad_dataset_fails_before_training_with_the_line(tmp_path, capsys):
+    good = (
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}'
+    )
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text(f"{good}\n{{not json\n{good}\n")
+    run_dir = tmp_path / "run"
+    argv = ["train", "sft_conversations", "--run-dir", str(run_dir)]
+    assert main([*argv, "--conversations.path", str(dataset)]) == 1
+    assert f"{dataset}:2: malformed JSON" in capsys.readouterr().err
+    assert not run_dir.exists()
+    assert main([*argv, "--conversations.path", str(tmp_path / "missing.jsonl")]) == 1
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_sample_dataset_is_what_its_generator_writes():
+    data_dir = Path(__file__).resolve().parents[2] / "data"
+    generator = runpy.run_path(str(data_dir / "make_conversations_sample.py"))
+    lines = (data_dir / "conversations_sample.jsonl").read_text().splitlines()
+    expected = generator["conversations"](count=240, seed=0)
+    assert [json.loads(line)["messages"] for line in lines] == expected

@@ -1,0 +1,35 @@
+"""sft_conversations: a random tiny Qwen3 learns short chats from a JSONL file.
+
+The data is data/conversations_sample.jsonl (made by data/make_conversations_sample.py): a few
+hundred templated conversations over the built-in "words" vocabulary, in the plain role_colon
+format. Held-out loss falls from about ln(vocab) to well under 1 within a minute or two on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from temper.config.recipes import recipe
+from temper.sampler.engine import SamplerEngine
+from temper.sft import ConversationDataset, SFTJob
+
+SAMPLE_DATASET = Path(__file__).resolve().parents[1] / "data" / "conversations_sample.jsonl"
+
+
+@recipe("SFT a random tiny Qwen3 on sample JSONL conversations (role_colon, ~1 min on CPU)")
+def sft_conversations() -> SFTJob.Config:
+    return SFTJob.Config(
+        base_model="tiny:words",
+        source="conversations",
+        conversations=ConversationDataset.Config(
+            path=str(SAMPLE_DATASET), renderer="role_colon", heldout_fraction=0.1
+        ),
+        steps=150,
+        batch_size=32,
+        learning_rate=2e-3,
+        warmup_steps=20,
+        eval_every=25,
+        max_new_tokens=20,
+        sampler=SamplerEngine.Config(max_batch=64, max_seq_len=128, num_threads=1),
+        export="none",
+    )
