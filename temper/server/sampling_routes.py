@@ -22,8 +22,33 @@ from temper.server.storage import new_sampling_session_id
 from temper.server.validation import check_prompt
 
 
+class SampleCoalescer:
+    """Holds sample submissions for a few milliseconds, then starts them back to back.
+
+    The SDK sends an RL batch's samples as separate HTTP requests; started as they arrive, the
+    first would decode alone while the rest queue behind it. Started together, the backend
+    batches them into one decode.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._pending: dict[int, list] = {}
+
+    def add(self, client: object, start) -> None:
+        key = id(client)
+        if key not in self._pending:
+            self._pending[key] = []
+            asyncio.get_running_loop().call_later(self.window_s, self._flush, key)
+        self._pending[key].append(start)
+
+    def _flush(self, key: int) -> None:
+        for start in self._pending.pop(key):
+            start()
+
+
 def sampling_router(server: TemperServer) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
+    coalescer = SampleCoalescer(server.config.sample_window_s)
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(
@@ -91,8 +116,21 @@ def sampling_router(server: TemperServer) -> APIRouter:
             )
 
         key = None if body.seq_id is None else (sampling.sampling_session_id, body.seq_id)
+        if server.scheduler.known(key) is not None:
+            request_id = server.scheduler.known(key)
+            sequence_ids = [f"{request_id}-{index}" for index in range(call.num_samples)]
+            return future_response(request_id, sample_sequence_ids=sequence_ids)
+        started = asyncio.get_running_loop().create_future()
+
+        def start() -> None:
+            try:
+                started.set_result(run())
+            except Exception as error:  # becomes the request's failed future
+                started.set_exception(error)
+
+        coalescer.add(sampling.client, start)
         request_id = server.scheduler.submit(
-            run,
+            lambda: started,
             encode=lambda result: protobuf_answer(
                 wire.encode_sample_response(result, call=call, prompt_length=prompt_length)
             ),

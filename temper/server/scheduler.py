@@ -69,9 +69,10 @@ class Scheduler:
     ) -> str:
         """Run `call` (after earlier calls of `queue`, or right now) and return the request id.
 
-        `call` returns a result or an `APIFuture` of one; `encode` turns the result into the
-        wire answer. Without a queue, an exception from `call` itself propagates to the route
-        (the request is rejected); every later failure becomes a failed future.
+        `call` returns a result or an `APIFuture` (or asyncio future) of one; `encode` turns
+        the result into the wire answer. Without a queue, an exception from `call` itself
+        propagates to the route (the request is rejected); every later failure becomes a
+        failed future.
         """
         if key is not None and key in self._by_key:
             return self._by_key[key]
@@ -112,7 +113,7 @@ class Scheduler:
     ) -> Answer:
         try:
             value = started
-            while isinstance(value, APIFuture):
+            while isinstance(value, APIFuture | asyncio.Future):
                 value = await value
             return encode(value)
         except Exception as error:

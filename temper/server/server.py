@@ -47,6 +47,8 @@ class ServedModel:
     lora_rank: int | None
     training: TrainingBackend | None = None
     """Set once the creating request has run on the model's queue."""
+    snapshots: list[str] = field(default_factory=list)
+    """Its live ephemeral sampling sessions (save_weights_and_get_sampling_client), oldest first."""
     last_request_time: datetime.datetime = field(default_factory=lambda: _now())
 
 
@@ -89,6 +91,14 @@ class TemperServer(Configurable):
         """Longest hold of a retrieve_future long poll before answering try_again."""
         result_ttl_s: float = 900.0
         """How long a finished request's result stays retrievable."""
+        sample_window_s: float = 0.005
+        """Samples for one sampler arriving within this window are submitted together, so
+        the backend decodes them as one batch (an RL step sends a group per prompt at once)."""
+        snapshots_per_model: int = 1
+        """Ephemeral sampling sessions (save_weights_and_get_sampling_client) kept per training
+        model; making one more expires the oldest (sampling on it then answers 404). Tinker
+        has no call to release them, and each live one costs a sampler copy when the weights
+        change; raise this for loops that sample from older policies (async RL)."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
 
@@ -97,6 +107,11 @@ class TemperServer(Configurable):
                 raise ValueError(
                     f"TemperServer.Config.poll_seconds must be in (0, 40] (the SDK times a poll "
                     f"out at 45 s), got {self.poll_seconds}"
+                )
+            if self.snapshots_per_model < 1:
+                raise ValueError(
+                    "TemperServer.Config.snapshots_per_model must be >= 1, got "
+                    f"{self.snapshots_per_model}"
                 )
             if not 0 <= self.port <= 65535:
                 raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")
@@ -183,6 +198,11 @@ class TemperServer(Configurable):
         self.sampling_sessions[sampling.sampling_session_id] = sampling
         if session_id in self.sessions:
             self.sessions[session_id].sampling_session_ids.append(sampling.sampling_session_id)
+
+    def expire_snapshots(self, served: ServedModel, *, keep: int) -> None:
+        """Drop all but the newest `keep` ephemeral sampling sessions of a model."""
+        while len(served.snapshots) > keep:
+            self.sampling_sessions.pop(served.snapshots.pop(0), None)
 
     def shared_sampler(self, key: str, build: Any) -> SamplingBackend:
         """One backend sampling client per base model / sampler checkpoint (thread-safe)."""

@@ -197,15 +197,21 @@ def training_router(server: TemperServer) -> APIRouter:
                 model_path=None,
             )
             server.add_sampling_session(served.session_id, sampling)
+            served.snapshots.append(sampling.sampling_session_id)
             return json_answer(
                 tinker_types.SaveWeightsForSamplerResponseInternal(
                     sampling_session_id=sampling.sampling_session_id
                 )
             )
 
+        def make_snapshot():
+            # Expire old snapshots first: a live one would make the backend copy its sampler.
+            server.expire_snapshots(served, keep=server.config.snapshots_per_model - 1)
+            return server.training(served).save_weights_and_get_sampling_client()
+
         request_id = queue(
             served,
-            lambda: server.training(served).save_weights_and_get_sampling_client(),
+            make_snapshot,
             encode=snapshot,
             seq_id=body.seq_id,
         )

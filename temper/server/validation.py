@@ -1,13 +1,16 @@
 """Checks a request passes before it is queued, so bad input is a 4xx, not a failed future.
 
-Training data goes through the trainer's own validation (`temper.trainer.batching.prepare`
-and the loss registry), so the server rejects exactly what the engine would, with the same
-messages naming the datum and field; the engine checks again when it runs.
+Training data gets one vectorized pass over the whole batch (cheap: it runs on every
+request); when anything looks wrong, the trainer's own validation
+(`temper.trainer.batching.prepare`) runs to produce the engine's message naming the datum,
+field and position. The engine checks again when it runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from temper.api.types import Datum, ModelInput
 from temper.losses import get_loss, resolve_config
@@ -25,18 +28,49 @@ def check_training_data(
     loss_fn_config: Mapping[str, object],
     limits: ModelLimits,
 ) -> None:
+    """A vectorized pass over the whole batch; if anything looks wrong, the engine's own
+    validation runs to name the datum, field and position."""
     try:
         spec = get_loss(loss_fn)
         resolve_config(spec, loss_fn_config)
-        prepare(
-            data,
-            required=spec.required_inputs,
-            optional=spec.optional_inputs,
-            vocab_size=limits.vocab_size,
-            max_seq_len=limits.max_seq_len,
-        )
+        if not _looks_valid(data, spec.required_inputs, spec.optional_inputs, limits=limits):
+            prepare(
+                data,
+                required=spec.required_inputs,
+                optional=spec.optional_inputs,
+                vocab_size=limits.vocab_size,
+                max_seq_len=limits.max_seq_len,
+            )
     except (TypeError, ValueError) as error:
         raise BadRequest(f"forward_backward: {error}") from None
+
+
+def _looks_valid(
+    data: Sequence[Datum], required: Sequence[str], optional: Sequence[str], *, limits
+) -> bool:
+    if not data:
+        return False
+    allowed = set(required) | set(optional)
+    ids: list[int] = []
+    values: list[float] = []
+    for datum in data:
+        tokens = datum.model_input.to_ints()
+        if not 0 < len(tokens) <= limits.max_seq_len:
+            return False
+        inputs = datum.loss_fn_inputs
+        if any(name not in inputs for name in required):
+            return False
+        ids += tokens
+        for name in allowed & inputs.keys():
+            tensor = inputs[name]
+            if tuple(tensor.shape) != (len(tokens),):
+                return False
+            (ids if name == "target_tokens" else values).extend(tensor.data)
+    ids_array = np.asarray(ids)
+    if ids_array.dtype.kind != "i":  # float target ids: let the engine check they are whole
+        return False
+    in_vocab = ids_array.size == 0 or (ids_array.min() >= 0 and ids_array.max() < limits.vocab_size)
+    return bool(in_vocab and np.isfinite(np.asarray(values, dtype=np.float64)).all())
 
 
 def check_prompt(prompt: ModelInput, *, num_samples: int, limits: ModelLimits) -> None:

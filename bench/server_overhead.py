@@ -1,0 +1,151 @@
+"""Seconds per RL step through `temper serve` (the tinker SDK over HTTP) vs the in-process client.
+
+One step, written once against the Tinker API and run on both clients: a sampling client on
+the current weights (`save_weights_and_get_sampling_client`), `--prompts` concurrent sample
+calls of `--group-size` completions x `--max-tokens` tokens (no stop, so every completion has
+the same length), group-relative advantages from a toy reward, then one `importance_sampling`
+forward_backward and an AdamW optim_step on all completions. Both sides use the same tiny
+model directory (LoRA rank 16) and run in this one invocation, alternating step by step so
+that machine noise hits both alike; the server runs in a subprocess on a free port.
+Prints one JSON line: median seconds per step on each side, and server / in-process.
+
+    OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["TINKER_TELEMETRY"] = "0"
+
+
+def rl_step(training, types, prompts, *, group_size: int, max_tokens: int, seed: int) -> float:
+    """One GRPO-style step; returns the mean reward. `types` is tinker.types or temper.api."""
+    sampler = training.save_weights_and_get_sampling_client()
+    sampler = sampler.result() if hasattr(sampler, "result") else sampler  # SDK: a future
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])
+    futures = [
+        sampler.sample(types.ModelInput.from_ints(prompt), group_size, params) for prompt in prompts
+    ]
+    data, rewards = [], []
+    for prompt, future in zip(prompts, futures, strict=True):
+        sequences = future.result().sequences
+        group = [sum(t == prompt[0] for t in s.tokens) / len(s.tokens) for s in sequences]
+        mean = sum(group) / len(group)
+        rewards += group
+        for sequence, reward in zip(sequences, group, strict=True):
+            tokens = [*prompt, *sequence.tokens]
+            pad = [0.0] * (len(prompt) - 1)
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": pad + list(sequence.logprobs),
+                        "advantages": pad + [reward - mean] * len(sequence.tokens),
+                    },
+                )
+            )
+    backward = training.forward_backward(data, "importance_sampling")
+    step = training.optim_step(types.AdamParams(learning_rate=1e-3))
+    backward.result()
+    step.result()
+    return sum(rewards) / len(rewards)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir: Path, storage: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "temper", "serve", "--model", str(model_dir)]
+    command += ["--port", str(port), "--storage", str(storage)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("server did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+
+    import tinker
+    from tinker import types as tinker_types
+
+    from temper import api as temper_types
+    from temper.api.client import ServiceClient
+    from temper.models.base_model import init_model_dir
+
+    root = Path(tempfile.mkdtemp(prefix="temper-bench-"))
+    model_dir = root / "models" / "tiny-digits"
+    tokenizer = init_model_dir(model_dir, size="tiny", tokenizer="digits", seed=0)
+    prompts = [tokenizer.encode(f"{i % 10}{(3 * i) % 10}=") for i in range(args.prompts)]
+    process, base_url = start_server(model_dir, root / "server-storage")
+    try:
+        service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench")
+        remote = service.create_lora_training_client(str(model_dir), rank=16, seed=0).result()
+        local = ServiceClient(storage_dir=root / "local-storage").create_lora_training_client(
+            str(model_dir.resolve()), rank=16, seed=0
+        )
+        sides = {"in_process": (local, temper_types), "server": (remote, tinker_types)}
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for step in range(args.steps + 1):  # step 0 warms up both sides
+            for name, (training, types) in sides.items():
+                start = time.perf_counter()
+                rl_step(
+                    training,
+                    types,
+                    prompts,
+                    group_size=args.group_size,
+                    max_tokens=args.max_tokens,
+                    seed=step,
+                )
+                if step:
+                    times[name].append(time.perf_counter() - start)
+        service.close("success").result()
+    finally:
+        process.terminate()
+        process.wait()
+    in_process, server = (statistics.median(times[name]) for name in ("in_process", "server"))
+    print(
+        json.dumps(
+            {
+                "bench": "server_overhead",
+                "step": f"{args.prompts} prompts x {args.group_size} samples x "
+                f"{args.max_tokens} tokens + importance_sampling fwd/bwd + optim_step",
+                "steps": args.steps,
+                "in_process_s": round(in_process, 4),
+                "server_s": round(server, 4),
+                "ratio": round(server / in_process, 3),
+                "overhead_pct": round(100 * (server / in_process - 1), 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
