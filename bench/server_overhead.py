@@ -30,8 +30,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["TINKER_TELEMETRY"] = "0"
 
 
-def rl_step(training, types, prompts, *, group_size: int, max_tokens: int, seed: int) -> float:
-    """One GRPO-style step; returns the mean reward. `types` is tinker.types or temper.api."""
+def rl_step(
+    training,
+    types,
+    prompts,
+    *,
+    group_size: int,
+    max_tokens: int,
+    seed: int,
+    learning_rate: float = 1e-3,
+) -> float:
+    """One GRPO-style step; returns the mean reward. `types` is tinker.types or temper.api.
+
+    Reward: the fraction of completion tokens equal to the prompt's first token.
+    """
     sampler = training.save_weights_and_get_sampling_client()
     sampler = sampler.result() if hasattr(sampler, "result") else sampler  # SDK: a future
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])
@@ -58,7 +70,7 @@ def rl_step(training, types, prompts, *, group_size: int, max_tokens: int, seed:
                 )
             )
     backward = training.forward_backward(data, "importance_sampling")
-    step = training.optim_step(types.AdamParams(learning_rate=1e-3))
+    step = training.optim_step(types.AdamParams(learning_rate=learning_rate))
     backward.result()
     step.result()
     return sum(rewards) / len(rewards)
