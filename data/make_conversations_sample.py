@@ -121,7 +121,7 @@ def check_vocabulary(records: list[list[dict[str, str]]]) -> None:
 
 
 def main() -> None:
-    records = conversations(count=240, seed=0)
+    records = conversations(count=300, seed=0)
     check_vocabulary(records)
     lines = [json.dumps({"messages": messages}) for messages in records]
     OUT_FILE.write_text("\n".join(lines) + "\n", encoding="utf-8")

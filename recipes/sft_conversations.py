@@ -2,7 +2,8 @@
 
 The data is data/conversations_sample.jsonl (made by data/make_conversations_sample.py): a few
 hundred templated conversations over the built-in "words" vocabulary, in the plain role_colon
-format. Held-out loss falls from about ln(vocab) to well under 1 within a minute or two on CPU.
+format. Held-out loss falls from about ln(vocab size) = 6.6 to about 0.5 in 300 steps (about 70 s
+of CPU time on 2 cores).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from temper.sft import ConversationDataset, SFTJob
 SAMPLE_DATASET = Path(__file__).resolve().parents[1] / "data" / "conversations_sample.jsonl"
 
 
-@recipe("SFT a random tiny Qwen3 on sample JSONL conversations (role_colon, ~1 min on CPU)")
+@recipe("SFT a random tiny Qwen3 on sample JSONL conversations (role_colon, ~1.5 min on CPU)")
 def sft_conversations() -> SFTJob.Config:
     return SFTJob.Config(
         base_model="tiny:words",
@@ -24,11 +25,11 @@ def sft_conversations() -> SFTJob.Config:
         conversations=ConversationDataset.Config(
             path=str(SAMPLE_DATASET), renderer="role_colon", heldout_fraction=0.1
         ),
-        steps=150,
+        steps=300,
         batch_size=32,
         learning_rate=2e-3,
         warmup_steps=20,
-        eval_every=25,
+        eval_every=50,
         max_new_tokens=20,
         sampler=SamplerEngine.Config(max_batch=64, max_seq_len=128, num_threads=1),
         export="none",

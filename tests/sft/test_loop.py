@@ -100,5 +100,5 @@ def test_sample_dataset_is_what_its_generator_writes():
     data_dir = Path(__file__).resolve().parents[2] / "data"
     generator = runpy.run_path(str(data_dir / "make_conversations_sample.py"))
     lines = (data_dir / "conversations_sample.jsonl").read_text().splitlines()
-    expected = generator["conversations"](count=240, seed=0)
+    expected = generator["conversations"](count=300, seed=0)
     assert [json.loads(line)["messages"] for line in lines] == expected
