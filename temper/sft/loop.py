@@ -167,21 +167,36 @@ class SFTJob(Configurable):
                 logger.log(state.step, metrics | timer.collect())
                 state.step += 1
             self._show_examples(logger, examples[:4])
-            sampler_path = training.save_weights_for_sampler("final").result().path
-            model_dir = None
-            if config.export == "hf":
-                model_dir = export_model_dir(service, sampler_path, out_dir=run_dir / "model")
-            plots = plot_metrics(run_dir)
-            final_loss = logger.latest["eval/loss"]
-            logger.summary(
-                {
-                    "held-out loss": {"before": initial_loss, "final": final_loss},
-                    "held-out accuracy": {"final": accuracies[-1], "best": max(accuracies)},
-                    "train/loss": {"final": logger.latest["train/loss"]},
-                },
-                title=f"SFT done: {config.steps} steps",
+            return self._finish(
+                service, training, logger=logger, initial_loss=initial_loss, accuracies=accuracies
             )
-            logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
+
+    def _finish(
+        self,
+        service: ServiceClient,
+        training: TrainingClient,
+        *,
+        logger: MetricsLogger,
+        initial_loss: float,
+        accuracies: list[float],
+    ) -> SFTResult:
+        """Save the final weights, export and plot them, print the summary."""
+        config, run_dir = self.config, logger.run_dir
+        sampler_path = training.save_weights_for_sampler("final").result().path
+        model_dir = None
+        if config.export == "hf":
+            model_dir = export_model_dir(service, sampler_path, out_dir=run_dir / "model")
+        plots = plot_metrics(run_dir)
+        final_loss = logger.latest["eval/loss"]
+        logger.summary(
+            {
+                "held-out loss": {"before": initial_loss, "final": final_loss},
+                "held-out accuracy": {"final": accuracies[-1], "best": max(accuracies)},
+                "train/loss": {"final": logger.latest["train/loss"]},
+            },
+            title=f"SFT done: {config.steps} steps",
+        )
+        logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
         return SFTResult(
             steps=config.steps,
             initial_heldout_loss=initial_loss,
