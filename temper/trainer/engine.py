@@ -9,6 +9,12 @@ Gradients accumulate across calls until `optim_step`.
 A failed call changes nothing: inputs are validated before the model runs, and the gradients
 accumulated by earlier calls are set aside while a call computes its own, then added back (on
 success) or restored untouched (on failure).
+
+Sharded (`Config.sharding`, under torchrun): every rank calls each verb with its own share of
+the datums and gets its own datums' outputs back; gradients are summed over ranks (the
+gradient of the union of the data), and `loss:sum` is summed over the data-parallel ranks. A
+rank with fewer micro-batches runs empty ones so that every rank enters the same collectives,
+and a request any rank rejects is rejected on every rank before the model runs.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from temper.api.types import (
     TensorData,
 )
 from temper.config.configurable import Configurable
+from temper.distributed.fsdp import reshard_root
+from temper.distributed.sharding import Sharding
 from temper.losses import get_loss, resolve_config
 from temper.models.common.logprobs import forward_logprobs
 from temper.trainer.batching import MicroBatch, micro_batches, prepare, split_per_datum
@@ -43,6 +51,8 @@ class TrainerEngine(Configurable):
     class Config(Configurable.Config):
         max_tokens_per_microbatch: int = 8192
         """Padded tokens per forward/backward; bigger calls are split (same gradient)."""
+        sharding: Sharding.Config | None = None
+        """Shard the model over the ranks of torch.distributed (torchrun); None: one process."""
 
         def __post_init__(self) -> None:
             if self.max_tokens_per_microbatch < 1:
@@ -57,6 +67,7 @@ class TrainerEngine(Configurable):
         self.lora = lora
         if lora is not None:
             apply_lora(model, lora)
+        self.sharding = None if config.sharding is None else config.sharding.build(model=model)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = AdamW(self.trainable)
         self.policy_version = 0
@@ -86,8 +97,12 @@ class TrainerEngine(Configurable):
         back-propagates sum(logprobs * dloss/dlogprobs), whose gradient equals the loss's.
         """
         prepared = self._prepare(data, required=("target_tokens",))
+        batches = self._batches(prepared)
+        num_empty = self._num_empty_passes(len(batches))
         with torch.no_grad():
-            logprobs = [lp for batch in self._batches(prepared) for lp in self._logprobs(batch)]
+            logprobs = [lp for batch in batches for lp in self._logprobs(batch)]
+            self._empty_passes(num_empty, backward=False)
+        reshard_root(self.model)
         leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
         loss, metrics = loss_fn(list(data), leaves)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -104,11 +119,13 @@ class TrainerEngine(Configurable):
             return (logprobs_N * torch.cat([weights[row] for row in rows])).sum()
 
         with self._atomic_gradients():
-            for batch in self._batches(prepared):
+            for batch in batches:
                 surrogate(batch).backward()
+            self._empty_passes(num_empty, backward=True)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in logprobs]
         return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics={**metrics, "loss:sum": float(loss.detach())}
+            loss_fn_outputs=outputs,
+            metrics={**metrics, "loss:sum": self._sum_over_dp(float(loss.detach()))},
         )
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:
@@ -137,13 +154,50 @@ class TrainerEngine(Configurable):
 
     def _prepare(self, data: Sequence[Datum], *, required, optional=()) -> list:
         model_config = self.model.config
-        return prepare(
-            data,
-            required=required,
-            optional=optional,
-            vocab_size=model_config.vocab_size,
-            max_seq_len=model_config.max_seq_len,
-        )
+        if self.sharding is None:
+            return prepare(
+                data,
+                required=required,
+                optional=optional,
+                vocab_size=model_config.vocab_size,
+                max_seq_len=model_config.max_seq_len,
+            )
+        # Sharded: a rank may hold no datums this call (the others do); any rank's bad input
+        # fails the call on every rank.
+        prepared, error = [], None
+        try:
+            if len(data) > 0:
+                prepared = prepare(
+                    data,
+                    required=required,
+                    optional=optional,
+                    vocab_size=model_config.vocab_size,
+                    max_seq_len=model_config.max_seq_len,
+                )
+        except (ValueError, TypeError) as caught:
+            error = caught
+        self.sharding.agree_or_raise(error)
+        if self.sharding.max_over_ranks(len(prepared)) == 0:
+            raise ValueError("data is empty on every rank; pass at least one Datum")
+        return prepared
+
+    def _num_empty_passes(self, num_batches: int) -> int:
+        """Sharded: how many empty passes this rank runs after its micro-batches so that it
+        enters as many FSDP/TP collectives as the rank with the most. Agreed before any
+        model work (a rank still in a forward could not answer)."""
+        if self.sharding is None:
+            return 0
+        return self.sharding.max_over_ranks(num_batches) - num_batches
+
+    def _empty_passes(self, count: int, *, backward: bool) -> None:
+        for _ in range(count):
+            tokens_BT = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            logprobs_BT = forward_logprobs(self.model, tokens_BT, tokens_BT)
+            if backward:
+                (logprobs_BT.sum() * 0.0).backward()
+
+    def _sum_over_dp(self, value: float) -> float:
+        return value if self.sharding is None else self.sharding.sum_over_dp(value)
 
     def _batches(self, prepared) -> list[MicroBatch]:
         return list(micro_batches(prepared, max_tokens=self.config.max_tokens_per_microbatch))
@@ -168,8 +222,10 @@ class TrainerEngine(Configurable):
         prepared = self._prepare(data, required=spec.required_inputs, optional=spec.optional_inputs)
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
         total_loss = 0.0
+        batches = self._batches(prepared)
+        num_empty = self._num_empty_passes(len(batches))
         with self._atomic_gradients() if backward else torch.no_grad():
-            for batch in self._batches(prepared):
+            for batch in batches:
                 per_datum = self._logprobs(batch)
                 logprobs_N = torch.cat(per_datum)
                 loss_N = spec.fn(
@@ -185,7 +241,12 @@ class TrainerEngine(Configurable):
                         "logprobs": TensorData.from_torch(logprobs_T),
                         "elementwise_loss": TensorData.from_torch(loss_T),
                     }
-        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": total_loss})
+            self._empty_passes(num_empty, backward=backward)
+        if not backward:
+            reshard_root(self.model)
+        return ForwardBackwardOutput(
+            loss_fn_outputs=outputs, metrics={"loss:sum": self._sum_over_dp(total_loss)}
+        )
 
     def _atomic_gradients(self) -> _GradientStash:
         return _GradientStash(self.trainable)

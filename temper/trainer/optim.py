@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from temper.api.types import AdamParams
+from temper.distributed.grad_norm import clip_grad_norm
 
 
 class AdamW:
@@ -27,14 +28,10 @@ class AdamW:
     def step(self, params: AdamParams) -> float:
         """One AdamW step on the accumulated gradients, then clear them; returns the gradient
         norm before clipping."""
-        with_grad = [p for p in self.parameters if p.grad is not None]
-        grad_norm = 0.0
-        if with_grad:
-            max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
-            if math.isinf(max_norm):
-                grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grad]))
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
+        # Works on sharded (DTensor) gradients too: the norm is the global one, equal on every
+        # rank, and partial TP gradients are summed first.
+        grad_norm = clip_grad_norm(self.parameters, max_norm=max_norm)
         for group in self.torch_optimizer.param_groups:
             group.update(
                 lr=params.learning_rate,

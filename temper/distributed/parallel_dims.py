@@ -1,0 +1,122 @@
+"""How the ranks of a job divide the work: data-parallel replicate x shard, tensor parallel.
+
+The world is laid out as a 3-D device mesh `(dp_replicate, dp_shard, tp)`, tp innermost so a
+tensor-parallel group sits on neighbouring ranks (one node's fast links). Data parallelism is
+one FSDP2 `fully_shard` over the `dp_replicate x dp_shard` sub-mesh: dp_shard alone is FSDP,
+dp_replicate alone is DDP (every rank holds whole parameters, gradients are all-reduced), both
+is HSDP. Ranks with the same data-parallel coordinate (the members of a tp group) see the same
+data.
+
+Checks run before any collective, from the config and the world size alone, so every rank
+raises the same ValueError and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from temper.config.configurable import Configurable
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+class ParallelDims(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        dp_replicate: int = 1
+        """Data-parallel replicas holding whole copies of the (FSDP-sharded) model (DDP/HSDP)."""
+        dp_shard: int = -1
+        """FSDP shard degree; -1 takes whatever the world size leaves after the other degrees."""
+        tp: int = 1
+        """Tensor-parallel degree (attention heads and feed-forward width split across ranks)."""
+
+        def __post_init__(self) -> None:
+            for name in ("dp_replicate", "tp"):
+                value = getattr(self, name)
+                if not _is_int(value) or value < 1:
+                    raise ValueError(
+                        f"ParallelDims.Config.{name} must be an int >= 1, got {value!r}"
+                    )
+            shard = self.dp_shard
+            if not _is_int(shard) or not (shard == -1 or shard >= 1):
+                raise ValueError(
+                    f"ParallelDims.Config.dp_shard must be -1 (auto) or an int >= 1, got {shard!r}"
+                )
+
+    def __init__(self, config: Config, *, world_size: int) -> None:
+        self.config = config
+        self.world_size = world_size
+        self.dp_replicate, self.tp = config.dp_replicate, config.tp
+        fixed = config.dp_replicate * config.tp
+        if config.dp_shard == -1:
+            if world_size % fixed != 0:
+                raise ValueError(
+                    f"ParallelDims: world size {world_size} is not divisible by dp_replicate "
+                    f"({config.dp_replicate}) x tp ({config.tp}) = {fixed}, so dp_shard=-1 "
+                    "cannot be resolved; choose degrees whose product divides the world size"
+                )
+            self.dp_shard = world_size // fixed
+        else:
+            self.dp_shard = config.dp_shard
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != world_size:
+            raise ValueError(
+                f"ParallelDims: dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) "
+                f"x tp ({self.tp}) = {product}, but the world size is {world_size}; the degrees "
+                "must multiply to the number of ranks (dp_shard=-1 fills in the rest)"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different shares of the data a step processes."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def check_model(self, model_config: Any) -> None:
+        """Raise if `model_config` (a DecoderConfig) cannot be split `tp` ways."""
+        if not self.tp_enabled:
+            return
+        for field in ("num_heads", "num_kv_heads", "ffn_dim"):
+            value = getattr(model_config, field)
+            if value % self.tp != 0:
+                raise ValueError(
+                    f"ParallelDims.Config.tp={self.tp} must divide the model's {field} "
+                    f"({value}); valid tp degrees divide num_heads={model_config.num_heads}, "
+                    f"num_kv_heads={model_config.num_kv_heads} and ffn_dim={model_config.ffn_dim}"
+                )
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The 3-D mesh over all ranks. Collective: every rank calls it."""
+        return init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
+        )
+
+    def flat_dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """All data-parallel ranks as one 1-D mesh 'dp' (data shares, metric sums)."""
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+    def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh FSDP shards over: 1-D (dp_shard) for FSDP, 2-D for DDP/HSDP."""
+        if self.dp_replicate > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_shard"]
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
+            f"tp={self.tp}, world_size={self.world_size})"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,98 @@
+"""FSDP2, DDP, TP (and LoRA, activation checkpointing under FSDP) training on 2 gloo ranks
+equals single-process training on all the data; bad degrees fail on every rank.
+
+One spawn runs every scenario (process start-up dominates on a small machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from temper.distributed.parallel_dims import ParallelDims
+from temper.trainer import LoraConfig
+from tests.distributed import training
+from tests.distributed.spawn import spawn
+
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+LORA = LoraConfig(rank=4, alpha=8.0)
+SCENARIOS = {
+    # name: (engine kwargs, does each rank take its own share of the data)
+    "fsdp": ({"dims": {"dp_shard": 2}}, True),
+    "ddp": ({"dims": {"dp_replicate": 2, "dp_shard": 1}}, True),
+    "tp": ({"dims": {"dp_shard": 1, "tp": 2}}, False),
+    "fsdp_lora": ({"dims": {"dp_shard": 2}, "lora": LORA}, True),
+    "fsdp_checkpointing": ({"dims": {"dp_shard": 2}, "activation_checkpointing": "full"}, True),
+    # Micro-batches of one datum: the ranks run different numbers of them.
+    "fsdp_microbatches": ({"dims": {"dp_shard": 2}, "max_tokens": 12}, True),
+}
+
+
+def _run_scenarios(rank: int) -> dict:
+    results = {}
+    for name, (kwargs, data_parallel) in SCENARIOS.items():
+        kwargs = {**kwargs, "dims": ParallelDims.Config(**kwargs["dims"])}
+        engine = training.engine(**kwargs)
+        # Data-parallel ranks each take every other datum; tp ranks share all of them. The
+        # fsdp_microbatches ranks get uneven shares (5 and 3 datums).
+        share = slice(None)
+        if data_parallel:
+            dp_rank = engine.sharding.dp_rank
+            uneven = name == "fsdp_microbatches"
+            share = (
+                (slice(0, 5) if dp_rank == 0 else slice(5, None))
+                if uneven
+                else slice(dp_rank, None, 2)
+            )
+        results[name] = training.train(engine, share=share)
+        del engine
+    results["errors"] = _bad_degrees()
+    return results
+
+
+def _bad_degrees() -> dict[str, str]:
+    errors = {}
+    bad = {
+        "world_size": ParallelDims.Config(dp_shard=3),
+        "tp_heads": ParallelDims.Config(dp_shard=1, tp=2),
+    }
+    for name, dims in bad.items():
+        try:
+            if name == "tp_heads":
+                # 3 kv heads cannot be split 2 ways.
+                training.engine_with_heads(dims=dims, num_heads=6, num_kv_heads=3)
+            else:
+                training.engine(dims=dims)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn(_run_scenarios, world_size=2, out_dir=tmp_path_factory.mktemp("ranks"))
+
+
+def _assert_matches(result: dict, reference: dict) -> None:
+    torch.testing.assert_close(result["losses"], reference["losses"], **TOLERANCE)
+    torch.testing.assert_close(result["grad_norms"], reference["grad_norms"], **TOLERANCE)
+    assert result["weights"].keys() == reference["weights"].keys()
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(
+            result["weights"][name], tensor, **TOLERANCE, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_two_ranks_train_like_one_process(results, scenario):
+    kwargs, _ = SCENARIOS[scenario]
+    reference = training.train(training.engine(lora=kwargs.get("lora")))
+    for result in results:
+        _assert_matches(result[scenario], reference)
+
+
+def test_degrees_that_do_not_fit_fail_on_every_rank(results):
+    for result in results:
+        errors = result["errors"]
+        assert "dp_shard (3)" in errors["world_size"] and "world size is 2" in errors["world_size"]
+        assert "tp=2 must divide the model's num_kv_heads (3)" in errors["tp_heads"]

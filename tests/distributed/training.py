@@ -1,0 +1,74 @@
+"""A few training steps of the trainer engine, the same on one process or on each rank."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from temper.api import AdamParams, Datum, ModelInput
+from temper.distributed.gather import full_state_dict
+from temper.distributed.parallel_dims import ParallelDims
+from temper.distributed.sharding import Sharding
+from temper.models import materialize, qwen3_size
+from temper.trainer import LoraConfig, TrainerEngine
+
+VOCAB = 31
+NUM_DATUMS = 8
+STEPS = 3
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)
+
+
+def tiny_model(**changes) -> torch.nn.Module:
+    config = dataclasses.replace(
+        qwen3_size("tiny", vocab_size=VOCAB), num_layers=2, init_std=0.1, **changes
+    )
+    return materialize(config, seed=0)
+
+
+def batch(step: int) -> list[Datum]:
+    """NUM_DATUMS datums of uneven lengths (a different batch each step)."""
+    generator = torch.Generator().manual_seed(100 + step)
+    data = []
+    for index in range(NUM_DATUMS):
+        tokens = torch.randint(0, VOCAB, (4 + (index * 5) % 11,), generator=generator).tolist()
+        n = len(tokens) - 1
+        data.append(
+            Datum(
+                model_input=ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * n},
+            )
+        )
+    return data
+
+
+def engine(
+    *,
+    dims: ParallelDims.Config | None = None,
+    lora: LoraConfig | None = None,
+    max_tokens: int = 8192,
+    activation_checkpointing: str = "none",
+) -> TrainerEngine:
+    sharding = (
+        None
+        if dims is None
+        else Sharding.Config(dims=dims, activation_checkpointing=activation_checkpointing)
+    )
+    config = TrainerEngine.Config(max_tokens_per_microbatch=max_tokens, sharding=sharding)
+    return config.build(model=tiny_model(), lora=lora)
+
+
+def engine_with_heads(*, dims: ParallelDims.Config, num_heads: int, num_kv_heads: int):
+    config = TrainerEngine.Config(sharding=Sharding.Config(dims=dims))
+    model = tiny_model(num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return config.build(model=model, lora=None)
+
+
+def train(engine: TrainerEngine, *, share: slice = slice(None)) -> dict:
+    """STEPS steps on this rank's `share` of each batch; losses, grad norms, final weights."""
+    losses, grad_norms = [], []
+    for step in range(STEPS):
+        output = engine.forward_backward(batch(step)[share], "cross_entropy")
+        losses.append(output.metrics["loss:sum"])
+        grad_norms.append(engine.optim_step(ADAM).metrics["grad_norm:mean"])
+    return {"losses": losses, "grad_norms": grad_norms, "weights": full_state_dict(engine.model)}
