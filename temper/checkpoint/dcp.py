@@ -15,9 +15,11 @@ What is unusual here:
   API would otherwise initialize its state with a zero-lr step (AdamW step count 1), which
   changes the next update; resuming from such a checkpoint gives an optimizer with no state.
 
-This module does not coordinate ranks yet: it is called in one process (DCP runs with
-`no_dist` when no process group is initialized); several ranks need rank 0 to own the staging
-directory and the rename.
+Several ranks (a sharded model under torchrun): every rank calls save/load with its shards.
+Rank 0 owns the staging directory, `metadata.json` and the rename, and tells the others the
+staging path and any error, so all ranks raise together and return only once the checkpoint
+is in place. Checkpoints reshard: N ranks save, M ranks (or one process) load. Without a
+process group DCP runs with `no_dist`.
 """
 
 from __future__ import annotations
@@ -70,12 +72,48 @@ def save_train_state(
     if optimizer is not None:
         state[_OPTIMIZER] = _optimizer_state_to_save(model, optimizer, options=options)
 
+    if not _no_dist():
+        _save_on_all_ranks(directory, state=state, metadata_text=metadata_text)
+        return directory
     with staged_directory(directory) as staging, _single_process_quiet():
-        torch_dcp.save(
-            state, storage_writer=torch_dcp.FileSystemWriter(staging), no_dist=_no_dist()
-        )
+        torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging), no_dist=True)
         _write_synced(staging / METADATA_FILE, metadata_text)
     return directory
+
+
+def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text: str) -> None:
+    """Rank 0 stages and renames; every rank writes its shards; errors reach all ranks, and no
+    rank returns before the checkpoint is in place."""
+    if dist.get_rank() != 0:
+        staging = Path(_from_rank0(None, None))
+        try:
+            torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+        finally:
+            _from_rank0(None, None)
+        return
+    sent_staging = False
+    try:
+        with staged_directory(directory) as staging:
+            _from_rank0(str(staging), None)
+            sent_staging = True
+            torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+            _write_synced(staging / METADATA_FILE, metadata_text)
+    except Exception as error:
+        if not sent_staging:
+            _from_rank0(None, error)
+        _from_rank0(None, error)
+    _from_rank0(None, None)
+
+
+def _from_rank0(value: str | None, error: BaseException | None) -> str | None:
+    """Rank 0's `value`, on every rank; rank 0's error raised on every rank."""
+    message = [value, None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[1] is not None:
+        raise OSError(f"rank 0 could not write the checkpoint: {message[1]}")
+    return message[0]
 
 
 def load_train_state(

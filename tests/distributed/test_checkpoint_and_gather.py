@@ -1,0 +1,177 @@
+"""On 2 gloo ranks: gathered sampler weights equal the unsharded model's bitwise; DCP train
+state saved on 2 ranks loads on 1 and saved on 1 loads on 2, bitwise; an incompatible
+checkpoint fails on every rank.
+
+One spawn runs every scenario (process start-up dominates on a small machine).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+from temper.checkpoint.dcp import load_train_state, save_train_state
+from temper.distributed.gather import full_state_dict, sampler_state_dict
+from temper.distributed.parallel_dims import ParallelDims
+from temper.distributed.sharding import Sharding
+from temper.trainer import LoraConfig
+from temper.trainer.lora import apply_lora, merged_state_dict
+from tests.distributed import training
+from tests.distributed.spawn import spawn
+
+DIMS = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
+LORA = LoraConfig(rank=4, alpha=8.0)
+METADATA = {"policy_version": 2}
+
+
+def _train_steps(engine, *, steps: int = 2) -> None:
+    for step in range(steps):
+        engine.forward_backward(training.batch(step), "cross_entropy")
+        engine.optim_step(training.ADAM)
+
+
+def _full_state(engine) -> dict:
+    """Weights and optimizer state, whole (collective when sharded)."""
+    options = StateDictOptions(full_state_dict=True)
+    optimizer = get_optimizer_state_dict(
+        engine.model, engine.optimizer.torch_optimizer, options=options
+    )
+    return {"weights": full_state_dict(engine.model), "optimizer": optimizer}
+
+
+def _lora_model_with_adapters() -> torch.nn.Module:
+    model = training.tiny_model()
+    apply_lora(model, LORA)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("lora_B"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def _scenarios(rank: int, directory, single_checkpoint) -> dict:
+    results = {"gathered": {}, "saved": {}, "loaded": None, "incompatible": None}
+    for name, dims in DIMS.items():
+        engine = training.engine(dims=ParallelDims.Config(**dims))
+        results["gathered"][name] = full_state_dict(engine.model)
+        _train_steps(engine)
+        save_train_state(
+            directory / name,
+            model=engine.model,
+            optimizer=engine.optimizer.torch_optimizer,
+            metadata=METADATA,
+            trainable_only=False,
+        )
+        results["saved"][name] = _full_state(engine)
+        del engine
+
+    model = _lora_model_with_adapters()
+    expected = merged_state_dict(copy.deepcopy(model))
+    Sharding.Config(dims=ParallelDims.Config(dp_shard=2)).build(model=model)
+    merged = sampler_state_dict(model)
+    results["lora_merged_equal"] = merged.keys() == expected.keys() and all(
+        torch.equal(merged[key], expected[key]) for key in expected
+    )
+    del model
+
+    engine = training.engine(dims=ParallelDims.Config(dp_shard=2))
+    load_train_state(
+        single_checkpoint,
+        model=engine.model,
+        optimizer=engine.optimizer.torch_optimizer,
+        trainable_only=False,
+    )
+    results["loaded"] = _full_state(engine)
+    del engine
+
+    wider = training.engine_with_heads(
+        dims=ParallelDims.Config(dp_shard=2), num_heads=8, num_kv_heads=2
+    )
+    try:
+        load_train_state(single_checkpoint, model=wider.model, optimizer=None, trainable_only=False)
+    except ValueError as error:
+        results["incompatible"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    """A single-process run of the same steps, saved to a checkpoint."""
+    engine = training.engine()
+    _train_steps(engine)
+    directory = tmp_path_factory.mktemp("single") / "checkpoint"
+    save_train_state(
+        directory,
+        model=engine.model,
+        optimizer=engine.optimizer.torch_optimizer,
+        metadata=METADATA,
+        trainable_only=False,
+    )
+    return {"directory": directory, "state": _full_state(engine)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, single) -> tuple[list[dict], object]:
+    directory = tmp_path_factory.mktemp("sharded")
+    ranks = spawn(
+        _scenarios,
+        world_size=2,
+        out_dir=tmp_path_factory.mktemp("ranks"),
+        args=(directory, single["directory"]),
+    )
+    return ranks, directory
+
+
+def _assert_equal(actual, expected, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            _assert_equal(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            _assert_equal(a, e, f"{where}.{index}")
+    else:
+        assert actual == expected, where
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_gathered_weights_equal_the_unsharded_model(results, dims):
+    expected = training.tiny_model().state_dict()
+    for rank in results[0]:
+        _assert_equal(rank["gathered"][dims], expected)
+
+
+def test_gathered_lora_sampler_weights_equal_the_unsharded_merge(results):
+    assert all(rank["lora_merged_equal"] for rank in results[0])
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_checkpoint_from_two_ranks_loads_on_one_bitwise(results, dims):
+    ranks, directory = results
+    engine = training.engine()
+    metadata = load_train_state(
+        directory / dims,
+        model=engine.model,
+        optimizer=engine.optimizer.torch_optimizer,
+        trainable_only=False,
+    )
+    assert metadata == METADATA
+    _assert_equal(_full_state(engine), ranks[0]["saved"][dims])
+
+
+def test_checkpoint_from_one_rank_loads_on_two_bitwise(results, single):
+    for rank in results[0]:
+        _assert_equal(rank["loaded"], single["state"])
+
+
+def test_incompatible_checkpoint_fails_on_every_rank(results):
+    for rank in results[0]:
+        assert "blocks.0.attention.wq.weight" in rank["incompatible"]
+        assert "(128, 128)" in rank["incompatible"]
