@@ -64,11 +64,30 @@ def engine_with_heads(*, dims: ParallelDims.Config, num_heads: int, num_kv_heads
     return config.build(model=model, lora=None)
 
 
-def train(engine: TrainerEngine, *, share: slice = slice(None)) -> dict:
-    """STEPS steps on this rank's `share` of each batch; losses, grad norms, final weights."""
-    losses, grad_norms = [], []
+def _custom_loss(data, logprobs):
+    """A loss only the custom path computes: sum of squared logprobs."""
+    loss = sum((logprobs_T**2).sum() for logprobs_T in logprobs)
+    return loss, {}
+
+
+def train(engine: TrainerEngine, *, share: slice = slice(None), custom: bool = False) -> dict:
+    """STEPS steps on this rank's `share` of each batch; losses, grad norms, the loss of a
+    forward() after each step (it runs between an optimizer step and the next backward), and
+    the final weights."""
+    losses, grad_norms, forward_losses = [], [], []
     for step in range(STEPS):
-        output = engine.forward_backward(batch(step)[share], "cross_entropy")
+        data = batch(step)[share]
+        if custom:
+            output = engine.forward_backward_custom(data, _custom_loss)
+        else:
+            output = engine.forward_backward(data, "cross_entropy")
         losses.append(output.metrics["loss:sum"])
         grad_norms.append(engine.optim_step(ADAM).metrics["grad_norm:mean"])
-    return {"losses": losses, "grad_norms": grad_norms, "weights": full_state_dict(engine.model)}
+        forward = engine.forward(batch(step + 1)[share], "cross_entropy")
+        forward_losses.append(forward.metrics["loss:sum"])
+    return {
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "forward_losses": forward_losses,
+        "weights": full_state_dict(engine.model),
+    }
