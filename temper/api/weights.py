@@ -20,6 +20,7 @@ from torch import nn
 from temper.checkpoint.atomic import staged_directory
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.checkpoint.storage import CheckpointStorage
+from temper.distributed.gather import is_sharded, sampler_state_dict
 from temper.models.base_model import BaseModel
 from temper.models.build import materialize
 from temper.models.registry import MODEL_FAMILIES
@@ -64,8 +65,9 @@ class SamplerWeights:
 
 def sampler_model(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module:
     """The module a trainer's sampler is built on: the trainer's own (full fine-tuning) or an
-    empty plain model shaped like the merged one (LoRA)."""
-    if lora is None:
+    empty plain model shaped like the merged one (LoRA, or a sharded trainer: each rank's
+    sampler holds whole weights)."""
+    if lora is None and not is_sharded(model):
         return model
     parameter = next(model.parameters())
     return materialize(
@@ -74,7 +76,10 @@ def sampler_model(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module:
 
 
 def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module | dict:
-    """What the sampler loads for the current weights: the module itself, or merged tensors."""
+    """What the sampler loads for the current weights: the module itself, or merged tensors
+    (gathered whole from a sharded trainer: collective, every rank calls it)."""
+    if is_sharded(model):
+        return sampler_state_dict(model)
     return model if lora is None else merged_state_dict(model)
 
 

@@ -13,11 +13,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+from temper.api import Datum, ModelInput
+from temper.api.client import ServiceClient
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.distributed.gather import full_state_dict, sampler_state_dict
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.sharding import Sharding
-from temper.trainer import LoraConfig
+from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.lora import apply_lora, merged_state_dict
 from tests.distributed import training
 from tests.distributed.spawn import spawn
@@ -88,6 +90,8 @@ def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     results["loaded"] = _full_state(engine)
     del engine
 
+    results["client_sampler"] = _client_sampler_weights(rank, directory)
+
     wider = training.engine_with_heads(
         dims=ParallelDims.Config(dp_shard=2), num_heads=8, num_kv_heads=2
     )
@@ -96,6 +100,26 @@ def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     except ValueError as error:
         results["incompatible"] = str(error)
     return results
+
+
+def _client_sampler_weights(rank: int, directory) -> dict:
+    """A sharded TrainingClient's sampler after one step: its weights and the gathered ones."""
+    trainer = TrainerEngine.Config(sharding=Sharding.Config(dims=ParallelDims.Config(dp_shard=2)))
+    service = ServiceClient(storage_dir=directory / f"client{rank}", trainer=trainer)
+    client = service.create_training_client("tiny")
+    tokens = [1, 2, 3, 4, 5, 6]
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 5},
+    )
+    client.forward_backward([datum] * (rank + 1), "cross_entropy").result()
+    client.optim_step(training.ADAM).result()
+    sampler = client.save_weights_and_get_sampling_client()
+    return {
+        "sampler": {k: v.clone() for k, v in sampler.engine.model.state_dict().items()},
+        # On the client's worker, in order with its other collectives.
+        "trainer": client._worker.submit(full_state_dict, client.engine.model).result(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +193,15 @@ def test_checkpoint_from_two_ranks_loads_on_one_bitwise(results, dims):
 def test_checkpoint_from_one_rank_loads_on_two_bitwise(results, single):
     for rank in results[0]:
         _assert_equal(rank["loaded"], single["state"])
+
+
+def test_sharded_training_client_syncs_whole_weights_to_each_rank_sampler(results):
+    for rank in results[0]:
+        _assert_equal(rank["client_sampler"]["sampler"], rank["client_sampler"]["trainer"])
+    # Both ranks sample from the same whole weights.
+    _assert_equal(
+        results[0][0]["client_sampler"]["sampler"], results[0][1]["client_sampler"]["sampler"]
+    )
 
 
 def test_incompatible_checkpoint_fails_on_every_rank(results):
