@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from temper.distributed.parallel_dims import ParallelDims
-from temper.trainer import LoraConfig
+from temper.distributed.sharding import Sharding
+from temper.trainer import LoraConfig, TrainerEngine
 from tests.distributed import training
 from tests.distributed.spawn import spawn
 
@@ -55,7 +56,17 @@ def _run_scenarios(rank: int) -> dict:
         results[name] = training.train(engine, share=share, custom=custom)
         del engine
     results["errors"] = _bad_degrees()
+    results["fsdp_bf16"] = _train_bf16()
     return results
+
+
+def _train_bf16() -> list[float]:
+    """FSDP mixed precision (bf16 compute, fp32 reduction): the step losses."""
+    sharding = Sharding.Config(
+        dims=ParallelDims.Config(dp_shard=2), param_dtype="bfloat16", reduce_dtype="float32"
+    )
+    engine = TrainerEngine.Config(sharding=sharding).build(model=training.tiny_model(), lora=None)
+    return training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))["losses"]
 
 
 def _bad_degrees() -> dict[str, str]:
@@ -103,6 +114,14 @@ def test_two_ranks_train_like_one_process(results, scenario):
     )
     for result in results:
         _assert_matches(result[scenario], reference)
+
+
+def test_fsdp_bf16_mixed_precision_tracks_fp32_training(results):
+    reference = training.train(training.engine())["losses"]
+    for result in results:
+        # bf16 keeps 8 bits of mantissa: losses agree to about 1%.
+        torch.testing.assert_close(result["fsdp_bf16"], reference, rtol=2e-2, atol=0.0)
+        assert result["fsdp_bf16"] != reference  # it did compute in bf16
 
 
 def test_degrees_that_do_not_fit_fail_on_every_rank(results):

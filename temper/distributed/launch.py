@@ -1,0 +1,65 @@
+"""Joining a torchrun job: the process group from torchrun's environment, and leaving it.
+
+torchrun (`python -m torch.distributed.run`) starts one process per rank and sets RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; those are the only environment variables
+read here. The backend follows the device: NCCL with CUDA (each rank on GPU LOCAL_RANK), gloo
+on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def init_from_env(*, device_type: str | None = None) -> RankInfo:
+    """Initialize the default process group from torchrun's variables; returns this rank.
+
+    `device_type` 'cuda' or 'cpu' (default: 'cuda' when available).
+    """
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"not started by torchrun: environment variables {', '.join(missing)} are unset; "
+            "run `torchrun --nproc-per-node N ...`"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return RankInfo(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        device=device,
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group. Drop every FSDP/DDP module first: one still alive when the
+    group is destroyed crashes the process at exit (measured with gloo)."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
