@@ -11,10 +11,11 @@ sampling client is a snapshot of that version for as long as it lives. With full
 the sampler reads the trainer's parameters directly (no copy); with LoRA the adapters are merged
 into the sampler's own copy in memory (nothing is written to disk). Copy-on-write keeps older
 clients valid: a lock keeps the trainer from changing weights while a sampler reads them, and
-just before the weights change (optim_step, load_state; for LoRA, the next merge) every client
-of the current weights that is still alive gets them for itself (full fine-tuning: one private
-copy, shared by those clients; LoRA: the old merged copy, while the trainer merges into a new
-one). A loop that drops its sampling client before the next optimizer step never copies.
+just before the weights change every client of the current weights that is still alive gets
+them for itself: when the sampler reads the trainer's own tensors, one private copy made before
+optim_step / load_state, shared by those clients; when it has its own copy (LoRA merge, a
+sharded trainer's gathered weights), that copy, while the trainer's next sync builds a new one.
+A loop that drops its sampling client before the next optimizer step never copies.
 """
 
 from __future__ import annotations
@@ -401,8 +402,8 @@ class TrainingClient:
     def _changing_weights(self) -> Iterator[None]:
         """Around every change of the trainer's weights (on the worker)."""
         with self._weights_lock:
-            if self.engine.lora is None:
-                # Full fine-tuning samplers read these very tensors: live clients copy first.
+            if self._sampler is not None and self._sampler.model is self.engine.model:
+                # The sampler reads these very tensors: live clients copy them first.
                 self._detach_sharing(self._snapshot_engine)
             try:
                 yield
@@ -414,8 +415,9 @@ class TrainingClient:
         with self._weights_lock:
             engine, version = self.engine, self.engine.policy_version
             if self._sampler is None or self._synced_generation != self._weights_generation:
-                if self._sampler is not None and engine.lora is not None:
-                    # The merge below rewrites the sampler's copy: live clients keep the old one.
+                if self._sampler is not None and self._sampler.model is not engine.model:
+                    # The update below rewrites the sampler's own copy (LoRA merge, gathered
+                    # shards, another dtype): live clients keep the old copy.
                     old_sampler = self._sampler
                     if self._detach_sharing(lambda: old_sampler):
                         self._sampler = None
@@ -451,7 +453,7 @@ class TrainingClient:
         return True
 
     def _snapshot_engine(self) -> SamplerEngine:
-        """A sampler on a private copy of the current (full fine-tuning) weights."""
+        """A sampler on a private copy of the trainer's current (plain, unsharded) weights."""
         model = self.engine.model
         parameter = next(model.parameters())
         copy = materialize(
