@@ -103,15 +103,17 @@ class TrainerEngine(Configurable):
             logprobs = [lp for batch in batches for lp in self._logprobs(batch)]
             self._empty_passes(num_empty, backward=False)
         reshard_root(self.model)
-        leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
-        loss, metrics = loss_fn(list(data), leaves)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            raise TypeError("forward_backward_custom: loss_fn must return (0-d tensor, metrics)")
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        weights = [
-            torch.zeros_like(leaf) if grad is None else grad.detach()
-            for leaf, grad in zip(leaves, grads, strict=True)
-        ]
+        error, result = None, None
+        try:
+            result = _custom_loss_weights(loss_fn, data, logprobs)
+        except Exception as caught:
+            if self.sharding is None:
+                raise
+            error = caught
+        if self.sharding is not None:
+            # Before the second pass's collectives: a loss_fn failing on one rank fails all.
+            self.sharding.agree_or_raise(error)
+        loss, metrics, weights = result
 
         def surrogate(batch: MicroBatch) -> torch.Tensor:
             logprobs_N = torch.cat(self._logprobs(batch))
@@ -250,6 +252,25 @@ class TrainerEngine(Configurable):
 
     def _atomic_gradients(self) -> _GradientStash:
         return _GradientStash(self.trainable)
+
+
+def _custom_loss_weights(
+    loss_fn: CustomLossFn, data: Sequence[Datum], logprobs: list[torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
+    """(loss, metrics, dloss/dlogprobs per datum) of a custom loss; a rank of a sharded
+    engine that holds no datums this call contributes nothing."""
+    if not data:
+        return torch.zeros(()), {}, []
+    leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
+    loss, metrics = loss_fn(list(data), leaves)
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise TypeError("forward_backward_custom: loss_fn must return (0-d tensor, metrics)")
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    weights = [
+        torch.zeros_like(leaf) if grad is None else grad.detach()
+        for leaf, grad in zip(leaves, grads, strict=True)
+    ]
+    return loss, metrics, weights
 
 
 class _GradientStash:

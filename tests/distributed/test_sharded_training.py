@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from temper.api import Datum, ModelInput
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.sharding import Sharding
 from temper.trainer import LoraConfig, TrainerEngine
@@ -22,42 +23,68 @@ TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 # A wrong gradient (a missing rank, a double count) moves weights by ~1e-2 here.
 WEIGHT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 LORA = LoraConfig(rank=4, alpha=8.0)
+# Which datums of each batch data-parallel rank 0 and rank 1 train on; tp ranks share all.
+ALTERNATE = (slice(0, None, 2), slice(1, None, 2))
+UNEVEN = (slice(0, 5), slice(5, None))
+ALL_ON_RANK0 = (slice(None), slice(0, 0))
 SCENARIOS = {
-    # name: (engine kwargs, does each rank take its own share of the data)
-    "fsdp": ({"dims": {"dp_shard": 2}}, True),
-    "ddp": ({"dims": {"dp_replicate": 2, "dp_shard": 1}}, True),
-    "tp": ({"dims": {"dp_shard": 1, "tp": 2}}, False),
-    "fsdp_lora": ({"dims": {"dp_shard": 2}, "lora": LORA}, True),
-    "fsdp_checkpointing": ({"dims": {"dp_shard": 2}, "activation_checkpointing": "full"}, True),
+    # name: (engine kwargs, data shares of dp ranks 0 and 1, or None for tp)
+    "fsdp": ({"dims": {"dp_shard": 2}}, ALTERNATE),
+    "ddp": ({"dims": {"dp_replicate": 2, "dp_shard": 1}}, ALTERNATE),
+    "tp": ({"dims": {"dp_shard": 1, "tp": 2}}, None),
+    "fsdp_lora": ({"dims": {"dp_shard": 2}, "lora": LORA}, ALTERNATE),
+    "fsdp_checkpointing": (
+        {"dims": {"dp_shard": 2}, "activation_checkpointing": "full"},
+        ALTERNATE,
+    ),
     # Micro-batches of one datum: the ranks run different numbers of them.
-    "fsdp_microbatches": ({"dims": {"dp_shard": 2}, "max_tokens": 12}, True),
-    "fsdp_custom_loss": ({"dims": {"dp_shard": 2}, "custom": True}, True),
-    "tp_custom_loss": ({"dims": {"dp_shard": 1, "tp": 2}, "custom": True}, False),
+    "fsdp_microbatches": ({"dims": {"dp_shard": 2}, "max_tokens": 12}, UNEVEN),
+    # Rank 1 has no datums at all: it only runs empty passes.
+    "fsdp_idle_rank": ({"dims": {"dp_shard": 2}}, ALL_ON_RANK0),
+    "fsdp_custom_loss": ({"dims": {"dp_shard": 2}, "custom": True}, ALTERNATE),
+    "fsdp_custom_loss_idle_rank": ({"dims": {"dp_shard": 2}, "custom": True}, ALL_ON_RANK0),
+    "tp_custom_loss": ({"dims": {"dp_shard": 1, "tp": 2}, "custom": True}, None),
 }
 
 
 def _run_scenarios(rank: int) -> dict:
     results = {}
-    for name, (kwargs, data_parallel) in SCENARIOS.items():
+    for name, (kwargs, shares) in SCENARIOS.items():
         kwargs = {**kwargs, "dims": ParallelDims.Config(**kwargs["dims"])}
         custom = kwargs.pop("custom", False)
         engine = training.engine(**kwargs)
-        # Data-parallel ranks each take every other datum; tp ranks share all of them. The
-        # fsdp_microbatches ranks get uneven shares (5 and 3 datums).
-        share = slice(None)
-        if data_parallel:
-            dp_rank = engine.sharding.dp_rank
-            uneven = name == "fsdp_microbatches"
-            share = (
-                (slice(0, 5) if dp_rank == 0 else slice(5, None))
-                if uneven
-                else slice(dp_rank, None, 2)
-            )
+        share = slice(None) if shares is None else shares[engine.sharding.dp_rank]
         results[name] = training.train(engine, share=share, custom=custom)
         del engine
     results["errors"] = _bad_degrees()
+    results["request_errors"] = _bad_request_on_one_rank(rank)
     results["fsdp_bf16"] = _train_bf16()
     return results
+
+
+def _bad_request_on_one_rank(rank: int) -> dict[str, str]:
+    """Rank 1 sends a bad datum / its custom loss fails; every rank must raise, none hang."""
+    engine = training.engine(dims=ParallelDims.Config(dp_shard=2))
+    data = training.batch(0)[rank::2]
+    errors = {}
+    bad = [*data[:-1], Datum(model_input=ModelInput.from_ints([1, 99]), loss_fn_inputs={})]
+    try:
+        engine.forward_backward(bad if rank == 1 else data, "cross_entropy")
+    except ValueError as error:
+        errors["datum"] = str(error)
+
+    def failing_loss(data, logprobs):
+        if rank == 1:
+            raise ValueError("this loss fails on rank 1")
+        return sum(lp.sum() for lp in logprobs), {}
+
+    try:
+        engine.forward_backward_custom(data, failing_loss)
+    except ValueError as error:
+        errors["custom"] = str(error)
+    # The engine still works after both failures.
+    errors["loss_after"] = engine.forward_backward(data, "cross_entropy").metrics["loss:sum"]
+    return errors
 
 
 def _train_bf16() -> list[float]:
@@ -122,6 +149,20 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32_training(results):
         # bf16 keeps 8 bits of mantissa: losses agree to about 1%.
         torch.testing.assert_close(result["fsdp_bf16"], reference, rtol=2e-2, atol=0.0)
         assert result["fsdp_bf16"] != reference  # it did compute in bf16
+
+
+def test_a_request_one_rank_rejects_fails_on_every_rank(results):
+    rank0, rank1 = (result["request_errors"] for result in results)
+    assert "token 99" in rank1["datum"]
+    assert (
+        rank0["datum"].startswith("rank 1 rejected the request:") and "token 99" in rank0["datum"]
+    )
+    assert rank1["custom"] == "this loss fails on rank 1"
+    assert rank0["custom"] == "rank 1 rejected the request: this loss fails on rank 1"
+    reference = training.engine().forward_backward(training.batch(0), "cross_entropy")
+    expected = reference.metrics["loss:sum"]
+    for errors in (rank0, rank1):
+        torch.testing.assert_close(errors["loss_after"], expected, **TOLERANCE)
 
 
 def test_degrees_that_do_not_fit_fail_on_every_rank(results):
