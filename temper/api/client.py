@@ -51,6 +51,7 @@ from temper.api.weights import (
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.distributed.ranks import Ranks
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
@@ -113,7 +114,8 @@ class ServiceClient:
         *,
         run_id: str | None = None,
     ) -> TrainingClient:
-        """`run_id` names the run (and its `tinker://<run_id>/...` paths); default: random."""
+        """`run_id` names the run (and its `tinker://<run_id>/...` paths); default: random.
+        With a sharded trainer every rank gets rank 0's id."""
         lora = LoraConfig(
             rank=rank,
             seed=0 if seed is None else seed,
@@ -183,14 +185,21 @@ class ServiceClient:
         base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
         engine = self.trainer_config.build(model=base.model, lora=lora)
         run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
-        self.storage.write_run(
-            run_id,
-            {
-                "base_model": base_model,
-                "lora": None if lora is None else dataclasses.asdict(lora),
-                "user_metadata": dict(user_metadata or {}),
-            },
-        )
+        info = {
+            "base_model": base_model,
+            "lora": None if lora is None else dataclasses.asdict(lora),
+            "user_metadata": dict(user_metadata or {}),
+        }
+        if engine.sharding is None:
+            self.storage.write_run(run_id, info)
+        else:
+            # The ranks write one run's checkpoints together, so they need one run id: rank 0's
+            # (it writes run.json; the others wait until it is there).
+            def write_run() -> str:
+                self.storage.write_run(run_id, info)
+                return run_id
+
+            run_id = Ranks.of_default_group().on_writer(write_run)
         return TrainingClient(
             service=self,
             run_id=run_id,

@@ -20,12 +20,14 @@ from torch import nn
 from temper.checkpoint.atomic import staged_directory
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.checkpoint.storage import CheckpointStorage
-from temper.distributed.gather import is_sharded, sampler_state_dict
+from temper.distributed.gather import full_state_dict, is_sharded, sampler_state_dict
+from temper.distributed.ranks import Ranks
 from temper.models.base_model import BaseModel
 from temper.models.build import materialize
 from temper.models.registry import MODEL_FAMILIES
 from temper.tokenizer import load_tokenizer
 from temper.trainer.lora import (
+    LORA_SUFFIXES,
     LoraConfig,
     apply_lora,
     lora_state_dict,
@@ -86,19 +88,63 @@ def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module | 
 def save_sampler_weights(
     directory: Path, *, model: nn.Module, tokenizer: Any, base_model: str, lora: LoraConfig | None
 ) -> None:
+    """Write `model`'s sampler weights to `directory` (which must not exist).
+
+    A sharded model (collective: every rank calls this) is gathered whole on every rank and
+    written by rank 0 alone; every rank returns once the directory is in place, or raises
+    rank 0's error (an existing directory, a full disk)."""
+    info = {"base_model": base_model, "lora": None if lora is None else dataclasses.asdict(lora)}
+    if not is_sharded(model):
+        _write_sampler_weights(
+            directory,
+            model=model if lora is None else None,
+            adapters=None if lora is None else lora_state_dict(model),
+            tokenizer=tokenizer,
+            info=info,
+        )
+        return
+    ranks = Ranks.of_default_group()
+    ranks.on_writer(lambda: _check_absent(directory))  # before gathering anything
+    if lora is None:
+        full, adapters = full_state_dict(model), None
+    else:
+        full, adapters = None, full_state_dict(model, keep=lambda key: key.endswith(LORA_SUFFIXES))
+
+    def write() -> None:
+        plain = None
+        if full is not None:
+            plain = sampler_model(model, lora=None)  # an empty plain model of the same shape
+            plain.load_state_dict(full)
+        _write_sampler_weights(
+            directory, model=plain, adapters=adapters, tokenizer=tokenizer, info=info
+        )
+
+    ranks.on_writer(write)
+
+
+def _check_absent(directory: Path) -> None:
     if directory.exists():
         raise FileExistsError(f"sampler weights {directory} already exist; choose another name")
+
+
+def _write_sampler_weights(
+    directory: Path,
+    *,
+    model: nn.Module | None,
+    adapters: dict[str, torch.Tensor] | None,
+    tokenizer: Any,
+    info: dict[str, Any],
+) -> None:
+    """A full HF model directory (`model`), or LoRA `adapters` plus the tokenizer."""
+    _check_absent(directory)
     with staged_directory(directory) as staging:
-        if lora is None:
+        if model is not None:
             save_pretrained(model, staging, tokenizer=tokenizer, overwrite=True)
         else:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in lora_state_dict(model).items()}
+            assert adapters is not None
+            tensors = {k: v.detach().cpu().contiguous() for k, v in adapters.items()}
             save_file(tensors, str(staging / LORA_FILE), metadata={"format": "pt"})
             tokenizer.save(staging)
-        info = {
-            "base_model": base_model,
-            "lora": None if lora is None else dataclasses.asdict(lora),
-        }
         (staging / SAMPLER_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 

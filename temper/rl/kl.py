@@ -28,6 +28,7 @@ import torch
 
 from temper.api.futures import APIFuture
 from temper.api.types import ModelInput
+from temper.distributed.ranks import Ranks
 from temper.rl.rollout import Trajectory
 
 KLEstimator = Literal["k1", "k3"]
@@ -65,9 +66,14 @@ def kl_penalty(
     *,
     coef: float,
     estimator: KLEstimator,
+    ranks: Ranks | None = None,
 ) -> KLPenalty:
-    """Centered per-token penalties coef * (k_t - mean_k), and kl/* metrics (both estimators)."""
-    log_ratios_C = []
+    """Centered per-token penalties coef * (k_t - mean_k), and kl/* metrics (both estimators).
+
+    On several `ranks` each passes its own trajectories; mean_k and the metrics are over the
+    tokens of all ranks (as one process holding every trajectory would compute them)."""
+    ranks = ranks or Ranks.single()
+    log_ratios_C = [torch.zeros(0, dtype=torch.float64)]
     for trajectory, future in zip(trajectories, reference_futures, strict=True):
         reference = future.result()[len(trajectory.prompt) :]
         log_ratios_C.append(
@@ -76,13 +82,23 @@ def kl_penalty(
         )
     log_ratio_N = torch.cat(log_ratios_C)
     kl_N = kl_estimate(log_ratio_N, estimator=estimator)
-    mean = kl_N.mean() if kl_N.numel() else torch.zeros((), dtype=torch.float64)
+    sums = ranks.sum(
+        [
+            kl_N.sum().item(),
+            kl_estimate(log_ratio_N, estimator="k1").sum().item(),
+            kl_estimate(log_ratio_N, estimator="k3").sum().item(),
+            float(kl_N.numel()),
+        ]
+    )
+    count = max(sums[3], 1.0)
+    mean = sums[0] / count
     penalties = [
-        (coef * (kl_estimate(d_C, estimator=estimator) - mean)).tolist() for d_C in log_ratios_C
+        (coef * (kl_estimate(d_C, estimator=estimator) - mean)).tolist() for d_C in log_ratios_C[1:]
     ]
+    local_max = coef * (kl_N - mean).abs().max().item() if kl_N.numel() else 0.0
     metrics = {
-        "kl/k1": kl_estimate(log_ratio_N, estimator="k1").mean().item(),
-        "kl/k3": kl_estimate(log_ratio_N, estimator="k3").mean().item(),
-        "kl/penalty_max": coef * (kl_N - mean).abs().max().item() if kl_N.numel() else 0.0,
+        "kl/k1": sums[1] / count,
+        "kl/k3": sums[2] / count,
+        "kl/penalty_max": max(ranks.all_gather(local_max)),
     }
     return KLPenalty(penalties=penalties, metrics=metrics)

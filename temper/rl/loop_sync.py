@@ -7,6 +7,12 @@ An optional supervised warm-up runs first. The step functions live in steps.py; 
 runs them in lock-step (`mode="sync"`), loop_async.py overlaps sampling with training
 (`mode="async"`). The same job runs in-process (here) or against a Tinker-compatible server.
 
+Several ranks (SPMD, `temper train RECIPE --nproc N` or torchrun): every rank runs this job
+with the trainer sharded over all ranks (`sharding`); each samples its share of every step's
+groups and of the warm-up batches and evaluation problems, and metrics are combined over ranks
+(steps.py). Rank 0 alone writes metrics.jsonl, rollouts.jsonl, plots and the run state; the
+training client's checkpoints are written by all ranks together (DCP).
+
 Resume: every `checkpoint_every` steps (warm-up and RL steps counted together) the job saves
 the training client's state and its own loop state (temper/checkpoint/run_state.py);
 `run(run_dir=..., resume=True)` (`temper train --resume RUN_DIR`) continues from the last one,
@@ -15,11 +21,15 @@ bitwise equal to a run that never stopped.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from rich.console import Console
 
 from temper.api.client import ServiceClient
 from temper.checkpoint.run_state import (
@@ -31,6 +41,8 @@ from temper.checkpoint.run_state import (
     truncate_jsonl,
 )
 from temper.config.configurable import Configurable
+from temper.distributed.ranks import Ranks
+from temper.distributed.sharding import Sharding
 from temper.observability import MetricsLogger, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.advantages import AdvantageMode
@@ -41,6 +53,7 @@ from temper.rl.steps import RLSteps
 from temper.rl.tasks import SumDigits, TaskConfig
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
+from temper.trainer.engine import TrainerEngine
 
 ROLLOUTS_FILE_NAME = "rollouts.jsonl"
 
@@ -120,6 +133,9 @@ class RLJob(Configurable):
             )
         )
         """Console, metrics.jsonl and TensorBoard logging."""
+        sharding: Sharding.Config = field(default_factory=Sharding.Config)
+        """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
+        torchrun); data-parallel only (tp must be 1). Unused in one process."""
 
         def __post_init__(self) -> None:
             _check_config(self)
@@ -130,7 +146,14 @@ class RLJob(Configurable):
     def run(self, *, run_dir: Path, resume: bool = False) -> RLResult:
         """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
         config, run_dir = self.config, Path(run_dir)
-        service = ServiceClient(storage_dir=run_dir / "checkpoints", sampler=config.sampler)
+        ranks = Ranks.current()
+        _check_ranks(config, ranks)  # before any model is built, on every rank alike
+        trainer = None
+        if ranks.world_size > 1:
+            trainer = TrainerEngine.Config(sharding=config.sharding)
+        service = ServiceClient(
+            storage_dir=run_dir / "checkpoints", sampler=config.sampler, trainer=trainer
+        )
         state = load_run_state(run_dir) if resume else None
         if state is None:
             training = self._new_training_client(service)
@@ -138,28 +161,40 @@ class RLJob(Configurable):
         else:
             training = service.create_training_client_from_state_with_optimizer(state.train_state)
             rng, loop = rng_from_json(state.loop["rng"]), dict(state.loop)
-            for name in (METRICS_FILE_NAME, ROLLOUTS_FILE_NAME):
-                truncate_jsonl(run_dir / name, before_step=state.step)
+
+            def truncate_logs() -> None:
+                for name in (METRICS_FILE_NAME, ROLLOUTS_FILE_NAME):
+                    truncate_jsonl(run_dir / name, before_step=state.step)
+
+            ranks.on_writer(truncate_logs)
         start = 0 if state is None else state.step
         tokenizer, task = training.get_tokenizer(), config.task.build()
         heldout = heldout_problems(task, count=config.eval_problems)
         checkpoints = _Checkpoints(
-            config, run_dir=run_dir, training=training, rng=rng, loop=loop, previous=state
+            config,
+            run_dir=run_dir,
+            training=training,
+            rng=rng,
+            loop=loop,
+            previous=state,
+            ranks=ranks,
         )
 
         def evaluate() -> float:
+            """Greedy accuracy on the held-out set, each rank scoring its part."""
             sampler = training.save_weights_and_get_sampling_client()
-            accuracy, _ = greedy_accuracy(
-                sampler, heldout, task=task, tokenizer=tokenizer, max_tokens=config.max_tokens
-            )
-            return accuracy
+            mine = heldout[ranks.split(len(heldout))]
+            total = 0.0
+            if mine:
+                _, examples = greedy_accuracy(
+                    sampler, mine, task=task, tokenizer=tokenizer, max_tokens=config.max_tokens
+                )
+                total = sum(reward for _, _, reward in examples)
+            return ranks.sum([total])[0] / len(heldout)
 
         num_warmup = config.warmup.steps
-        with MetricsLogger(
-            config.metrics,
-            run_dir=run_dir,
-            total_steps=num_warmup + config.steps,
-            description="GRPO",
+        with _metrics_logger(
+            config.metrics, ranks=ranks, run_dir=run_dir, total_steps=num_warmup + config.steps
         ) as logger:
             if start < num_warmup:
                 logger.console.print(f"SFT warm-up: {num_warmup} steps")
@@ -178,6 +213,7 @@ class RLJob(Configurable):
                     rng=rng,
                     on_step=on_warmup_step,
                     start_step=start,
+                    ranks=ranks,
                 )
             if config.kl_coef > 0 and "kl_reference" not in loop:
                 loop["kl_reference"] = (
@@ -189,7 +225,7 @@ class RLJob(Configurable):
             logger.console.print(
                 f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
             )
-            with (run_dir / ROLLOUTS_FILE_NAME).open("a") as rollouts_file:
+            with _rollouts_file(run_dir, ranks=ranks) as rollouts_file:
                 steps = RLSteps(
                     config,
                     training=training,
@@ -200,6 +236,7 @@ class RLJob(Configurable):
                     logger=logger,
                     rollouts_file=rollouts_file,
                     evaluate=evaluate,
+                    ranks=ranks,
                 )
 
                 def on_rl_step(steps_done: int) -> None:
@@ -218,7 +255,7 @@ class RLJob(Configurable):
                         on_step_done=on_rl_step,
                     )
             return self._finish(
-                training, logger=logger, loop=loop, evaluate=evaluate, run_dir=run_dir
+                training, logger=logger, loop=loop, evaluate=evaluate, run_dir=run_dir, ranks=ranks
             )
 
     def _new_training_client(self, service: ServiceClient):
@@ -229,13 +266,13 @@ class RLJob(Configurable):
             config.base_model, rank=config.lora_rank, seed=config.seed
         )
 
-    def _finish(self, training, *, logger, loop, evaluate, run_dir: Path) -> RLResult:
+    def _finish(self, training, *, logger, loop, evaluate, run_dir: Path, ranks) -> RLResult:
         rewards, warmup_accuracy = loop["rewards"], loop.get("warmup_accuracy")
         final_accuracy = logger.latest.get("eval/accuracy", None)
         if final_accuracy is None:
             final_accuracy = evaluate()
         sampler_path = training.save_weights_for_sampler("final").result().path
-        plots = plot_metrics(run_dir)
+        plots = ranks.on_writer(lambda: plot_metrics(run_dir))
         logger.summary(
             {
                 "held-out accuracy": {
@@ -259,6 +296,26 @@ class RLJob(Configurable):
         )
 
 
+def _metrics_logger(
+    config: MetricsLogger.Config, *, ranks: Ranks, run_dir: Path, total_steps: int
+) -> MetricsLogger:
+    """Rank 0's logger writes and shows; the other ranks' log the same metrics silently."""
+    console = None
+    if not ranks.is_writer:
+        config = dataclasses.replace(config, display="none", jsonl=False, tensorboard=False)
+        console = Console(quiet=True)
+    return MetricsLogger(
+        config, run_dir=run_dir, total_steps=total_steps, description="GRPO", console=console
+    )
+
+
+def _rollouts_file(run_dir: Path, *, ranks: Ranks):
+    """rollouts.jsonl, opened for appending on rank 0; None on the others."""
+    if not ranks.is_writer:
+        return contextlib.nullcontext(None)
+    return (run_dir / ROLLOUTS_FILE_NAME).open("a")
+
+
 def run_sync(steps: RLSteps, *, first: int, on_step_done) -> None:
     """Sample, then train, one RL step at a time, from RL step `first`."""
     for rl_step in range(first, steps.config.steps):
@@ -269,7 +326,8 @@ def run_sync(steps: RLSteps, *, first: int, on_step_done) -> None:
 class _Checkpoints:
     """Full-state checkpoints every `checkpoint_every` steps and at the end; keeps the last."""
 
-    def __init__(self, config, *, run_dir: Path, training, rng, loop, previous) -> None:
+    def __init__(self, config, *, run_dir: Path, training, rng, loop, previous, ranks) -> None:
+        self.ranks = ranks
         self.every = config.checkpoint_every
         self.num_warmup = config.warmup.steps
         self.total = config.warmup.steps + config.steps
@@ -289,12 +347,32 @@ class _Checkpoints:
     def step_done(self, steps_done: int) -> None:
         if not self.due(steps_done):
             return
+        # Every rank writes its shards; rank 0 then records the run state and drops the
+        # previous checkpoint (the RNG copies of all ranks are equal).
         path = self.training.save_state(f"step-{steps_done:06d}").result().path
         loop = {**self.loop, "rng": rng_to_json(self.rng)}
-        save_run_state(self.run_dir, RunState(step=steps_done, train_state=path, loop=loop))
-        if self.previous is not None and self.previous != path:
-            self.training.service.storage.delete(self.previous)
+        previous = self.previous
+
+        def record() -> None:
+            save_run_state(self.run_dir, RunState(step=steps_done, train_state=path, loop=loop))
+            if previous is not None and previous != path:
+                self.training.service.storage.delete(previous)
+
+        self.ranks.on_writer(record)
         self.previous = path
+
+
+def _check_ranks(config: RLJob.Config, ranks: Ranks) -> None:
+    """Settings that depend on the number of ranks; raises the same error on every rank."""
+    if ranks.world_size == 1:
+        return
+    dims = config.sharding.dims.build(world_size=ranks.world_size)  # degrees vs world size
+    if dims.tp_enabled:
+        raise ValueError(
+            f"RLJob.Config.sharding.dims.tp={dims.tp}: the RL loop runs data-parallel only "
+            "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
+        )
+    ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
 
 
 def _check_config(config: RLJob.Config) -> None:

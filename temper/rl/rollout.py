@@ -51,14 +51,22 @@ def submit_rollouts(
     *,
     params: SamplingParams,
     rng: random.Random | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> PendingRollouts:
     """Send one request of `len(group)` samples per group; with `rng`, every request gets a
-    seed from it (drawn here, in order), so a seeded run reproduces its rollouts exactly."""
+    seed from it (drawn here, in order), so a seeded run reproduces its rollouts exactly; or
+    give each group's seed in `seeds`."""
+    if rng is not None and seeds is not None:
+        raise ValueError("submit_rollouts takes rng or seeds, not both")
+    if seeds is not None and len(seeds) != len(groups):
+        raise ValueError(f"submit_rollouts: {len(seeds)} seeds for {len(groups)} groups")
     futures = []
-    for group in groups:
+    for index, group in enumerate(groups):
         request_params = params
         if rng is not None:
             request_params = dataclasses.replace(params, seed=rng.getrandbits(63))
+        elif seeds is not None:
+            request_params = dataclasses.replace(params, seed=seeds[index])
         prompt = ModelInput.from_ints(group[0].initial_observation())
         futures.append(sampling_client.sample(prompt, len(group), request_params))
     return PendingRollouts(

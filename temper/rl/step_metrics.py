@@ -10,11 +10,19 @@ Shapes: N completion tokens of a step.
   KL(sampler || trainer) under the sampler's distribution). On-policy it measures numerics
   only; with `max_staleness > 0` or `num_substeps > 1` it also measures how far the policy
   moved since sampling, which is what the importance ratio corrects.
+
+On several ranks each rank measures its own share of the step as sums (`StepStats`), and
+`StepStats.combine` turns every rank's sums into the metrics of the whole step: a mean over all
+trajectories or tokens of all ranks (not a mean of rank means: shares differ in tokens), a
+spread from the pooled sums of squares, a maximum over ranks, a rate as everything done over
+the slowest rank's seconds. One process is the same computation with one part.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,33 +30,86 @@ from temper.api.types import ForwardBackwardOutput
 from temper.rl.rollout import Trajectory
 
 
-def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
+@dataclass
+class StepStats:
+    """One rank's share of a step's metrics, as sums that add up over ranks."""
+
+    means: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """name -> (total, count); the metric is the total over the count."""
+    spreads: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """name -> (total, total of squares, count); the metric is the population std."""
+    maxima: dict[str, float] = field(default_factory=dict)
+    rates: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """name -> (amount, seconds); the metric is all amounts over the longest seconds."""
+    values: dict[str, float] = field(default_factory=dict)
+    """Metrics already equal on every rank (an optimizer's global grad norm), passed through."""
+
+    def mean(self, name: str, total: float, count: float) -> None:
+        old_total, old_count = self.means.get(name, (0.0, 0.0))
+        self.means[name] = (old_total + float(total), old_count + float(count))
+
+    def spread(self, name: str, values: Sequence[float]) -> None:
+        self.spreads[name] = (
+            float(sum(values)),
+            float(sum(v * v for v in values)),
+            float(len(values)),
+        )
+
+    def maximum(self, name: str, value: float) -> None:
+        self.maxima[name] = max(self.maxima.get(name, -math.inf), float(value))
+
+    @staticmethod
+    def combine(parts: Sequence[StepStats]) -> dict[str, float]:
+        """The metrics of every rank's data together (one part per rank). A mean or spread
+        with no data on any rank is left out."""
+        metrics: dict[str, float] = dict(parts[0].values)
+        for name in _names(parts, "means"):
+            total = sum(p.means.get(name, (0.0, 0.0))[0] for p in parts)
+            count = sum(p.means.get(name, (0.0, 0.0))[1] for p in parts)
+            if count > 0:
+                metrics[name] = total / count
+        for name in _names(parts, "spreads"):
+            sums = [sum(p.spreads.get(name, (0.0, 0.0, 0.0))[i] for p in parts) for i in range(3)]
+            if sums[2] > 0:
+                mean = sums[0] / sums[2]
+                metrics[name] = math.sqrt(max(sums[1] / sums[2] - mean * mean, 0.0))
+        for name in _names(parts, "maxima"):
+            metrics[name] = max(p.maxima[name] for p in parts if name in p.maxima)
+        for name in _names(parts, "rates"):
+            amount = sum(p.rates[name][0] for p in parts if name in p.rates)
+            seconds = max(p.rates[name][1] for p in parts if name in p.rates)
+            metrics[name] = amount / seconds
+        return metrics
+
+
+def _names(parts: Sequence[StepStats], kind: str) -> list[str]:
+    return list(dict.fromkeys(name for part in parts for name in getattr(part, kind)))
+
+
+def rollout_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:
     flat = [t for group in groups for t in group]
-    rewards = torch.tensor([t.reward for t in flat])
-    lengths = torch.tensor([float(len(t.completion)) for t in flat])
-    sampler_lp = torch.tensor([lp for t in flat for lp in t.sampler_logprobs])
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std(correction=0).item(),
-        "rollout/accuracy": sum(t.metrics.get("correct", 0.0) for t in flat) / len(flat),
-        "rollout/response_length": lengths.mean().item(),
-        "rollout/stopped": sum(t.stop_reason == "stop" for t in flat) / len(flat),
-        "rollout/entropy": -sampler_lp.mean().item(),
-    }
+    rewards = [t.reward for t in flat]
+    stats.mean("reward/mean", sum(rewards), len(flat))
+    stats.spread("reward/std", rewards)
+    stats.mean("rollout/accuracy", sum(t.metrics.get("correct", 0.0) for t in flat), len(flat))
+    stats.mean("rollout/response_length", sum(len(t.completion) for t in flat), len(flat))
+    stats.mean("rollout/stopped", sum(t.stop_reason == "stop" for t in flat), len(flat))
+    sampler_lp = [lp for t in flat for lp in t.sampler_logprobs]
+    stats.mean("rollout/entropy", -sum(sampler_lp), len(sampler_lp))
 
 
-def mismatch_metrics(
+def mismatch_stats(
+    stats: StepStats,
     trained: Sequence[tuple[Sequence[Trajectory], ForwardBackwardOutput]],
-) -> dict[str, float]:
-    """Over every (trajectories, forward_backward output) pair of a step."""
-    deltas = []
+) -> None:
+    """Over every (trajectories, forward_backward output) pair of this rank's step."""
+    deltas = [torch.zeros(0, dtype=torch.float64)]
     for trajectories, output in trained:
         for trajectory, record in zip(trajectories, output.loss_fn_outputs, strict=True):
             trainer_lp = record["logprobs"].to_torch()[len(trajectory.prompt) - 1 :]
             sampler_lp = torch.tensor(trajectory.sampler_logprobs)
-            deltas.append(trainer_lp - sampler_lp)
+            deltas.append((trainer_lp - sampler_lp).double())
     delta_N = torch.cat(deltas)
-    return {
-        "mismatch/logprob_diff_max": delta_N.abs().max().item(),
-        "mismatch/kl": (delta_N.exp() - 1 - delta_N).mean().item(),
-    }
+    stats.mean("mismatch/kl", (delta_N.exp() - 1 - delta_N).sum().item(), delta_N.numel())
+    if delta_N.numel():
+        stats.maximum("mismatch/logprob_diff_max", delta_N.abs().max().item())

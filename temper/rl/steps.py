@@ -6,6 +6,12 @@ optional KL penalty, trains (`forward_backward` + `optim_step`, once per substep
 and logs. loop_sync.py calls submit(k) then finish(k); loop_async.py submits up to
 `max_staleness` steps ahead, so sampling for later steps runs while this one trains. Both call
 the RNG in the same order (submission order is step order), so they draw the same problems.
+
+On several ranks (SPMD) every rank draws the whole step's problems and seeds from its own copy
+of the run's RNG (so the copies stay equal) and samples only its share of the groups, with its
+own sampler. Training divides advantages by the step's completion tokens over all ranks, so
+the summed gradient is the one a single process computes on the union of the groups. Metrics
+are each rank's sums, combined over ranks (step_metrics.py); rank 0 writes the rollouts.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from temper.api.types import AdamParams, SamplingParams
+from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.rl.advantages import group_advantages, is_uniform
 from temper.rl.env import Task, make_groups
@@ -29,7 +36,7 @@ from temper.rl.rollout import (
     score_rollouts,
     submit_rollouts,
 )
-from temper.rl.step_metrics import mismatch_metrics, rollout_metrics
+from temper.rl.step_metrics import StepStats, mismatch_stats, rollout_stats
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,9 @@ class RLSteps:
         rng: random.Random,
         reference,
         logger: MetricsLogger,
-        rollouts_file: IO[str],
+        rollouts_file: IO[str] | None,
         evaluate: Callable[[], float],
+        ranks: Ranks,
     ) -> None:
         self.config = config
         self.training = training
@@ -66,6 +74,9 @@ class RLSteps:
         self.logger = logger
         self.rollouts_file = rollouts_file
         self.evaluate = evaluate
+        self.ranks = ranks
+        self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
+        """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
         self.params = SamplingParams(
             max_tokens=config.max_tokens,
@@ -87,75 +98,100 @@ class RLSteps:
             group_size=config.group_size,
             split="train",
         )
+        # Every rank draws every group's seed, in order (as submit_rollouts(rng=) would), so
+        # the RNG copies stay equal and a group gets the same seed on any number of ranks.
+        seeds = [self.rng.getrandbits(63) for _ in groups]
         with self.timer.phase("sample"):
-            rollouts = submit_rollouts(sampler, groups, params=self.params, rng=self.rng)
+            rollouts = submit_rollouts(
+                sampler, groups[self.share], params=self.params, seeds=seeds[self.share]
+            )
         # `sampler` goes out of scope here: only the requests in flight keep its version alive,
         # so the trainer copies weights only if they are still running when it steps.
         return SubmittedStep(rl_step=rl_step, steps_done=steps_done, rollouts=rollouts)
 
     def finish(self, submitted: SubmittedStep) -> dict[str, float]:
-        """Train on a submitted batch and log the step; returns its metrics."""
+        """Train on a submitted batch and log the step; returns its metrics (all ranks')."""
         config, timer = self.config, self.timer
         with timer.phase("sample"):
             responses = submitted.rollouts.wait()
         with timer.phase("score"):
             groups = score_rollouts(submitted.rollouts.groups, responses)
-        metrics = rollout_metrics(groups)
-        metrics["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
+        stats = StepStats()
+        rollout_stats(stats, groups)
+        stats.values["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
         with timer.phase("train"):
-            metrics |= self._train_on(groups)
+            self._train_on(groups, stats)
         rl_step = submitted.rl_step
         if (rl_step + 1) % config.eval_every == 0 or rl_step == config.steps - 1:
             with timer.phase("eval"):
-                metrics["eval/accuracy"] = self.evaluate()
+                stats.values["eval/accuracy"] = self.evaluate()
         now = time.perf_counter()
         num_tokens = sum(len(t.completion) for g in groups for t in g)
-        metrics["throughput/tokens_per_s"] = num_tokens / (now - self._started)
+        stats.rates["throughput/tokens_per_s"] = (num_tokens, now - self._started)
         self._started = now
+        for name, seconds in timer.collect().items():
+            stats.maximum(name, seconds)  # the slowest rank's time
+        metrics = StepStats.combine(self.ranks.all_gather(stats))
         step = config.warmup.steps + rl_step
-        self.logger.log(step, metrics | timer.collect())
+        self.logger.log(step, metrics)
         self._write_rollouts(step, groups)
         return metrics
 
-    def _train_on(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+    def _train_on(self, groups: list[list[Trajectory]], stats: StepStats) -> None:
         config = self.config
         keep = [
             not (config.drop_uniform_groups and is_uniform([t.reward for t in g])) for g in groups
         ]
-        metrics = {"rollout/groups_kept": sum(keep) / len(groups)}
+        stats.mean("rollout/groups_kept", sum(keep), len(groups))
         kept = [g for g, keep_g in zip(groups, keep, strict=True) if keep_g]
-        if not kept:
-            return metrics
         flat = [t for g in kept for t in g]
         advantages = [
             a for g in kept for a in group_advantages([t.reward for t in g], mode=config.advantages)
         ]
-        penalties = [[0.0] * len(t.completion) for t in flat]
-        if config.kl_coef > 0:
-            with self.timer.phase("reference"):
-                futures = submit_reference_logprobs(self.reference, flat)
-                kl = kl_penalty(flat, futures, coef=config.kl_coef, estimator=config.kl_estimator)
-            penalties, metrics = kl.penalties, metrics | kl.metrics
         # Substeps split the step's groups in order (kept or not, so the split does not depend
-        # on rewards) into equal minibatches, one optimizer step each.
-        groups_per_substep = len(groups) // config.num_substeps
+        # on rewards) into equal minibatches, one optimizer step each; a group's place is its
+        # index in the whole step, whichever rank holds it.
+        groups_per_substep = config.prompts_per_step // config.num_substeps
         substep_of = [
-            index // groups_per_substep
+            (self.share.start + index) // groups_per_substep
             for index, group in enumerate(groups)
             if keep[index]
             for _ in group
         ]
+        # Sum losses (Tinker): dividing advantages by the minibatch's completion tokens (on
+        # every rank) makes the loss a per-token mean, so the step size does not grow with
+        # batch size.
+        num_tokens = self.ranks.sum(
+            [
+                sum(len(flat[i].completion) for i, s in enumerate(substep_of) if s == substep)
+                for substep in range(config.num_substeps)
+            ]
+        )
+        if sum(num_tokens) == 0:
+            return  # no group kept on any rank
+        penalties = [[0.0] * len(t.completion) for t in flat]
+        if config.kl_coef > 0:
+            with self.timer.phase("reference"):
+                futures = submit_reference_logprobs(self.reference, flat)
+                kl = kl_penalty(
+                    flat,
+                    futures,
+                    coef=config.kl_coef,
+                    estimator=config.kl_estimator,
+                    ranks=self.ranks,
+                )
+            penalties = kl.penalties
+            stats.values |= kl.metrics
         trained, grad_norms = [], []
         for substep in range(config.num_substeps):
-            indices = [i for i, s in enumerate(substep_of) if s == substep]
-            if not indices:
+            if num_tokens[substep] == 0:
                 continue
-            # Sum losses (Tinker): dividing advantages by the completion tokens makes the loss a
-            # per-token mean over the minibatch, so the step size does not grow with batch size.
-            num_tokens = sum(len(flat[i].completion) for i in indices)
+            # A rank may hold none of this minibatch's groups: it still takes part.
+            indices = [i for i, s in enumerate(substep_of) if s == substep]
             data = [
                 policy_datum(
-                    flat[i], advantage=[(advantages[i] - p) / num_tokens for p in penalties[i]]
+                    flat[i],
+                    advantage=[(advantages[i] - p) / num_tokens[substep] for p in penalties[i]],
                 )
                 for i in indices
             ]
@@ -163,16 +199,14 @@ class RLSteps:
             step = self.training.optim_step(self.adam).result()
             trained.append(([flat[i] for i in indices], output))
             grad_norms.append(step.metrics["grad_norm:mean"])
-        return (
-            metrics
-            | mismatch_metrics(trained)
-            | {
-                "optim/grad_norm": sum(grad_norms) / len(grad_norms),
-                "optim/lr": self.adam.learning_rate,
-            }
-        )
+        mismatch_stats(stats, trained)
+        stats.values["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        stats.values["optim/lr"] = self.adam.learning_rate
 
     def _write_rollouts(self, step: int, groups: list[list[Trajectory]]) -> None:
+        """A few of this rank's groups (rank 0's, on several ranks; the others pass None)."""
+        if self.rollouts_file is None:
+            return
         for group in groups[: self.config.rollouts_per_step]:
             trajectory = group[0]
             record = {

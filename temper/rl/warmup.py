@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from temper.api.types import AdamParams
 from temper.config.configurable import Configurable
+from temper.distributed.ranks import Ranks
 from temper.rl.env import Task
 from temper.rl.rollout import supervised_datum
 from temper.trainer.schedule import warmup_cosine
@@ -55,9 +56,16 @@ class SFTWarmup(Configurable):
         rng: random.Random,
         on_step: Callable[[int, dict[str, float]], None],
         start_step: int = 0,
+        ranks: Ranks | None = None,
     ) -> None:
         """Train steps `start_step`..`steps - 1`; `on_step(step, metrics)` after each (for
-        logging, evals and checkpoints). A resumed run passes the steps already done."""
+        logging, evals and checkpoints). A resumed run passes the steps already done.
+
+        On several `ranks` every rank draws the whole batch (the RNG copies stay equal) and
+        trains on its part; the loss is normalized by the whole batch's answer tokens, so the
+        summed gradient is the one-process gradient of the batch."""
+        ranks = ranks or Ranks.single()
+        part = ranks.split(self.config.batch_size)
         for step in range(start_step, self.config.steps):
             problems = [task.sample(rng, split="train") for _ in range(self.config.batch_size)]
             pairs = [
@@ -67,7 +75,7 @@ class SFTWarmup(Configurable):
             # Losses are sums (Tinker); weighting each answer token by 1/count makes this the
             # mean loss per answer token.
             num_targets = sum(len(answer) for _, answer in pairs)
-            data = [supervised_datum(p, a, weight=1.0 / num_targets) for p, a in pairs]
+            data = [supervised_datum(p, a, weight=1.0 / num_targets) for p, a in pairs[part]]
             backward = training_client.forward_backward(data, "cross_entropy")
             learning_rate = self.learning_rate(step)
             optim = training_client.optim_step(
