@@ -23,8 +23,13 @@ $(VENV)/.installed-core: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+$(VENV)/.installed-test: pyproject.toml Makefile $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# tinker-cookbook for tests/server/test_cookbook.py. Its tml-renderers pin cannot be
+	# installed, so it goes in with --no-deps after what its chat_sl / supervised path imports.
+	$(BIN)/python -m pip install --quiet chz==0.4.0 "blobfile>=3.0" "termcolor>=2.0" \
+		"datasets>=2.14" "pillow>=10.0"
+	$(BIN)/python -m pip install --quiet --no-deps tinker-cookbook==0.6.1
 	@touch $@
 
 demo: $(VENV)/.installed-core

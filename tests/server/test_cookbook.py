@@ -1,0 +1,150 @@
+"""tinker-cookbook's chat_sl recipe trains through `temper serve`, offline.
+
+The recipe runs unmodified as `python -m tinker_cookbook.recipes.chat_sl.train` on the
+conversations that ship with the cookbook. Its tokenizer is the model directory itself (the
+cookbook loads a directory given as `model_name` with `AutoTokenizer`), and the `role_colon`
+renderer needs nothing of a tokenizer but plain text, an EOS token and no BOS. No built-in
+Temper vocabulary covers that text (it has `°`, `×`, `’`, ...), so the test trains a 512-token
+byte-level BPE on the conversations and saves a random tiny Qwen3 with it.
+
+Offline: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, and every non-loopback HTTP(S) request goes to
+a closed local port (the cookbook's pricing download then fails at once and only warns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import API_KEY, ServerProcess, start_server
+
+NOT_INSTALLED = "tinker-cookbook is not installed (`make test` installs it: see the Makefile)"
+pytest.importorskip("tinker_cookbook.recipes.chat_sl.train", reason=NOT_INSTALLED)
+tinker_cookbook = pytest.importorskip("tinker_cookbook", reason=NOT_INSTALLED)
+
+CONVERSATIONS = Path(tinker_cookbook.__file__).parent / "example_data" / "conversations.jsonl"
+NO_NETWORK = "http://127.0.0.1:9"  # nothing listens on port 9 (discard)
+
+
+def build_chat_model_dir(directory: Path, *, texts: list[str], vocab_size: int) -> None:
+    """A random tiny Qwen3 whose tokenizer is a byte-level BPE trained on `texts`."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from temper.checkpoint.hf import save_pretrained
+    from temper.models.build import materialize
+    from temper.models.registry import family
+    from temper.tokenizer import Tokenizer
+
+    eos = "<|endoftext|>"
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": eos,
+        "pad_token": eos,
+        "clean_up_tokenization_spaces": False,
+    }
+    tokenizer = Tokenizer(backend, config=config, name_or_path="bpe")
+    model_config = dataclasses.replace(
+        family("qwen3").sizes["tiny"], vocab_size=tokenizer.vocab_size
+    )
+    model = materialize(model_config, device="cpu", dtype="float32", seed=0)
+    save_pretrained(model, directory, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rows = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines() if line]
+    texts = [message["content"] for row in rows for message in row["messages"]]
+    texts += ["System:", "User:", "Assistant:"]  # role_colon's headers
+    # Deep enough that the SDK's "org/model/variant" tokenizer heuristic leaves it alone.
+    directory = tmp_path_factory.mktemp("models") / "bpe-chat"
+    build_chat_model_dir(directory, texts=texts, vocab_size=512)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("cookbook-server")
+    process = start_server(chat_model_dir, root / "storage", root / "server.log")
+    yield process
+    process.stop()
+
+
+def run_recipe(module: str, *, server: ServerProcess, cwd: Path, args: dict[str, object]):
+    """Run a cookbook recipe module against `server` with no network; returns its output."""
+    no_proxy = "127.0.0.1,localhost"
+    env = {
+        **os.environ,
+        "TINKER_API_KEY": API_KEY,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        **{name: NO_NETWORK for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")},
+        **{name: no_proxy for name in ("NO_PROXY", "no_proxy")},
+    }
+    command = [sys.executable, "-m", module, f"base_url={server.base_url}"]
+    command += [f"{key}={value}" for key, value in args.items()]
+    result = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{module} failed:\n{output[-6000:]}"
+    return output
+
+
+def test_chat_sl_recipe_trains_offline_and_its_loss_goes_down(
+    chat_server, chat_model_dir, tmp_path
+):
+    log_path = tmp_path / "chat_sl"
+    steps = 10
+    run_recipe(
+        "tinker_cookbook.recipes.chat_sl.train",
+        server=chat_server,
+        cwd=tmp_path,
+        args={
+            "model_name": chat_model_dir,
+            "renderer_name": "role_colon",
+            "dataset": CONVERSATIONS,
+            "log_path": log_path,
+            "behavior_if_log_dir_exists": "delete",
+            "batch_size": 8,
+            "max_steps": steps,
+            "learning_rate": 1e-2,
+            "lora_rank": 8,
+            "save_every": 5,
+            "eval_every": 0,
+            "infrequent_eval_every": 0,
+        },
+    )
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["train_mean_nll"] for row in metrics if "train_mean_nll" in row]
+    assert len(losses) == steps
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.5, losses
+
+    # The cookbook's checkpoints are the server's: state and sampler weights under --storage.
+    checkpoints = [
+        json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()
+    ]
+    assert [row["name"] for row in checkpoints] == ["000005", "final"]
+    for row in checkpoints:
+        for key in ("state_path", "sampler_path"):
+            relative = row[key].removeprefix("tinker://")
+            assert (chat_server.storage / relative).is_dir(), row[key]
