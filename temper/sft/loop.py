@@ -7,8 +7,10 @@ in-process (here) or against a Tinker-compatible server. Loss weights are 1 on a
 (task) or on assistant tokens (conversations, see `temper/tokenizer/renderers`), divided by
 the batch's count of such tokens: `train/loss` and `eval/loss` are mean losses per token.
 
-What a resumed run needs besides the checkpoint (weights and optimizer) is `SFTState`: the
-steps done and the data position, all plain ints.
+Full-state checkpoints (`checkpoint_every`, and always at the end) hold the weights and the
+optimizer (`save_state`) plus `SFTState` and the held-out history in RUN_DIR/run_state
+(temper/checkpoint/run_state.py); `run(resume=True)` (`temper train --resume RUN_DIR`)
+continues from the last one and equals an uninterrupted run bitwise.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from typing import Literal
 from temper.api.client import ServiceClient, TrainingClient
 from temper.api.types import AdamParams
 from temper.api.weights import SAMPLER_FILE
+from temper.checkpoint.run_state import RunState, load_run_state, save_run_state, truncate_jsonl
 from temper.config.configurable import Configurable
 from temper.models.base_model import DType
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
+from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.tasks import SumDigits, TaskConfig
 from temper.sampler import SamplerEngine
 from temper.sft.batches import supervised_data
@@ -102,6 +106,9 @@ class SFTJob(Configurable):
         """The engine behind the sampling clients (greedy held-out replies)."""
         seed: int = 0
         """Seed of the training data order (and of LoRA initialization)."""
+        checkpoint_every: int = 0
+        """Steps between full-state checkpoints (model, optimizer, data position) that
+        `temper train --resume` continues from; 0 = only at the end."""
         export: Literal["hf", "none"] = "hf"
         """'hf' also copies the final weights (a HF model directory) to RUN_DIR/model."""
         metrics: MetricsLogger.Config = field(
@@ -115,6 +122,11 @@ class SFTJob(Configurable):
             for name in ("steps", "batch_size", "eval_every", "eval_problems", "max_new_tokens"):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"SFTJob.Config.{name} must be > 0, got {getattr(self, name)}")
+            if self.checkpoint_every < 0:
+                raise ValueError(
+                    f"SFTJob.Config.checkpoint_every must be >= 0 (0 = only at the end), "
+                    f"got {self.checkpoint_every}"
+                )
             if self.learning_rate <= 0:
                 raise ValueError(
                     f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}"
@@ -133,8 +145,10 @@ class SFTJob(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def run(self, *, run_dir: Path) -> SFTResult:
+    def run(self, *, run_dir: Path, resume: bool = False) -> SFTResult:
+        """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
         config, run_dir = self.config, Path(run_dir)
+        saved = load_run_state(run_dir) if resume else None
         # Load and validate the dataset first: a bad file fails before any model is built.
         dataset = config.conversations.build() if config.source == "conversations" else None
         service = ServiceClient(
@@ -143,11 +157,27 @@ class SFTJob(Configurable):
             dtype=config.dtype,
             sampler=config.sampler,
         )
-        training = self._training_client(service)
+        if saved is None:
+            training = self._training_client(service)
+        else:
+            training = service.create_training_client_from_state_with_optimizer(saved.train_state)
         source = self._source(training.get_tokenizer(), dataset=dataset)
-        state = SFTState(step=0, data=source.position)
-        initial_loss = self._heldout_loss(training, source)
-        accuracies: list[float] = []
+        if saved is None:
+            state = SFTState(step=0, data=source.position)
+            initial_loss = self._heldout_loss(training, source)
+            accuracies: list[float] = []
+        else:
+            if saved.step >= config.steps:
+                raise ValueError(
+                    f"--resume {run_dir}: the run already finished all {config.steps} steps"
+                )
+            state = SFTState(step=saved.step, data=DataPosition(**saved.loop["data"]))
+            source.position = state.data
+            initial_loss, accuracies = saved.loop["initial_loss"], saved.loop["accuracies"]
+            truncate_jsonl(run_dir / METRICS_FILE_NAME, before_step=saved.step)
+        checkpoint = _Checkpoint(
+            run_dir, training=training, previous=None if saved is None else saved.train_state
+        )
         examples: list[Example] = []
         timer = PhaseTimer()
         with MetricsLogger(
@@ -166,6 +196,9 @@ class SFTJob(Configurable):
                     metrics |= eval_metrics
                 logger.log(state.step, metrics | timer.collect())
                 state.step += 1
+                every = config.checkpoint_every
+                if state.step == config.steps or (every and state.step % every == 0):
+                    checkpoint.save(state, initial_loss=initial_loss, accuracies=accuracies)
             self._show_examples(logger, examples[:4])
             return self._finish(
                 service, training, logger=logger, initial_loss=initial_loss, accuracies=accuracies
@@ -281,6 +314,26 @@ class SFTJob(Configurable):
         for example in examples:
             mark = "ok" if example.correct else f"wrong, expected {example.reference!r}"
             logger.console.print(f"  {example.prompt!r} -> {example.reply!r}  ({mark})")
+
+
+class _Checkpoint:
+    """The run's one full-state checkpoint: each save replaces the previous one."""
+
+    def __init__(self, run_dir: Path, *, training: TrainingClient, previous: str | None) -> None:
+        self.run_dir, self.training, self.previous = run_dir, training, previous
+
+    def save(self, state: SFTState, *, initial_loss: float, accuracies: list[float]) -> None:
+        path = self.training.save_state(f"step-{state.step:06d}").result().path
+        loop = {
+            "data": {"epoch": state.data.epoch, "index": state.data.index},
+            "initial_loss": initial_loss,
+            "accuracies": list(accuracies),
+        }
+        # The run state names the new checkpoint only once it is complete; then the old one goes.
+        save_run_state(self.run_dir, RunState(step=state.step, train_state=path, loop=loop))
+        if self.previous is not None and self.previous != path:
+            self.training.service.storage.delete(self.previous)
+        self.previous = path
 
 
 def export_model_dir(service: ServiceClient, sampler_path: str, *, out_dir: Path) -> Path:
