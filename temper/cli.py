@@ -26,6 +26,8 @@ from temper.commands import sample as sample_command
 from temper.commands import serve as serve_command
 from temper.config import cli as config_cli
 from temper.config import recipes, serialize
+from temper.distributed import launch
+from temper.distributed.ranks import Ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,8 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     """`temper train`: resolve the config, create the run dir, save config.json, build, run."""
     try:
         invocation = config_cli.parse_train_argv(argv, prog="temper train", package=package)
+        if launch.launched_by_torchrun():
+            return _train_on_ranks(invocation)
         if not invocation.resume:
             config_cli.prepare_run_dir(invocation.run_dir)
     except SystemExit as exit_:
@@ -87,6 +91,17 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     except ValueError as error:
         print(f"temper train: error: {error}", file=sys.stderr)
         return 2
+    if invocation.nproc is not None:
+        # The ranks get this run dir (a default one is named by the time, which they would
+        # not agree on) and no --nproc.
+        args = config_cli.without_option(list(argv), "--nproc")
+        if not invocation.resume:
+            args = [
+                *config_cli.without_option(args, "--run-dir"),
+                "--run-dir",
+                str(invocation.run_dir),
+            ]
+        return launch.run_under_torchrun(nproc=invocation.nproc, args=["train", *args])
     config_path = invocation.run_dir / "config.json"
     if invocation.resume:
         return _resume(invocation)
@@ -102,6 +117,40 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
             config_path.unlink()
             invocation.run_dir.rmdir()
         return 1
+    return 0
+
+
+def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
+    """`temper train` on one rank of a torchrun job: every rank builds and runs the job; rank 0
+    prepares the run dir and writes config.json. Errors are reported on every rank."""
+    job_class = type(invocation.config)._owner
+    if invocation.nproc is not None:
+        raise ValueError("--nproc starts torchrun; under torchrun the ranks are torchrun's")
+    if not getattr(job_class, "runs_on_ranks", False):
+        raise ValueError(f"{job_class.__qualname__} runs in one process only (no --nproc/torchrun)")
+    rank = launch.init_from_env(device_type="cpu")  # the RL job trains on CPU (gloo)
+    try:
+        ranks = Ranks.of_default_group()
+        run_dir = ranks.broadcast(invocation.run_dir)
+
+        def prepare() -> None:
+            if not invocation.resume:
+                config_cli.prepare_run_dir(run_dir)
+                config_path = run_dir / "config.json"
+                serialize.save_config(config_path, invocation.config, recipe=invocation.recipe)
+
+        ranks.on_writer(prepare)
+        job = invocation.config.build()
+        if invocation.resume:
+            job.run(run_dir=run_dir, resume=True)
+        else:
+            job.run(run_dir=run_dir)
+        del job
+    except (ValueError, FileNotFoundError) as error:
+        print(f"temper train: error (rank {rank.rank}): {error}", file=sys.stderr)
+        return 1
+    finally:
+        launch.shutdown()
     return 0
 
 

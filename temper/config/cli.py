@@ -32,8 +32,8 @@ from temper.config.configurable import Configurable
 TRAIN_USAGE = """\
 Train from a recipe's config; the options below override its fields.
 
-  temper train [RECIPE] [--config-file PATH] [--run-dir DIR] [--FIELD VALUE ...]
-  temper train --resume RUN_DIR
+  temper train [RECIPE] [--config-file PATH] [--run-dir DIR] [--nproc N] [--FIELD VALUE ...]
+  temper train --resume RUN_DIR [--nproc N]
 
   RECIPE              a name from `temper recipes`, module:function or path/to/file.py:function
                       (default: the recipe marked default)
@@ -41,13 +41,16 @@ Train from a recipe's config; the options below override its fields.
   --run-dir DIR       where the run writes (default: runs/<recipe>-<YYYYmmdd-HHMMSS>);
                       must not exist or be empty
   --resume RUN_DIR    continue a stopped run from its last checkpoint, with its config.json
-                      (no other options)"""
+                      (no other options but --nproc)
+  --nproc N           run on N processes of this machine (starts torchrun; see
+                      docs/distributed.md for several machines)"""
 
-_TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume")
+_TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume", "--nproc")
 
 
 class Job(Protocol):
-    """What a root config builds: something that runs into a run directory."""
+    """What a root config builds: something that runs into a run directory. A job that can run
+    on several ranks (under torchrun, `--nproc N`) says so with `runs_on_ranks = True`."""
 
     def run(self, *, run_dir: pathlib.Path) -> object: ...
 
@@ -64,6 +67,8 @@ class TrainInvocation:
     """Directory the run writes into; not created yet (unless resuming)."""
     resume: bool = False
     """Continue the run in `run_dir` from its last checkpoint."""
+    nproc: int | None = None
+    """Processes to start with torchrun (`--nproc`); None: run in this process."""
 
 
 def parse_train_argv(
@@ -77,8 +82,10 @@ def parse_train_argv(
     args = list(argv)
     recipe_arg = args.pop(0) if args and not args[0].startswith("-") else None
     options, overrides = _split_train_options(args)
+    nproc = _nproc(options.pop("--nproc", None))
     if "--resume" in options:
-        return _resume_invocation(options, recipe_arg=recipe_arg, overrides=overrides)
+        invocation = _resume_invocation(options, recipe_arg=recipe_arg, overrides=overrides)
+        return dataclasses.replace(invocation, nproc=nproc)
     config_file = options.get("--config-file")
     if config_file is not None:
         if recipe_arg is not None:
@@ -110,7 +117,29 @@ def parse_train_argv(
         recipe=recipe_name,
         config=config,
         run_dir=pathlib.Path(run_dir) if run_dir else default_run_dir(recipe_name),
+        nproc=nproc,
     )
+
+
+def _nproc(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--nproc {value}: give the number of processes, an int >= 1")
+    return int(value)
+
+
+def without_option(argv: Sequence[str], flag: str) -> list[str]:
+    """`argv` without a train option (`--nproc 2` or `--nproc=2`)."""
+    args, index = [], 0
+    while index < len(argv):
+        if argv[index] == flag:
+            index += 2
+            continue
+        if not argv[index].startswith(f"{flag}="):
+            args.append(argv[index])
+        index += 1
+    return args
 
 
 def _resume_invocation(

@@ -1,8 +1,10 @@
-"""Joining a torchrun job: the process group from torchrun's environment, and leaving it.
+"""Starting and joining a torchrun job: the process group from torchrun's environment, leaving
+it, and starting torchrun for `temper train --nproc N`.
 
 torchrun (`python -m torch.distributed.run`) starts one process per rank and sets RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; those are the only environment variables
-read here. The backend follows the device: NCCL with CUDA (each rank on GPU LOCAL_RANK), gloo
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; with OMP_NUM_THREADS and OMP_WAIT_POLICY
+(set for the ranks, see `torchrun_environment`) those are the only environment variables read
+in Temper. The backend follows the device: NCCL with CUDA (each rank on GPU LOCAL_RANK), gloo
 on CPU.
 """
 
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +68,34 @@ def shutdown() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def torchrun_command(*, nproc: int, args: Sequence[str]) -> list[str]:
+    """`python -m torch.distributed.run --standalone --nproc-per-node N -m temper ARGS`: N ranks
+    on this machine, on a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "temper",
+        *args,
+    ]
+
+
+def torchrun_environment(*, nproc: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ranks' environment: OpenMP threads that do not spin (with several processes on few
+    cores, spinning threads make small ops up to 190x slower, DESIGN.md 7) and the cores shared
+    out among the ranks, unless the caller set either already."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def run_under_torchrun(*, nproc: int, args: Sequence[str]) -> int:
+    """Run `temper ARGS` on `nproc` ranks of this machine; returns torchrun's exit code."""
+    command = torchrun_command(nproc=nproc, args=args)
+    return subprocess.run(command, env=torchrun_environment(nproc=nproc), check=False).returncode

@@ -27,7 +27,7 @@ import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from rich.console import Console
 
@@ -139,6 +139,9 @@ class RLJob(Configurable):
 
         def __post_init__(self) -> None:
             _check_config(self)
+
+    runs_on_ranks: ClassVar[bool] = True
+    """`temper train` may run this job on several ranks (torchrun, `--nproc`)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config

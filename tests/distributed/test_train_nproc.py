@@ -1,0 +1,71 @@
+"""`temper train RECIPE --nproc 2` starts torchrun, runs the RL recipe on two ranks, and only
+rank 0 writes and prints; bad --nproc values are usage errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from temper.cli import main
+from temper.config.cli import without_option
+from temper.distributed.launch import torchrun_command, torchrun_environment
+from temper.observability import read_metrics
+
+
+def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
+    argv += ["--metrics.display", "none", "--warmup.steps", "4", "--steps", "2"]
+    argv += ["--eval_problems", "8"]
+    assert main(argv) == 0
+    out = capfd.readouterr().out
+    assert out.count("SFT warm-up: 4 steps") == 1  # rank 1 prints nothing
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(6))
+    assert json.loads((run_dir / "config.json").read_text())["recipe"] == "arithmetic_smoke"
+    (run_id,) = [path.name for path in (run_dir / "checkpoints").iterdir()]
+    assert (run_dir / "checkpoints" / run_id / "sampler_weights" / "final").is_dir()
+    assert (run_dir / "plots" / "reward.png").is_file()
+
+
+def test_train_nproc_rejects_bad_values(tmp_path, capsys):
+    for value in ("0", "two"):
+        assert main(["train", "arithmetic_smoke", "--nproc", value]) == 2
+        assert "--nproc" in capsys.readouterr().err
+
+
+def test_a_one_process_job_is_refused_under_torchrun(monkeypatch, capsys):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    assert main(["train", "sum_digits_smoke"]) == 2  # an SFT job: no process group is joined
+    assert "runs in one process only" in capsys.readouterr().err
+
+
+def test_torchrun_command_and_environment():
+    assert without_option(["r", "--nproc", "2", "--x", "1", "--nproc=3"], "--nproc") == [
+        "r",
+        "--x",
+        "1",
+    ]
+    command = torchrun_command(nproc=4, args=["train", "r"])
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "temper",
+        "train",
+        "r",
+    ]
+    env = torchrun_environment(nproc=64, environ={})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    assert torchrun_environment(nproc=2, environ={"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize("argv", [["--resume", "x", "--nproc", "2", "--run-dir", "y"]])
+def test_resume_takes_nproc_but_no_other_option(argv, capsys):
+    assert main(["train", *argv]) == 2
+    assert "takes no other options" in capsys.readouterr().err
