@@ -128,7 +128,7 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
             use_cpu=True,
             report_to="none",
             save_strategy="no",
-            logging_steps=1,
+            logging_strategy="no",
             disable_tqdm=True,
             seed=0,
         )
@@ -140,6 +140,7 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
             train_dataset=dataset,
             callbacks=[StepTimer()],
         )
+        trainer.remove_callback(transformers.PrinterCallback)  # stdout is one JSON line
         generate_and_score = trainer._generate_and_score_completions
 
         def timed_generate_and_score(*args, **kwargs):
