@@ -305,7 +305,9 @@ def _metrics_logger(
     """Rank 0's logger writes and shows; the other ranks' log the same metrics silently."""
     console = None
     if not ranks.is_writer:
-        config = dataclasses.replace(config, display="none", jsonl=False, tensorboard=False)
+        config = dataclasses.replace(
+            config, display="none", jsonl=False, tensorboard=False, progress_keys=()
+        )
         console = Console(quiet=True)
     return MetricsLogger(
         config, run_dir=run_dir, total_steps=total_steps, description="GRPO", console=console
