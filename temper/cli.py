@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import pathlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,6 +85,8 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         invocation = config_cli.parse_train_argv(argv, prog="temper train", package=package)
         if launch.launched_by_torchrun():
             return _train_on_ranks(invocation)
+        if invocation.nproc is not None:
+            _check_runs_on_ranks(invocation)
         if not invocation.resume:
             config_cli.prepare_run_dir(invocation.run_dir)
     except SystemExit as exit_:
@@ -101,7 +104,10 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
                 "--run-dir",
                 str(invocation.run_dir),
             ]
-        return launch.run_under_torchrun(nproc=invocation.nproc, args=["train", *args])
+        code = launch.run_under_torchrun(nproc=invocation.nproc, args=["train", *args])
+        if code != 0 and not invocation.resume:
+            _remove_if_only_config(invocation.run_dir)
+        return code
     config_path = invocation.run_dir / "config.json"
     if invocation.resume:
         return _resume(invocation)
@@ -113,22 +119,32 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         # Bad input found while building (a missing model directory, an unknown size): say
         # so plainly, and do not leave behind a run directory that holds nothing but its config.
         print(f"temper train: error: {error}", file=sys.stderr)
-        if [path.name for path in invocation.run_dir.iterdir()] == [config_path.name]:
-            config_path.unlink()
-            invocation.run_dir.rmdir()
+        _remove_if_only_config(invocation.run_dir)
         return 1
     return 0
+
+
+def _remove_if_only_config(run_dir: pathlib.Path) -> None:
+    """Remove a run directory that a failed start left empty or holding only config.json."""
+    if run_dir.is_dir() and {path.name for path in run_dir.iterdir()} <= {"config.json"}:
+        (run_dir / "config.json").unlink(missing_ok=True)
+        run_dir.rmdir()
+
+
+def _check_runs_on_ranks(invocation: config_cli.TrainInvocation) -> None:
+    job_class = type(invocation.config)._owner
+    if not getattr(job_class, "runs_on_ranks", False):
+        raise ValueError(f"{job_class.__qualname__} runs in one process only (no --nproc/torchrun)")
 
 
 def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
     """`temper train` on one rank of a torchrun job: every rank builds and runs the job; rank 0
     prepares the run dir and writes config.json. Errors are reported on every rank."""
-    job_class = type(invocation.config)._owner
     if invocation.nproc is not None:
         raise ValueError("--nproc starts torchrun; under torchrun the ranks are torchrun's")
-    if not getattr(job_class, "runs_on_ranks", False):
-        raise ValueError(f"{job_class.__qualname__} runs in one process only (no --nproc/torchrun)")
+    _check_runs_on_ranks(invocation)
     rank = launch.init_from_env(device_type="cpu")  # the RL job trains on CPU (gloo)
+    prepared = False
     try:
         ranks = Ranks.of_default_group()
         run_dir = ranks.broadcast(invocation.run_dir)
@@ -140,6 +156,7 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
                 serialize.save_config(config_path, invocation.config, recipe=invocation.recipe)
 
         ranks.on_writer(prepare)
+        prepared = not invocation.resume
         job = invocation.config.build()
         if invocation.resume:
             job.run(run_dir=run_dir, resume=True)
@@ -148,6 +165,8 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
         del job
     except (ValueError, FileNotFoundError) as error:
         print(f"temper train: error (rank {rank.rank}): {error}", file=sys.stderr)
+        if rank.rank == 0 and prepared:
+            _remove_if_only_config(run_dir)
         return 1
     finally:
         launch.shutdown()

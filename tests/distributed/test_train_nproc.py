@@ -28,6 +28,23 @@ def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     assert (run_dir / "plots" / "reward.png").is_file()
 
 
+def test_degrees_that_do_not_fit_nproc_fail_on_every_rank_and_leave_no_run_dir(tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
+    assert main([*argv, "--sharding.dims.dp_shard", "3"]) != 0
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        assert f"error (rank {rank}): ParallelDims: dp_replicate (1) x dp_shard (3)" in err
+    assert not run_dir.exists()
+
+
+def test_a_one_process_job_is_refused_with_nproc(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", "sum_digits_smoke", "--nproc", "2", "--run-dir", str(run_dir)]) == 2
+    assert "runs in one process only" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
 def test_train_nproc_rejects_bad_values(tmp_path, capsys):
     for value in ("0", "two"):
         assert main(["train", "arithmetic_smoke", "--nproc", value]) == 2
