@@ -33,6 +33,8 @@ def gsm8k_qwen3_0_6b() -> RLJob.Config:
     return RLJob.Config(
         base_model="models/Qwen3-0.6B",
         lora_rank=32,
+        device="cuda",
+        dtype="bfloat16",
         task=Math.Config(path=str(DATA_DIR / "gsm8k_sample.jsonl")),
         warmup=SFTWarmup.Config(steps=20, batch_size=16, learning_rate=1e-4, warmup_steps=5),
         steps=200,

@@ -143,7 +143,9 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
     if invocation.nproc is not None:
         raise ValueError("--nproc starts torchrun; under torchrun the ranks are torchrun's")
     _check_runs_on_ranks(invocation)
-    rank = launch.init_from_env(device_type="cpu")  # the RL job trains on CPU (gloo)
+    # NCCL and one GPU per rank for a job on 'cuda', gloo on CPU.
+    device = getattr(invocation.config, "device", "cpu")
+    rank = launch.init_from_env(device_type="cuda" if device.startswith("cuda") else "cpu")
     prepared = False
     try:
         ranks = Ranks.of_default_group()

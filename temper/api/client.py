@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from temper.api.futures import APIFuture, Worker
 from temper.api.types import (
     AdamParams,
@@ -96,6 +98,11 @@ class ServiceClient:
         trainer: TrainerEngine.Config | None = None,
         sampler: SamplerEngine.Config | None = None,
     ) -> None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but this machine has no CUDA device (or torch was built "
+                "without CUDA); use device='cpu'"
+            )
         self.storage = CheckpointStorage(storage_dir)
         self.device = device
         self.dtype = dtype

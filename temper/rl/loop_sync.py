@@ -43,6 +43,7 @@ from temper.checkpoint.run_state import (
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.distributed.sharding import Sharding
+from temper.models.base_model import DType
 from temper.observability import MetricsLogger, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.advantages import AdvantageMode
@@ -74,6 +75,10 @@ class RLJob(Configurable):
         """Model directory, or a named size with a built-in vocabulary (e.g. 'tiny')."""
         lora_rank: int | None = None
         """LoRA rank; None trains every parameter."""
+        device: str = "cpu"
+        """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's GPU)."""
+        dtype: DType = "float32"
+        """Parameter dtype of the model ('bfloat16' on GPUs)."""
         task: TaskConfig = field(default_factory=SumDigits.Config)
         """The task problems and rewards come from."""
         warmup: SFTWarmup.Config = field(default_factory=SFTWarmup.Config)
@@ -155,7 +160,11 @@ class RLJob(Configurable):
         if ranks.world_size > 1:
             trainer = TrainerEngine.Config(sharding=config.sharding)
         service = ServiceClient(
-            storage_dir=run_dir / "checkpoints", sampler=config.sampler, trainer=trainer
+            storage_dir=run_dir / "checkpoints",
+            device=config.device,
+            dtype=config.dtype,
+            sampler=config.sampler,
+            trainer=trainer,
         )
         state = load_run_state(run_dir) if resume else None
         if state is None:
