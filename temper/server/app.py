@@ -19,7 +19,7 @@ from tinker import types as tinker_types
 from temper.server.errors import USER_ERRORS, RequestError, error_body
 from temper.server.responses import json_response
 from temper.server.runs_routes import runs_router
-from temper.server.sampling_routes import sampling_router
+from temper.server.sampling_routes import hot_routes, sampling_router
 from temper.server.security import key_checker
 from temper.server.server import Session, TemperServer
 from temper.server.storage import new_session_id
@@ -50,6 +50,8 @@ def create_app(server: TemperServer) -> FastAPI:
     app.include_router(training_router(server))
     app.include_router(sampling_router(server))
     app.include_router(runs_router(server))
+    # First in line: matched before any router, with the app's exception handlers around them.
+    app.router.routes[:0] = hot_routes(server)
     return app
 
 

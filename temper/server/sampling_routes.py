@@ -2,20 +2,24 @@
 
 A sampling session is a handle on one backend sampling client. Sessions on the base model
 share one client, as do sessions on the same sampler checkpoint; each
-`save_weights_and_get_sampling_client` makes its own (see training_routes). Concurrent
-samples on one client decode together in one batch (the backend batches them).
+`save_weights_and_get_sampling_client` makes its own (see training_routes). Samples on one
+client that arrive together are started together (`SampleCoalescer`), and the backend
+decodes them as one batch. `asample` and `retrieve_future` are lean routes (lean.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Response
+from starlette.routing import Route
 from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
 from temper.server import wire
 from temper.server.errors import BadRequest
+from temper.server.lean import lean_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
 from temper.server.storage import new_sampling_session_id
@@ -23,32 +27,47 @@ from temper.server.validation import check_prompt
 
 
 class SampleCoalescer:
-    """Holds sample submissions for a few milliseconds, then starts them back to back.
+    """Holds sample submissions until a quiet gap, then starts them back to back.
 
-    The SDK sends an RL batch's samples as separate HTTP requests; started as they arrive, the
-    first would decode alone while the rest queue behind it. Started together, the backend
-    batches them into one decode.
+    The SDK sends an RL batch's samples as separate HTTP requests, which reach the route one
+    after another as the event loop parses them. Started as they arrive, the first would
+    decode alone while the rest queue behind it. Each arrival for a client pushes its flush
+    back to `window_s` after itself (but never past `max_hold_s` after the first), so a burst
+    is started together and the backend batches it into one decode.
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, *, max_hold_s: float) -> None:
         self.window_s = window_s
-        self._pending: dict[int, list] = {}
+        self.max_hold_s = max_hold_s
+        self._pending: dict[int, _Burst] = {}
 
     def add(self, client: object, start) -> None:
         key = id(client)
-        if key not in self._pending:
-            self._pending[key] = []
-            asyncio.get_running_loop().call_later(self.window_s, self._flush, key)
-        self._pending[key].append(start)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        burst = self._pending.get(key)
+        if burst is None:
+            burst = self._pending[key] = _Burst(deadline=now + self.max_hold_s)
+        else:
+            burst.timer.cancel()
+        burst.starts.append(start)
+        flush_at = min(now + self.window_s, burst.deadline)
+        burst.timer = loop.call_at(flush_at, self._flush, key)
 
     def _flush(self, key: int) -> None:
-        for start in self._pending.pop(key):
+        for start in self._pending.pop(key).starts:
             start()
+
+
+@dataclass
+class _Burst:
+    deadline: float
+    starts: list = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
 
 
 def sampling_router(server: TemperServer) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
-    coalescer = SampleCoalescer(server.config.sample_window_s)
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(
@@ -96,7 +115,15 @@ def sampling_router(server: TemperServer) -> APIRouter:
             )
         )
 
-    @router.post("/asample")
+    return router
+
+
+def hot_routes(server: TemperServer) -> list[Route]:
+    """`asample` and `retrieve_future`: two per sample, so they run as lean routes (lean.py)."""
+    coalescer = SampleCoalescer(
+        server.config.sample_window_s, max_hold_s=server.config.sample_max_hold_s
+    )
+
     async def asample(body: tinker_types.SampleRequest) -> Response:
         if body.sampling_session_id is None:
             raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
@@ -139,7 +166,6 @@ def sampling_router(server: TemperServer) -> APIRouter:
         sequence_ids = [f"{request_id}-{index}" for index in range(call.num_samples)]
         return future_response(request_id, sample_sequence_ids=sequence_ids)
 
-    @router.post("/retrieve_future")
     async def retrieve_future(body: tinker_types.FutureRetrieveRequest) -> Response:
         answer = await server.scheduler.retrieve(
             body.request_id, timeout=server.config.poll_seconds
@@ -148,4 +174,13 @@ def sampling_router(server: TemperServer) -> APIRouter:
             return json_response(TryAgainResponse(request_id=body.request_id, queue_state="active"))
         return Response(answer.content, media_type=answer.media_type)
 
-    return router
+    api_key = server.config.api_key
+    return [
+        lean_post("/api/v1/asample", tinker_types.SampleRequest, asample, api_key=api_key),
+        lean_post(
+            "/api/v1/retrieve_future",
+            tinker_types.FutureRetrieveRequest,
+            retrieve_future,
+            api_key=api_key,
+        ),
+    ]

@@ -96,6 +96,8 @@ class Scheduler:
         entry = self._entries.get(request_id)
         if entry is None:
             raise NotFound(f"unknown or expired request id {request_id!r}")
+        if entry.task.done():
+            return entry.task.result()
         done, _ = await asyncio.wait({entry.task}, timeout=timeout)
         return entry.task.result() if done else None
 

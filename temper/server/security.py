@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from fastapi import Request
+from starlette.requests import Request
 
 from temper.server.errors import Unauthorized
 
@@ -44,10 +44,15 @@ def key_checker(api_key: str | None):
     """A FastAPI dependency that rejects requests without the configured key."""
 
     async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise Unauthorized("missing or wrong X-API-Key")
+        check_key(request, api_key)
 
     return check
+
+
+def check_key(request: Request, api_key: str | None) -> None:
+    """Raise Unauthorized unless `request` carries `api_key` (any request if it is None)."""
+    if api_key is None:
+        return
+    given = request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise Unauthorized("missing or wrong X-API-Key")

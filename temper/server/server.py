@@ -92,8 +92,10 @@ class TemperServer(Configurable):
         result_ttl_s: float = 900.0
         """How long a finished request's result stays retrievable."""
         sample_window_s: float = 0.005
-        """Samples for one sampler arriving within this window are submitted together, so
+        """Samples for one sampler arriving less than this apart are submitted together, so
         the backend decodes them as one batch (an RL step sends a group per prompt at once)."""
+        sample_max_hold_s: float = 0.05
+        """Longest a sample waits for more to batch with (a steady stream still starts)."""
         snapshots_per_model: int = 1
         """Ephemeral sampling sessions (save_weights_and_get_sampling_client) kept per training
         model; making one more expires the oldest (sampling on it then answers 404). Tinker
@@ -112,6 +114,11 @@ class TemperServer(Configurable):
                 raise ValueError(
                     "TemperServer.Config.snapshots_per_model must be >= 1, got "
                     f"{self.snapshots_per_model}"
+                )
+            if not 0 <= self.sample_window_s <= self.sample_max_hold_s:
+                raise ValueError(
+                    "TemperServer.Config.sample_window_s must be in [0, sample_max_hold_s "
+                    f"= {self.sample_max_hold_s}], got {self.sample_window_s}"
                 )
             if not 0 <= self.port <= 65535:
                 raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")

@@ -1,0 +1,66 @@
+"""SampleCoalescer: a burst of samples for one client starts together; nothing waits forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from temper.server.sampling_routes import SampleCoalescer
+from temper.server.server import TemperServer
+
+
+def run_burst(coalescer: SampleCoalescer, arrivals: list[tuple[object, str]], *, pause_s=0.0):
+    """Add `arrivals` (client, name) `pause_s` apart; returns the groups started together.
+
+    A flush runs its starts back to back in one callback, so starts before the next loop
+    iteration belong to one group.
+    """
+    groups: list[list[str]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+        open_group: list[list[str] | None] = [None]
+
+        def close_group() -> None:
+            open_group[0] = None
+
+        def start(name: str):
+            def run() -> None:
+                if open_group[0] is None:
+                    open_group[0] = []
+                    groups.append(open_group[0])
+                    loop.call_soon(close_group)
+                open_group[0].append(name)
+                if sum(map(len, groups)) == len(arrivals):
+                    done.set()
+
+            return run
+
+        for client, name in arrivals:
+            coalescer.add(client, start(name))
+            await asyncio.sleep(pause_s)
+        await asyncio.wait_for(done.wait(), timeout=30)
+
+    asyncio.run(main())
+    return groups
+
+
+def test_a_burst_on_one_client_starts_together_and_clients_are_separate():
+    coalescer = SampleCoalescer(0.2, max_hold_s=10.0)
+    one, two = object(), object()
+    groups = run_burst(coalescer, [(one, "a"), (two, "x"), (one, "b"), (one, "c")], pause_s=0.01)
+    assert sorted(map(sorted, groups)) == [["a", "b", "c"], ["x"]]
+
+
+def test_a_steady_stream_still_starts_after_the_longest_hold():
+    # Each arrival would push the flush back by a minute; the hold cap starts them anyway.
+    coalescer = SampleCoalescer(60.0, max_hold_s=0.05)
+    groups = run_burst(coalescer, [(coalescer, "a"), (coalescer, "b")])
+    assert sorted(name for group in groups for name in group) == ["a", "b"]
+
+
+def test_window_longer_than_the_hold_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="sample_window_s"):
+        TemperServer.Config(model=str(tmp_path), sample_window_s=0.1, sample_max_hold_s=0.05)
