@@ -3,14 +3,13 @@
 A sampling session is a handle on one backend sampling client. Sessions on the base model
 share one client, as do sessions on the same sampler checkpoint; each
 `save_weights_and_get_sampling_client` makes its own (see training_routes). Samples on one
-client that arrive together are started together (`SampleCoalescer`), and the backend
-decodes them as one batch. `asample` and `retrieve_future` are lean routes (lean.py).
+client that arrive together are started together (coalescer.py), and the backend decodes
+them as one batch. `asample` and `retrieve_future` are lean routes (lean.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Response
 from starlette.routing import Route
@@ -18,52 +17,13 @@ from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
 from temper.server import wire
+from temper.server.coalescer import SampleCoalescer
 from temper.server.errors import BadRequest
 from temper.server.lean import lean_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
 from temper.server.storage import new_sampling_session_id
 from temper.server.validation import check_prompt
-
-
-class SampleCoalescer:
-    """Holds sample submissions until a quiet gap, then starts them back to back.
-
-    The SDK sends an RL batch's samples as separate HTTP requests, which reach the route one
-    after another as the event loop parses them. Started as they arrive, the first would
-    decode alone while the rest queue behind it. Each arrival for a client pushes its flush
-    back to `window_s` after itself (but never past `max_hold_s` after the first), so a burst
-    is started together and the backend batches it into one decode.
-    """
-
-    def __init__(self, window_s: float, *, max_hold_s: float) -> None:
-        self.window_s = window_s
-        self.max_hold_s = max_hold_s
-        self._pending: dict[int, _Burst] = {}
-
-    def add(self, client: object, start) -> None:
-        key = id(client)
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        burst = self._pending.get(key)
-        if burst is None:
-            burst = self._pending[key] = _Burst(deadline=now + self.max_hold_s)
-        else:
-            burst.timer.cancel()
-        burst.starts.append(start)
-        flush_at = min(now + self.window_s, burst.deadline)
-        burst.timer = loop.call_at(flush_at, self._flush, key)
-
-    def _flush(self, key: int) -> None:
-        for start in self._pending.pop(key).starts:
-            start()
-
-
-@dataclass
-class _Burst:
-    deadline: float
-    starts: list = field(default_factory=list)
-    timer: asyncio.TimerHandle | None = None
 
 
 def sampling_router(server: TemperServer) -> APIRouter:
@@ -96,6 +56,7 @@ def sampling_router(server: TemperServer) -> APIRouter:
             client=client,
             base_model=base,
             model_path=model_path,
+            lineage=model_path or base,
         )
         server.add_sampling_session(body.session_id, sampling)
         return json_response(
@@ -155,7 +116,7 @@ def hot_routes(server: TemperServer) -> list[Route]:
             except Exception as error:  # becomes the request's failed future
                 started.set_exception(error)
 
-        coalescer.add(sampling.client, start)
+        coalescer.add(sampling.client, start, lineage=sampling.lineage)
         request_id = server.scheduler.submit(
             lambda: started,
             encode=lambda result: protobuf_answer(

@@ -58,6 +58,9 @@ class SamplingSession:
     client: SamplingBackend
     base_model: str
     model_path: str | None
+    lineage: str
+    """What its samples batch like: the training model of a snapshot, else the checkpoint
+    path or base model (the coalescer expects each burst of a lineage to match the last)."""
 
 
 @dataclass

@@ -195,6 +195,7 @@ def training_router(server: TemperServer) -> APIRouter:
                 client=client,
                 base_model=server.model_name,
                 model_path=None,
+                lineage=served.model_id,
             )
             server.add_sampling_session(served.session_id, sampling)
             served.snapshots.append(sampling.sampling_session_id)

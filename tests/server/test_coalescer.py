@@ -1,4 +1,5 @@
-"""SampleCoalescer: a burst of samples for one client starts together; nothing waits forever."""
+"""SampleCoalescer: a burst of samples for one client starts together; nothing waits forever;
+a burst the size of its lineage's last one starts at once."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from temper.server.sampling_routes import SampleCoalescer
+from temper.server.coalescer import SampleCoalescer
 from temper.server.server import TemperServer
 
 
@@ -39,7 +40,7 @@ def run_burst(coalescer: SampleCoalescer, arrivals: list[tuple[object, str]], *,
             return run
 
         for client, name in arrivals:
-            coalescer.add(client, start(name))
+            coalescer.add(client, start(name), lineage="policy")
             await asyncio.sleep(pause_s)
         await asyncio.wait_for(done.wait(), timeout=30)
 
@@ -59,6 +60,18 @@ def test_a_steady_stream_still_starts_after_the_longest_hold():
     coalescer = SampleCoalescer(60.0, max_hold_s=0.05)
     groups = run_burst(coalescer, [(coalescer, "a"), (coalescer, "b")])
     assert sorted(name for group in groups for name in group) == ["a", "b"]
+
+
+def test_a_burst_the_size_of_the_last_one_starts_without_waiting_and_growth_is_learned():
+    coalescer = SampleCoalescer(0.3, max_hold_s=10.0)
+    first, second, third = object(), object(), object()
+    assert run_burst(coalescer, [(first, name) for name in "abc"]) == [["a", "b", "c"]]
+    # Larger than expected: the first three start at once, the other two after the gap.
+    groups = run_burst(coalescer, [(second, name) for name in "abcde"], pause_s=0.01)
+    assert groups == [["a", "b", "c"], ["d", "e"]]
+    # Five is now expected: with a one-minute gap, only starting early finishes in time.
+    coalescer.window_s = 60.0
+    assert run_burst(coalescer, [(third, name) for name in "abcde"]) == [list("abcde")]
 
 
 def test_window_longer_than_the_hold_is_rejected(tmp_path):
