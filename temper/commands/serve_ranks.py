@@ -1,0 +1,157 @@
+"""`temper serve` on several ranks: `--nproc N` starts torchrun; under torchrun every rank
+builds the same sharded backend, rank 0 serves HTTP and the others replay its calls
+(temper/distributed/replay.py).
+
+Stopping: the command `temper serve --nproc N` starts torchrun in a session of its own with a
+pipe on its stdin and adds `--stop-on-stdin-eof` for rank 0. SIGINT/SIGTERM to the command
+closes the pipe (a second one terminates torchrun), and so does the command dying; rank 0 then
+stops the server, tells the other ranks to stop, and every rank leaves the process group and
+exits 0. (Signalling torchrun itself would end it with an error whatever the ranks do.) Under
+a bare `torchrun ... -m temper serve`, rank 0 stops on SIGINT/SIGTERM as usual; ranks > 0
+ignore both and stop on rank 0's word (or when rank 0's connection closes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from temper.config.cli import without_option
+from temper.distributed import launch
+
+NPROC = "--nproc"
+STOP_ON_STDIN_EOF = "--stop-on-stdin-eof"
+"""Added by `--nproc` for the ranks: rank 0 stops serving when its stdin closes."""
+
+
+def take_options(argv: Sequence[str]) -> tuple[int | None, bool, list[str]]:
+    """(--nproc N or None, --stop-on-stdin-eof given, the rest of argv for tyro)."""
+    args = list(argv)
+    stop_on_eof = STOP_ON_STDIN_EOF in args
+    args = [arg for arg in args if arg != STOP_ON_STDIN_EOF]
+    value = None
+    for index, arg in enumerate(args):
+        if arg == NPROC:
+            value = args[index + 1] if index + 1 < len(args) else ""
+        elif arg.startswith(f"{NPROC}="):
+            value = arg.partition("=")[2]
+    if value is not None and (not value.isdigit() or int(value) < 1):
+        raise ValueError(f"--nproc {value}: give the number of processes, an int >= 1")
+    nproc = None if value is None else int(value)
+    return nproc, stop_on_eof, without_option(args, NPROC)
+
+
+def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
+    """Run `temper serve ARGV` on `nproc` ranks of this machine; returns torchrun's exit code."""
+    args = ["serve", *without_option(list(argv), NPROC), STOP_ON_STDIN_EOF]
+    process = subprocess.Popen(
+        launch.torchrun_command(nproc=nproc, args=args),
+        env=launch.torchrun_environment(nproc=nproc),
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a terminal's Ctrl-C reaches this process only
+    )
+
+    def stop(signum: int, frame: object) -> None:
+        if not process.stdin.closed:
+            process.stdin.close()  # rank 0 stops serving; every rank exits cleanly
+        else:
+            process.terminate()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if not process.stdin.closed:
+            process.stdin.close()
+
+
+def serve_on_ranks(config, *, stop_on_stdin_eof: bool) -> int:
+    """One rank of `temper serve` under torchrun (every rank calls this)."""
+    from temper.api.client import ServiceClient
+    from temper.distributed.replay import ReplicatedService, follow, replay_ranks
+    from temper.distributed.sharding import Sharding
+    from temper.server.security import check_bind
+
+    if config.trainer.sharding is None:  # default: FSDP over every rank
+        trainer = dataclasses.replace(config.trainer, sharding=Sharding.Config())
+        config = dataclasses.replace(config, trainer=trainer)
+    on_cuda = config.device.startswith("cuda")
+    rank = launch.init_from_env(device_type="cuda" if on_cuda else "cpu")
+    ranks = replay_ranks()
+    service = backend = server = None
+    try:
+        error = None
+        try:
+            check_bind(config.host, config.api_key)
+            service = ServiceClient(
+                storage_dir=config.storage,
+                device=str(rank.device) if on_cuda else config.device,
+                dtype=config.dtype,
+                trainer=config.trainer,
+                sampler=config.sampler,
+            )
+            if ranks.is_writer:
+                backend = ReplicatedService(service, ranks=ranks)
+                server = config.build(backend=backend)
+        except (ValueError, FileNotFoundError) as caught:
+            error = f"{caught}"
+        errors = ranks.all_gather(error)
+        if any(errors):
+            if ranks.is_writer:
+                for index, message in enumerate(errors):
+                    if message is not None:
+                        print(f"temper serve: error (rank {index}): {message}", file=sys.stderr)
+            return 2
+        if not ranks.is_writer:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)  # rank 0 says when to stop
+            follow(service, ranks=ranks)
+            return 0
+        try:
+            _serve_http(server, ranks=ranks, stop_on_stdin_eof=stop_on_stdin_eof)
+        finally:
+            backend.stop()
+        return 0
+    finally:
+        del service, backend, server  # FSDP modules must go before the process group
+        launch.shutdown()
+
+
+def _serve_http(server, *, ranks, stop_on_stdin_eof: bool) -> None:
+    """Rank 0: the HTTP server, until SIGINT/SIGTERM (or stdin closes, if asked)."""
+    import uvicorn
+
+    from temper.server import create_app
+
+    config = server.config
+    print(
+        f"temper serve: {server.model_name} on http://{config.host}:{config.port} "
+        f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root}, "
+        f"{ranks.world_size} ranks)",
+        flush=True,
+    )
+    uvicorn_server = uvicorn.Server(
+        uvicorn.Config(create_app(server), host=config.host, port=config.port, log_level="warning")
+    )
+    if stop_on_stdin_eof:
+        threading.Thread(target=_stop_on_eof, args=(uvicorn_server,), daemon=True).start()
+    # uvicorn re-raises the signal that stopped it once it has shut down; with the default
+    # handlers that would kill rank 0 before it tells the other ranks to stop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
+    uvicorn_server.run()
+
+
+def _ignore(signum: int, frame: object) -> None:
+    pass
+
+
+def _stop_on_eof(uvicorn_server) -> None:
+    sys.stdin.buffer.read()
+    uvicorn_server.should_exit = True
