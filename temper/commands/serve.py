@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -29,6 +30,7 @@ def serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from temper.checkpoint.hf import read_hf_config
     from temper.commands import serve_ranks
     from temper.distributed import launch
 
@@ -47,11 +49,19 @@ def serve(argv: Sequence[str]) -> int:
         print(f"temper serve: error: {error}", file=sys.stderr)
         return 2
     if launch.launched_by_torchrun():
+        if nproc is not None:
+            print(
+                "temper serve: error: --nproc starts torchrun; under torchrun the ranks are "
+                "torchrun's",
+                file=sys.stderr,
+            )
+            return 2
         return serve_ranks.serve_on_ranks(config, stop_on_stdin_eof=stop_on_stdin_eof)
     if nproc is not None:
-        try:
+        try:  # refuse what every rank would refuse before starting them
             check_bind(config.host, config.api_key)
-        except ValueError as error:
+            read_hf_config(Path(config.model).expanduser())
+        except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
             return 2
         return serve_ranks.start_ranks(argv, nproc=nproc)

@@ -189,3 +189,15 @@ def test_serve_nproc_2_through_the_sdk_matches_one_process(model_dir, tmp_path):
     _assert_close(replayed, reference)
     assert replayed["restored"] == pytest.approx(replayed["saved"], rel=1e-6)
     assert replayed["saved"] == pytest.approx(reference["saved"], rel=1e-4)
+
+
+def test_serve_nproc_refuses_bad_values_and_a_missing_model_before_starting(tmp_path, capsys):
+    from temper.cli import main
+
+    for value in ("0", "two"):
+        assert main(["serve", "--model", str(tmp_path), "--nproc", value]) == 2
+        assert f"--nproc {value}" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--nproc", "2"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--nproc", "2", "--host", "0.0.0.0"]) == 2
+    assert "requires --api-key" in capsys.readouterr().err
