@@ -18,6 +18,7 @@ import pytest
 
 from temper import api
 from temper.api import AdamParams, Datum, ModelInput
+from temper.api.backend import ServiceBackend, TrainingBackend
 from temper.api.client import ServiceClient
 from temper.distributed.replay import ReplicatedService, follow, replay_ranks
 from temper.distributed.sharding import Sharding
@@ -80,6 +81,9 @@ def _backend_on_ranks(rank: int, storage: Path) -> dict:
     training = backend.create_lora_training_client("tiny", rank=4, seed=1, run_id="replayed")
     tokenizer = training.get_tokenizer()
     result = {"replayed": _train(training, tokenizer, module=api)}
+    result["protocols"] = isinstance(backend, ServiceBackend) and isinstance(
+        training, TrainingBackend
+    )
     data = _data(tokenizer, module=api)
     before = training.forward(data, "cross_entropy").result().metrics
     bad = [*data[:-1], Datum(model_input=ModelInput.from_ints([1, 999]), loss_fn_inputs={})]
@@ -118,6 +122,7 @@ def _assert_close(replayed: dict, reference: dict) -> None:
 
 def test_replicated_backend_on_two_ranks_trains_like_one_process(tmp_path):
     result, _ = spawn(_backend_on_ranks, world_size=2, out_dir=tmp_path, args=(tmp_path,))
+    assert result["protocols"]  # the server's backend seam
     _assert_close(result["replayed"], result["one_process"])
     assert result["bad_datum"].startswith("rank 1 rejected the request:")
     assert "999" in result["bad_datum"]
