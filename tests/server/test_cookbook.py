@@ -88,7 +88,13 @@ def chat_server(chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def run_recipe(module: str, *, server: ServerProcess, cwd: Path, args: dict[str, object]):
-    """Run a cookbook recipe module against `server` with no network; returns its output."""
+    """Run a cookbook recipe module (chz arguments) against `server` with no network."""
+    arguments = [f"base_url={server.base_url}", *(f"{key}={value}" for key, value in args.items())]
+    return run_cookbook(["-m", module, *arguments], server=server, cwd=cwd)
+
+
+def run_cookbook(arguments: list[str], *, server: ServerProcess, cwd: Path) -> str:
+    """Run `python ARGUMENTS` with the SDK pointed at `server` and no network; its output."""
     no_proxy = "127.0.0.1,localhost"
     env = {
         **os.environ,
@@ -99,14 +105,27 @@ def run_recipe(module: str, *, server: ServerProcess, cwd: Path, args: dict[str,
         **{name: NO_NETWORK for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")},
         **{name: no_proxy for name in ("NO_PROXY", "no_proxy")},
     }
-    command = [sys.executable, "-m", module, f"base_url={server.base_url}"]
-    command += [f"{key}={value}" for key, value in args.items()]
     result = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, *arguments],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{module} failed:\n{output[-6000:]}"
+    assert result.returncode == 0, f"{arguments[:2]} failed:\n{output[-6000:]}"
     return output
+
+
+def assert_checkpoints_on_server(log_path: Path, server: ServerProcess, names: list[str]) -> None:
+    """The cookbook's checkpoints are the server's: state and sampler weights in --storage."""
+    rows = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
+    assert [row["name"] for row in rows] == names
+    for row in rows:
+        for key in ("state_path", "sampler_path"):
+            assert (server.storage / row[key].removeprefix("tinker://")).is_dir(), row[key]
 
 
 def test_chat_sl_recipe_trains_offline_and_its_loss_goes_down(
@@ -139,12 +158,46 @@ def test_chat_sl_recipe_trains_offline_and_its_loss_goes_down(
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.5, losses
 
-    # The cookbook's checkpoints are the server's: state and sampler weights under --storage.
-    checkpoints = [
-        json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()
-    ]
-    assert [row["name"] for row in checkpoints] == ["000005", "final"]
-    for row in checkpoints:
-        for key in ("state_path", "sampler_path"):
-            relative = row[key].removeprefix("tinker://")
-            assert (chat_server.storage / relative).is_dir(), row[key]
+    assert_checkpoints_on_server(log_path, chat_server, ["000005", "final"])
+
+
+# math_rl's arithmetic environment on the cookbook's RL loop (`rl.train.main`, what the math_rl
+# recipe runs). The recipe module itself also imports its other environments' graders
+# (sympy, pylatexenc, math-verify), so the test drives the loop the way the recipe does.
+RL_DRIVER = """
+import asyncio, sys
+from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+from tinker_cookbook.rl.train import Config, main
+
+model, base_url, log_path = sys.argv[1:]
+dataset = ArithmeticDatasetBuilder(
+    batch_size=4, group_size=4, n_batches=3, include_fewshot=True,
+    model_name_for_tokenizer=model, renderer_name="role_colon",
+)
+asyncio.run(main(Config(
+    model_name=model, renderer_name="role_colon", recipe_name="math_rl_arithmetic",
+    dataset_builder=dataset, base_url=base_url, log_path=log_path,
+    learning_rate=1e-3, lora_rank=8, max_tokens=5, loss_fn="importance_sampling",
+    eval_every=0, save_every=2, max_steps=3,
+)))
+"""
+
+
+def test_cookbook_rl_loop_on_arithmetic_runs_offline(chat_server, chat_model_dir, tmp_path):
+    driver = tmp_path / "math_rl_arithmetic.py"
+    driver.write_text(RL_DRIVER)
+    log_path = tmp_path / "math_rl"
+    run_cookbook(
+        [str(driver), str(chat_model_dir), chat_server.base_url, str(log_path)],
+        server=chat_server,
+        cwd=tmp_path,
+    )
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "env/all/total_episodes" in row]  # (last: token totals)
+    assert [row["step"] for row in steps] == [0, 1, 2]
+    for row in steps:
+        assert row["env/all/total_episodes"] == 16  # 4 groups of 4 samples
+        assert 0 < row["tokens/sampled"] <= 16 * 5  # max_tokens 5; a stop string ends some
+        # The server's sampled logprobs are the trainer's: no sampler/trainer mismatch.
+        assert abs(row["optim/kl_sample_train_v1"]) < 1e-3
+    assert_checkpoints_on_server(log_path, chat_server, ["000002", "final"])
