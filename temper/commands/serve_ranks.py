@@ -19,9 +19,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from temper.config.cli import without_option
 from temper.distributed import launch
+from temper.distributed.ranks import Ranks
+
+if TYPE_CHECKING:  # the server extra is imported only when serving
+    from temper.server import TemperServer
 
 NPROC = "--nproc"
 STOP_ON_STDIN_EOF = "--stop-on-stdin-eof"
@@ -71,7 +76,7 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
             process.stdin.close()
 
 
-def serve_on_ranks(config, *, stop_on_stdin_eof: bool) -> int:
+def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this)."""
     from temper.api.client import ServiceClient
     from temper.distributed.replay import ReplicatedService, follow, replay_ranks
@@ -123,7 +128,7 @@ def serve_on_ranks(config, *, stop_on_stdin_eof: bool) -> int:
         launch.shutdown()
 
 
-def _serve_http(server, *, ranks, stop_on_stdin_eof: bool) -> None:
+def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) -> None:
     """Rank 0: the HTTP server, until SIGINT/SIGTERM (or stdin closes, if asked)."""
     import uvicorn
 
@@ -152,6 +157,6 @@ def _ignore(signum: int, frame: object) -> None:
     pass
 
 
-def _stop_on_eof(uvicorn_server) -> None:
+def _stop_on_eof(uvicorn_server: Any) -> None:
     sys.stdin.buffer.read()
     uvicorn_server.should_exit = True
