@@ -222,5 +222,5 @@ def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="device='cuda'.*no CUDA device"):
+    with pytest.raises(ValueError, match=r"device='cuda'.*no CUDA device"):
         ServiceClient(storage_dir=tmp_path, device="cuda")

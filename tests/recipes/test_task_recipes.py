@@ -100,7 +100,7 @@ def test_malformed_dataset_stops_the_run_before_training(tmp_path, capsys):
 
 def test_missing_model_directory_fails_clearly(tmp_path, capsys):
     model_dir = tmp_path / "models" / "Qwen3-0.6B"
-    argv = ["train", "gsm8k_qwen3_0_6b", "--run-dir", str(tmp_path / "run")]
+    argv = ["train", "gsm8k_qwen3_0_6b", "--run-dir", str(tmp_path / "run"), "--device", "cpu"]
     assert main([*argv, "--base_model", str(model_dir)]) == 1
     err = capsys.readouterr().err
     assert str(model_dir) in err and "neither a model directory" in err
