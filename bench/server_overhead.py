@@ -7,7 +7,10 @@ the same length), group-relative advantages from a toy reward, then one `importa
 forward_backward and an AdamW optim_step on all completions. Both sides use the same tiny
 model directory (LoRA rank 16) and run in this one invocation, alternating step by step so
 that machine noise hits both alike; the server runs in a subprocess on a free port.
-Prints one JSON line: median seconds per step on each side, and server / in-process.
+Prints one JSON line: median seconds per step on each side, and server / in-process; also
+the mean CPU seconds per step: of this process on the in-process side (the compute), and of
+the server process and of this process (the SDK's HTTP work) on the server side (Linux only;
+/proc counts in 10 ms ticks, hence means over all steps).
 
     OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10]
 """
@@ -76,6 +79,15 @@ def rl_step(
     return sum(rewards) / len(rewards)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc), NaN elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -125,8 +137,10 @@ def main() -> None:
         )
         sides = {"in_process": (local, temper_types), "server": (remote, tinker_types)}
         times: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {"in_process": [], "server": [], "sdk": []}
         for step in range(args.steps + 1):  # step 0 warms up both sides
             for name, (training, types) in sides.items():
+                own_cpu, server_cpu = time.process_time(), process_cpu_s(process.pid)
                 start = time.perf_counter()
                 rl_step(
                     training,
@@ -136,8 +150,14 @@ def main() -> None:
                     max_tokens=args.max_tokens,
                     seed=step,
                 )
-                if step:
-                    times[name].append(time.perf_counter() - start)
+                if not step:
+                    continue
+                times[name].append(time.perf_counter() - start)
+                if name == "server":
+                    cpu["server"].append(process_cpu_s(process.pid) - server_cpu)
+                    cpu["sdk"].append(time.process_time() - own_cpu)
+                else:
+                    cpu["in_process"].append(time.process_time() - own_cpu)
         service.close("success").result()
     finally:
         process.terminate()
@@ -154,6 +174,7 @@ def main() -> None:
                 "server_s": round(server, 4),
                 "ratio": round(server / in_process, 3),
                 "overhead_pct": round(100 * (server / in_process - 1), 1),
+                **{f"cpu_{name}_s": round(statistics.mean(v), 4) for name, v in cpu.items()},
             }
         )
     )
