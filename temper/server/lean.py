@@ -1,11 +1,12 @@
 """POST routes without FastAPI's per-request machinery, for the requests an RL step repeats.
 
 An RL step sends two requests per sample (`asample`, then `retrieve_future` for its result),
-so those dominate the server's HTTP work. As plain Starlette routes they cost about half the
-server CPU of a FastAPI route (no dependency solving, no second validation pass), and the
-SDK waits on them. Each still parses its body with the SDK's own pydantic model and checks
-the API key itself (FastAPI's app-wide dependency does not run for them); errors raised in
-the handler go through the app's exception handlers like any other route's.
+so those dominate the server's HTTP work. As plain Starlette routes they cost about a third
+of the server CPU of a FastAPI route (0.14 vs 0.39 ms per request with uvloop + httptools: no
+dependency solving, no second validation pass), and the SDK waits on them. Each still parses
+its body with the SDK's own pydantic model and checks the API key itself (FastAPI's app-wide
+dependency does not run for them); errors raised in the handler go through the app's
+exception handlers like any other route's.
 """
 
 from __future__ import annotations
