@@ -75,12 +75,13 @@ class Sharding(Configurable):
 
     def sum_over_dp(self, value: float) -> float:
         """Sum a per-rank number (e.g. a loss sum) over the data-parallel ranks."""
-        total = torch.tensor([value], dtype=torch.float64)
+        # On the mesh's device: NCCL reduces only CUDA tensors (the current device's).
+        total = torch.tensor([value], dtype=torch.float64, device=self.dp_mesh.device_type)
         dist.all_reduce(total, group=self.dp_mesh.get_group())
         return float(total.item())
 
     def max_over_ranks(self, value: int) -> int:
-        result = torch.tensor([value], dtype=torch.int64)
+        result = torch.tensor([value], dtype=torch.int64, device=self.dp_mesh.device_type)
         dist.all_reduce(result, op=dist.ReduceOp.MAX)
         return int(result.item())
 
