@@ -32,15 +32,13 @@ from typing import Any
 import torch
 
 from temper.api.futures import APIFuture, Worker
+from temper.api.sampling_client import SamplingClient
 from temper.api.types import (
     AdamParams,
     Datum,
     ForwardBackwardOutput,
     LoadWeightsResponse,
-    ModelInput,
     OptimStepResponse,
-    SampleResponse,
-    SamplingParams,
     SaveWeightsResponse,
 )
 from temper.api.weights import (
@@ -56,7 +54,6 @@ from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_n
 from temper.distributed.ranks import Ranks
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.requests import SampleRequest
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 from temper.trainer.lora import LoraConfig
 
@@ -478,84 +475,3 @@ class TrainingClient:
         engine = self.service.sampler_config.build(model=copy, tokenizer=self.tokenizer)
         engine.update_weights(model.state_dict(), version=self.engine.policy_version)
         return engine
-
-
-class SamplingClient:
-    def __init__(
-        self,
-        *,
-        engine: SamplerEngine,
-        worker: Worker,
-        tokenizer: Any,
-        owner: tuple[TrainingClient, int] | None,
-    ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self._worker = worker
-        self._owner = owner
-        # True while `engine` is the training client's own sampler (maybe on its tensors).
-        self._shared = owner is not None
-
-    def sample(
-        self,
-        prompt: ModelInput,
-        num_samples: int = 1,
-        sampling_params: SamplingParams | None = None,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-    ) -> APIFuture[SampleResponse]:
-        if not isinstance(prompt, ModelInput):
-            raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
-        request = SampleRequest(
-            prompt=prompt.to_ints(),
-            params=sampling_params or SamplingParams(),
-            num_samples=num_samples,
-            prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-        )
-        # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
-        return self._worker.submit_batched(self, request, self._generate)
-
-    def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
-        """Logprob of each prompt token given the ones before it (None for the first)."""
-        if not isinstance(prompt, ModelInput):
-            raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
-        return self._worker.submit(self._compute_logprobs, prompt.to_ints())
-
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    @property
-    def version(self) -> int:
-        return self.engine.version if self._owner is None else self._owner[1]
-
-    async def sample_async(self, *args: Any, **kwargs: Any) -> APIFuture[SampleResponse]:
-        return self.sample(*args, **kwargs)
-
-    async def compute_logprobs_async(self, *args: Any, **kwargs: Any) -> APIFuture:
-        return self.compute_logprobs(*args, **kwargs)
-
-    def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        with self._reading() as engine:
-            return engine.generate(requests)
-
-    def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
-        if len(tokens) < 2:
-            return [None] * len(tokens)
-        with self._reading() as engine:
-            return [None, *engine.score([tokens])[0].tolist()]
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[SamplerEngine]:
-        """The engine to use; weights shared with a trainer are held against changes."""
-        if not self._shared:  # a detached client never shares again
-            yield self.engine
-            return
-        with self._owner[0]._weights_lock:
-            yield self.engine
-
-    def _detach(self, engine: SamplerEngine) -> None:
-        """Serve the same version from `engine` from now on (under the owner's lock)."""
-        self.engine, self._shared = engine, False

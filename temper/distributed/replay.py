@@ -33,8 +33,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from temper.api.client import SamplingClient, ServiceClient, TrainingClient
+from temper.api.client import ServiceClient, TrainingClient
 from temper.api.futures import APIFuture, Worker
+from temper.api.sampling_client import SamplingClient
 from temper.api.types import (
     AdamParams,
     Datum,
