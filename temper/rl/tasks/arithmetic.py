@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from temper.config.configurable import Configurable
-from temper.rl.tasks.problem import Problem, Split, check_heldout_percent, draw_from_split
+from temper.rl.tasks.problem import GeneratedTask, Problem, check_heldout_percent, check_range
 
 Operation = Literal["add", "sub", "mul"]
 
@@ -25,7 +25,7 @@ _OPERATIONS: MappingProxyType[str, tuple[str, Callable[[int, int], int]]] = Mapp
 )
 
 
-class Arithmetic(Configurable):
+class Arithmetic(GeneratedTask, Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         ops: tuple[Operation, ...] = ("add", "sub", "mul")
@@ -49,25 +49,15 @@ class Arithmetic(Configurable):
                     f"Arithmetic.Config.ops: unknown operation {unknown[0]!r}; "
                     f"valid: {list(_OPERATIONS)}"
                 )
-            if not 1 <= self.min_digits <= self.max_digits:
-                raise ValueError(
-                    "Arithmetic.Config needs 1 <= min_digits <= max_digits, got "
-                    f"min_digits={self.min_digits}, max_digits={self.max_digits}"
-                )
+            check_range(
+                "Arithmetic.Config",
+                low=("min_digits", self.min_digits),
+                high=("max_digits", self.max_digits),
+            )
             check_heldout_percent("Arithmetic.Config", self.heldout_percent)
 
     def __init__(self, config: Config) -> None:
         self.config = config
-
-    def sample(self, rng: random.Random, *, split: Split) -> Problem:
-        """One random problem from `split`."""
-        return draw_from_split(
-            self._draw,
-            rng,
-            split=split,
-            heldout_percent=self.config.heldout_percent,
-            owner="Arithmetic",
-        )
 
     def _draw(self, rng: random.Random) -> Problem:
         symbol, apply = _OPERATIONS[rng.choice(self.config.ops)]
@@ -78,7 +68,3 @@ class Arithmetic(Configurable):
         num_digits = rng.randint(self.config.min_digits, self.config.max_digits)
         low = 0 if num_digits == 1 else 10 ** (num_digits - 1)
         return rng.randint(low, 10**num_digits - 1)
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 for exactly the right answer (surrounding whitespace ignored), else 0.0."""
-        return 1.0 if completion.strip() == problem.answer else 0.0

@@ -12,7 +12,7 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Split = Literal["train", "heldout"]
 
@@ -33,6 +33,16 @@ def split_of(key: str, *, heldout_percent: int) -> Split:
     digest = hashlib.sha256(key.encode()).digest()
     heldout = int.from_bytes(digest[:4], "little") % 100 < heldout_percent
     return "heldout" if heldout else "train"
+
+
+def check_range(owner: str, *, low: tuple[str, int], high: tuple[str, int]) -> None:
+    """`1 <= low <= high` for a pair of config fields given as (name, value)."""
+    (low_name, low_value), (high_name, high_value) = low, high
+    if not 1 <= low_value <= high_value:
+        raise ValueError(
+            f"{owner} needs 1 <= {low_name} <= {high_name}, got "
+            f"{low_name}={low_value}, {high_name}={high_value}"
+        )
 
 
 def check_heldout_percent(owner: str, value: int) -> None:
@@ -58,3 +68,27 @@ def draw_from_split(
         f"{owner}: no {split!r} problem in {MAX_DRAWS} draws; the problem space is too small "
         f"for a {heldout_percent}% held-out split (allow more digits, characters or operations)"
     )
+
+
+class GeneratedTask:
+    """What tasks that generate their problems share: `sample` draws with the task's `_draw`
+    until a problem's prompt falls in the wanted split, and `reward` is exact match."""
+
+    config: Any
+
+    def _draw(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random, *, split: Split) -> Problem:
+        """One random problem from `split`."""
+        return draw_from_split(
+            self._draw,
+            rng,
+            split=split,
+            heldout_percent=self.config.heldout_percent,
+            owner=type(self).__name__,
+        )
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """1.0 for exactly the answer (surrounding whitespace ignored), else 0.0."""
+        return 1.0 if completion.strip() == problem.answer else 0.0

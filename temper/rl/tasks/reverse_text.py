@@ -12,13 +12,13 @@ import string
 from dataclasses import dataclass
 
 from temper.config.configurable import Configurable
-from temper.rl.tasks.problem import Problem, Split, check_heldout_percent, draw_from_split
+from temper.rl.tasks.problem import GeneratedTask, Problem, check_heldout_percent, check_range
 
 SEPARATOR = "="
 """Ends the string in a prompt; the answer follows it."""
 
 
-class ReverseText(Configurable):
+class ReverseText(GeneratedTask, Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         alphabet: str = string.ascii_lowercase
@@ -37,31 +37,17 @@ class ReverseText(Configurable):
                     "ReverseText.Config.alphabet must be distinct printable characters without "
                     f"whitespace or {SEPARATOR!r}, got {self.alphabet!r}"
                 )
-            if not 1 <= self.min_length <= self.max_length:
-                raise ValueError(
-                    "ReverseText.Config needs 1 <= min_length <= max_length, got "
-                    f"min_length={self.min_length}, max_length={self.max_length}"
-                )
+            check_range(
+                "ReverseText.Config",
+                low=("min_length", self.min_length),
+                high=("max_length", self.max_length),
+            )
             check_heldout_percent("ReverseText.Config", self.heldout_percent)
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def sample(self, rng: random.Random, *, split: Split) -> Problem:
-        """One random problem from `split`."""
-        return draw_from_split(
-            self._draw,
-            rng,
-            split=split,
-            heldout_percent=self.config.heldout_percent,
-            owner="ReverseText",
-        )
-
     def _draw(self, rng: random.Random) -> Problem:
         length = rng.randint(self.config.min_length, self.config.max_length)
         text = "".join(rng.choice(self.config.alphabet) for _ in range(length))
         return Problem(prompt=f"{text}{SEPARATOR}", answer=text[::-1])
-
-    def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 for exactly the reversed string (surrounding whitespace ignored), else 0.0."""
-        return 1.0 if completion.strip() == problem.answer else 0.0

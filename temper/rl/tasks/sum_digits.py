@@ -15,6 +15,7 @@ from temper.rl.tasks.problem import (
     Problem,
     Split,
     check_heldout_percent,
+    check_range,
     draw_from_split,
     split_of,
 )
@@ -33,11 +34,11 @@ class SumDigits(Configurable):
         """Share of all numbers (by hash) reserved for held-out evaluation, in percent."""
 
         def __post_init__(self) -> None:
-            if not 1 <= self.min_digits <= self.max_digits:
-                raise ValueError(
-                    "SumDigits.Config needs 1 <= min_digits <= max_digits, got "
-                    f"min_digits={self.min_digits}, max_digits={self.max_digits}"
-                )
+            check_range(
+                "SumDigits.Config",
+                low=("min_digits", self.min_digits),
+                high=("max_digits", self.max_digits),
+            )
             check_heldout_percent("SumDigits.Config", self.heldout_percent)
 
     def __init__(self, config: Config) -> None:
