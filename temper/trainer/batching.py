@@ -14,6 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from temper.api.types import Datum
+from temper.trainer.shared_prefix import (
+    Cluster,
+    PackedLayout,
+    cluster_prefixes,
+    pack,
+    packed_size,
+    worth_packing,
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,13 @@ class MicroBatch:
     targets_BT: torch.Tensor
     mask_BT: torch.Tensor
     """True at real (non-padding) positions."""
+    layout: PackedLayout | None = None
+    """Set when the datums run packed with shared prefixes (shared_prefix.py) instead of as
+    the padded rows above; tokens_BT/targets_BT/mask_BT are then empty."""
+
+    def flat_targets(self, device: torch.device) -> torch.Tensor:
+        """Every datum's target tokens concatenated in order: [N]."""
+        return torch.cat([d.inputs["target_tokens"] for d in self.datums]).to(device)
 
     def flat_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Each loss input concatenated over datums in order: [N]."""
@@ -114,10 +129,25 @@ def _checked_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tens
 
 
 def micro_batches(
-    datums: Sequence[PreparedDatum], *, max_tokens: int, pad_token_id: int = 0
+    datums: Sequence[PreparedDatum],
+    *,
+    max_tokens: int,
+    pad_token_id: int = 0,
+    share_prefixes: bool = False,
 ) -> Iterator[MicroBatch]:
     """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`; a
-    datum longer than the budget forms a batch of its own."""
+    datum longer than the budget forms a batch of its own.
+
+    With `share_prefixes`, when consecutive datums share prefixes enough to save positions
+    (GRPO groups), batches are packed layouts instead (see shared_prefix.py) and the budget
+    counts packed positions.
+    """
+    if share_prefixes and all("target_tokens" in d.inputs for d in datums):
+        lengths = [d.tokens_T.shape[0] for d in datums]
+        clusters = cluster_prefixes([d.tokens_T.tolist() for d in datums])
+        if worth_packing(clusters, lengths):
+            yield from _packed_batches(datums, clusters, lengths=lengths, max_tokens=max_tokens)
+            return
     group: list[PreparedDatum] = []
     longest = 0
     for datum in datums:
@@ -143,6 +173,56 @@ def _collate(group: list[PreparedDatum], *, pad_token_id: int) -> MicroBatch:
             targets_BT[row, :length] = datum.inputs["target_tokens"]
         mask_BT[row, :length] = True
     return MicroBatch(datums=group, tokens_BT=tokens_BT, targets_BT=targets_BT, mask_BT=mask_BT)
+
+
+def _packed_batches(
+    datums: Sequence[PreparedDatum],
+    clusters: Sequence[Cluster],
+    *,
+    lengths: Sequence[int],
+    max_tokens: int,
+) -> Iterator[MicroBatch]:
+    """Whole clusters per batch while the packed size fits the budget; a cluster too big for
+    it alone is split into chunks of members (each runs the prefix again)."""
+    group: list[Cluster] = []
+    for cluster in _fitting_chunks(clusters, lengths=lengths, max_tokens=max_tokens):
+        if group and packed_size([*group, cluster], lengths) > max_tokens:
+            yield _collate_packed(datums, group)
+            group = []
+        group.append(cluster)
+    if group:
+        yield _collate_packed(datums, group)
+
+
+def _fitting_chunks(
+    clusters: Sequence[Cluster], *, lengths: Sequence[int], max_tokens: int
+) -> Iterator[Cluster]:
+    for cluster in clusters:
+        chunk: list[int] = []
+        for member in cluster.members:
+            candidate = Cluster(members=[*chunk, member], prefix_len=cluster.prefix_len)
+            if chunk and packed_size([candidate], lengths) > max_tokens:
+                yield Cluster(members=chunk, prefix_len=cluster.prefix_len)
+                chunk = []
+            chunk.append(member)
+        yield Cluster(members=chunk, prefix_len=cluster.prefix_len)
+
+
+def _collate_packed(datums: Sequence[PreparedDatum], clusters: list[Cluster]) -> MicroBatch:
+    members = [m for c in clusters for m in c.members]
+    local = {member: row for row, member in enumerate(members)}
+    renumbered = [
+        Cluster(members=[local[m] for m in c.members], prefix_len=c.prefix_len) for c in clusters
+    ]
+    group = [datums[m] for m in members]
+    empty = torch.empty((0, 0), dtype=torch.long)
+    return MicroBatch(
+        datums=group,
+        tokens_BT=empty,
+        targets_BT=empty,
+        mask_BT=empty.bool(),
+        layout=pack([d.tokens_T for d in group], renumbered),
+    )
 
 
 def split_per_datum(values_N: torch.Tensor, datums: Sequence[PreparedDatum]) -> list[torch.Tensor]:

@@ -41,6 +41,7 @@ from temper.models.common.logprobs import forward_logprobs
 from temper.trainer.batching import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.lora import LoraConfig, apply_lora
 from temper.trainer.optim import AdamW
+from temper.trainer.shared_prefix import packed_logprobs
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 """Tinker's custom loss: (data, per-datum logprobs) -> (loss, metrics)."""
@@ -53,6 +54,10 @@ class TrainerEngine(Configurable):
         """Padded tokens per forward/backward; bigger calls are split (same gradient)."""
         sharding: Sharding.Config | None = None
         """Shard the model over the ranks of torch.distributed (torchrun); None: one process."""
+        share_prefixes: bool = True
+        """Run a prefix shared by consecutive datums (a GRPO group's prompt) once per batch
+        instead of once per datum, when that saves >= 15% of the positions; logprobs and
+        gradients equal the padded path's up to float rounding."""
 
         def __post_init__(self) -> None:
             if self.max_tokens_per_microbatch < 1:
@@ -202,10 +207,21 @@ class TrainerEngine(Configurable):
         return value if self.sharding is None else self.sharding.sum_over_dp(value)
 
     def _batches(self, prepared) -> list[MicroBatch]:
-        return list(micro_batches(prepared, max_tokens=self.config.max_tokens_per_microbatch))
+        return list(
+            micro_batches(
+                prepared,
+                max_tokens=self.config.max_tokens_per_microbatch,
+                share_prefixes=self.config.share_prefixes,
+            )
+        )
 
     def _logprobs(self, batch: MicroBatch) -> list[torch.Tensor]:
         """The trainer's logprob of each datum's targets, [T_i] per datum."""
+        if batch.layout is not None:
+            targets_N = batch.flat_targets(self.device)
+            return split_per_datum(
+                packed_logprobs(self.model, batch.layout, targets_N), batch.datums
+            )
         logprobs_BT = forward_logprobs(
             self.model, batch.tokens_BT.to(self.device), batch.targets_BT.to(self.device)
         )

@@ -1,0 +1,215 @@
+"""Shared-prefix packing: datums that start with the same tokens run that prefix once.
+
+Shapes: G prefix rows (one per cluster), P longest prefix, R suffix rows (one per datum), S
+longest suffix, M = G*P + R*S packed positions, N scored positions (all datums' tokens), D
+model dim, heads as in attention.py (Q query heads, K key/value heads, H head dim).
+
+GRPO trains on `group_size` completions of each prompt, so most of a batch's prompt tokens are
+repeats. Here consecutive datums that share a prefix form a cluster; the forward runs each
+cluster's prefix once as one row and each datum's remaining tokens (its suffix) as a row that
+attends to its cluster's prefix keys and values, then causally to itself. The model sees one
+packed sequence with explicit positions; only attention knows the layout (an
+`AttentionBackend`), so every per-token op (norms, projections, MLP) runs on fewer tokens.
+Autograd sums a shared prefix's gradient over the suffixes that read it. Each datum's
+hidden states are gathered back from the packed rows, so logprobs, losses and outputs are per
+datum as in the padded path, equal to it up to float rounding (a different batching of the
+same matmuls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from temper.models.common.logprobs import target_logprobs
+
+MIN_SAVING = 0.15
+"""Pack only when it saves at least this fraction of the padded layout's positions."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    members: list[int]
+    """Indices (into the micro-batch's datums) of consecutive datums sharing the prefix."""
+    prefix_len: int
+    """Tokens every member starts with and runs once; each member keeps >= 1 suffix token."""
+
+
+def cluster_prefixes(token_lists: Sequence[Sequence[int]]) -> list[Cluster]:
+    """Consecutive datums grouped by a shared prefix, greedily.
+
+    A datum joins the current cluster while the tokens saved do not drop: with n members
+    sharing p tokens, (n - 1) * p are saved; adding one whose common prefix with the first is
+    l gives n * min(p, l). So a group's samples stay together even when a few of them also
+    share their first completion tokens, and the next prompt starts a new cluster.
+    """
+    clusters: list[Cluster] = []
+    start, shared = 0, 0
+    for index in range(1, len(token_lists) + 1):
+        if index < len(token_lists):
+            common = _common_prefix(token_lists[start], token_lists[index])
+            common = min(common, len(token_lists[index]) - 1, len(token_lists[start]) - 1)
+            size = index - start
+            candidate = common if size == 1 else min(shared, common)
+            if candidate > 0 and size * candidate >= (size - 1) * shared:
+                shared = candidate
+                continue
+        members = list(range(start, index))
+        clusters.append(Cluster(members=members, prefix_len=shared if len(members) > 1 else 0))
+        start, shared = index, 0
+    return clusters
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedLayout:
+    """Where each datum's tokens live in the packed sequence, and what attention may see."""
+
+    tokens_1M: torch.Tensor
+    positions_1M: torch.Tensor
+    """Each position's place in its datum (a suffix row continues after its prefix)."""
+    num_prefix_rows: int
+    prefix_width: int
+    suffix_width: int
+    suffix_cluster_R: torch.Tensor
+    """int64: the prefix row each suffix row attends to."""
+    suffix_mask_R1SX: torch.Tensor
+    """bool [R, 1, S, P + S]: which keys (its prefix row's, then its own) a query sees."""
+    gather_N: torch.Tensor
+    """int64: the packed position of every datum token, datums concatenated in order."""
+
+    @property
+    def num_positions(self) -> int:
+        return self.tokens_1M.shape[1]
+
+
+def packed_size(clusters: Sequence[Cluster], lengths: Sequence[int]) -> int:
+    """Positions of the packed layout of these clusters (prefix and suffix rows, padded);
+    `lengths` holds the token count of every datum the clusters' members index."""
+    prefix_width = max(c.prefix_len for c in clusters)
+    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
+    num_rows = sum(len(c.members) for c in clusters)
+    return len(clusters) * prefix_width + num_rows * suffix_width
+
+
+def worth_packing(clusters: Sequence[Cluster], lengths: Sequence[int]) -> bool:
+    """Whether packing all datums saves at least MIN_SAVING of the padded positions."""
+    padded = len(lengths) * max(lengths)
+    return packed_size(clusters, lengths) <= (1 - MIN_SAVING) * padded
+
+
+def pack(
+    token_lists: Sequence[torch.Tensor],
+    clusters: Sequence[Cluster],
+    *,
+    pad_token_id: int = 0,
+) -> PackedLayout:
+    """The packed sequence for datums (their int64 token tensors) and their clusters."""
+    lengths = [t.shape[0] for t in token_lists]
+    num_rows, num_clusters = len(token_lists), len(clusters)
+    prefix_width = max(c.prefix_len for c in clusters)
+    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
+    prefix_GP = torch.full((num_clusters, prefix_width), pad_token_id, dtype=torch.long)
+    suffix_RS = torch.full((num_rows, suffix_width), pad_token_id, dtype=torch.long)
+    prefix_lens_R = torch.empty(num_rows, dtype=torch.long)
+    cluster_R = torch.empty(num_rows, dtype=torch.long)
+    gather = []
+    suffix_base = num_clusters * prefix_width
+    for g, cluster in enumerate(clusters):
+        p = cluster.prefix_len
+        prefix_GP[g, :p] = token_lists[cluster.members[0]][:p]
+        for r in cluster.members:
+            suffix = token_lists[r][p:]
+            suffix_RS[r, : suffix.shape[0]] = suffix
+            prefix_lens_R[r], cluster_R[r] = p, g
+            gather.append(torch.arange(p) + g * prefix_width)
+            gather.append(torch.arange(suffix.shape[0]) + suffix_base + r * suffix_width)
+    positions_GP = torch.arange(prefix_width).expand(num_clusters, -1)
+    positions_RS = prefix_lens_R[:, None] + torch.arange(suffix_width)
+    # A suffix query sees its prefix row's real tokens, then its own tokens causally.
+    sees_prefix_RSP = (torch.arange(prefix_width) < prefix_lens_R[:, None])[:, None, :].expand(
+        -1, suffix_width, -1
+    )
+    causal_SS = torch.ones(suffix_width, suffix_width, dtype=torch.bool).tril()
+    mask_RSX = torch.cat((sees_prefix_RSP, causal_SS.expand(num_rows, -1, -1)), dim=-1)
+    return PackedLayout(
+        tokens_1M=torch.cat((prefix_GP.reshape(-1), suffix_RS.reshape(-1)))[None],
+        positions_1M=torch.cat((positions_GP.reshape(-1), positions_RS.reshape(-1)))[None],
+        num_prefix_rows=num_clusters,
+        prefix_width=prefix_width,
+        suffix_width=suffix_width,
+        suffix_cluster_R=cluster_R,
+        suffix_mask_R1SX=mask_RSX[:, None],
+        gather_N=torch.cat(gather),
+    )
+
+
+class SharedPrefixAttention:
+    """An `AttentionBackend` for a `PackedLayout`: prefix rows attend causally to themselves;
+    suffix rows attend to their prefix row, then causally to themselves."""
+
+    def __init__(self, layout: PackedLayout, *, device: torch.device) -> None:
+        self.layout = layout
+        self.cluster_R = layout.suffix_cluster_R.to(device)
+        self.mask_R1SX = layout.suffix_mask_R1SX.to(device)
+
+    def attend(
+        self, layer_index: int, q_1QMH: torch.Tensor, k_1KMH: torch.Tensor, v_1KMH: torch.Tensor
+    ) -> torch.Tensor:
+        del layer_index  # the same layout in every layer
+        q_prefix, q_suffix = self._split(q_1QMH)
+        k_prefix, k_suffix = self._split(k_1KMH)
+        v_prefix, v_suffix = self._split(v_1KMH)
+        gqa = q_1QMH.shape[1] != k_1KMH.shape[1]
+        scale = q_1QMH.shape[-1] ** -0.5
+        out_prefix_GQPH = F.scaled_dot_product_attention(
+            q_prefix, k_prefix, v_prefix, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        keys_RKXH = torch.cat((k_prefix[self.cluster_R], k_suffix), dim=2)
+        values_RKXH = torch.cat((v_prefix[self.cluster_R], v_suffix), dim=2)
+        out_suffix_RQSH = F.scaled_dot_product_attention(
+            q_suffix, keys_RKXH, values_RKXH, attn_mask=self.mask_R1SX, scale=scale, enable_gqa=gqa
+        )
+        return torch.cat((self._merge(out_prefix_GQPH), self._merge(out_suffix_RQSH)), dim=2)
+
+    def _split(self, x_1HMD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, heads, M, H] -> prefix rows [G, heads, P, H] and suffix rows [R, heads, S, H]."""
+        layout = self.layout
+        heads, head_dim = x_1HMD.shape[1], x_1HMD.shape[-1]
+        boundary = layout.num_prefix_rows * layout.prefix_width
+        prefix, suffix = x_1HMD[0, :, :boundary], x_1HMD[0, :, boundary:]
+        prefix = prefix.reshape(heads, layout.num_prefix_rows, layout.prefix_width, head_dim)
+        suffix = suffix.reshape(heads, -1, layout.suffix_width, head_dim)
+        return prefix.transpose(0, 1), suffix.transpose(0, 1)
+
+    @staticmethod
+    def _merge(x_BHTD: torch.Tensor) -> torch.Tensor:
+        """[rows, heads, T, H] -> [1, heads, rows*T, H]."""
+        rows, heads, width, head_dim = x_BHTD.shape
+        return x_BHTD.transpose(0, 1).reshape(1, heads, rows * width, head_dim)
+
+
+def packed_logprobs(
+    model: torch.nn.Module, layout: PackedLayout, targets_N: torch.Tensor
+) -> torch.Tensor:
+    """Every datum's target logprobs, concatenated [N]: one forward of the packed sequence,
+    each datum's hidden states gathered back, then the trainer's one logprob function."""
+    device = targets_N.device
+    hidden_1MD = model.hidden_states(
+        layout.tokens_1M.to(device),
+        positions_BT=layout.positions_1M.to(device),
+        attention=SharedPrefixAttention(layout, device=device),
+    )
+    hidden_NX, weight_VX = model.logit_inputs(hidden_1MD[0][layout.gather_N.to(device)])
+    return target_logprobs(hidden_NX, weight_VX, targets_N)
