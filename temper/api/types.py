@@ -9,6 +9,7 @@ numpy arrays or lists are converted to `TensorData` when a `Datum` is made.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -162,6 +163,9 @@ def to_tensor_data(value: Any, *, name: str) -> TensorData:
     if hasattr(value, "__array__") and not isinstance(value, list | tuple):
         return TensorData.from_torch(torch.as_tensor(value))
     if isinstance(value, list | tuple):
+        flat = _flat_numbers(value)
+        if flat is not None:
+            return flat
         try:
             return TensorData.from_torch(torch.tensor(value))
         except (TypeError, ValueError) as error:
@@ -170,6 +174,21 @@ def to_tensor_data(value: Any, *, name: str) -> TensorData:
         f"loss_fn_inputs[{name!r}] must be TensorData, a torch tensor, a numpy array or a list, "
         f"got {type(value).__name__}"
     )
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _flat_numbers(values: list | tuple) -> TensorData | None:
+    """A flat list of Python ints (int64) or floats (rounded to float32 as torch would, by
+    `array('f')`), without a round trip through a tensor; None for anything else."""
+    if values and all(type(v) is int for v in values):
+        if all(_INT64_MIN <= v <= _INT64_MAX for v in values):
+            return TensorData(data=list(values), dtype="int64", shape=(len(values),))
+        return None
+    if values and all(type(v) is float for v in values):
+        return TensorData(data=array("f", values).tolist(), dtype="float32", shape=(len(values),))
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
