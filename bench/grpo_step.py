@@ -66,6 +66,9 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float
                 split="train",
             )
             trajectories = rollout_groups(sampler, groups, params=params, rng=rng)
+            # As the RL loop does: no client holds this version while the trainer steps, so
+            # optim_step changes the weights in place instead of copying them for the client.
+            del sampler
             sampled = time.perf_counter()
             assert all(len(t.completion) == NEW_TOKENS for g in trajectories for t in g)
             num_tokens = PROMPTS * GROUP_SIZE * NEW_TOKENS

@@ -78,7 +78,6 @@ def prepare(
                 f"{where}: model_input has {length} tokens, more than the model's max_seq_len "
                 f"{max_seq_len}"
             )
-        _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
@@ -91,14 +90,62 @@ def prepare(
                     f"{where}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}, but "
                     f"model_input has {length} tokens; expected [{length}]"
                 )
-            inputs[name] = _checked_input(value.to_torch(), name=name, where=where)
-        if "target_tokens" in inputs:
-            targets = inputs["target_tokens"].tolist()
-            _check_ids(
-                targets, where=f"{where}: loss_fn_inputs['target_tokens']", vocab_size=vocab_size
-            )
+            inputs[name] = _converted_input(value.to_torch(), name=name, where=where)
         prepared.append(PreparedDatum(index=index, tokens_T=torch.tensor(tokens), inputs=inputs))
+    # Value checks run once over all datums (a few tensor ops per call, not per datum); the
+    # first bad datum is looked up only when there is one.
+    _check_values(prepared, vocab_size=vocab_size)
     return prepared
+
+
+def _converted_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tensor:
+    if name == "target_tokens":
+        if tensor.dtype.is_floating_point and not torch.equal(tensor, tensor.round()):
+            raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be integers")
+        return tensor.long()
+    return tensor.float()
+
+
+def _check_values(prepared: Sequence[PreparedDatum], *, vocab_size: int) -> None:
+    """Token ids inside the vocabulary and finite float inputs, for every datum."""
+    columns: dict[str, list[torch.Tensor]] = {"model_input": [d.tokens_T for d in prepared]}
+    for datum in prepared:
+        for name, tensor in datum.inputs.items():
+            columns.setdefault(name, []).append(tensor)
+    for name, tensors in columns.items():
+        if len(tensors) != len(prepared):
+            # An optional input only some datums carry: check datum by datum.
+            for datum in prepared:
+                if name in datum.inputs:
+                    _check_one(datum, name, vocab_size=vocab_size)
+            continue
+        flat = torch.cat(tensors)
+        ok = _in_vocab(flat, vocab_size) if _is_ids(name) else bool(torch.isfinite(flat).all())
+        if not ok:
+            for datum in prepared:
+                _check_one(datum, name, vocab_size=vocab_size)
+
+
+def _is_ids(name: str) -> bool:
+    return name in ("model_input", "target_tokens")
+
+
+def _in_vocab(ids: torch.Tensor, vocab_size: int) -> bool:
+    return ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size)
+
+
+def _check_one(datum: PreparedDatum, name: str, *, vocab_size: int) -> None:
+    where = f"datum {datum.index}"
+    if name == "model_input":
+        _check_ids(datum.tokens_T, where=f"{where}: model_input", vocab_size=vocab_size)
+    elif name == "target_tokens":
+        _check_ids(
+            datum.inputs[name],
+            where=f"{where}: loss_fn_inputs['target_tokens']",
+            vocab_size=vocab_size,
+        )
+    else:
+        _check_finite(datum.inputs[name], name=name, where=where)
 
 
 def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: int) -> None:
@@ -112,12 +159,7 @@ def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: 
         )
 
 
-def _checked_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tensor:
-    if name == "target_tokens":
-        if tensor.dtype.is_floating_point and not torch.equal(tensor, tensor.round()):
-            raise ValueError(f"{where}: loss_fn_inputs['target_tokens'] must be integers")
-        return tensor.long()
-    tensor = tensor.float()
+def _check_finite(tensor: torch.Tensor, *, name: str, where: str) -> None:
     bad = ~torch.isfinite(tensor)
     if bool(bad.any()):
         position = int(bad.nonzero()[0, 0])
@@ -125,7 +167,6 @@ def _checked_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tens
             f"{where}: loss_fn_inputs[{name!r}] has a non-finite value "
             f"({tensor[position].item()}) at position {position}"
         )
-    return tensor
 
 
 def micro_batches(
@@ -143,10 +184,13 @@ def micro_batches(
     counts packed positions.
     """
     if share_prefixes and all("target_tokens" in d.inputs for d in datums):
-        lengths = [d.tokens_T.shape[0] for d in datums]
-        clusters = cluster_prefixes([d.tokens_T.tolist() for d in datums])
+        token_lists = [d.tokens_T.tolist() for d in datums]
+        lengths = [len(tokens) for tokens in token_lists]
+        clusters = cluster_prefixes(token_lists)
         if worth_packing(clusters, lengths):
-            yield from _packed_batches(datums, clusters, lengths=lengths, max_tokens=max_tokens)
+            yield from _packed_batches(
+                datums, clusters, token_lists=token_lists, max_tokens=max_tokens
+            )
             return
     group: list[PreparedDatum] = []
     longest = 0
@@ -179,19 +223,20 @@ def _packed_batches(
     datums: Sequence[PreparedDatum],
     clusters: Sequence[Cluster],
     *,
-    lengths: Sequence[int],
+    token_lists: Sequence[list[int]],
     max_tokens: int,
 ) -> Iterator[MicroBatch]:
     """Whole clusters per batch while the packed size fits the budget; a cluster too big for
     it alone is split into chunks of members (each runs the prefix again)."""
+    lengths = [len(tokens) for tokens in token_lists]
     group: list[Cluster] = []
     for cluster in _fitting_chunks(clusters, lengths=lengths, max_tokens=max_tokens):
         if group and packed_size([*group, cluster], lengths) > max_tokens:
-            yield _collate_packed(datums, group)
+            yield _collate_packed(datums, group, token_lists=token_lists)
             group = []
         group.append(cluster)
     if group:
-        yield _collate_packed(datums, group)
+        yield _collate_packed(datums, group, token_lists=token_lists)
 
 
 def _fitting_chunks(
@@ -208,7 +253,9 @@ def _fitting_chunks(
         yield Cluster(members=chunk, prefix_len=cluster.prefix_len)
 
 
-def _collate_packed(datums: Sequence[PreparedDatum], clusters: list[Cluster]) -> MicroBatch:
+def _collate_packed(
+    datums: Sequence[PreparedDatum], clusters: list[Cluster], *, token_lists: Sequence[list[int]]
+) -> MicroBatch:
     members = [m for c in clusters for m in c.members]
     local = {member: row for row, member in enumerate(members)}
     renumbered = [
@@ -221,7 +268,7 @@ def _collate_packed(datums: Sequence[PreparedDatum], clusters: list[Cluster]) ->
         tokens_BT=empty,
         targets_BT=empty,
         mask_BT=empty.bool(),
-        layout=pack([d.tokens_T for d in group], renumbered),
+        layout=pack([token_lists[m] for m in members], renumbered),
     )
 
 

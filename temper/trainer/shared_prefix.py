@@ -110,48 +110,50 @@ def worth_packing(clusters: Sequence[Cluster], lengths: Sequence[int]) -> bool:
 
 
 def pack(
-    token_lists: Sequence[torch.Tensor],
+    token_lists: Sequence[Sequence[int]],
     clusters: Sequence[Cluster],
     *,
     pad_token_id: int = 0,
 ) -> PackedLayout:
-    """The packed sequence for datums (their int64 token tensors) and their clusters."""
-    lengths = [t.shape[0] for t in token_lists]
+    """The packed sequence for datums (their token ids) and their clusters."""
+    lengths = [len(t) for t in token_lists]
     num_rows, num_clusters = len(token_lists), len(clusters)
     prefix_width = max(c.prefix_len for c in clusters)
     suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
-    prefix_GP = torch.full((num_clusters, prefix_width), pad_token_id, dtype=torch.long)
-    suffix_RS = torch.full((num_rows, suffix_width), pad_token_id, dtype=torch.long)
-    prefix_lens_R = torch.empty(num_rows, dtype=torch.long)
-    cluster_R = torch.empty(num_rows, dtype=torch.long)
-    gather = []
+    tokens = [pad_token_id] * (num_clusters * prefix_width + num_rows * suffix_width)
+    prefix_lens_R = [0] * num_rows
+    cluster_R = [0] * num_rows
+    gather: list[int] = []
     suffix_base = num_clusters * prefix_width
     for g, cluster in enumerate(clusters):
         p = cluster.prefix_len
-        prefix_GP[g, :p] = token_lists[cluster.members[0]][:p]
+        prefix_start = g * prefix_width
+        tokens[prefix_start : prefix_start + p] = token_lists[cluster.members[0]][:p]
         for r in cluster.members:
-            suffix = token_lists[r][p:]
-            suffix_RS[r, : suffix.shape[0]] = suffix
+            suffix_start = suffix_base + r * suffix_width
+            suffix_len = lengths[r] - p
+            tokens[suffix_start : suffix_start + suffix_len] = token_lists[r][p:]
             prefix_lens_R[r], cluster_R[r] = p, g
-            gather.append(torch.arange(p) + g * prefix_width)
-            gather.append(torch.arange(suffix.shape[0]) + suffix_base + r * suffix_width)
+            gather.extend(range(prefix_start, prefix_start + p))
+            gather.extend(range(suffix_start, suffix_start + suffix_len))
+    prefix_lens_R1 = torch.tensor(prefix_lens_R)[:, None]
     positions_GP = torch.arange(prefix_width).expand(num_clusters, -1)
-    positions_RS = prefix_lens_R[:, None] + torch.arange(suffix_width)
+    positions_RS = prefix_lens_R1 + torch.arange(suffix_width)
     # A suffix query sees its prefix row's real tokens, then its own tokens causally.
-    sees_prefix_RSP = (torch.arange(prefix_width) < prefix_lens_R[:, None])[:, None, :].expand(
+    sees_prefix_RSP = (torch.arange(prefix_width) < prefix_lens_R1)[:, None, :].expand(
         -1, suffix_width, -1
     )
     causal_SS = torch.ones(suffix_width, suffix_width, dtype=torch.bool).tril()
     mask_RSX = torch.cat((sees_prefix_RSP, causal_SS.expand(num_rows, -1, -1)), dim=-1)
     return PackedLayout(
-        tokens_1M=torch.cat((prefix_GP.reshape(-1), suffix_RS.reshape(-1)))[None],
+        tokens_1M=torch.tensor(tokens)[None],
         positions_1M=torch.cat((positions_GP.reshape(-1), positions_RS.reshape(-1)))[None],
         num_prefix_rows=num_clusters,
         prefix_width=prefix_width,
         suffix_width=suffix_width,
-        suffix_cluster_R=cluster_R,
+        suffix_cluster_R=torch.tensor(cluster_R),
         suffix_mask_R1SX=mask_RSX[:, None],
-        gather_N=torch.cat(gather),
+        gather_N=torch.tensor(gather),
     )
 
 
