@@ -82,11 +82,7 @@ class RowParams:
                 raise TypeError(f"seeds must be ints, got {seed!r}")
             if not _INT64_MIN <= seed <= _INT64_MAX:
                 raise ValueError(f"seeds must be in int64 range [-2**63, 2**63 - 1], got {seed}")
-        widths = [
-            (p.top_k if p.top_k > 0 else -1) if p.top_k > 0 or p.top_p < 1 else 0
-            for p in params
-            if p.temperature != 0
-        ]
+        widths = [row_sort_width(p) for p in params]
         return cls(
             temperature_B=torch.tensor(
                 [p.temperature for p in params], dtype=torch.float32, device=device
@@ -95,8 +91,8 @@ class RowParams:
             top_p_B=torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             greedy_B=torch.tensor([p.temperature == 0 for p in params], device=device),
             seeds_B=torch.tensor(list(seeds), dtype=torch.int64, device=device),
-            sort_width=-1 if -1 in widths else max(widths, default=0),
-            draw_mode=_draw_mode([p.temperature == 0 for p in params]),
+            sort_width=batch_sort_width(widths),
+            draw_mode=draw_mode([p.temperature == 0 for p in params]),
         )
 
     @property
@@ -126,7 +122,20 @@ class RowParams:
         )
 
 
-def _draw_mode(greedy: list[bool]) -> DrawMode:
+def row_sort_width(params: SamplingParams) -> int:
+    """`sampling_logprobs`' sort_width for one row with these parameters."""
+    if params.temperature == 0 or (params.top_k <= 0 and params.top_p >= 1):
+        return 0
+    return params.top_k if params.top_k > 0 else -1
+
+
+def batch_sort_width(row_widths: Sequence[int]) -> int:
+    """The sort_width that covers every row's (`row_sort_width` of each)."""
+    return -1 if -1 in row_widths else max(row_widths, default=0)
+
+
+def draw_mode(greedy: Sequence[bool]) -> DrawMode:
+    """The `DrawMode` of rows with these greedy flags."""
     if all(greedy):
         return "greedy"
     return "mixed" if any(greedy) else "sampled"
@@ -154,6 +163,8 @@ def sampling_logprobs(
     greedy_B = temperature_B == 0
     # Division is exact-rounded everywhere, so the scaled logits match logits.float() / t.
     scaled_BV = logits_BV.float() / torch.where(greedy_B, 1.0, temperature_B.float())[:, None]
+    if sort_width == 0:
+        return torch.log_softmax(scaled_BV, dim=-1)
     top_k_B = torch.where(greedy_B | (top_k_B <= 0), vocab_size, top_k_B.clamp(max=vocab_size))
     top_p_B = torch.where(greedy_B, 1.0, top_p_B.double())
     if sort_width is None:
@@ -253,15 +264,15 @@ def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     a fraction of the cost for large vocabularies.
     """
     num_rows, vocab_size = fixed_BV.shape
+    if vocab_size <= _CDF_BLOCK:  # a single block: the first level would find block 0
+        cdf_BV = fixed_BV.cumsum(dim=-1)
+        threshold_B1 = _threshold(uniforms_B, total_B1=cdf_BV[:, -1:])
+        return torch.searchsorted(cdf_BV, threshold_B1, right=True)[:, 0]
     num_blocks = -(-vocab_size // _CDF_BLOCK)
     padded_BV = F.pad(fixed_BV, (0, num_blocks * _CDF_BLOCK - vocab_size))
     blocks_BNK = padded_BV.view(num_rows, num_blocks, _CDF_BLOCK)
     block_cdf_BN = blocks_BNK.sum(dim=-1).cumsum(dim=-1)
-    total_B1 = block_cdf_BN[:, -1:]
-    # u < 1, but u * total can round up to total in float64; the clamp keeps the threshold
-    # below the last increase of the CDF, so the token found always has mass.
-    threshold_B1 = (uniforms_B[:, None].double() * total_B1.double()).long()
-    threshold_B1 = torch.minimum(threshold_B1, total_B1 - 1)
+    threshold_B1 = _threshold(uniforms_B, total_B1=block_cdf_BN[:, -1:])
     block_B1 = torch.searchsorted(block_cdf_BN, threshold_B1, right=True)
     mass_before_B1 = torch.where(
         block_B1 > 0, block_cdf_BN.gather(-1, (block_B1 - 1).clamp(min=0)), 0
@@ -270,6 +281,16 @@ def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     within_cdf_BK = blocks_BNK[rows_B, block_B1[:, 0]].cumsum(dim=-1) + mass_before_B1
     offset_B1 = torch.searchsorted(within_cdf_BK, threshold_B1, right=True)
     return (block_B1 * _CDF_BLOCK + offset_B1)[:, 0]
+
+
+def _threshold(uniforms_B: torch.Tensor, *, total_B1: torch.Tensor) -> torch.Tensor:
+    """floor(u * total) per row, as int64.
+
+    u < 1, but u * total can round up to total in float64; the clamp keeps the threshold
+    below the last increase of the CDF, so the token found always has mass.
+    """
+    threshold_B1 = (uniforms_B[:, None].double() * total_B1.double()).long()
+    return torch.minimum(threshold_B1, total_B1 - 1)
 
 
 def gather_logprobs(logprobs_BV: torch.Tensor, tokens_B: torch.Tensor) -> torch.Tensor:

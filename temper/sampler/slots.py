@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from temper.api.types import TopkLogprobs
+from temper.sampler import sampling
 from temper.sampler.requests import RequestState
 from temper.sampler.stopping import StopStringMatcher
 
@@ -48,6 +49,12 @@ class SlotTable:
         self.top_k_S = zeros(num_slots, dtype=torch.long)
         self.top_p_S = zeros(num_slots, dtype=torch.float32)
         self.stop_ids_SX = torch.full((num_slots, 1), -1, dtype=torch.long, device=device)
+        # Host-side copies of what decides which sampling work a step needs, so the engine
+        # can skip it without reading tensors back from the device.
+        self.greedy: list[bool] = [False] * num_slots
+        self.sort_widths: list[int] = [0] * num_slots
+        """Per slot, `sampling.sampling_logprobs`' sort_width for that row alone."""
+        self.has_stop_ids: list[bool] = [False] * num_slots
         self.tokens_SM = zeros(num_slots, max_new_tokens, dtype=torch.long)
         self.logprobs_SM = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         self._per_slot = (
@@ -78,6 +85,9 @@ class SlotTable:
         self.temperature_S[slot] = params.temperature
         self.top_k_S[slot] = params.top_k
         self.top_p_S[slot] = params.top_p
+        self.greedy[slot] = params.temperature == 0
+        self.sort_widths[slot] = sampling.row_sort_width(params)
+        self.has_stop_ids[slot] = bool(state.stop_token_ids)
         stop_ids = state.stop_token_ids
         if len(stop_ids) > self.stop_ids_SX.shape[1]:
             extra = len(stop_ids) - self.stop_ids_SX.shape[1]
@@ -94,7 +104,8 @@ class SlotTable:
         count = int(self.num_generated_S[source])
         self.tokens_SM[target, :count] = self.tokens_SM[source, :count]
         self.logprobs_SM[target, :count] = self.logprobs_SM[source, :count]
-        self.owners[target] = self.owners[source]
+        for hints in (self.owners, self.greedy, self.sort_widths, self.has_stop_ids):
+            hints[target] = hints[source]
         self.owners[source] = None
 
     def release_last(self) -> None:

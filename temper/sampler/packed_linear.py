@@ -1,0 +1,91 @@
+"""Decode-time copies of a model's linear weights in oneDNN's blocked layout (CPU only).
+
+Shapes: B rows, D model dim, V vocab.
+
+At decode batch sizes a linear layer is a matrix-vector product that streams its weight from
+memory once per step. On CPU, torch's default kernel for bf16 streams a plain row-major weight
+at roughly half the rate oneDNN reaches on the same weight reordered ("prepacked") into its
+blocked layout, and the results are bitwise the same (checked in tests/sampler). So decoding
+can run the model's own code on a twin of it whose `nn.Linear` leaves read packed weights.
+
+The twin is a shallow copy of the module tree: every other parameter (norms, embedding) is
+the model's own tensor, and the model is never modified (the trainer, LoRA and HF export
+depend on its structure). The packed weights are a copy: one pass over the weights and as
+much memory again. A `PackedDecoder` remembers which weights it packed (tensor identity,
+storage and in-place version counter), so `is_current_for` notices any change, including an
+optimizer step on a trainer module the sampler reads in place, and the engine re-packs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` on a prepacked weight; the same function of its input."""
+
+    def __init__(self, linear: nn.Linear, *, batch_hint: int) -> None:
+        super().__init__()
+        weight = linear.weight.detach()
+        self.out_features = weight.shape[0]
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def _twin(module: nn.Module, *, batch_hint: int) -> nn.Module:
+    if isinstance(module, nn.Linear):
+        return PackedLinear(module, batch_hint=batch_hint)
+    twin = copy.copy(module)  # shares parameters and buffers; children are replaced below
+    twin._parameters = dict(module._parameters)
+    twin._buffers = dict(module._buffers)
+    twin._modules = {
+        name: None if child is None else _twin(child, batch_hint=batch_hint)
+        for name, child in module._modules.items()
+    }
+    return twin
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    return tuple(
+        (id(parameter), parameter.data_ptr(), parameter._version)
+        for parameter in model.parameters()
+    )
+
+
+class PackedDecoder:
+    """A model's decode forward (`hidden_states`, `logits`) on packed linear weights."""
+
+    def __init__(self, model: nn.Module, *, batch_hint: int) -> None:
+        self.model = model
+        self._fingerprint = _fingerprint(model)
+        self._twin = _twin(model, batch_hint=batch_hint)
+        # The output projection is not an nn.Linear when tied to the embedding; pack it too
+        # unless an adapter extends it (then the model's own `logits` applies the adapter).
+        self._output_packed = None
+        if getattr(model, "output_adapter", None) is None:
+            weight_VD = model.output_weight_VD.detach()
+            self._output_packed = torch.ops.mkldnn._reorder_linear_weight(weight_VD, batch_hint)
+
+    def is_current_for(self, model: nn.Module) -> bool:
+        """Whether this was packed from `model` as its weights are now."""
+        return model is self.model and _fingerprint(model) == self._fingerprint
+
+    def hidden_states(self, tokens_BT: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self._twin.hidden_states(tokens_BT, **kwargs)
+
+    def logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
+        if self._output_packed is None:
+            return self.model.logits(hidden_BD)
+        return torch.ops.mkldnn._linear_pointwise(
+            hidden_BD, self._output_packed, None, "none", [], ""
+        )
