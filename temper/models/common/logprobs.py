@@ -5,8 +5,9 @@ Shapes: N tokens (batch and time flattened), D model dim, V vocab, B batch, T ti
 The trainer and the sampler's `score()` both call `target_logprobs`, so their logprobs are
 bitwise equal when given the same hidden states. Rows are processed in chunks sized so one
 chunk of fp32 logits fits `chunk_bytes`; with several chunks the backward pass recomputes each
-chunk's logits from the saved hidden states and log-normalizers instead of keeping them, so
-peak memory is one chunk in both directions (a lone chunk's logits are simply kept).
+chunk's log-softmax from the saved hidden states instead of keeping it, so peak memory is one
+chunk in both directions (a lone chunk's log-softmax is simply kept, and its buffer becomes the
+gradient of the logits in place).
 
 Numerics: logits are produced in the weights' dtype (as an `nn.Linear` unembedding would) and
 the softmax runs in fp32. With a temperature, the distribution is softmax(logits / temperature),
@@ -37,49 +38,55 @@ class _TargetLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_rows):
         num_tokens = hidden_ND.shape[0]
         logprobs_N = hidden_ND.new_empty(num_tokens, dtype=torch.float32)
-        lse_N = hidden_ND.new_empty(num_tokens, dtype=torch.float32)
         for start in range(0, num_tokens, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
-            lse_N[rows] = torch.logsumexp(logits_NV, dim=-1)
-            target_logits_N = logits_NV.gather(-1, targets_N[rows, None]).squeeze(-1)
-            logprobs_N[rows] = target_logits_N - lse_N[rows]
-        # A single chunk fits the memory budget by construction: keep its logits for backward
-        # instead of recomputing them (saves a [N, D] x [D, V] matmul). Without a backward
-        # (no_grad), autograd drops ctx right away.
-        ctx.saved_logits = logits_NV if 0 < num_tokens <= chunk_rows else None
-        ctx.save_for_backward(hidden_ND, weight_VD, targets_N, lse_N)
+            # One fused row-wise kernel (max, sum of exps, subtract); 3-4x cheaper on CPU than
+            # logsumexp followed by a subtraction.
+            logprobs_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature).log_softmax(-1)
+            logprobs_N[rows] = logprobs_NV.gather(-1, targets_N[rows, None]).squeeze(-1)
+        # A single chunk fits the memory budget by construction: keep its log-softmax for
+        # backward (where it becomes the gradient in place) instead of recomputing it, which
+        # saves a [N, D] x [D, V] matmul. Without a backward (no_grad), autograd drops ctx.
+        ctx.saved_logprobs = logprobs_NV if 0 < num_tokens <= chunk_rows else None
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
         return logprobs_N
 
     @staticmethod
     def backward(ctx, grad_logprobs_N):
-        hidden_ND, weight_VD, targets_N, lse_N = ctx.saved_tensors
+        hidden_ND, weight_VD, targets_N = ctx.saved_tensors
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden_ND = torch.zeros_like(hidden_ND) if need_hidden else None
-        grad_weight_VD = (
-            torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
-            if need_weight
-            else None
-        )
-        for start in range(0, hidden_ND.shape[0], chunk_rows):
+        num_tokens = hidden_ND.shape[0]
+        grad_hidden_ND = torch.empty_like(hidden_ND) if need_hidden else None
+        grad_weight_VD = None
+        # Taken, not borrowed: the gradient overwrites it, and a second backward through a
+        # retained graph recomputes it.
+        saved_logprobs_NV, ctx.saved_logprobs = ctx.saved_logprobs, None
+        for start in range(0, num_tokens, chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits_NV = ctx.saved_logits
-            if logits_NV is None:
-                logits_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature)
+            logprobs_NV = saved_logprobs_NV
+            if logprobs_NV is None:
+                logprobs_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature).log_softmax(-1)
             grad_N1 = grad_logprobs_N[rows, None].float()
             # d logprob(target) / d logits = onehot(target) - softmax, times 1/temperature.
-            grad_logits_NV = torch.exp(logits_NV - lse_N[rows, None]).mul_(-grad_N1)
+            grad_logits_NV = logprobs_NV.exp_().mul_(-grad_N1)
             grad_logits_NV.scatter_add_(-1, targets_N[rows, None], grad_N1)
             if temperature != 1.0:
                 grad_logits_NV.div_(temperature)
             if need_hidden:
                 grad_hidden_ND[rows] = grad_logits_NV.to(weight_VD.dtype) @ weight_VD
             if need_weight:
-                grad_weight_VD.addmm_(grad_logits_NV.T, hidden_ND[rows].float())
-        if grad_weight_VD is not None:
+                # Accumulated over chunks in fp32, whatever the weights' dtype.
+                chunk_grad_VD = grad_logits_NV.T @ hidden_ND[rows].float()
+                if grad_weight_VD is None:
+                    grad_weight_VD = chunk_grad_VD
+                else:
+                    grad_weight_VD += chunk_grad_VD
+        if need_weight:
+            if grad_weight_VD is None:  # no tokens
+                grad_weight_VD = torch.zeros_like(weight_VD)
             grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
         return grad_hidden_ND, grad_weight_VD, None, None, None
 

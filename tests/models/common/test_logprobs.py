@@ -75,3 +75,17 @@ def test_bad_arguments_are_named():
         target_logprobs(hidden_BTD, weight_VD, targets_BT, temperature=0.0)
     with pytest.raises(ValueError, match="targets shape"):
         target_logprobs(hidden_BTD, weight_VD, targets_BT[:, :3])
+
+
+@pytest.mark.parametrize("chunk_bytes", [53 * 4 * 5, 2**30], ids=["5-rows", "all"])
+def test_a_retained_graph_gives_the_same_gradients_twice(chunk_bytes):
+    # The lone chunk's saved log-softmax becomes the gradient in place; a second backward
+    # must recompute it, not reuse the overwritten buffer.
+    hidden_BTD, weight_VD, targets_BT = _inputs(seed=6)
+    hidden_BTD.requires_grad_(True)
+    weight_VD.requires_grad_(True)
+    logprobs_BT = target_logprobs(hidden_BTD, weight_VD, targets_BT, chunk_bytes=chunk_bytes)
+    first = torch.autograd.grad(logprobs_BT.sum(), (hidden_BTD, weight_VD), retain_graph=True)
+    second = torch.autograd.grad(logprobs_BT.sum(), (hidden_BTD, weight_VD))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
