@@ -42,6 +42,7 @@ from temper.trainer.batching import MicroBatch, micro_batches, prepare, split_pe
 from temper.trainer.lora import LoraConfig, apply_lora
 from temper.trainer.optim import AdamW
 from temper.trainer.shared_prefix import packed_logprobs
+from temper.trainer.thread_shards import ThreadShards, split_by_tokens, sum_gradients
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 """Tinker's custom loss: (data, per-datum logprobs) -> (loss, metrics)."""
@@ -58,12 +59,22 @@ class TrainerEngine(Configurable):
         """Run a prefix shared by consecutive datums (a GRPO group's prompt) once per batch
         instead of once per datum, when that saves >= 15% of the positions; logprobs and
         gradients equal the padded path's up to float rounding."""
+        shard_threads: int = 1
+        """CPU, one process: run forward and forward_backward calls as this many shards of
+        the datums at once, one thread each with single-threaded ops, summing the shards'
+        gradients in order (deterministic, equal to the unsharded result up to float rounding;
+        the token budget is shared between them). For small models, whose ops are too small
+        to keep several cores busy; one per core. Costs a gradient buffer per shard. 1: off."""
 
         def __post_init__(self) -> None:
             if self.max_tokens_per_microbatch < 1:
                 raise ValueError(
                     "TrainerEngine.Config.max_tokens_per_microbatch must be >= 1, got "
                     f"{self.max_tokens_per_microbatch}"
+                )
+            if self.shard_threads < 1:
+                raise ValueError(
+                    f"TrainerEngine.Config.shard_threads must be >= 1, got {self.shard_threads}"
                 )
 
     def __init__(self, config: Config, *, model: nn.Module, lora: LoraConfig | None) -> None:
@@ -77,6 +88,15 @@ class TrainerEngine(Configurable):
         self.optimizer = AdamW(self.trainable)
         self.policy_version = 0
         self.device = next(model.parameters()).device
+        self.thread_shards = None
+        if config.shard_threads > 1:
+            if self.sharding is not None or self.device.type != "cpu":
+                raise ValueError(
+                    f"TrainerEngine.Config.shard_threads={config.shard_threads} needs a CPU "
+                    f"model in one process (device {self.device}, sharding "
+                    f"{config.sharding}); use 1"
+                )
+            self.thread_shards = ThreadShards(config.shard_threads)
 
     # -- the Tinker verbs ------------------------------------------------------------------
 
@@ -206,11 +226,11 @@ class TrainerEngine(Configurable):
     def _sum_over_dp(self, value: float) -> float:
         return value if self.sharding is None else self.sharding.sum_over_dp(value)
 
-    def _batches(self, prepared) -> list[MicroBatch]:
+    def _batches(self, prepared, *, max_tokens: int | None = None) -> list[MicroBatch]:
         return list(
             micro_batches(
                 prepared,
-                max_tokens=self.config.max_tokens_per_microbatch,
+                max_tokens=max_tokens or self.config.max_tokens_per_microbatch,
                 share_prefixes=self.config.share_prefixes,
             )
         )
@@ -240,31 +260,67 @@ class TrainerEngine(Configurable):
         prepared = self._prepare(data, required=spec.required_inputs, optional=spec.optional_inputs)
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
         total_loss = 0.0
-        batches = self._batches(prepared)
+        batches = self._batches(prepared) if self.thread_shards is None else []
         num_empty = self._num_empty_passes(len(batches))
         with self._atomic_gradients() if backward else torch.no_grad():
+            if self.thread_shards is not None:
+                total_loss = self._run_in_threads(prepared, spec, config, outputs, backward)
             for batch in batches:
-                per_datum = self._logprobs(batch)
-                logprobs_N = torch.cat(per_datum)
-                loss_N = spec.fn(
-                    logprobs_N=logprobs_N, inputs=batch.flat_inputs(self.device), config=config
-                )
-                loss = loss_N.sum()
+                loss = self._batch_loss(batch, spec, config, outputs)
                 if backward:
                     loss.backward()
                 total_loss += float(loss.detach())
-                losses = split_per_datum(loss_N.detach(), batch.datums)
-                for datum, logprobs_T, loss_T in zip(batch.datums, per_datum, losses, strict=True):
-                    outputs[datum.index] = {
-                        "logprobs": TensorData.from_torch(logprobs_T),
-                        "elementwise_loss": TensorData.from_torch(loss_T),
-                    }
             self._empty_passes(num_empty, backward=backward)
         if not backward:
             reshard_root(self.model)
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs, metrics={"loss:sum": self._sum_over_dp(total_loss)}
         )
+
+    def _batch_loss(self, batch: MicroBatch, spec, config, outputs: list) -> torch.Tensor:
+        """The batch's summed loss; its datums' outputs go into `outputs`."""
+        per_datum = self._logprobs(batch)
+        logprobs_N = torch.cat(per_datum)
+        loss_N = spec.fn(
+            logprobs_N=logprobs_N, inputs=batch.flat_inputs(self.device), config=config
+        )
+        losses = split_per_datum(loss_N.detach(), batch.datums)
+        for datum, logprobs_T, loss_T in zip(batch.datums, per_datum, losses, strict=True):
+            outputs[datum.index] = {
+                "logprobs": TensorData.from_torch(logprobs_T.detach()),
+                "elementwise_loss": TensorData.from_torch(loss_T),
+            }
+        return loss_N.sum()
+
+    def _run_in_threads(self, prepared, spec, config, outputs: list, backward: bool) -> float:
+        """`_run`'s batches as concurrent shards (see thread_shards.py); sets the gradients."""
+        ranges = split_by_tokens(
+            [d.tokens_T.shape[0] for d in prepared], self.thread_shards.num_threads
+        )
+        max_tokens = max(1, self.config.max_tokens_per_microbatch // len(ranges))
+
+        def shard_pass(shard: range) -> tuple[float, list[torch.Tensor | None] | None]:
+            total, grads = 0.0, None
+            with torch.set_grad_enabled(backward):  # grad mode is per thread
+                for batch in self._batches(
+                    prepared[shard.start : shard.stop], max_tokens=max_tokens
+                ):
+                    loss = self._batch_loss(batch, spec, config, outputs)
+                    if backward:
+                        batch_grads = torch.autograd.grad(loss, self.trainable, allow_unused=True)
+                        grads = (
+                            batch_grads if grads is None else sum_gradients([grads, batch_grads])
+                        )
+                    total += float(loss.detach())
+            return total, grads
+
+        results = self.thread_shards.map(shard_pass, ranges)
+        if backward:
+            for parameter, grad in zip(
+                self.trainable, sum_gradients([g for _, g in results]), strict=True
+            ):
+                parameter.grad = grad
+        return sum(total for total, _ in results)
 
     def _atomic_gradients(self) -> _GradientStash:
         return _GradientStash(self.trainable)
