@@ -7,8 +7,11 @@ Cases (prompt 16 tokens, 32 new tokens, sampling at temperature 1, no early stop
 - on CUDA (when present): the 0.6B shape in bf16 at batch 256 and its HBM-bandwidth fraction.
 
 Decode-only throughput (the run minus prefill and first token) is what the bandwidth bound
-is compared with; `linear_kernel_gb_per_s` is what one feed-forward matmul of the framework
-streams at that batch, the ceiling for any engine built on it.
+is compared with. `linear_kernel_gb_per_s` is the rate at which torch's linear kernel streams
+feed-forward weights from memory at that batch (matrices totalling 256 MiB, far more than the
+L3 cache, as a decode step's weights are), and `packed_linear_kernel_gb_per_s` the same for
+oneDNN-prepacked weights (what the engine uses for bf16 on CPU): the ceiling for any engine
+built on that kernel.
 
 Each case builds one random model, loads the same weights into HF, warms both up, then times
 `repeats` interleaved runs of each and keeps the medians. Prints one JSON line.
@@ -30,6 +33,7 @@ from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine, SampleRequest
+from temper.sampler.packed_linear import PackedLinear
 
 PROMPT_LEN = 16
 NEW_TOKENS = 32
@@ -42,15 +46,38 @@ def copy_bandwidth(*, device: torch.device, nbytes: int = 2**30, repeats: int = 
     return 2 * nbytes / median_seconds(lambda: target.copy_(source), repeats=repeats, device=device)
 
 
-def linear_bandwidth(config, *, batch: int, dtype: torch.dtype, device: torch.device) -> float:
-    """Weight bytes per second one feed-forward matmul streams at this batch: the ceiling the
-    framework's own kernel sets, whatever the engine does around it."""
-    weight = torch.randn(config.ffn_dim, config.dim, device=device).to(dtype)
+def linear_bandwidth(
+    config,
+    *,
+    batch: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    packed: bool = False,
+    nbytes: int = 2**28,
+) -> float:
+    """Weight bytes per second torch's linear kernel streams at this batch, over feed-forward
+    matrices of `nbytes` in all (read from memory, not cache, as in a decode step): the
+    ceiling that kernel sets, whatever the engine does around it."""
+    matrix_bytes = config.ffn_dim * config.dim * torch.empty((), dtype=dtype).element_size()
+    weights = [
+        torch.randn(config.ffn_dim, config.dim, device=device).to(dtype)
+        for _ in range(max(1, nbytes // matrix_bytes))
+    ]
     x = torch.randn(batch, config.dim, device=device).to(dtype)
-    seconds = 1 / _median_tokens_per_s(
-        lambda: torch.nn.functional.linear(x, weight), num_tokens=1, repeats=20, device=device
-    )
-    return weight.numel() * weight.element_size() / seconds
+    if packed:
+        weights = [PackedLinear(weight, batch_hint=batch) for weight in weights]
+
+        def run() -> None:
+            for linear in weights:
+                linear(x)
+    else:
+
+        def run() -> None:
+            for weight in weights:
+                torch.nn.functional.linear(x, weight)
+
+    seconds = median_seconds(run, repeats=7, device=device)
+    return len(weights) * matrix_bytes / seconds
 
 
 def _median_tokens_per_s(fn, *, num_tokens: int, repeats: int, device: torch.device) -> float:
@@ -66,7 +93,7 @@ def _compare(
     device: torch.device,
     repeats: int,
     num_threads: int | None,
-) -> dict[str, float]:
+) -> dict[str, float | bool]:
     """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
     engine = SamplerEngine.Config(
         max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads
@@ -115,6 +142,7 @@ def _compare(
     )
     total_s = batch * NEW_TOKENS / result["temper"]
     result["temper_decode"] = batch * (NEW_TOKENS - 1) / max(total_s - prefill_s, 1e-9)
+    result["packed"] = engine._packed is not None
     if num_threads is not None and device.type == "cpu":
         threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
@@ -164,6 +192,7 @@ def run_case(
             "device": device.type,
             "batch": batch,
             "temper_threads": num_threads or torch.get_num_threads(),
+            "temper_packed_linear": measured["packed"],
             "temper_tokens_per_s": round(ours_tps, 1),
             "hf_tokens_per_s": round(measured["hf"], 1),
             "speedup_vs_hf": round(ours_tps / measured["hf"], 2),
@@ -183,6 +212,11 @@ def run_case(
                     linear_bandwidth(config, batch=batch, dtype=dtype, device=device) / 1e9, 1
                 ),
             )
+            if measured["packed"]:
+                packed_rate = linear_bandwidth(
+                    config, batch=batch, dtype=dtype, device=device, packed=True
+                )
+                result["packed_linear_kernel_gb_per_s"] = round(packed_rate / 1e9, 1)
         results.append(result)
     return results
 

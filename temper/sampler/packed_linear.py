@@ -29,14 +29,15 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` on a prepacked weight; the same function of its input."""
+    """F.linear(x, weight, bias) on a copy of `weight` prepacked for about `batch_hint` rows
+    (any number of rows works)."""
 
-    def __init__(self, linear: nn.Linear, *, batch_hint: int) -> None:
+    def __init__(
+        self, weight: torch.Tensor, *, bias: torch.Tensor | None = None, batch_hint: int
+    ) -> None:
         super().__init__()
-        weight = linear.weight.detach()
-        self.out_features = weight.shape[0]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -44,7 +45,7 @@ class PackedLinear(nn.Module):
 
 def _twin(module: nn.Module, *, batch_hint: int) -> nn.Module:
     if isinstance(module, nn.Linear):
-        return PackedLinear(module, batch_hint=batch_hint)
+        return PackedLinear(module.weight, bias=module.bias, batch_hint=batch_hint)
     twin = copy.copy(module)  # shares parameters and buffers; children are replaced below
     twin._parameters = dict(module._parameters)
     twin._buffers = dict(module._buffers)
@@ -69,12 +70,14 @@ class PackedDecoder:
         self.model = model
         self._fingerprint = _fingerprint(model)
         self._twin = _twin(model, batch_hint=batch_hint)
-        # The output projection is not an nn.Linear when tied to the embedding; pack it too
-        # unless an adapter extends it (then the model's own `logits` applies the adapter).
-        self._output_packed = None
+        # The output projection is the embedding when tied (not an nn.Linear): pack it too.
+        # With an adapter extending it, the model's own `logits` applies the adapter.
+        self._output_packed: PackedLinear | None = None
         if getattr(model, "output_adapter", None) is None:
-            weight_VD = model.output_weight_VD.detach()
-            self._output_packed = torch.ops.mkldnn._reorder_linear_weight(weight_VD, batch_hint)
+            output = getattr(self._twin, "output", None)
+            if not isinstance(output, PackedLinear):
+                output = PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
+            self._output_packed = output
 
     def is_current_for(self, model: nn.Module) -> bool:
         """Whether this was packed from `model` as its weights are now."""
@@ -86,6 +89,4 @@ class PackedDecoder:
     def logits(self, hidden_BD: torch.Tensor) -> torch.Tensor:
         if self._output_packed is None:
             return self.model.logits(hidden_BD)
-        return torch.ops.mkldnn._linear_pointwise(
-            hidden_BD, self._output_packed, None, "none", [], ""
-        )
+        return self._output_packed(hidden_BD)

@@ -19,6 +19,7 @@ log_softmax(logits): the untempered, untruncated model distribution, whatever to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -32,7 +33,6 @@ from temper.api.types import SamplingParams
 # fp32 probabilities sum to < 2, and a token needs p >= 2**-62 to be drawable (float64 prefix
 # sums would absorb far larger ones).
 _FIXED_POINT_ONE = 2.0**62
-_CDF_BLOCK = 1024  # tokens per block of the two-level CDF walk in draw_tokens
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # splitmix64 constants, written as the signed int64 values of their bits.
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - 2**64
@@ -259,18 +259,15 @@ def draw_tokens(
 def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     """First token whose cumulative fixed-point mass exceeds u * total, per row.
 
-    Two levels (N blocks of `_CDF_BLOCK` tokens, then one block) instead of a cumsum over the
-    whole vocabulary: integer sums are exact, so the token is the one a full cumsum finds, at
-    a fraction of the cost for large vocabularies.
+    Two levels (N blocks of about sqrt(V) tokens, then one block) instead of a cumsum over the
+    whole vocabulary: integer sums are exact, so the token is the one a full cumsum finds, but
+    the int64 prefix sums (a scalar loop on CPU) cover N + sqrt(V) entries per row, not V.
     """
     num_rows, vocab_size = fixed_BV.shape
-    if vocab_size <= _CDF_BLOCK:  # a single block: the first level would find block 0
-        cdf_BV = fixed_BV.cumsum(dim=-1)
-        threshold_B1 = _threshold(uniforms_B, total_B1=cdf_BV[:, -1:])
-        return torch.searchsorted(cdf_BV, threshold_B1, right=True)[:, 0]
-    num_blocks = -(-vocab_size // _CDF_BLOCK)
-    padded_BV = F.pad(fixed_BV, (0, num_blocks * _CDF_BLOCK - vocab_size))
-    blocks_BNK = padded_BV.view(num_rows, num_blocks, _CDF_BLOCK)
+    block = 1 << max(0, math.isqrt(vocab_size - 1).bit_length())  # power of two >= sqrt(V)
+    num_blocks = -(-vocab_size // block)
+    padded_BV = F.pad(fixed_BV, (0, num_blocks * block - vocab_size))
+    blocks_BNK = padded_BV.view(num_rows, num_blocks, block)
     block_cdf_BN = blocks_BNK.sum(dim=-1).cumsum(dim=-1)
     threshold_B1 = _threshold(uniforms_B, total_B1=block_cdf_BN[:, -1:])
     block_B1 = torch.searchsorted(block_cdf_BN, threshold_B1, right=True)
@@ -280,7 +277,7 @@ def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     rows_B = torch.arange(num_rows, device=fixed_BV.device)
     within_cdf_BK = blocks_BNK[rows_B, block_B1[:, 0]].cumsum(dim=-1) + mass_before_B1
     offset_B1 = torch.searchsorted(within_cdf_BK, threshold_B1, right=True)
-    return (block_B1 * _CDF_BLOCK + offset_B1)[:, 0]
+    return (block_B1 * block + offset_B1)[:, 0]
 
 
 def _threshold(uniforms_B: torch.Tensor, *, total_B1: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built wit
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [2, 2, 2, 2, 2]]
 
 
-def _model(*, seed=5, dtype="bfloat16"):
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
+def _model(*, seed=5, dtype="bfloat16", tie_embeddings=True):
+    config = dataclasses.replace(
+        qwen3_size("tiny", vocab_size=31), init_std=0.1, tie_embeddings=tie_embeddings
+    )
     return materialize(config, seed=seed, dtype=dtype).eval()
 
 
@@ -39,14 +41,15 @@ def _generate(model, **config):
 def test_bf16_packed_linear_is_bitwise_the_linear(bias, batch_hint):
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
-    packed = PackedLinear(linear, batch_hint=batch_hint)
+    packed = PackedLinear(linear.weight, bias=linear.bias, batch_hint=batch_hint)
     for shape in [(1, 96), (3, 96), (8, 96), (13, 1, 96)]:
         x = torch.randn(shape, dtype=torch.bfloat16)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)), shape
 
 
-def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise():
-    model = _model()
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_embeddings):
+    model = _model(tie_embeddings=tie_embeddings)
     engine, packed = _generate(model)  # 'auto' packs bf16
     assert engine._packed is not None
     _, plain = _generate(model, cpu_packed_linear="off")
