@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from temper.models.common.attention import causal_attention
 
@@ -99,12 +100,13 @@ class DecodeAttention:
     Keys past a row's position hold stale values from earlier occupants or prompt padding; the
     mask hides them. Attention reads only the first `width` cache positions.
 
-    With one query per row, attention is two small batched matmuls and a softmax per layer;
-    on CPU that is several times faster than SDPA's flash kernel, whose fixed cost per
-    (row, head) dominates at this size. Query heads are grouped under their key/value head
-    (G = N / K per group) so the cache is never expanded. Everything is computed in fp32
-    whatever the cache dtype (as SDPA accumulates; CPU batched matmuls of this size are also
-    faster in fp32 than in bf16, conversion included) and the output cast back.
+    On CPU, with one query per row, attention is two small batched matmuls and a softmax per
+    layer, several times faster than SDPA's CPU flash kernel, whose fixed cost per (row, head)
+    dominates at this size. Query heads are grouped under their key/value head (G = N / K per
+    group) so the cache is never expanded. It is computed in fp32 whatever the cache dtype (as
+    SDPA accumulates; CPU batched matmuls this small are also faster in fp32 than in bf16,
+    conversion included) and the output cast back. On CUDA, SDPA's fused kernels are the fast
+    path, and they read a bf16 cache without an fp32 copy of it.
     """
 
     def __init__(self, cache: KVCache, positions_B: torch.Tensor, *, width: int) -> None:
@@ -112,8 +114,9 @@ class DecodeAttention:
         self.width = width
         num_rows, num_kv_heads = positions_B.shape[0], cache.k_LSKCH.shape[2]
         device = positions_B.device
-        hidden_BC = torch.arange(width, device=device) > positions_B[:, None]
-        self.hidden_B11C = hidden_BC[:, None, None, :]
+        visible_BC = torch.arange(width, device=device) <= positions_B[:, None]
+        self.visible_B11C = visible_BC[:, None, None, :]
+        self.hidden_B11C = ~self.visible_B11C
         # Flat row index of (slot b, head k, position p) in a layer's [S * K * C, H] view:
         # index_copy_ on it is several times faster than two-tensor advanced indexing.
         rows_BK = torch.arange(num_rows, device=device)[:, None] * num_kv_heads
@@ -124,16 +127,32 @@ class DecodeAttention:
         self, layer_index: int, q_BN1H: torch.Tensor, k_BK1H: torch.Tensor, v_BK1H: torch.Tensor
     ) -> torch.Tensor:
         num_rows, num_kv_heads, _, head_dim = k_BK1H.shape
-        num_heads = q_BN1H.shape[1]
         k_SKCH = self.cache.k_LSKCH[layer_index]
         v_SKCH = self.cache.v_LSKCH[layer_index]
         new_rows = num_rows * num_kv_heads
         k_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, k_BK1H.reshape(new_rows, -1))
         v_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, v_BK1H.reshape(new_rows, -1))
-        k_BKCH = k_SKCH[:num_rows, :, : self.width].float()
-        v_BKCH = v_SKCH[:num_rows, :, : self.width].float()
-        q_BKGH = q_BN1H.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores_BKGC = torch.matmul(q_BKGH.float(), k_BKCH.transpose(-1, -2))
-        scores_BKGC = scores_BKGC.mul_(head_dim**-0.5).masked_fill_(self.hidden_B11C, -torch.inf)
-        out_BKGH = torch.matmul(torch.softmax(scores_BKGC, dim=-1), v_BKCH)
-        return out_BKGH.view(num_rows, num_heads, 1, head_dim).to(q_BN1H.dtype)
+        k_BKCH = k_SKCH[:num_rows, :, : self.width]
+        v_BKCH = v_SKCH[:num_rows, :, : self.width]
+        if q_BN1H.device.type == "cpu":
+            return _grouped_attention(q_BN1H, k_BKCH, v_BKCH, hidden_B11C=self.hidden_B11C)
+        return F.scaled_dot_product_attention(
+            q_BN1H,
+            k_BKCH,
+            v_BKCH,
+            attn_mask=self.visible_B11C,
+            scale=head_dim**-0.5,
+            enable_gqa=q_BN1H.shape[1] != num_kv_heads,
+        )
+
+
+def _grouped_attention(
+    q_BN1H: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, hidden_B11C: torch.Tensor
+) -> torch.Tensor:
+    num_rows, num_heads, _, head_dim = q_BN1H.shape
+    num_kv_heads = k_BKCH.shape[1]
+    q_BKGH = q_BN1H.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores_BKGC = torch.matmul(q_BKGH.float(), k_BKCH.float().transpose(-1, -2))
+    scores_BKGC = scores_BKGC.mul_(head_dim**-0.5).masked_fill_(hidden_B11C, -torch.inf)
+    out_BKGH = torch.matmul(torch.softmax(scores_BKGC, dim=-1), v_BKCH.float())
+    return out_BKGH.view(num_rows, num_heads, 1, head_dim).to(q_BN1H.dtype)
