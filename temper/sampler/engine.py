@@ -191,7 +191,7 @@ class SamplerEngine(Configurable):
         )
         return self.generate([request])[0]
 
-    @torch.no_grad()
+    @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
         """Run requests to completion with continuous batching; responses in request order."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
