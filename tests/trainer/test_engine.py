@@ -142,22 +142,42 @@ def test_custom_loss_gradient_equals_the_built_in_one():
 def test_optim_step_is_adamw_with_the_calls_hyperparameters():
     engine = _engine()
     reference_model = _model()
+    # torch's fused AdamW, as the engine uses for plain CPU/CUDA parameters: bitwise equal.
     reference = torch.optim.AdamW(
-        reference_model.parameters(), lr=3e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1
+        reference_model.parameters(),
+        lr=3e-3,
+        betas=(0.8, 0.9),
+        eps=1e-8,
+        weight_decay=0.1,
+        fused=True,
+    )
+    unfused_model = _model()
+    unfused = torch.optim.AdamW(
+        unfused_model.parameters(), lr=3e-3, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1
     )
     params = AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.9, eps=1e-8, weight_decay=0.1)
     for step in range(3):
         engine.forward_backward(_batch(seed=step), "cross_entropy")
         # The reference optimizer gets the engine's own gradients, so any difference is the
         # optimizer's.
-        for theirs, ours in zip(reference_model.parameters(), engine.trainable, strict=True):
+        for theirs, unfused_param, ours in zip(
+            reference_model.parameters(), unfused_model.parameters(), engine.trainable, strict=True
+        ):
             theirs.grad = ours.grad.clone()
+            unfused_param.grad = ours.grad.clone()
         reference.step()
+        unfused.step()
         response = engine.optim_step(params)
         assert response.metrics["policy_version:max"] == step + 1
         assert response.metrics["learning_rate:mean"] == 3e-3
-    for ours, theirs in zip(engine.model.parameters(), reference_model.parameters(), strict=True):
+    for ours, theirs, unfused_param in zip(
+        engine.model.parameters(),
+        reference_model.parameters(),
+        unfused_model.parameters(),
+        strict=True,
+    ):
         assert torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, unfused_param, rtol=1e-6, atol=1e-7)
     assert all(p.grad is None for p in engine.trainable)
 
 
