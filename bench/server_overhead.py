@@ -12,7 +12,12 @@ the mean CPU seconds per step: of this process on the in-process side (the compu
 the server process and of this process (the SDK's HTTP work) on the server side (Linux only;
 /proc counts in 10 ms ticks, hence means over all steps).
 
-    OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10]
+Each side runs at its default torch threads: the server computes on one core fewer than
+torch's default (`TemperServer.Config.compute_threads`), leaving one for its event loop and
+the SDK. `--in-process-threads N` sets the in-process side's threads instead, e.g. to the
+server's count for a like-for-like comparison of the compute.
+
+    OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10] [--in-process-threads 1]
 """
 
 from __future__ import annotations
@@ -115,7 +120,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--in-process-threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     args = parser.parse_args()
+
+    import torch
+
+    if args.in_process_threads is not None:
+        torch.set_num_threads(args.in_process_threads)  # before the client starts its workers
 
     import tinker
     from tinker import types as tinker_types
@@ -170,6 +183,8 @@ def main() -> None:
                 "step": f"{args.prompts} prompts x {args.group_size} samples x "
                 f"{args.max_tokens} tokens + importance_sampling fwd/bwd + optim_step",
                 "steps": args.steps,
+                "in_process_threads": torch.get_num_threads(),
+                "load_average": round(os.getloadavg()[0], 2),
                 "in_process_s": round(in_process, 4),
                 "server_s": round(server, 4),
                 "ratio": round(server / in_process, 3),

@@ -82,7 +82,9 @@ def sampling_router(server: TemperServer) -> APIRouter:
 def hot_routes(server: TemperServer) -> list[Route]:
     """`asample` and `retrieve_future`: two per sample, so they run as lean routes (lean.py)."""
     coalescer = SampleCoalescer(
-        server.config.sample_window_s, max_hold_s=server.config.sample_max_hold_s
+        server.config.sample_window_s,
+        max_hold_s=server.config.sample_max_hold_s,
+        capacity=server.config.sampler.max_batch,
     )
 
     async def asample(body: tinker_types.SampleRequest) -> Response:
@@ -116,7 +118,9 @@ def hot_routes(server: TemperServer) -> list[Route]:
             except Exception as error:  # becomes the request's failed future
                 started.set_exception(error)
 
-        coalescer.add(sampling.client, start, lineage=sampling.lineage)
+        coalescer.add(
+            sampling.client, start, lineage=sampling.lineage, num_sequences=call.num_samples
+        )
         request_id = server.scheduler.submit(
             lambda: started,
             encode=lambda result: protobuf_answer(

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.storage import CheckpointStorage
@@ -90,6 +92,11 @@ class TemperServer(Configurable):
         """Device for models, e.g. 'cpu' or 'cuda'."""
         dtype: Literal["float32", "bfloat16"] = "float32"
         """Parameter dtype."""
+        compute_threads: int | None = None
+        """torch intra-op threads for training and sampling with --device cpu. None: one
+        fewer than torch's default (OMP_NUM_THREADS, else the physical cores), at least 1, so
+        the HTTP event loop and the clients on this machine keep a core; requests wait on
+        both, and a step spends more on them than the last compute thread saves."""
         poll_seconds: float = 20.0
         """Longest hold of a retrieve_future long poll before answering try_again."""
         result_ttl_s: float = 900.0
@@ -97,8 +104,9 @@ class TemperServer(Configurable):
         sample_window_s: float = 0.005
         """Samples for one sampler arriving less than this apart are submitted together, so
         the backend decodes them as one batch (an RL step sends a group per prompt at once)."""
-        sample_max_hold_s: float = 0.05
-        """Longest a sample waits for more to batch with (a steady stream still starts)."""
+        sample_max_hold_s: float = 0.1
+        """Longest a sample waits for more to batch with (a steady stream still starts); also
+        the gap after which a client's next sample opens a new burst."""
         snapshots_per_model: int = 1
         """Ephemeral sampling sessions (save_weights_and_get_sampling_client) kept per training
         model; making one more expires the oldest (sampling on it then answers 404). Tinker
@@ -123,6 +131,11 @@ class TemperServer(Configurable):
                     "TemperServer.Config.sample_window_s must be in [0, sample_max_hold_s "
                     f"= {self.sample_max_hold_s}], got {self.sample_window_s}"
                 )
+            if self.compute_threads is not None and self.compute_threads < 1:
+                raise ValueError(
+                    "TemperServer.Config.compute_threads must be >= 1 or None, got "
+                    f"{self.compute_threads}"
+                )
             if not 0 <= self.port <= 65535:
                 raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")
 
@@ -145,6 +158,10 @@ class TemperServer(Configurable):
         self.catalog = CheckpointCatalog(storage)
         if backend is None:
             from temper.api.client import ServiceClient
+
+            if config.device == "cpu":
+                # Before the backend starts its worker threads: they read this once.
+                torch.set_num_threads(config.compute_threads or max(1, torch.get_num_threads() - 1))
 
             backend = ServiceClient(
                 storage_dir=storage.root,
@@ -238,6 +255,7 @@ class TemperServer(Configurable):
         return {
             "model": self.model_name,
             "fine_tuning": self.config.fine_tuning,
+            "compute_threads": torch.get_num_threads(),
             "limits": dataclasses.asdict(self.limits),
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 import tinker
 from tinker import types
@@ -42,6 +43,10 @@ def fwdbwd_body(model_id: str, tokens: list[int], targets: list[int]) -> bytes:
     target.dtype = pb.DTYPE_INT64
     target.shape.append(len(targets))
     target.dense = b"".join(t.to_bytes(8, "little", signed=True) for t in targets)
+    weights = item.loss_fn_inputs["weights"]  # complete, so the tokens are what is wrong
+    weights.dtype = pb.DTYPE_FLOAT32
+    weights.shape.append(len(targets))
+    weights.dense = np.ones(len(targets), dtype=np.float32).tobytes()
     return message.SerializeToString()
 
 
