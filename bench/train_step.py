@@ -2,7 +2,13 @@
 
 Same random weights (one HF checkpoint loaded by both), same token batch, AdamW on both sides,
 measured side by side in one run; prints one JSON line. Temper's side is the real API path:
-Datums with cross_entropy loss inputs -> TrainerEngine.forward_backward -> optim_step.
+Datums with cross_entropy loss inputs -> TrainerEngine.forward_backward -> optim_step, with
+`shard_threads` = the torch thread count (one shard of the datums per core, see
+temper/trainer/thread_shards.py) and, for reference, without (`..._unsharded`).
+
+The three steps are timed interleaved (one of each per round) so that load from other
+processes on a shared machine hits them alike; reported: the median of the rounds, the best
+round (closest to an idle machine) and CPU time per step (summed over threads).
 On CUDA (when present) it also reports the MFU of the 0.6B shape in bf16 at 16k tokens/step.
 
     OMP_WAIT_POLICY=PASSIVE python bench/train_step.py [--batch 16 --seq 128 --vocab 1024]
@@ -12,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,8 +49,13 @@ def _models(size: str, *, vocab: int, dtype: torch.dtype, device: torch.device):
 def compare(*, size: str, vocab: int, batch: int, seq: int, repeats: int) -> dict:
     device = torch.device("cpu")
     ours, hf = _models(size, vocab=vocab, dtype=torch.float32, device=device)
-    engine = TrainerEngine.Config(max_tokens_per_microbatch=batch * seq).build(
-        model=ours, lora=None
+    unsharded_model, _ = _models(size, vocab=vocab, dtype=torch.float32, device=device)
+    threads = torch.get_num_threads()
+    engine = TrainerEngine.Config(
+        max_tokens_per_microbatch=batch * seq, shard_threads=threads
+    ).build(model=ours, lora=None)
+    unsharded = TrainerEngine.Config(max_tokens_per_microbatch=batch * seq).build(
+        model=unsharded_model, lora=None
     )
     tokens_BT = torch.randint(
         0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)
@@ -55,9 +69,12 @@ def compare(*, size: str, vocab: int, batch: int, seq: int, repeats: int) -> dic
     ]
     hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
 
-    def temper_step() -> None:
-        engine.forward_backward(data, "cross_entropy")
-        engine.optim_step(ADAM)
+    def temper_step(trainer: TrainerEngine) -> Callable[[], None]:
+        def step() -> None:
+            trainer.forward_backward(data, "cross_entropy")
+            trainer.optim_step(ADAM)
+
+        return step
 
     def hf_step() -> None:
         logits_BTV = hf(input_ids=tokens_BT[:, :-1], use_cache=False).logits
@@ -68,19 +85,45 @@ def compare(*, size: str, vocab: int, batch: int, seq: int, repeats: int) -> dic
         hf_optimizer.step()
         hf_optimizer.zero_grad(set_to_none=True)
 
+    steps = {"temper": temper_step(engine), "unsharded": temper_step(unsharded), "hf": hf_step}
+    times = _interleaved(steps, repeats=repeats)
     num_tokens = batch * seq
-    ours_s = median_seconds(temper_step, repeats=repeats, device=device)
-    hf_s = median_seconds(hf_step, repeats=repeats, device=device)
+    median = {name: statistics.median(wall) for name, (wall, _) in times.items()}
+    best = {name: min(wall) for name, (wall, _) in times.items()}
     return {
         "model": size,
         "vocab": vocab,
         "batch": batch,
         "seq": seq,
         "dtype": "float32",
-        "temper_tokens_per_s": round(num_tokens / ours_s),
-        "hf_tokens_per_s": round(num_tokens / hf_s),
-        "speedup_vs_hf": round(hf_s / ours_s, 3),
+        "shard_threads": threads,
+        "temper_tokens_per_s": round(num_tokens / median["temper"]),
+        "hf_tokens_per_s": round(num_tokens / median["hf"]),
+        "speedup_vs_hf": round(median["hf"] / median["temper"], 3),
+        "temper_unsharded_tokens_per_s": round(num_tokens / median["unsharded"]),
+        "speedup_unsharded_vs_hf": round(median["hf"] / median["unsharded"], 3),
+        "best_round_speedup_vs_hf": round(best["hf"] / best["temper"], 3),
+        "best_round_speedup_unsharded_vs_hf": round(best["hf"] / best["unsharded"], 3),
+        "cpu_ms_per_step": {
+            name: round(statistics.median(cpu) * 1e3, 1) for name, (_, cpu) in times.items()
+        },
     }
+
+
+def _interleaved(
+    steps: dict[str, Callable[[], None]], *, repeats: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """(wall seconds, CPU seconds) of each step per round, one round = each step once."""
+    for step in steps.values():
+        step()  # warm-up: allocator, kernel selection, lazy initialization
+    times = {name: ([], []) for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            cpu, wall = time.process_time(), time.perf_counter()
+            step()
+            times[name][0].append(time.perf_counter() - wall)
+            times[name][1].append(time.process_time() - cpu)
+    return times
 
 
 def cuda_mfu(*, repeats: int) -> dict:
