@@ -147,3 +147,33 @@ def test_a_failing_shard_leaves_the_accumulated_gradients_untouched(monkeypatch)
 def test_shard_threads_must_be_positive():
     with pytest.raises(ValueError, match="shard_threads must be >= 1, got 0"):
         TrainerEngine.Config(shard_threads=0)
+
+
+def test_threaded_shared_prefix_groups_match_the_single_thread_engine():
+    # GRPO-like: 4 prompts x 3 completions, so shared-prefix packing engages in each shard.
+    generator = torch.Generator().manual_seed(7)
+    data = []
+    for _ in range(4):
+        prompt = torch.randint(0, VOCAB, (9,), generator=generator).tolist()
+        for _ in range(3):
+            tokens = prompt + torch.randint(0, VOCAB, (4,), generator=generator).tolist()
+            data.append(
+                Datum(
+                    model_input=ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [-1.0] * (len(tokens) - 1),
+                        "advantages": torch.randn(len(tokens) - 1, generator=generator).tolist(),
+                    },
+                )
+            )
+    serial, threaded = _engine(shard_threads=1), _engine(shard_threads=2)
+    expected = serial.forward_backward(data, "ppo")
+    got = threaded.forward_backward(data, "ppo")
+    assert got.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-5)
+    for ours, theirs in zip(got.loss_fn_outputs, expected.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(
+            ours["logprobs"].to_torch(), theirs["logprobs"].to_torch(), rtol=0, atol=2e-5
+        )
+    for ours, theirs in zip(_grads(threaded), _grads(serial), strict=True):
+        assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()
