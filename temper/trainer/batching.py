@@ -78,6 +78,8 @@ def prepare(
                 f"{where}: model_input has {length} tokens, more than the model's max_seq_len "
                 f"{max_seq_len}"
             )
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
@@ -107,8 +109,8 @@ def _converted_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Te
 
 
 def _check_values(prepared: Sequence[PreparedDatum], *, vocab_size: int) -> None:
-    """Token ids inside the vocabulary and finite float inputs, for every datum."""
-    columns: dict[str, list[torch.Tensor]] = {"model_input": [d.tokens_T for d in prepared]}
+    """Target ids inside the vocabulary and finite float inputs, for every datum."""
+    columns: dict[str, list[torch.Tensor]] = {}
     for datum in prepared:
         for name, tensor in datum.inputs.items():
             columns.setdefault(name, []).append(tensor)
@@ -127,7 +129,7 @@ def _check_values(prepared: Sequence[PreparedDatum], *, vocab_size: int) -> None
 
 
 def _is_ids(name: str) -> bool:
-    return name in ("model_input", "target_tokens")
+    return name == "target_tokens"
 
 
 def _in_vocab(ids: torch.Tensor, vocab_size: int) -> bool:
@@ -136,9 +138,7 @@ def _in_vocab(ids: torch.Tensor, vocab_size: int) -> bool:
 
 def _check_one(datum: PreparedDatum, name: str, *, vocab_size: int) -> None:
     where = f"datum {datum.index}"
-    if name == "model_input":
-        _check_ids(datum.tokens_T, where=f"{where}: model_input", vocab_size=vocab_size)
-    elif name == "target_tokens":
+    if name == "target_tokens":
         _check_ids(
             datum.inputs[name],
             where=f"{where}: loss_fn_inputs['target_tokens']",
@@ -183,7 +183,7 @@ def micro_batches(
     (GRPO groups), batches are packed layouts instead (see shared_prefix.py) and the budget
     counts packed positions.
     """
-    if share_prefixes and all("target_tokens" in d.inputs for d in datums):
+    if share_prefixes and datums and all("target_tokens" in d.inputs for d in datums):
         token_lists = [d.tokens_T.tolist() for d in datums]
         lengths = [len(tokens) for tokens in token_lists]
         clusters = cluster_prefixes(token_lists)
