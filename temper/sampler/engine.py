@@ -33,6 +33,7 @@ from temper.config.configurable import Configurable
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+from temper.sampler.decode_shards import DecodeShards
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape, PrefillAttention
 from temper.sampler.packed_linear import PackedDecoder, packing_available
 from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
@@ -65,6 +66,14 @@ class SamplerEngine(Configurable):
         memory again, and one pass over the weights whenever they change). 'auto' packs bf16
         weights (bitwise the same results, faster); 'on' also fp32 (faster for large
         matrices, not bitwise equal to torch's default kernel); no effect on CUDA."""
+        decode_shards: int | Literal["auto"] = "auto"
+        """CPU decode steps split their rows into this many consecutive groups that run at
+        once, one thread each with single-threaded ops (see decode_shards.py); tokens and
+        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the threads
+        generate runs on (num_threads, else torch's), each of at least
+        decode_shard_min_rows rows; 1 = never split. No effect on CUDA."""
+        decode_shard_min_rows: int = 16
+        """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
 
         def __post_init__(self) -> None:
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
@@ -86,6 +95,21 @@ class SamplerEngine(Configurable):
                 raise ValueError(
                     "SamplerEngine.Config.cpu_packed_linear must be 'auto', 'on' or 'off', got "
                     f"{self.cpu_packed_linear!r}"
+                )
+            shards = self.decode_shards
+            if shards != "auto" and (isinstance(shards, bool) or not isinstance(shards, int)):
+                raise ValueError(
+                    "SamplerEngine.Config.decode_shards must be 'auto' or an int >= 1, got "
+                    f"{shards!r}"
+                )
+            if shards != "auto" and shards < 1:
+                raise ValueError(
+                    f"SamplerEngine.Config.decode_shards must be 'auto' or >= 1, got {shards}"
+                )
+            if self.decode_shard_min_rows < 1:
+                raise ValueError(
+                    "SamplerEngine.Config.decode_shard_min_rows must be >= 1, got "
+                    f"{self.decode_shard_min_rows}"
                 )
             if self.num_threads is not None and self.num_threads < 1:
                 raise ValueError(
@@ -124,6 +148,9 @@ class SamplerEngine(Configurable):
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
         self._packed: PackedDecoder | None = None
+        self._shards = DecodeShards(
+            setting=config.decode_shards, min_rows=config.decode_shard_min_rows
+        )
 
     @property
     def model(self) -> nn.Module:
@@ -342,25 +369,39 @@ class SamplerEngine(Configurable):
     def _decode_step(self, decoder: nn.Module | PackedDecoder) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
-        tokens_B = self.slots.last_token_S[:num_rows]
         if self._static_decoder is not None:
+            tokens_B = self.slots.last_token_S[:num_rows]
             logits_BV = self._static_decoder.logits(tokens_B, positions_B)
+            draw = self._draw(range(num_rows), logits_BV)
         else:
             width = int(positions_B.max()) + 1  # attend over no more of the cache than used
-            hidden_B1D = decoder.hidden_states(
-                tokens_B[:, None],
-                positions_BT=positions_B[:, None],
-                attention=DecodeAttention(self.cache, positions_B, width=width),
-            )
-            logits_BV = decoder.logits(hidden_B1D[:, 0]).float()
+            shards = self._shards.plan(num_rows) if self.device.type == "cpu" else None
+            if shards is None or len(shards) == 1:
+                draw = self._decode_rows(range(num_rows), decoder=decoder, width=width)
+            else:
+                # Every shard attends over the whole step's width: bitwise the unsplit step.
+                draws = self._shards.map(
+                    lambda rows: self._decode_rows(rows, decoder=decoder, width=width), shards
+                )
+                draw = _Draw.concat(draws)
         positions_B += 1
-        self._draw_and_record(0, logits_BV)
+        self._record(0, draw)
 
-    def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
-        """Draw one token for slots first_slot.. (to the last active), store it, and retire
-        the sequences that are done."""
+    def _decode_rows(self, rows: range, *, decoder: nn.Module | PackedDecoder, width: int) -> _Draw:
+        """Forward and draw for active rows `rows` (slots of the same numbers)."""
+        positions_B = self.slots.positions_S[rows.start : rows.stop]
+        tokens_B = self.slots.last_token_S[rows.start : rows.stop]
+        hidden_B1D = decoder.hidden_states(
+            tokens_B[:, None],
+            positions_BT=positions_B[:, None],
+            attention=DecodeAttention(self.cache, positions_B, width=width, first_slot=rows.start),
+        )
+        return self._draw(rows, decoder.logits(hidden_B1D[:, 0]).float())
+
+    def _draw(self, rows: range, logits_BV: torch.Tensor) -> _Draw:
+        """One token for each slot in `rows` (its logits row by row), with its logprobs."""
         slots = self.slots
-        rows = slice(first_slot, slots.num_active)
+        rows = slice(rows.start, rows.stop)
         temperature_B = slots.temperature_S[rows]
         # Host-side hints: which sampling work some row needs (no device sync to find out).
         draw_mode = sampling.draw_mode(slots.greedy[rows])
@@ -371,20 +412,37 @@ class SamplerEngine(Configurable):
             top_p_B=slots.top_p_S[rows],
             sort_width=sampling.batch_sort_width(slots.sort_widths[rows]),
         )
-        counts_B = slots.num_generated_S[rows]
         if draw_mode == "greedy":
             tokens_B = logits_BV.argmax(dim=-1)
         else:
             tokens_B = sampling.draw_tokens(
                 logits_BV,
                 logprobs_BV,
-                uniforms_B=sampling.seeded_uniforms(slots.seeds_S[rows], counts_B),
+                uniforms_B=sampling.seeded_uniforms(
+                    slots.seeds_S[rows], slots.num_generated_S[rows]
+                ),
                 greedy_B=temperature_B == 0,
                 draw_mode=draw_mode,
             )
+        token_logprobs_B = sampling.gather_logprobs(logprobs_BV, tokens_B)
+        return _Draw(
+            tokens_B=tokens_B, token_logprobs_B=token_logprobs_B, logprobs_BV=[logprobs_BV]
+        )
+
+    def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
+        """Draw one token for slots first_slot.. (to the last active) and record it."""
+        self._record(first_slot, self._draw(range(first_slot, self.slots.num_active), logits_BV))
+
+    def _record(self, first_slot: int, draw: _Draw) -> None:
+        """Store the tokens drawn for slots first_slot.. (to the last active), and retire
+        the sequences that are done."""
+        slots = self.slots
+        rows = slice(first_slot, slots.num_active)
+        tokens_B = draw.tokens_B
+        counts_B = slots.num_generated_S[rows]
         slot_ids_B = torch.arange(first_slot, slots.num_active, device=self.device)
         slots.tokens_SM[slot_ids_B, counts_B] = tokens_B
-        slots.logprobs_SM[slot_ids_B, counts_B] = sampling.gather_logprobs(logprobs_BV, tokens_B)
+        slots.logprobs_SM[slot_ids_B, counts_B] = draw.token_logprobs_B
         counts_B += 1
         slots.last_token_S[rows] = tokens_B
         if any(slots.has_stop_ids[rows]):
@@ -392,6 +450,7 @@ class SamplerEngine(Configurable):
         else:
             stopped_B = torch.zeros_like(tokens_B, dtype=torch.bool)
         if self._num_python_rows:
+            logprobs_BV = torch.cat(draw.logprobs_BV)
             self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
         finished = torch.nonzero(done_B).flatten().tolist()
@@ -452,6 +511,25 @@ class SamplerEngine(Configurable):
                     f"{where}: token {token} at position {position} is outside the vocabulary; "
                     f"valid ids are 0..{self.vocab_size - 1}"
                 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Draw:
+    """A step's draw for consecutive rows: tokens, their logprobs, and the rows' sampling
+    logprobs (one [B_i, V] tensor per shard; joined only when per-token Python work needs
+    them)."""
+
+    tokens_B: torch.Tensor
+    token_logprobs_B: torch.Tensor
+    logprobs_BV: list[torch.Tensor]
+
+    @staticmethod
+    def concat(draws: Sequence[_Draw]) -> _Draw:
+        return _Draw(
+            tokens_B=torch.cat([draw.tokens_B for draw in draws]),
+            token_logprobs_B=torch.cat([draw.token_logprobs_B for draw in draws]),
+            logprobs_BV=[logprobs_BV for draw in draws for logprobs_BV in draw.logprobs_BV],
+        )
 
 
 def _token_budget_batches(

@@ -95,7 +95,9 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """One new token per row; row b is slot b and its token sits at `positions_B[b]`.
+    """One new token per row; row b is slot `first_slot + b` and its token sits at
+    `positions_B[b]`. A decode step may run as several of these over consecutive row groups
+    at once (thread shards): each writes and reads only its own slots.
 
     Keys past a row's position hold stale values from earlier occupants or prompt padding; the
     mask hides them. Attention reads only the first `width` cache positions.
@@ -109,9 +111,12 @@ class DecodeAttention:
     path, and they read a bf16 cache without an fp32 copy of it.
     """
 
-    def __init__(self, cache: KVCache, positions_B: torch.Tensor, *, width: int) -> None:
+    def __init__(
+        self, cache: KVCache, positions_B: torch.Tensor, *, width: int, first_slot: int = 0
+    ) -> None:
         self.cache = cache
         self.width = width
+        self.slots = slice(first_slot, first_slot + positions_B.shape[0])
         num_rows, num_kv_heads = positions_B.shape[0], cache.k_LSKCH.shape[2]
         device = positions_B.device
         visible_BC = torch.arange(width, device=device) <= positions_B[:, None]
@@ -119,7 +124,8 @@ class DecodeAttention:
         self.hidden_B11C = ~self.visible_B11C
         # Flat row index of (slot b, head k, position p) in a layer's [S * K * C, H] view:
         # index_copy_ on it is several times faster than two-tensor advanced indexing.
-        rows_BK = torch.arange(num_rows, device=device)[:, None] * num_kv_heads
+        slots_B = torch.arange(first_slot, first_slot + num_rows, device=device)
+        rows_BK = slots_B[:, None] * num_kv_heads
         rows_BK = rows_BK + torch.arange(num_kv_heads, device=device)[None, :]
         self.flat_index_N = (rows_BK * cache.max_seq_len + positions_B[:, None]).reshape(-1)
 
@@ -132,8 +138,8 @@ class DecodeAttention:
         new_rows = num_rows * num_kv_heads
         k_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, k_BK1H.reshape(new_rows, -1))
         v_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, v_BK1H.reshape(new_rows, -1))
-        k_BKCH = k_SKCH[:num_rows, :, : self.width]
-        v_BKCH = v_SKCH[:num_rows, :, : self.width]
+        k_BKCH = k_SKCH[self.slots, :, : self.width]
+        v_BKCH = v_SKCH[self.slots, :, : self.width]
         if q_BN1H.device.type == "cpu":
             return _grouped_attention(q_BN1H, k_BKCH, v_BKCH, hidden_B11C=self.hidden_B11C)
         return F.scaled_dot_product_attention(
