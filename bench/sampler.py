@@ -16,6 +16,10 @@ built on that kernel.
 Each case builds one random model, loads the same weights into HF, warms both up, then times
 `repeats` interleaved runs of each and keeps the medians. Prints one JSON line.
 
+Temper runs the tiny model with the engine's defaults unless told otherwise (what a user
+gets: the process's threads, decode steps unsplit); `--tiny-threads 1` is the fastest setting
+on a 2-core VM, `--decode-shards auto` splits decode steps over the threads.
+
     OMP_WAIT_POLICY=PASSIVE python bench/sampler.py [--quick] [--vocab 1024]
 """
 
@@ -93,10 +97,12 @@ def _compare(
     device: torch.device,
     repeats: int,
     num_threads: int | None,
+    decode_shards: int | str | None = None,
 ) -> dict[str, float | bool]:
     """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
+    shards = {} if decode_shards is None else {"decode_shards": decode_shards}
     engine = SamplerEngine.Config(
-        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads
+        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads, **shards
     ).build(model=ours)
     generator = torch.Generator().manual_seed(0)
     prompts_BT = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=generator)
@@ -153,6 +159,10 @@ def _compare(
     return result
 
 
+def engine_config_value(decode_shards: int | str | None) -> int | str:
+    return SamplerEngine.Config().decode_shards if decode_shards is None else decode_shards
+
+
 def run_case(
     *,
     size: str,
@@ -163,6 +173,7 @@ def run_case(
     repeats: int,
     bandwidth: float | None,
     num_threads: int | None,
+    decode_shards: int | str | None = None,
 ) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -183,6 +194,7 @@ def run_case(
             device=device,
             repeats=repeats,
             num_threads=num_threads,
+            decode_shards=decode_shards,
         )
         ours_tps = measured["temper"]
         result = {
@@ -192,6 +204,7 @@ def run_case(
             "device": device.type,
             "batch": batch,
             "temper_threads": num_threads or torch.get_num_threads(),
+            "temper_decode_shards": engine_config_value(decode_shards),
             "temper_packed_linear": measured["packed"],
             "temper_tokens_per_s": round(ours_tps, 1),
             "hf_tokens_per_s": round(measured["hf"], 1),
@@ -227,7 +240,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary of the tiny model")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--tiny-threads", type=int, default=1, help="Temper's CPU threads for the tiny model"
+        "--tiny-threads",
+        type=int,
+        default=None,
+        help="Temper's CPU threads for the tiny model (default: the engine's default, "
+        "the process's threads)",
+    )
+    parser.add_argument(
+        "--decode-shards",
+        default=None,
+        type=lambda value: value if value == "auto" else int(value),
+        help="SamplerEngine.Config.decode_shards for the tiny model ('auto' or an int; "
+        "default: the engine's default)",
     )
     args = parser.parse_args()
     cpu = torch.device("cpu")
@@ -240,6 +264,7 @@ def main() -> None:
         repeats=args.repeats,
         bandwidth=None,
         num_threads=args.tiny_threads,
+        decode_shards=args.decode_shards,
     )
     report: dict = {"bench": "sampler", "threads": torch.get_num_threads()}
     if not args.quick:

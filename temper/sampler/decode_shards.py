@@ -21,9 +21,10 @@ unsplit step on several intra-op threads is not bitwise the one-thread step eith
 GEMM hands each thread a block of rows, and a block of 1-3 rows rounds differently.)
 
 Python runs one thread at a time (the GIL), and each shard issues every op of the forward, so
-a split step pays the per-op Python and dispatch cost once per shard; the kernels run
-concurrently. It pays off once each shard has enough rows: `min_rows` (16, measured on the
-tiny Qwen3 on a 2-core VM; docs/sampler.md).
+a split step pays the per-op Python and dispatch cost once per shard, plus a GIL hand-over
+around every op; only the kernels run concurrently. On this project's shared 2-core VM a split
+step was slower than an unsplit one-thread step at every batch measured (docs/sampler.md),
+so the engine does not split unless asked (`decode_shards`).
 """
 
 from __future__ import annotations

@@ -66,12 +66,13 @@ class SamplerEngine(Configurable):
         memory again, and one pass over the weights whenever they change). 'auto' packs bf16
         weights (bitwise the same results, faster); 'on' also fp32 (faster for large
         matrices, not bitwise equal to torch's default kernel); no effect on CUDA."""
-        decode_shards: int | Literal["auto"] = "auto"
+        decode_shards: int | Literal["auto"] = 1
         """CPU decode steps split their rows into this many consecutive groups that run at
         once, one thread each with single-threaded ops (see decode_shards.py); tokens and
-        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the threads
-        generate runs on (num_threads, else torch's), each of at least
-        decode_shard_min_rows rows; 1 = never split. No effect on CUDA."""
+        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
+        threads generate runs on (num_threads, else torch's), each of at least
+        decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
+        split step was slower, docs/sampler.md). No effect on CUDA."""
         decode_shard_min_rows: int = 16
         """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
 

@@ -160,11 +160,12 @@ def test_auto_splits_by_threads_and_rows_per_shard():
 
 
 def test_auto_follows_the_engine_thread_setting(model):
-    engine = SamplerEngine.Config(max_batch=8, max_seq_len=32, num_threads=2).build(model=model)
+    auto = {"max_batch": 8, "max_seq_len": 32, "decode_shards": "auto"}
+    engine = SamplerEngine.Config(**auto, num_threads=2).build(model=model)
     engine._shards.min_rows = 4
     engine.sample([1, 2], SamplingParams(max_tokens=3, temperature=0), num_samples=8)
     assert engine._shards._workers is not None
-    one = SamplerEngine.Config(max_batch=8, max_seq_len=32, num_threads=1).build(model=model)
+    one = SamplerEngine.Config(**auto, num_threads=1).build(model=model)
     one._shards.min_rows = 4
     one.sample([1, 2], SamplingParams(max_tokens=3, temperature=0), num_samples=8)
     assert one._shards._workers is None
