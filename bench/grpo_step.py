@@ -31,10 +31,10 @@ import torch
 from temper.api import AdamParams, SamplingParams
 from temper.api.client import ServiceClient
 from temper.checkpoint.hf import save_pretrained
+from temper.config.recipes import default_recipe
 from temper.models.base_model import BaseModel
 from temper.rl.advantages import group_advantages
 from temper.rl.env import make_groups
-from temper.rl.loop_sync import RLJob
 from temper.rl.rollout import policy_datum, rollout_groups
 from temper.rl.tasks import SumDigits
 
@@ -47,7 +47,9 @@ LEARNING_RATE = 2e-4
 def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
     """Median seconds of the sample and train phases and of whole steps."""
     with tempfile.TemporaryDirectory() as storage:
-        service = ServiceClient(storage_dir=storage, sampler=RLJob.Config().sampler)
+        # The default recipe's engines (sampler, trainer), as `make demo` runs them.
+        job = default_recipe().fn()
+        service = ServiceClient(storage_dir=storage, sampler=job.sampler, trainer=job.trainer)
         training = service.create_training_client(str(model_dir))
         tokenizer, task = training.get_tokenizer(), SumDigits.Config().build()
         rng = random.Random(0)

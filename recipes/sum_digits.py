@@ -10,6 +10,13 @@ from temper.config.recipes import recipe
 from temper.rl.loop_sync import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.sft import SFTJob
+from temper.trainer import TrainerEngine
+
+
+def cpu_trainer() -> TrainerEngine.Config:
+    """For a tiny model on a CPU: its ops are too small to spread over cores, so the trainer
+    runs each call as two concurrent single-threaded shards of the datums instead."""
+    return TrainerEngine.Config(shard_threads=2)
 
 
 @recipe(
@@ -23,6 +30,7 @@ def sum_digits() -> RLJob.Config:
         group_size=8,
         learning_rate=3e-5,
         eval_every=25,
+        trainer=cpu_trainer(),
     )
 
 
@@ -38,7 +46,9 @@ def sum_digits_short_warmup() -> RLJob.Config:
 
 @recipe("Supervised only: SFT a random tiny Qwen3 on sum-of-digits (~2 min on CPU)")
 def sum_digits_sft() -> SFTJob.Config:
-    return SFTJob.Config(steps=1200, batch_size=64, learning_rate=2e-3, eval_every=100)
+    return SFTJob.Config(
+        steps=1200, batch_size=64, learning_rate=2e-3, eval_every=100, trainer=cpu_trainer()
+    )
 
 
 @recipe("A 60-step supervised sum_digits run for smoke tests (seconds on CPU)")

@@ -138,6 +138,10 @@ class RLJob(Configurable):
             )
         )
         """Console, metrics.jsonl and TensorBoard logging."""
+        trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
+        """The engine behind the training client (micro-batch budget, shared prefixes, CPU
+        thread shards). On several ranks `sharding` below applies and thread shards are off
+        (the ranks already use the cores)."""
         sharding: Sharding.Config = field(default_factory=Sharding.Config)
         """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
         torchrun); data-parallel only (tp must be 1). Unused in one process."""
@@ -156,9 +160,9 @@ class RLJob(Configurable):
         config, run_dir = self.config, Path(run_dir)
         ranks = Ranks.current()
         _check_ranks(config, ranks)  # before any model is built, on every rank alike
-        trainer = None
+        trainer = config.trainer
         if ranks.world_size > 1:
-            trainer = TrainerEngine.Config(sharding=config.sharding)
+            trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
         service = ServiceClient(
             storage_dir=run_dir / "checkpoints",
             device=config.device,

@@ -35,6 +35,7 @@ from temper.sampler import SamplerEngine
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
+from temper.trainer.engine import TrainerEngine
 from temper.trainer.schedule import warmup_cosine
 
 
@@ -104,6 +105,8 @@ class SFTJob(Configurable):
             )
         )
         """The engine behind the sampling clients (greedy held-out replies)."""
+        trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
+        """The engine behind the training client (micro-batch budget, CPU thread shards)."""
         seed: int = 0
         """Seed of the training data order (and of LoRA initialization)."""
         checkpoint_every: int = 0
@@ -156,6 +159,7 @@ class SFTJob(Configurable):
             device=config.device,
             dtype=config.dtype,
             sampler=config.sampler,
+            trainer=config.trainer,
         )
         if saved is None:
             training = self._training_client(service)

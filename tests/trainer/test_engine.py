@@ -142,14 +142,14 @@ def test_custom_loss_gradient_equals_the_built_in_one():
 def test_optim_step_is_adamw_with_the_calls_hyperparameters():
     engine = _engine()
     reference_model = _model()
-    # torch's fused AdamW, as the engine uses for plain CPU/CUDA parameters: bitwise equal.
+    # torch's foreach AdamW, as the engine uses for plain CPU/CUDA parameters: bitwise equal.
     reference = torch.optim.AdamW(
         reference_model.parameters(),
         lr=3e-3,
         betas=(0.8, 0.9),
         eps=1e-8,
         weight_decay=0.1,
-        fused=True,
+        foreach=True,
     )
     unfused_model = _model()
     unfused = torch.optim.AdamW(
