@@ -97,10 +97,16 @@ class PackedLayout:
 def packed_size(clusters: Sequence[Cluster], lengths: Sequence[int]) -> int:
     """Positions of the packed layout of these clusters (prefix and suffix rows, padded);
     `lengths` holds the token count of every datum the clusters' members index."""
-    prefix_width = max(c.prefix_len for c in clusters)
-    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
+    prefix_width, suffix_width = _widths(clusters, lengths)
     num_rows = sum(len(c.members) for c in clusters)
     return len(clusters) * prefix_width + num_rows * suffix_width
+
+
+def _widths(clusters: Sequence[Cluster], lengths: Sequence[int]) -> tuple[int, int]:
+    """(longest prefix, longest suffix) over the clusters' members."""
+    prefix_width = max(c.prefix_len for c in clusters)
+    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
+    return prefix_width, suffix_width
 
 
 def worth_packing(clusters: Sequence[Cluster], lengths: Sequence[int]) -> bool:
@@ -118,8 +124,7 @@ def pack(
     """The packed sequence for datums (their token ids) and their clusters."""
     lengths = [len(t) for t in token_lists]
     num_rows, num_clusters = len(token_lists), len(clusters)
-    prefix_width = max(c.prefix_len for c in clusters)
-    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
+    prefix_width, suffix_width = _widths(clusters, lengths)
     tokens = [pad_token_id] * (num_clusters * prefix_width + num_rows * suffix_width)
     prefix_lens_R = [0] * num_rows
     cluster_R = [0] * num_rows

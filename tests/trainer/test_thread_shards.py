@@ -30,18 +30,20 @@ def _batch(seed: int, count: int = 7) -> list[Datum]:
     data = []
     for index in range(count):
         tokens = torch.randint(0, VOCAB, (4 + (index * 5) % 11,), generator=generator).tolist()
-        advantages = torch.randn(len(tokens) - 1, generator=generator).tolist()
-        data.append(
-            Datum(
-                model_input=ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": tokens[1:],
-                    "logprobs": [-1.0] * (len(tokens) - 1),
-                    "advantages": advantages,
-                },
-            )
-        )
+        data.append(_rl_datum(tokens, generator=generator))
     return data
+
+
+def _rl_datum(tokens: list[int], *, generator: torch.Generator) -> Datum:
+    """A PPO datum with random advantages and constant sampler logprobs."""
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [-1.0] * (len(tokens) - 1),
+            "advantages": torch.randn(len(tokens) - 1, generator=generator).tolist(),
+        },
+    )
 
 
 def _grads(engine):
@@ -157,16 +159,7 @@ def test_threaded_shared_prefix_groups_match_the_single_thread_engine():
         prompt = torch.randint(0, VOCAB, (9,), generator=generator).tolist()
         for _ in range(3):
             tokens = prompt + torch.randint(0, VOCAB, (4,), generator=generator).tolist()
-            data.append(
-                Datum(
-                    model_input=ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": tokens[1:],
-                        "logprobs": [-1.0] * (len(tokens) - 1),
-                        "advantages": torch.randn(len(tokens) - 1, generator=generator).tolist(),
-                    },
-                )
-            )
+            data.append(_rl_datum(tokens, generator=generator))
     serial, threaded = _engine(shard_threads=1), _engine(shard_threads=2)
     expected = serial.forward_backward(data, "ppo")
     got = threaded.forward_backward(data, "ppo")
