@@ -153,6 +153,16 @@ class TensorData:
     def tolist(self) -> list:
         return self.to_torch().tolist()
 
+    @staticmethod
+    def concat_to_torch(values: Sequence[TensorData]) -> torch.Tensor:
+        """The values of several TensorData of one dtype, flattened and concatenated: one
+        tensor built from Python numbers instead of one per TensorData."""
+        dtypes = {value.dtype for value in values}
+        if len(dtypes) != 1:
+            raise ValueError(f"concat_to_torch needs one dtype, got {sorted(dtypes)}")
+        flat = [number for value in values for number in value.data]
+        return torch.tensor(flat, dtype=_TORCH_DTYPES[dtypes.pop()])
+
 
 def to_tensor_data(value: Any, *, name: str) -> TensorData:
     """Accept TensorData, a torch tensor, a numpy array or a (nested) list of numbers."""
@@ -182,11 +192,12 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 def _flat_numbers(values: list | tuple) -> TensorData | None:
     """A flat list of Python ints (int64) or floats (rounded to float32 as torch would, by
     `array('f')`), without a round trip through a tensor; None for anything else."""
-    if values and all(type(v) is int for v in values):
-        if all(_INT64_MIN <= v <= _INT64_MAX for v in values):
+    kinds = set(map(type, values))  # C-level passes: this runs for every datum's inputs
+    if kinds == {int}:
+        if _INT64_MIN <= min(values) and max(values) <= _INT64_MAX:
             return TensorData(data=list(values), dtype="int64", shape=(len(values),))
         return None
-    if values and all(type(v) is float for v in values):
+    if kinds == {float}:
         return TensorData(data=array("f", values).tolist(), dtype="float32", shape=(len(values),))
     return None
 

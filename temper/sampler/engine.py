@@ -285,26 +285,30 @@ class SamplerEngine(Configurable):
         return state
 
     def _admit(self, waiting: deque[RequestState]) -> None:
-        claims: list[tuple[RequestState, int]] = []  # (request, slot) of each starting sample
-        to_prefill: list[tuple[RequestState, int]] = []  # (request, slot its prompt goes to)
-        budget = self.config.max_prefill_tokens
+        starting: list[tuple[RequestState, SlotOwner]] = []  # each sample that starts now
+        prefill_rows: list[tuple[RequestState, int]] = []  # (request, its first in `starting`)
+        budget, free = self.config.max_prefill_tokens, self.slots.num_free
         for state in waiting:
-            if self.slots.num_free == 0:
+            if free == 0:
                 break
             if state.num_waiting == 0:
                 continue
             if not state.prefilled:
-                if to_prefill and len(state.prompt) > budget:
+                if prefill_rows and len(state.prompt) > budget:
                     break  # keep arrival order: later requests wait for the next round
                 budget -= len(state.prompt)
-            take = min(state.num_waiting, self.slots.num_free)
+                prefill_rows.append((state, len(starting)))
+            take = min(state.num_waiting, free)
             for _ in range(take):
-                owner = self._owner(state, sample_index=state.num_admitted)
-                slot = self.slots.claim(owner, prompt_len=len(state.prompt))
+                starting.append((state, self._owner(state, sample_index=state.num_admitted)))
                 state.num_admitted += 1
-                claims.append((state, slot))
-            if not state.prefilled:
-                to_prefill.append((state, claims[-take][1]))
+            free -= take
+        slots = self.slots.claim(
+            [owner for _, owner in starting],
+            prompt_lens=[len(state.prompt) for state, _ in starting],
+        )
+        claims = [(state, slot) for (state, _), slot in zip(starting, slots, strict=True)]
+        to_prefill = [(state, slots[first]) for state, first in prefill_rows]
         if to_prefill:
             self._prefill(to_prefill)
         self._place_prompts(claims, prefill_slots={id(s): slot for s, slot in to_prefill})
@@ -314,7 +318,7 @@ class SamplerEngine(Configurable):
             if state.num_waiting == 0:
                 state.prefix = None  # every sample has started; the copy is no longer needed
         logits_BV = torch.stack([state.first_logits_V for state, _ in claims])
-        self._draw_and_record(claims[0][1], logits_BV)
+        self._draw_and_record(slots.start, logits_BV)
 
     def _owner(self, state: RequestState, *, sample_index: int) -> SlotOwner:
         matcher = None
@@ -352,15 +356,24 @@ class SamplerEngine(Configurable):
         self, claims: list[tuple[RequestState, int]], *, prefill_slots: dict[int, int]
     ) -> None:
         """Give every newly claimed slot its prompt's cached keys/values."""
+        sources: list[int] = []
+        targets: list[int] = []
+        length = 0
         for state, slot in claims:
             source = prefill_slots.get(id(state))
             if source == slot:
                 continue
             if source is not None:
-                self.cache.copy_slot(source=source, target=slot, length=len(state.prompt))
+                sources.append(source)
+                targets.append(slot)
+                length = max(length, len(state.prompt))
             else:
                 k_LKTH, v_LKTH = state.prefix
                 self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
+        if sources:
+            # One gather for every sample of every new prompt. Positions past a shorter
+            # prompt copy padding, which decode overwrites before any query can see it.
+            self.cache.copy_slots(sources=sources, targets=targets, length=length)
         for state, slot in claims:
             if state.num_waiting and state.prefix is None:
                 state.prefix = self.cache.read_prefix(slot=slot, length=len(state.prompt))
@@ -456,10 +469,8 @@ class SamplerEngine(Configurable):
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
         finished = torch.nonzero(done_B).flatten().tolist()
         if finished:
-            stopped = stopped_B.tolist()
-            # Highest slot first, so each moved-down sequence is one that is still running.
-            for row in reversed(finished):
-                self._finish(first_slot + row, stopped=stopped[row])
+            stopped = stopped_B[finished].tolist()
+            self._finish([first_slot + row for row in finished], stopped=stopped)
 
     def _per_token_python_work(
         self,
@@ -479,24 +490,37 @@ class SamplerEngine(Configurable):
             if owner.matcher is not None and owner.matcher.push(token):
                 stopped_B[row] = True
 
-    def _finish(self, slot: int, *, stopped: bool) -> None:
+    def _finish(self, finished: list[int], *, stopped: list[bool]) -> None:
+        """Hand the sequences in slots `finished` (ascending) their results, then keep the
+        active slots a prefix: the highest running sequences move down into the freed slots
+        below the new count (their state and KV rows, in one gather each)."""
         slots = self.slots
-        owner = slots.owners[slot]
-        count = int(slots.num_generated_S[slot])
-        owner.state.sequences[owner.sample_index] = SampledSequence(
-            tokens=slots.tokens_SM[slot, :count].tolist(),
-            logprobs=slots.logprobs_SM[slot, :count].tolist(),
-            stop_reason="stop" if stopped else "length",
-            topk_logprobs=owner.topk,
-        )
-        if owner.matcher is not None or owner.topk is not None:
-            self._num_python_rows -= 1
-        last = slots.num_active - 1
-        if slot != last:
-            length = int(slots.positions_S[last])
-            self.cache.copy_slot(source=last, target=slot, length=length)
-            slots.move(source=last, target=slot)
-        slots.release_last()
+        finished_N = torch.tensor(finished, device=self.device)
+        counts = slots.num_generated_S[finished_N].tolist()
+        width = max(counts)
+        tokens = slots.tokens_SM[finished_N, :width].tolist()
+        logprobs = slots.logprobs_SM[finished_N, :width].tolist()
+        for slot, count, row_tokens, row_logprobs, row_stopped in zip(
+            finished, counts, tokens, logprobs, stopped, strict=True
+        ):
+            owner = slots.owners[slot]
+            owner.state.sequences[owner.sample_index] = SampledSequence(
+                tokens=row_tokens[:count],
+                logprobs=row_logprobs[:count],
+                stop_reason="stop" if row_stopped else "length",
+                topk_logprobs=owner.topk,
+            )
+            if owner.matcher is not None or owner.topk is not None:
+                self._num_python_rows -= 1
+        remaining = slots.num_active - len(finished)
+        holes = [slot for slot in finished if slot < remaining]
+        if holes:
+            done = set(finished)
+            movers = [slot for slot in range(remaining, slots.num_active) if slot not in done]
+            length = int(slots.positions_S[movers].max())
+            self.cache.copy_slots(sources=movers, targets=holes, length=length)
+            slots.move(sources=movers, targets=holes)
+        slots.release_last(len(finished))
 
     def _check_tokens(self, tokens: Sequence[int], *, where: str, min_len: int) -> None:
         if len(tokens) < min_len:

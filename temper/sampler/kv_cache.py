@@ -13,6 +13,7 @@ never gathers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,15 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k_LSKCH.nbytes + self.v_LSKCH.nbytes
 
-    def copy_slot(self, *, source: int, target: int, length: int) -> None:
-        """Copy the first `length` positions of one slot into another (all layers)."""
+    def copy_slots(self, *, sources: Sequence[int], targets: Sequence[int], length: int) -> None:
+        """Copy the first `length` positions of slots `sources` into `targets` (paired in
+        order, all layers) in one gather per tensor; the two must not share a slot."""
+        if len(sources) == 1:
+            source, target = slice(sources[0], sources[0] + 1), slice(targets[0], targets[0] + 1)
+        else:
+            device = self.k_LSKCH.device
+            source = torch.tensor(sources, device=device)
+            target = torch.tensor(targets, device=device)
         self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
         self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
 
@@ -94,6 +102,9 @@ class PrefillAttention:
         return causal_attention(q_BNTH, k_BKTH, v_BKTH)
 
 
+_MIN_CPU_WIDTH = 16
+
+
 class DecodeAttention:
     """One new token per row; row b is slot `first_slot + b` and its token sits at
     `positions_B[b]`. A decode step may run as several of these over consecutive row groups
@@ -114,11 +125,16 @@ class DecodeAttention:
     def __init__(
         self, cache: KVCache, positions_B: torch.Tensor, *, width: int, first_slot: int = 0
     ) -> None:
+        device = positions_B.device
+        if device.type == "cpu":
+            # torch's CPU softmax over rows shorter than 16 runs a scalar loop, ~10x slower
+            # than over 16 (measured: 123 us vs 12 us for 512 rows of 14); masked extra
+            # positions cost almost nothing.
+            width = min(max(width, _MIN_CPU_WIDTH), cache.max_seq_len)
         self.cache = cache
         self.width = width
         self.slots = slice(first_slot, first_slot + positions_B.shape[0])
         num_rows, num_kv_heads = positions_B.shape[0], cache.k_LSKCH.shape[2]
-        device = positions_B.device
         visible_BC = torch.arange(width, device=device) <= positions_B[:, None]
         self.visible_B11C = visible_BC[:, None, None, :]
         self.hidden_B11C = ~self.visible_B11C

@@ -10,6 +10,7 @@ into it (its KV rows are copied by the engine), which keeps the active slots a p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,45 +73,64 @@ class SlotTable:
     def num_free(self) -> int:
         return self.num_slots - self.num_active
 
-    def claim(self, owner: SlotOwner, *, prompt_len: int) -> int:
-        """Put a new sample in the next free slot; returns the slot."""
-        slot = self.num_active
-        self.num_active += 1
-        state, params = owner.state, owner.state.params
-        self.owners[slot] = owner
-        self.positions_S[slot] = prompt_len
-        self.num_generated_S[slot] = 0
-        self.max_new_S[slot] = state.max_new_tokens
-        self.seeds_S[slot] = state.seeds[owner.sample_index]
-        self.temperature_S[slot] = params.temperature
-        self.top_k_S[slot] = params.top_k
-        self.top_p_S[slot] = params.top_p
-        self.greedy[slot] = params.temperature == 0
-        self.sort_widths[slot] = sampling.row_sort_width(params)
-        self.has_stop_ids[slot] = bool(state.stop_token_ids)
-        stop_ids = state.stop_token_ids
-        if len(stop_ids) > self.stop_ids_SX.shape[1]:
-            extra = len(stop_ids) - self.stop_ids_SX.shape[1]
+    def claim(self, owners: Sequence[SlotOwner], *, prompt_lens: Sequence[int]) -> range:
+        """Put new samples in the next free slots, in order; returns their slots.
+
+        Each per-slot field is written for all of them at once: one op per field, however
+        many samples start (a GRPO batch starts hundreds together)."""
+        if len(owners) > self.num_free:
+            raise ValueError(f"{len(owners)} samples to start but only {self.num_free} free slots")
+        slots = range(self.num_active, self.num_active + len(owners))
+        rows = slice(slots.start, slots.stop)
+        self.num_active = slots.stop
+        self.owners[rows] = owners
+        params = [owner.state.params for owner in owners]
+        columns = (
+            (self.positions_S, prompt_lens),
+            (self.max_new_S, [owner.state.max_new_tokens for owner in owners]),
+            (self.seeds_S, [owner.state.seeds[owner.sample_index] for owner in owners]),
+            (self.temperature_S, [p.temperature for p in params]),
+            (self.top_k_S, [p.top_k for p in params]),
+            (self.top_p_S, [p.top_p for p in params]),
+        )
+        for tensor_S, values in columns:
+            tensor_S[rows] = torch.tensor(values, dtype=tensor_S.dtype)
+        self.num_generated_S[rows] = 0
+        self.greedy[rows] = [p.temperature == 0 for p in params]
+        self.sort_widths[rows] = [sampling.row_sort_width(p) for p in params]
+        stop_ids = [owner.state.stop_token_ids for owner in owners]
+        self.has_stop_ids[rows] = [bool(ids) for ids in stop_ids]
+        width = max(map(len, stop_ids), default=0)
+        if width > self.stop_ids_SX.shape[1]:
+            extra = width - self.stop_ids_SX.shape[1]
             self.stop_ids_SX = torch.nn.functional.pad(self.stop_ids_SX, (0, extra), value=-1)
-        self.stop_ids_SX[slot] = -1
-        if stop_ids:
-            self.stop_ids_SX[slot, : len(stop_ids)] = torch.tensor(stop_ids)
-        return slot
+        self.stop_ids_SX[rows] = -1
+        if width:
+            padded = [list(ids) + [-1] * (width - len(ids)) for ids in stop_ids]
+            self.stop_ids_SX[rows, :width] = torch.tensor(padded, dtype=torch.long)
+        return slots
 
-    def move(self, *, source: int, target: int) -> None:
-        """Move the sequence in `source` to `target` (state only; the engine moves the KV)."""
+    def move(self, *, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Move the sequences in `sources` to `targets` (state only; the engine moves the
+        KV). The two lists pair up in order and must not share a slot."""
+        device = self.positions_S.device
+        source_N = torch.tensor(sources, device=device)
+        target_N = torch.tensor(targets, device=device)
         for tensor in (*self._per_slot, self.stop_ids_SX):
-            tensor[target] = tensor[source]
-        count = int(self.num_generated_S[source])
-        self.tokens_SM[target, :count] = self.tokens_SM[source, :count]
-        self.logprobs_SM[target, :count] = self.logprobs_SM[source, :count]
+            tensor[target_N] = tensor[source_N]
+        count = int(self.num_generated_S[target_N].max())
+        for tensor_SM in (self.tokens_SM, self.logprobs_SM):
+            tensor_SM[target_N, :count] = tensor_SM[source_N, :count]
         for hints in (self.owners, self.greedy, self.sort_widths, self.has_stop_ids):
-            hints[target] = hints[source]
-        self.owners[source] = None
+            for source, target in zip(sources, targets, strict=True):
+                hints[target] = hints[source]
+        for source in sources:
+            self.owners[source] = None
 
-    def release_last(self) -> None:
-        self.num_active -= 1
-        self.owners[self.num_active] = None
+    def release_last(self, count: int = 1) -> None:
+        """Free the `count` highest active slots."""
+        self.num_active -= count
+        self.owners[self.num_active : self.num_active + count] = [None] * count
 
     def clear(self) -> None:
         self.num_active = 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.api.types import Datum
+from temper.api.types import Datum, TensorData
 from temper.trainer.shared_prefix import (
     Cluster,
     PackedLayout,
@@ -27,6 +27,7 @@ from temper.trainer.shared_prefix import (
 @dataclass(frozen=True)
 class PreparedDatum:
     index: int
+    tokens: list[int]
     tokens_T: torch.Tensor
     inputs: dict[str, torch.Tensor]
     """Loss inputs, each [T] (int64 target_tokens, float32 otherwise)."""
@@ -64,7 +65,8 @@ def prepare(
     if len(data) == 0:
         raise ValueError("data is empty; pass at least one Datum")
     allowed = set(required) | set(optional)
-    prepared = []
+    token_lists: list[list[int]] = []
+    columns: dict[str, list[tuple[int, TensorData]]] = {}  # name -> (datum index, values)
     for index, datum in enumerate(data):
         if not isinstance(datum, Datum):
             raise TypeError(f"datum {index}: expected a Datum, got {type(datum).__name__}")
@@ -83,7 +85,6 @@ def prepare(
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
-        inputs = {}
         for name, value in datum.loss_fn_inputs.items():
             if name not in allowed:
                 continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
@@ -92,12 +93,44 @@ def prepare(
                     f"{where}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}, but "
                     f"model_input has {length} tokens; expected [{length}]"
                 )
-            inputs[name] = _converted_input(value.to_torch(), name=name, where=where)
-        prepared.append(PreparedDatum(index=index, tokens_T=torch.tensor(tokens), inputs=inputs))
-    # Value checks run once over all datums (a few tensor ops per call, not per datum); the
-    # first bad datum is looked up only when there is one.
-    _check_values(prepared, vocab_size=vocab_size)
-    return prepared
+            columns.setdefault(name, []).append((index, value))
+        token_lists.append(tokens)
+    # Tensors are built per input name over all datums (one tensor each, split into per-datum
+    # views), and values are checked once per name; a bad datum is looked up only when there
+    # is one. A call of hundreds of datums costs a few ops, not a few per datum.
+    lengths = [len(tokens) for tokens in token_lists]
+    tokens_N = torch.tensor([token for tokens in token_lists for token in tokens])
+    inputs: list[dict[str, torch.Tensor]] = [{} for _ in data]
+    for name, entries in columns.items():
+        for index, tensor_T in _converted_column(name, entries, lengths, vocab_size=vocab_size):
+            inputs[index][name] = tensor_T
+    return [
+        PreparedDatum(index=index, tokens=tokens, tokens_T=tokens_T, inputs=inputs[index])
+        for index, (tokens, tokens_T) in enumerate(
+            zip(token_lists, tokens_N.split(lengths), strict=True)
+        )
+    ]
+
+
+def _converted_column(
+    name: str, entries: list[tuple[int, TensorData]], lengths: Sequence[int], *, vocab_size: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(datum index, checked tensor) for every datum carrying input `name`."""
+    if len({value.dtype for _, value in entries}) == 1:
+        flat = TensorData.concat_to_torch([value for _, value in entries])
+        try:
+            converted = _converted_input(flat, name=name, where="")
+        except ValueError:
+            converted = None  # found and named datum by datum below
+        if converted is not None and _valid(converted, name, vocab_size=vocab_size):
+            parts = converted.split([lengths[index] for index, _ in entries])
+            yield from zip((index for index, _ in entries), parts, strict=True)
+            return
+    for index, value in entries:
+        where = f"datum {index}"
+        tensor = _converted_input(value.to_torch(), name=name, where=where)
+        _check_one(tensor, name, where=where, vocab_size=vocab_size)
+        yield index, tensor
 
 
 def _converted_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Tensor:
@@ -108,24 +141,9 @@ def _converted_input(tensor: torch.Tensor, *, name: str, where: str) -> torch.Te
     return tensor.float()
 
 
-def _check_values(prepared: Sequence[PreparedDatum], *, vocab_size: int) -> None:
-    """Target ids inside the vocabulary and finite float inputs, for every datum."""
-    columns: dict[str, list[torch.Tensor]] = {}
-    for datum in prepared:
-        for name, tensor in datum.inputs.items():
-            columns.setdefault(name, []).append(tensor)
-    for name, tensors in columns.items():
-        if len(tensors) != len(prepared):
-            # An optional input only some datums carry: check datum by datum.
-            for datum in prepared:
-                if name in datum.inputs:
-                    _check_one(datum, name, vocab_size=vocab_size)
-            continue
-        flat = torch.cat(tensors)
-        ok = _in_vocab(flat, vocab_size) if _is_ids(name) else bool(torch.isfinite(flat).all())
-        if not ok:
-            for datum in prepared:
-                _check_one(datum, name, vocab_size=vocab_size)
+def _valid(tensor: torch.Tensor, name: str, *, vocab_size: int) -> bool:
+    """Target ids inside the vocabulary; finite values for every other input."""
+    return _in_vocab(tensor, vocab_size) if _is_ids(name) else bool(torch.isfinite(tensor).all())
 
 
 def _is_ids(name: str) -> bool:
@@ -136,16 +154,11 @@ def _in_vocab(ids: torch.Tensor, vocab_size: int) -> bool:
     return ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size)
 
 
-def _check_one(datum: PreparedDatum, name: str, *, vocab_size: int) -> None:
-    where = f"datum {datum.index}"
-    if name == "target_tokens":
-        _check_ids(
-            datum.inputs[name],
-            where=f"{where}: loss_fn_inputs['target_tokens']",
-            vocab_size=vocab_size,
-        )
+def _check_one(tensor: torch.Tensor, name: str, *, where: str, vocab_size: int) -> None:
+    if _is_ids(name):
+        _check_ids(tensor, where=f"{where}: loss_fn_inputs['target_tokens']", vocab_size=vocab_size)
     else:
-        _check_finite(datum.inputs[name], name=name, where=where)
+        _check_finite(tensor, name=name, where=where)
 
 
 def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: int) -> None:
@@ -184,7 +197,7 @@ def micro_batches(
     counts packed positions.
     """
     if share_prefixes and datums and all("target_tokens" in d.inputs for d in datums):
-        token_lists = [d.tokens_T.tolist() for d in datums]
+        token_lists = [d.tokens for d in datums]
         lengths = [len(tokens) for tokens in token_lists]
         clusters = cluster_prefixes(token_lists)
         if worth_packing(clusters, lengths):

@@ -284,12 +284,17 @@ class TrainerEngine(Configurable):
         loss_N = spec.fn(
             logprobs_N=logprobs_N, inputs=batch.flat_inputs(self.device), config=config
         )
-        losses = split_per_datum(loss_N.detach(), batch.datums)
-        for datum, logprobs_T, loss_T in zip(batch.datums, per_datum, losses, strict=True):
+        # Outputs leave as Python lists: one conversion per batch, sliced per datum.
+        logprobs = logprobs_N.detach().float().cpu().tolist()
+        losses = loss_N.detach().float().cpu().tolist()
+        start = 0
+        for datum in batch.datums:
+            end = start + len(datum.tokens)
             outputs[datum.index] = {
-                "logprobs": TensorData.from_torch(logprobs_T.detach()),
-                "elementwise_loss": TensorData.from_torch(loss_T),
+                "logprobs": _float32_data(logprobs[start:end]),
+                "elementwise_loss": _float32_data(losses[start:end]),
             }
+            start = end
         return loss_N.sum()
 
     def _run_in_threads(self, prepared, spec, config, outputs: list, backward: bool) -> float:
@@ -324,6 +329,11 @@ class TrainerEngine(Configurable):
 
     def _atomic_gradients(self) -> _GradientStash:
         return _GradientStash(self.trainable)
+
+
+def _float32_data(values: list[float]) -> TensorData:
+    """TensorData of values read from a float32 tensor (exact in float32 already)."""
+    return TensorData(data=values, dtype="float32", shape=(len(values),))
 
 
 def _custom_loss_weights(

@@ -52,6 +52,34 @@ def test_greedy_equals_full_forward_argmax_with_continuous_batching(model):
     assert len({tuple(r.sequences[0].tokens) for r in engine.generate(requests)}) > 1
 
 
+def test_many_samples_start_and_finish_together_with_slots_moving_down(model):
+    # Samples of prompts of different lengths start in one admission (one cache gather) and
+    # several finish in the same step below running ones, which then move down together.
+    engine = _engine(model, max_batch=9)
+    lengths = [3, 7, 2, 9, 5]
+    requests = [
+        SampleRequest(
+            prompt=PROMPTS[i], params=SamplingParams(max_tokens=n, temperature=0), num_samples=2
+        )
+        for i, n in zip(range(5), lengths, strict=True)
+    ]
+    seeded = [
+        SampleRequest(prompt=r.prompt, params=SamplingParams(max_tokens=n, seed=i), num_samples=2)
+        for i, (r, n) in enumerate(zip(requests, lengths, strict=True))
+    ]
+    responses = engine.generate(requests + seeded)
+    for request, response in zip(requests, responses[:5], strict=True):
+        expected = greedy_decode(model, [request.prompt], max_new_tokens=request.params.max_tokens)
+        assert [s.tokens for s in response.sequences] == [expected[0]] * 2
+    for request, response in zip(seeded, responses[5:], strict=True):
+        alone = _engine(model, max_batch=2).generate([request])[0]
+        assert [s.tokens for s in response.sequences] == [s.tokens for s in alone.sequences]
+        for a, b in zip(alone.sequences, response.sequences, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+            )
+
+
 def test_sampled_logprobs_equal_full_forward_logprobs(model):
     engine = _engine(model)
     params = SamplingParams(max_tokens=12, temperature=0.7, seed=11)
