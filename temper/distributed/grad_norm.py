@@ -58,7 +58,12 @@ def clip_grad_norm(parameters: Sequence[nn.Parameter], *, max_norm: float) -> fl
     norm = total_grad_norm([p.grad for p in with_grad])
     if not math.isinf(max_norm):
         # The same coefficient as torch's clip_grad_norm_: max_norm / (norm + 1e-6), at most 1.
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        coefficient = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        by_kind: dict[object, list[torch.Tensor]] = {}
         for parameter in with_grad:
-            parameter.grad.mul_(coefficient.to(parameter.grad.device).item())
+            grad = parameter.grad
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
+            by_kind.setdefault(key, []).append(grad)
+        for grads in by_kind.values():
+            torch._foreach_mul_(grads, coefficient)  # one multi-tensor op per kind of gradient
     return float(norm)

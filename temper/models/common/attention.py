@@ -70,7 +70,7 @@ class GroupedQueryAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
     def project_qkv(
-        self, x_BTD: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor
+        self, x_BTD: torch.Tensor, cos_B1TH: torch.Tensor, signed_sin_B1TH: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values as [B, heads, T, H], normalized and rotated."""
         B, T, _ = x_BTD.shape
@@ -80,18 +80,18 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
-        q_BNTH = apply_rope(q_BTNH.transpose(1, 2), cos_BTH, sin_BTH)
-        k_BKTH = apply_rope(k_BTKH.transpose(1, 2), cos_BTH, sin_BTH)
+        q_BNTH = apply_rope(q_BTNH.transpose(1, 2), cos_B1TH, signed_sin_B1TH)
+        k_BKTH = apply_rope(k_BTKH.transpose(1, 2), cos_B1TH, signed_sin_B1TH)
         return q_BNTH, k_BKTH, v_BTKH.transpose(1, 2)
 
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos_BTH: torch.Tensor,
-        sin_BTH: torch.Tensor,
+        cos_B1TH: torch.Tensor,
+        signed_sin_B1TH: torch.Tensor,
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        q_BNTH, k_BKTH, v_BKTH = self.project_qkv(x_BTD, cos_BTH, sin_BTH)
+        q_BNTH, k_BKTH, v_BKTH = self.project_qkv(x_BTD, cos_B1TH, signed_sin_B1TH)
         if attention is None:
             out_BNTH = causal_attention(q_BNTH, k_BKTH, v_BKTH)
         else:

@@ -98,11 +98,13 @@ class DecoderBlock(nn.Module):
     def forward(
         self,
         x_BTD: torch.Tensor,
-        cos_BTH: torch.Tensor,
-        sin_BTH: torch.Tensor,
+        cos_B1TH: torch.Tensor,
+        signed_sin_B1TH: torch.Tensor,
         attention: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        h_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_BTH, sin_BTH, attention)
+        h_BTD = x_BTD + self.attention(
+            self.attention_norm(x_BTD), cos_B1TH, signed_sin_B1TH, attention
+        )
         return h_BTD + self.feed_forward(self.ffn_norm(h_BTD))
 
 
@@ -172,7 +174,7 @@ class Decoder(nn.Module):
                 tokens_BT
             )
         x_BTD = self.embed(tokens_BT)
-        cos_BTH, sin_BTH = rope_cos_sin(
+        cos_B1TH, signed_sin_B1TH = rope_cos_sin(
             positions_BT,
             head_dim=self.config.head_dim,
             theta=self.config.rope_theta,
@@ -181,9 +183,11 @@ class Decoder(nn.Module):
         checkpointed = self.config.activation_checkpointing == "full" and torch.is_grad_enabled()
         for block in self.blocks:
             if checkpointed:
-                x_BTD = checkpoint(block, x_BTD, cos_BTH, sin_BTH, attention, use_reentrant=False)
+                x_BTD = checkpoint(
+                    block, x_BTD, cos_B1TH, signed_sin_B1TH, attention, use_reentrant=False
+                )
             else:
-                x_BTD = block(x_BTD, cos_BTH, sin_BTH, attention)
+                x_BTD = block(x_BTD, cos_B1TH, signed_sin_B1TH, attention)
         return self.norm(x_BTD)
 
     def forward(
