@@ -60,6 +60,10 @@ class ThreadShards:
                 raise error
         return [future.result() for future in futures]
 
+    def run(self, fn: Callable[[], Result]) -> Result:
+        """fn() on one worker, with its single-threaded ops; waits for the result."""
+        return self._pool.submit(fn).result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -19,8 +19,9 @@ def test_grpo_after_a_short_warmup_improves_accuracy_and_reward(tmp_path):
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     after_warmup = next(acc for step, acc in evals if step == warmup_steps - 1)
     final = evals[-1][1]
-    # Measured with this seed (runs are reproducible): 0.29 after warm-up, 0.48 after 120
-    # GRPO steps; rollout reward 0.25 over the first 15 steps, 0.32 over the last 15.
+    # Measured with this seed (runs are reproducible; rounding-level changes to kernels move
+    # the numbers): 0.31 after warm-up, 0.43 after 120 GRPO steps; rollout reward 0.22 over
+    # the first 15 steps, 0.27 over the last 15.
     assert final >= after_warmup + 0.08, evals
 
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
