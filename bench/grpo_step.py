@@ -10,10 +10,11 @@ Temper's step is the RL loop's: `save_weights_and_get_sampling_client`, `make_gr
 `rollout_groups` (the "sample" phase), then group advantages, `policy_datum`,
 `forward_backward("ppo")` and `optim_step` ("train"). TRL's "sample" phase is its
 `_generate_and_score_completions` (generate, decode, reward, advantages). Medians over
-`--steps` steps after `--warmup` steps; prints one JSON line. Without `trl` installed (the
-`bench` extra), only Temper's numbers are printed, with the reason.
+`--steps` steps after `--warmup` steps, in `--rounds` rounds that alternate which side runs
+first; the speedup is the median of the rounds' ratios. Prints one JSON line. Without `trl`
+installed (the `bench` extra), only Temper's numbers are printed, with the reason.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 20]
+    OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 10 --rounds 3]
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ NEW_TOKENS = 8
 LEARNING_RATE = 2e-4
 
 
-def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
-    """Median seconds of the sample and train phases and of whole steps."""
+def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of the sample and train phases and of whole steps, per timed step."""
     with tempfile.TemporaryDirectory() as storage:
         # The default recipe's engines (sampler, trainer), as `make demo` runs them.
         job = default_recipe().fn()
@@ -88,10 +89,10 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float
                 times["sample"].append(sampled - started)
                 times["train"].append(done - sampled)
                 times["total"].append(done - started)
-    return {f"{name}_s": round(statistics.median(values), 4) for name, values in times.items()}
+    return times
 
 
-def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
+def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[float]]:
     """The same measurement for TRL's GRPOTrainer (transformers generate on CPU)."""
     import datasets
     import transformers
@@ -160,18 +161,21 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, float]:
     assert len(step_times) == len(sample_times) == warmup + steps
     step_s, sample_s = step_times[warmup:], sample_times[warmup:]
     return {
-        "sample_s": round(statistics.median(sample_s), 4),
-        "train_s": round(
-            statistics.median(t - s for t, s in zip(step_s, sample_s, strict=True)), 4
-        ),
-        "total_s": round(statistics.median(step_s), 4),
+        "sample": sample_s,
+        "train": [t - s for t, s in zip(step_s, sample_s, strict=True)],
+        "total": step_s,
     }
+
+
+def medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {f"{name}_s": round(statistics.median(values), 4) for name, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     report: dict[str, object] = {
         "bench": "grpo_step",
@@ -180,22 +184,47 @@ def main() -> None:
         "group_size": GROUP_SIZE,
         "new_tokens": NEW_TOKENS,
         "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
     }
+    try:
+        import trl
+    except ImportError as error:
+        trl = None
+        report["trl_skipped"] = f"{error}; pip install -e '.[bench]' to compare with TRL"
+    temper: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
+    baseline: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
+    ratios = []
     with tempfile.TemporaryDirectory() as directory:
         base = BaseModel.Config(size="tiny", tokenizer="digits", seed=0).build()
         model_dir = save_pretrained(base.model, Path(directory) / "model", tokenizer=base.tokenizer)
-        report["temper"] = temper_steps(model_dir, steps=args.steps, warmup=args.warmup)
-        try:
-            import trl
-        except ImportError as error:
-            report["trl"] = None
-            report["trl_skipped"] = f"{error}; pip install -e '.[bench]' to compare with TRL"
-        else:
-            report["trl_version"] = trl.__version__
-            report["trl"] = trl_steps(model_dir, steps=args.steps, warmup=args.warmup)
-            report["speedup_vs_trl"] = round(
-                report["trl"]["total_s"] / report["temper"]["total_s"], 2
-            )
+        # Rounds alternate which side runs first, and each round's ratio compares steps timed
+        # seconds apart, so the machine's drift (a shared VM) does not favour either side.
+        for round_index in range(args.rounds):
+            runners = [("temper", temper_steps), ("trl", trl_steps)]
+            if trl is None:
+                runners = runners[:1]
+            elif round_index % 2:
+                runners.reverse()
+            this_round = {}
+            for name, run in runners:
+                this_round[name] = run(model_dir, steps=args.steps, warmup=args.warmup)
+            for phase, values in this_round["temper"].items():
+                temper[phase] += values
+            if trl is not None:
+                for phase, values in this_round["trl"].items():
+                    baseline[phase] += values
+                ratios.append(
+                    statistics.median(this_round["trl"]["total"])
+                    / statistics.median(this_round["temper"]["total"])
+                )
+    report["temper"] = medians(temper)
+    if trl is not None:
+        report["trl_version"] = trl.__version__
+        report["trl"] = medians(baseline)
+        report["speedup_per_round"] = [round(r, 2) for r in ratios]
+        report["speedup_vs_trl"] = round(statistics.median(ratios), 2)
+    else:
+        report["trl"] = None
     print(json.dumps(report))
 
 

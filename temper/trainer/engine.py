@@ -159,12 +159,7 @@ class TrainerEngine(Configurable):
         """One AdamW step on the accumulated gradients; bumps the policy version."""
         if not isinstance(params, AdamParams):
             raise TypeError(f"optim_step takes AdamParams, got {type(params).__name__}")
-        if self.thread_shards is None:
-            grad_norm = self.optimizer.step(params)
-        else:
-            # A model small enough for thread shards has parameters too small for intra-op
-            # threads too: the multi-tensor AdamW step runs twice as fast on one thread.
-            grad_norm = self.thread_shards.run(lambda: self.optimizer.step(params))
+        grad_norm = self.optimizer.step(params)
         self.policy_version += 1
         return OptimStepResponse(
             metrics={
