@@ -34,6 +34,7 @@ from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.decode_shards import DecodeShards
+from temper.sampler.fused_decoder import FusedDecoder, fusable
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape, PrefillAttention
 from temper.sampler.packed_linear import PackedDecoder, packing_available
 from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
@@ -66,6 +67,10 @@ class SamplerEngine(Configurable):
         memory again, and one pass over the weights whenever they change). 'auto' packs bf16
         weights (bitwise the same results, faster); 'on' also fp32 (faster for large
         matrices, not bitwise equal to torch's default kernel); no effect on CUDA."""
+        cpu_fused_projections: bool = True
+        """Decode fp32 models on CPU with each layer's q/k/v and gate/up projections fused
+        into one matmul each (a copy of those weights; bitwise the same results, fewer ops;
+        see fused_decoder.py). No effect on CUDA or with packed bf16 weights."""
         decode_shards: int | Literal["auto"] = 1
         """CPU decode steps split their rows into this many consecutive groups that run at
         once, one thread each with single-threaded ops (see decode_shards.py); tokens and
@@ -149,6 +154,7 @@ class SamplerEngine(Configurable):
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
         self._packed: PackedDecoder | None = None
+        self._fused: FusedDecoder | None = None
         self._shards = DecodeShards(
             setting=config.decode_shards, min_rows=config.decode_shard_min_rows
         )
@@ -180,17 +186,26 @@ class SamplerEngine(Configurable):
         if self._static_decoder is not None and self._static_decoder.model is not self.model:
             self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
 
-    def _decode_model(self) -> nn.Module | PackedDecoder:
-        """The model, or a packed twin of its current weights (re-packed after any change)."""
+    def _decode_model(self) -> nn.Module | PackedDecoder | FusedDecoder:
+        """The model, or a packed or fused twin of its current weights (rebuilt after any
+        change)."""
+        if self.device.type != "cpu":
+            return self.model
         mode = self.config.cpu_packed_linear
-        if mode == "off" or self.device.type != "cpu" or not packing_available():
-            return self.model
-        if mode == "auto" and self.dtype != torch.bfloat16:
-            return self.model
-        if self._packed is None or not self._packed.is_current_for(self.model):
-            self._packed = None  # drop the old copy before making the new one
-            self._packed = PackedDecoder(self.model, batch_hint=self.config.max_batch)
-        return self._packed
+        packs = mode == "on" or (mode == "auto" and self.dtype == torch.bfloat16)
+        if packs and packing_available():
+            if self._packed is None or not self._packed.is_current_for(self.model):
+                self._packed = None  # drop the old copy before making the new one
+                self._packed = PackedDecoder(self.model, batch_hint=self.config.max_batch)
+            return self._packed
+        if self.config.cpu_fused_projections:
+            if self._fused is None or not self._fused.is_current_for(self.model):
+                self._fused = None
+                if fusable(self.model):
+                    self._fused = FusedDecoder(self.model)
+            if self._fused is not None:
+                return self._fused
+        return self.model
 
     def _build_static_decoder(self) -> StaticDecoder | None:
         if self.config.cuda_graphs == "off" or self.device.type != "cuda":
@@ -380,7 +395,7 @@ class SamplerEngine(Configurable):
 
     # -- decoding --------------------------------------------------------------------------
 
-    def _decode_step(self, decoder: nn.Module | PackedDecoder) -> None:
+    def _decode_step(self, decoder: nn.Module | PackedDecoder | FusedDecoder) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
         if self._static_decoder is not None:
@@ -401,7 +416,9 @@ class SamplerEngine(Configurable):
         positions_B += 1
         self._record(0, draw)
 
-    def _decode_rows(self, rows: range, *, decoder: nn.Module | PackedDecoder, width: int) -> _Draw:
+    def _decode_rows(
+        self, rows: range, *, decoder: nn.Module | PackedDecoder | FusedDecoder, width: int
+    ) -> _Draw:
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]

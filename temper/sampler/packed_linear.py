@@ -56,7 +56,8 @@ def _twin(module: nn.Module, *, batch_hint: int) -> nn.Module:
     return twin
 
 
-def _fingerprint(model: nn.Module) -> tuple:
+def fingerprint(model: nn.Module) -> tuple:
+    """Identity, storage and in-place version of every parameter: changes with any update."""
     return tuple(
         (id(parameter), parameter.data_ptr(), parameter._version)
         for parameter in model.parameters()
@@ -68,7 +69,7 @@ class PackedDecoder:
 
     def __init__(self, model: nn.Module, *, batch_hint: int) -> None:
         self.model = model
-        self._fingerprint = _fingerprint(model)
+        self._fingerprint = fingerprint(model)
         self._twin = _twin(model, batch_hint=batch_hint)
         # The output projection is the embedding when tied (not an nn.Linear): pack it too.
         # With an adapter extending it, the model's own `logits` applies the adapter.
@@ -81,7 +82,7 @@ class PackedDecoder:
 
     def is_current_for(self, model: nn.Module) -> bool:
         """Whether this was packed from `model` as its weights are now."""
-        return model is self.model and _fingerprint(model) == self._fingerprint
+        return model is self.model and fingerprint(model) == self._fingerprint
 
     def hidden_states(self, tokens_BT: torch.Tensor, **kwargs) -> torch.Tensor:
         return self._twin.hidden_states(tokens_BT, **kwargs)

@@ -1,0 +1,64 @@
+"""The fused-projection decode twin: bitwise the model's own decode, rebuilt after updates,
+and not used where it cannot stand in for the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from temper.api import SamplingParams
+from temper.models import materialize, qwen3_size
+from temper.sampler.engine import SamplerEngine, SampleRequest
+from temper.sampler.fused_decoder import FusedDecoder, fusable
+from temper.trainer.lora import LoraConfig, apply_lora
+
+
+def _model(seed=3):
+    config = dataclasses.replace(qwen3_size("tiny", vocab_size=37), init_std=0.1)
+    return materialize(config, seed=seed, dtype="float32").eval()
+
+
+def _generate(model, *, fused: bool):
+    engine = SamplerEngine.Config(max_batch=16, max_seq_len=64, cpu_fused_projections=fused).build(
+        model=model
+    )
+    requests = [
+        SampleRequest(prompt=[1, 2, 3], params=SamplingParams(max_tokens=9, seed=4), num_samples=5),
+        SampleRequest(prompt=[7, 8], params=SamplingParams(max_tokens=6, temperature=0)),
+        SampleRequest(prompt=[5] * 11, params=SamplingParams(max_tokens=12, top_k=5, seed=1)),
+    ]
+    return engine, engine.generate(requests)
+
+
+def test_fused_decode_is_bitwise_the_models_own():
+    model = _model()
+    fused_engine, fused = _generate(model, fused=True)
+    assert isinstance(fused_engine._decode_model(), FusedDecoder)
+    plain_engine, plain = _generate(model, fused=False)
+    assert plain_engine._decode_model() is model
+    for a, b in zip(fused, plain, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
+
+
+def test_an_in_place_update_rebuilds_the_fused_weights():
+    model = _model()
+    engine, _ = _generate(model, fused=True)
+    first = engine._decode_model()
+    assert engine._decode_model() is first  # unchanged weights: reused
+    with torch.no_grad():
+        model.blocks[0].attention.wk.weight.mul_(1.5)
+    second = engine._decode_model()
+    assert second is not first
+    assert torch.equal(second._layers[0].w_qkv[128:192], model.blocks[0].attention.wk.weight)
+
+
+def test_only_plain_fp32_projections_are_fused():
+    assert fusable(_model())
+    assert not fusable(_model().to(torch.bfloat16))
+    lora_model = _model()
+    apply_lora(lora_model, LoraConfig(rank=4))
+    assert not fusable(lora_model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32).build(model=lora_model)
+    assert engine._decode_model() is lora_model
