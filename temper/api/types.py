@@ -194,7 +194,7 @@ def _flat_numbers(values: list | tuple) -> TensorData | None:
     `array('f')`), without a round trip through a tensor; None for anything else."""
     kinds = set(map(type, values))  # C-level passes: this runs for every datum's inputs
     if kinds == {int}:
-        if _INT64_MIN <= min(values) and max(values) <= _INT64_MAX:
+        if min(values) >= _INT64_MIN and max(values) <= _INT64_MAX:
             return TensorData(data=list(values), dtype="int64", shape=(len(values),))
         return None
     if kinds == {float}:
