@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
+from temper.models.common.decoder import Decoder
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rope import apply_rope, rope_cos_sin
 from temper.sampler.packed_linear import fingerprint
@@ -32,9 +33,11 @@ from temper.sampler.packed_linear import fingerprint
 
 def fusable(model: nn.Module) -> bool:
     """Whether `FusedDecoder` can stand in for this model's decode forward."""
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not hasattr(model, "hidden_states"):
+    # Only the common Decoder's own forward is reproduced here (a family that changes it,
+    # e.g. scaling embeddings, decodes on its own forward).
+    if not isinstance(model, Decoder) or type(model).hidden_states is not Decoder.hidden_states:
         return False
+    blocks = model.blocks
     for parameter in model.parameters():
         if parameter.dtype != torch.float32 or parameter.device.type != "cpu":
             return False
