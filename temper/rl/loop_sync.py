@@ -128,10 +128,11 @@ class RLJob(Configurable):
         """Decoded completions written to rollouts.jsonl per RL step."""
         sampler: SamplerEngine.Config = field(
             default_factory=lambda: SamplerEngine.Config(
-                max_batch=256, max_seq_len=64, num_threads=1
+                max_batch=256, max_seq_len=64, num_threads=1, cpu_processes="auto"
             )
         )
-        """The sampling engine behind the sampling clients."""
+        """The sampling engine behind the sampling clients. On CPU each rollout batch is split
+        over one process per core (`cpu_processes`), each decoding on one thread."""
         metrics: MetricsLogger.Config = field(
             default_factory=lambda: MetricsLogger.Config(
                 progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"), table_every=100
@@ -160,14 +161,15 @@ class RLJob(Configurable):
         config, run_dir = self.config, Path(run_dir)
         ranks = Ranks.current()
         _check_ranks(config, ranks)  # before any model is built, on every rank alike
-        trainer = config.trainer
-        if ranks.world_size > 1:
+        trainer, sampler = config.trainer, config.sampler
+        if ranks.world_size > 1:  # the ranks already use the cores
             trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
+            sampler = dataclasses.replace(sampler, cpu_processes=1)
         service = ServiceClient(
             storage_dir=run_dir / "checkpoints",
             device=config.device,
             dtype=config.dtype,
-            sampler=config.sampler,
+            sampler=sampler,
             trainer=trainer,
         )
         state = load_run_state(run_dir) if resume else None

@@ -19,7 +19,10 @@ results do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from temper.sampler import sampling
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.decode_shards import DecodeShards
 from temper.sampler.fused_decoder import FusedDecoder, fusable
+from temper.sampler.helper_processes import HelperProcesses
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape, PrefillAttention
 from temper.sampler.packed_linear import PackedDecoder, packing_available
 from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
@@ -80,6 +84,14 @@ class SamplerEngine(Configurable):
         split step was slower, docs/sampler.md). No effect on CUDA."""
         decode_shard_min_rows: int = 16
         """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
+        cpu_processes: int | Literal["auto"] = 1
+        """CPU generate calls split their requests over up to this many processes: the
+        engine's own and helpers started on first use, each with its own KV cache, reading
+        the same weights through shared memory (see helper_processes.py). Results are those
+        of one process. 'auto': one per core this process may run on. Only calls with at
+        least cpu_process_min_rows samples per part split. No effect on CUDA."""
+        cpu_process_min_rows: int = 16
+        """With cpu_processes > 1, the fewest samples per process worth splitting a call for."""
 
         def __post_init__(self) -> None:
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
@@ -116,6 +128,19 @@ class SamplerEngine(Configurable):
                 raise ValueError(
                     "SamplerEngine.Config.decode_shard_min_rows must be >= 1, got "
                     f"{self.decode_shard_min_rows}"
+                )
+            processes = self.cpu_processes
+            if processes != "auto" and (
+                isinstance(processes, bool) or not isinstance(processes, int) or processes < 1
+            ):
+                raise ValueError(
+                    "SamplerEngine.Config.cpu_processes must be 'auto' or an int >= 1, got "
+                    f"{processes!r}"
+                )
+            if self.cpu_process_min_rows < 1:
+                raise ValueError(
+                    "SamplerEngine.Config.cpu_process_min_rows must be >= 1, got "
+                    f"{self.cpu_process_min_rows}"
                 )
             if self.num_threads is not None and self.num_threads < 1:
                 raise ValueError(
@@ -158,6 +183,7 @@ class SamplerEngine(Configurable):
         self._shards = DecodeShards(
             setting=config.decode_shards, min_rows=config.decode_shard_min_rows
         )
+        self._helpers = self._build_helpers()
 
     @property
     def model(self) -> nn.Module:
@@ -181,8 +207,9 @@ class SamplerEngine(Configurable):
         """Sample from new weights from now on; the cache is kept, and a module of matching
         dtype and device is used in place, without a copy."""
         self.weights.update(source, version=version)
-        if self._packed is not None and self._packed.model is not self.model:
-            self._packed = None  # packed from a module no longer used
+        # Twins are rebuilt from the new weights on the next call. (Within one process they
+        # also notice in-place writes; a helper process reading shared memory cannot.)
+        self._packed = self._fused = None
         if self._static_decoder is not None and self._static_decoder.model is not self.model:
             self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
 
@@ -206,6 +233,30 @@ class SamplerEngine(Configurable):
             if self._fused is not None:
                 return self._fused
         return self.model
+
+    def _build_helpers(self) -> HelperProcesses | None:
+        processes = self.config.cpu_processes
+        if processes == "auto":
+            processes = len(os.sched_getaffinity(0))
+        if processes < 2 or self.device.type != "cpu":
+            return None
+        threads = self.config.num_threads or max(1, torch.get_num_threads() // processes)
+        helpers = HelperProcesses(
+            max_helpers=processes - 1,
+            min_rows=self.config.cpu_process_min_rows,
+            config=self.config,
+            tokenizer=self.tokenizer,
+            threads=threads,
+        )
+        weakref.finalize(self, helpers.close)
+        return helpers
+
+    def close(self) -> None:
+        """Stop the helper processes and decode threads (the engine stays usable: they
+        start again if needed)."""
+        if self._helpers is not None:
+            self._helpers.close()
+        self._shards.close()
 
     def _build_static_decoder(self) -> StaticDecoder | None:
         if self.config.cuda_graphs == "off" or self.device.type != "cuda":
@@ -234,9 +285,31 @@ class SamplerEngine(Configurable):
         )
         return self.generate([request])[0]
 
-    @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
         """Run requests to completion with continuous batching; responses in request order."""
+        parts = self._helpers.plan(requests) if self._helpers is not None else None
+        if parts is None or len(parts) == 1:
+            return self._generate_here(requests)
+        # Seed and validate everything before any part starts (see helper_processes.py).
+        requests = [self._seeded(request) for request in requests]
+        for index, request in enumerate(requests):
+            self._start(request, index)
+        return self._helpers.run(
+            [requests[part.start : part.stop] for part in parts],
+            model=self.model,
+            version=self.version,
+            local=self._generate_here,
+        )
+
+    def _seeded(self, request: SampleRequest) -> SampleRequest:
+        """The request with the seed an unsplit call would draw for it (same entropy order)."""
+        if not isinstance(request.params, SamplingParams) or request.params.seed is not None:
+            return request  # (a wrong type fails validation next)
+        params = dataclasses.replace(request.params, seed=self._entropy.getrandbits(63))
+        return dataclasses.replace(request, params=params)
+
+    @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
+    def _generate_here(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
         states = [self._start(request, index) for index, request in enumerate(requests)]
         waiting = deque(states)
         decoder = self._decode_model()
