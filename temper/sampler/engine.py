@@ -87,9 +87,10 @@ class SamplerEngine(Configurable):
         cpu_processes: int | Literal["auto"] = 1
         """CPU generate calls split their requests over up to this many processes: the
         engine's own and helpers started on first use, each with its own KV cache, reading
-        the same weights through shared memory (see helper_processes.py). Results are those
-        of one process. 'auto': one per core this process may run on. Only calls with at
-        least cpu_process_min_rows samples per part split. No effect on CUDA."""
+        the same weights through shared memory (see helper_processes.py). Tokens are those
+        of one process (logprobs to float rounding, as with any batch composition). 'auto':
+        one per core this process may run on. Only calls with at least cpu_process_min_rows
+        samples per part split. No effect on CUDA."""
         cpu_process_min_rows: int = 16
         """With cpu_processes > 1, the fewest samples per process worth splitting a call for."""
 

@@ -16,9 +16,11 @@ packed copies of the projections). A module whose tensors have new storage (anot
 or tensors replaced) is sent again. The engine decodes only while no trainer writes (the
 clients' weight lock), so a helper never reads a half-written step.
 
-Results do not depend on the split: every request is validated and given its seed before it
-is split (unseeded ones draw from the engine's entropy in request order, as an unsplit call
-does), and a seeded request's tokens do not depend on which others share its batch.
+A split call returns what an unsplit one would: every request is validated and given its
+seed before it is split (unseeded ones draw from the engine's entropy in request order, as
+an unsplit call does), and a seeded request's tokens do not depend on which others share its
+batch. Its logprobs may differ in the last bits, as with any other batch composition (a
+smaller batch can take another matmul kernel or attend over another cache width).
 
 Helpers start on first use (about 2 s each: a fresh interpreter imports torch) and are
 spawned, not forked (the parent has threads and OpenMP pools), so a script that drives such
