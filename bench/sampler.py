@@ -98,11 +98,14 @@ def _compare(
     repeats: int,
     num_threads: int | None,
     decode_shards: int | str | None = None,
+    cpu_processes: int | str | None = None,
 ) -> dict[str, float | bool]:
     """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
-    shards = {} if decode_shards is None else {"decode_shards": decode_shards}
+    options = {} if decode_shards is None else {"decode_shards": decode_shards}
+    if cpu_processes is not None:
+        options["cpu_processes"] = cpu_processes
     engine = SamplerEngine.Config(
-        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads, **shards
+        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads, **options
     ).build(model=ours)
     generator = torch.Generator().manual_seed(0)
     prompts_BT = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=generator)
@@ -174,6 +177,7 @@ def run_case(
     bandwidth: float | None,
     num_threads: int | None,
     decode_shards: int | str | None = None,
+    cpu_processes: int | str | None = None,
 ) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
@@ -195,6 +199,7 @@ def run_case(
             repeats=repeats,
             num_threads=num_threads,
             decode_shards=decode_shards,
+            cpu_processes=cpu_processes,
         )
         ours_tps = measured["temper"]
         result = {
@@ -205,6 +210,7 @@ def run_case(
             "batch": batch,
             "temper_threads": num_threads or torch.get_num_threads(),
             "temper_decode_shards": engine_config_value(decode_shards),
+            "temper_cpu_processes": cpu_processes or SamplerEngine.Config().cpu_processes,
             "temper_packed_linear": measured["packed"],
             "temper_tokens_per_s": round(ours_tps, 1),
             "hf_tokens_per_s": round(measured["hf"], 1),
@@ -253,6 +259,13 @@ def main() -> None:
         help="SamplerEngine.Config.decode_shards for the tiny model ('auto' or an int; "
         "default: the engine's default)",
     )
+    parser.add_argument(
+        "--cpu-processes",
+        default=None,
+        type=lambda value: value if value == "auto" else int(value),
+        help="SamplerEngine.Config.cpu_processes for the CPU cases ('auto' or an int; default: "
+        "the engine's default, 1)",
+    )
     args = parser.parse_args()
     cpu = torch.device("cpu")
     cases = run_case(
@@ -265,6 +278,7 @@ def main() -> None:
         bandwidth=None,
         num_threads=args.tiny_threads,
         decode_shards=args.decode_shards,
+        cpu_processes=args.cpu_processes,
     )
     report: dict = {"bench": "sampler", "threads": torch.get_num_threads()}
     if not args.quick:
@@ -279,6 +293,7 @@ def main() -> None:
             repeats=max(2, args.repeats // 2),
             bandwidth=bandwidth,
             num_threads=None,
+            cpu_processes=args.cpu_processes,
         )
         if torch.cuda.is_available():
             cuda = torch.device("cuda")

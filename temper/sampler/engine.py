@@ -237,8 +237,9 @@ class SamplerEngine(Configurable):
 
     def _build_helpers(self) -> HelperProcesses | None:
         processes = self.config.cpu_processes
-        if processes == "auto":
-            processes = len(os.sched_getaffinity(0))
+        if processes == "auto":  # the cores this process may run on (Linux), else all
+            affinity = getattr(os, "sched_getaffinity", None)
+            processes = len(affinity(0)) if affinity else os.cpu_count() or 1
         if processes < 2 or self.device.type != "cpu":
             return None
         threads = self.config.num_threads or max(1, torch.get_num_threads() // processes)
