@@ -22,23 +22,21 @@ an unsplit call does), and a seeded request's tokens do not depend on which othe
 batch. Its logprobs may differ in the last bits, as with any other batch composition (a
 smaller batch can take another matmul kernel or attend over another cache width).
 
-Helpers start on first use (about 2 s each: a fresh interpreter imports torch) and are
-spawned, not forked (the parent has threads and OpenMP pools), so a script that drives such
-an engine needs the usual `if __name__ == "__main__":` guard, as with DataLoader workers.
-A helper that cannot start, cannot take the weights, or dies is dropped with a warning, and
+Helpers start on first use (about 1-2 s each: a fresh interpreter imports torch) as plain
+child interpreters that import only this module (helper_launch.py): not forked (the parent
+has threads and OpenMP pools), and unlike multiprocessing's spawn they never re-run the
+parent's `__main__`, so scripts need no `if __name__ == "__main__":` guard. A helper that
+cannot start, cannot take the weights, or dies is dropped with a warning, and
 its share runs in the engine's own process: the call still returns the same results.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import multiprocessing
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,16 +44,11 @@ import torch.multiprocessing  # registers the tensor reductions that share stora
 from torch import nn
 
 from temper.api.types import SampleResponse
+from temper.sampler.helper_launch import ChildProcess, launch
 from temper.sampler.requests import SampleRequest
 
 if TYPE_CHECKING:
     from temper.sampler.engine import SamplerEngine
-
-
-@dataclass
-class _Helper:
-    process: BaseProcess
-    connection: Connection
 
 
 @dataclass(frozen=True)
@@ -84,7 +77,7 @@ class HelperProcesses:
         # Each helper's engine runs its share unsplit, on `threads` intra-op threads.
         self._config = replace(config, cpu_processes=1, num_threads=threads)
         self._tokenizer = tokenizer
-        self._helpers: list[_Helper] = []
+        self._helpers: list[ChildProcess] = []
         self._sent: _WeightsSent | None = None
         self._generation = 0
         self._failed = False  # after a failure, every call runs in the engine's process
@@ -118,7 +111,7 @@ class HelperProcesses:
         remote = parts[1:]
         self._grow(len(remote))
         weights = self._weights_message(model, version=version)
-        sent: list[tuple[_Helper, Sequence[SampleRequest]]] = []
+        sent: list[tuple[ChildProcess, Sequence[SampleRequest]]] = []
         leftover: list[Sequence[SampleRequest]] = []
         for helper, part in zip(self._helpers, remote, strict=False):
             try:
@@ -150,31 +143,18 @@ class HelperProcesses:
     def close(self) -> None:
         helpers, self._helpers, self._sent = self._helpers, [], None
         for helper in helpers:
-            with contextlib.suppress(OSError):
-                helper.connection.send(None)
-            helper.connection.close()
-        for helper in helpers:
-            helper.process.join(timeout=5)
-            if helper.process.is_alive():
-                helper.process.kill()
+            helper.close()
 
     def _grow(self, count: int) -> None:
-        context = multiprocessing.get_context("spawn")
         while len(self._helpers) < count and not self._failed:
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=serve,
-                args=(theirs, self._config, self._tokenizer),
-                name=f"temper-sampler-helper-{len(self._helpers)}",
-                daemon=True,
-            )
+            name = f"sampler helper process {len(self._helpers)}"
             try:
-                process.start()
-            except Exception as error:
+                helper = launch("temper.sampler.helper_processes:serve", name=name)
+                helper.connection.send((self._config, self._tokenizer))
+            except Exception as error:  # cannot start, or the config does not pickle
                 self._fail(f"could not start a helper process ({error!r})")
                 return
-            theirs.close()
-            self._helpers.append(_Helper(process=process, connection=ours))
+            self._helpers.append(helper)
             self._sent = None  # a new helper holds no weights yet
 
     def _weights_message(self, model: nn.Module, *, version: int) -> tuple | None:
@@ -244,10 +224,15 @@ def _balanced_ranges(rows: Sequence[int], num_parts: int) -> list[range]:
     return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
-def serve(connection: Connection, config: SamplerEngine.Config, tokenizer: Any) -> None:
-    """A helper process: decode each part it is sent, until told to stop or the pipe closes."""
+def serve(connection: Connection) -> None:
+    """A helper process: take the engine config and tokenizer, then decode each part it is
+    sent, until told to stop or the connection closes."""
     from temper.sampler.engine import SamplerEngine
 
+    try:
+        config, tokenizer = connection.recv()
+    except (EOFError, OSError):
+        return
     torch.set_num_threads(config.num_threads or 1)
     engine: SamplerEngine | None = None
     while True:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -165,7 +167,7 @@ def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tok
     _generate_both(single, split, requests, entropy_seed=5)  # starts the helper
     (helper,) = split._helpers._helpers
     helper.process.kill()
-    helper.process.join()
+    helper.process.wait()
     with pytest.warns(RuntimeWarning, match="helper process"):
         expected, got = _generate_both(single, split, requests, entropy_seed=6)
     _assert_same(got, expected)
@@ -209,3 +211,33 @@ def test_balanced_ranges_cover_the_requests_in_order(rows, data):
     assert [index for part in parts for index in part] == list(range(len(rows)))
     if len(set(rows)) == 1 and len(rows) % num_parts == 0:  # equal requests: equal parts
         assert {len(part) for part in parts} == {len(rows) // num_parts}
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path):
+    # Helpers import only the sampler, never the parent's __main__ (multiprocessing's spawn
+    # would run this whole script again inside the helper).
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "script.py"
+    script.write_text(
+        f"""
+from pathlib import Path
+from temper.api import SamplingParams
+from temper.models import materialize, qwen3_size
+from temper.sampler.engine import SamplerEngine, SampleRequest
+
+with Path({str(runs)!r}).open("a") as runs:
+    runs.write("ran\\n")
+model = materialize(qwen3_size("tiny", vocab_size=32), seed=0)
+engine = SamplerEngine.Config(max_batch=32, max_seq_len=16, cpu_processes=2).build(model=model)
+request = SampleRequest(prompt=[1, 2], params=SamplingParams(max_tokens=3, seed=0), num_samples=16)
+responses = engine.generate([request, request])
+assert engine._helpers.num_running == 1 and len(responses) == 2
+print("ok")
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert runs.read_text() == "ran\n"
