@@ -35,20 +35,19 @@ from temper.api.types import SampledSequence, SampleResponse, SamplingParams
 from temper.config.configurable import Configurable
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
+from temper.sampler.admission import Admission
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.decode_shards import DecodeShards
 from temper.sampler.fused_decoder import FusedDecoder, fusable
 from temper.sampler.helper_processes import HelperProcesses
-from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape, PrefillAttention
+from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
 from temper.sampler.packed_linear import PackedDecoder, packing_available
-from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
-from temper.sampler.requests import RequestState, SampleRequest
-from temper.sampler.slots import SlotOwner, SlotTable
-from temper.sampler.stopping import StopStringMatcher
+from temper.sampler.requests import SampleRequest
+from temper.sampler.slots import SlotTable
 from temper.sampler.weights import WeightSource
 
 
-class SamplerEngine(Configurable):
+class SamplerEngine(Configurable, Admission):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         max_batch: int = 64
@@ -355,118 +354,6 @@ class SamplerEngine(Configurable):
             )
             results.extend(logprobs_BT[row, : len(seq) - 1] for row, seq in enumerate(batch))
         return results
-
-    # -- admission -------------------------------------------------------------------------
-
-    def _start(self, request: SampleRequest, index: int) -> RequestState:
-        state = RequestState(
-            request,
-            index=index,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.config.max_seq_len,
-            eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            entropy=self._entropy,
-        )
-        if state.params.stop_strings and self.tokenizer is None:
-            raise ValueError(
-                f"request {index}: stop strings need a tokenizer; build the engine with "
-                "tokenizer=... or pass stop token ids"
-            )
-        return state
-
-    def _admit(self, waiting: deque[RequestState]) -> None:
-        starting: list[tuple[RequestState, SlotOwner]] = []  # each sample that starts now
-        prefill_rows: list[tuple[RequestState, int]] = []  # (request, its first in `starting`)
-        budget, free = self.config.max_prefill_tokens, self.slots.num_free
-        for state in waiting:
-            if free == 0:
-                break
-            if state.num_waiting == 0:
-                continue
-            if not state.prefilled:
-                if prefill_rows and len(state.prompt) > budget:
-                    break  # keep arrival order: later requests wait for the next round
-                budget -= len(state.prompt)
-                prefill_rows.append((state, len(starting)))
-            take = min(state.num_waiting, free)
-            for _ in range(take):
-                starting.append((state, self._owner(state, sample_index=state.num_admitted)))
-                state.num_admitted += 1
-            free -= take
-        slots = self.slots.claim(
-            [owner for _, owner in starting],
-            prompt_lens=[len(state.prompt) for state, _ in starting],
-        )
-        claims = [(state, slot) for (state, _), slot in zip(starting, slots, strict=True)]
-        to_prefill = [(state, slots[first]) for state, first in prefill_rows]
-        if to_prefill:
-            self._prefill(to_prefill)
-        self._place_prompts(claims, prefill_slots={id(s): slot for s, slot in to_prefill})
-        while waiting and waiting[0].num_waiting == 0:
-            waiting.popleft()
-        for state, _ in claims:
-            if state.num_waiting == 0:
-                state.prefix = None  # every sample has started; the copy is no longer needed
-        logits_BV = torch.stack([state.first_logits_V for state, _ in claims])
-        self._draw_and_record(slots.start, logits_BV)
-
-    def _owner(self, state: RequestState, *, sample_index: int) -> SlotOwner:
-        matcher = None
-        if state.params.stop_strings:
-            matcher = StopStringMatcher(state.params.stop_strings, tokenizer=self.tokenizer)
-        topk = [] if state.request.topk_sample_logprobs else None
-        owner = SlotOwner(state=state, sample_index=sample_index, matcher=matcher, topk=topk)
-        if matcher is not None or topk is not None:
-            self._num_python_rows += 1
-        return owner
-
-    def _prefill(self, rows: list[tuple[RequestState, int]]) -> None:
-        lengths = [len(state.prompt) for state, _ in rows]
-        tokens_BT = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
-        for row, (state, _) in enumerate(rows):
-            tokens_BT[row, : lengths[row]] = torch.tensor(state.prompt)
-        tokens_BT = tokens_BT.to(self.device)
-        slots_B = torch.tensor([slot for _, slot in rows], device=self.device)
-        model = self.model
-        hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
-        last_B = torch.tensor(lengths, device=self.device) - 1
-        last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]
-        logits_BV = model.logits(last_hidden_BD).float()
-        for row, (state, _) in enumerate(rows):
-            state.first_logits_V = logits_BV[row]
-            request, hidden_TD = state.request, hidden_BTD[row, : lengths[row]]
-            if request.prompt_logprobs or request.topk_prompt_logprobs:
-                state.prompt_logprobs = prompt_logprobs(model, hidden_TD, tokens_BT[row])
-            if request.topk_prompt_logprobs:
-                state.topk_prompt_logprobs = topk_prompt_logprobs(
-                    model, hidden_TD, k=request.topk_prompt_logprobs
-                )
-
-    def _place_prompts(
-        self, claims: list[tuple[RequestState, int]], *, prefill_slots: dict[int, int]
-    ) -> None:
-        """Give every newly claimed slot its prompt's cached keys/values."""
-        sources: list[int] = []
-        targets: list[int] = []
-        length = 0
-        for state, slot in claims:
-            source = prefill_slots.get(id(state))
-            if source == slot:
-                continue
-            if source is not None:
-                sources.append(source)
-                targets.append(slot)
-                length = max(length, len(state.prompt))
-            else:
-                k_LKTH, v_LKTH = state.prefix
-                self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
-        if sources:
-            # One gather for every sample of every new prompt. Positions past a shorter
-            # prompt copy padding, which decode overwrites before any query can see it.
-            self.cache.copy_slots(sources=sources, targets=targets, length=length)
-        for state, slot in claims:
-            if state.num_waiting and state.prefix is None:
-                state.prefix = self.cache.read_prefix(slot=slot, length=len(state.prompt))
 
     # -- decoding --------------------------------------------------------------------------
 
