@@ -121,24 +121,30 @@ class HelperProcesses:
                 self._fail(f"could not send work to a helper process ({error!r})")
                 leftover.append(part)
         leftover.extend(remote[len(sent) + len(leftover) :])
-        responses = local(parts[0])
+        try:
+            responses = local(parts[0])
+        finally:  # drained even if the local part raised, so no reply is left for a later call
+            replies = [self._reply(helper) for helper, _ in sent]
         error: BaseException | None = None
-        for helper, part in sent:
-            try:
-                status, payload = helper.connection.recv()
-            except (EOFError, OSError) as lost:
-                self._fail(f"a helper process exited ({lost!r})")
+        for (_, part), reply in zip(sent, replies, strict=True):
+            if reply is None:  # the helper is gone: decode its part here
                 responses.extend(local(part))
-                continue
-            if status == "ok":
-                responses.extend(payload)
+            elif reply[0] == "ok":
+                responses.extend(reply[1])
             else:
-                error = error or payload  # after draining every reply, so pipes stay in step
+                error = error or reply[1]
         if error is not None:
             raise error
         for part in leftover:
             responses.extend(local(part))
         return responses
+
+    def _reply(self, helper: ChildProcess) -> tuple[str, Any] | None:
+        try:
+            return helper.connection.recv()
+        except (EOFError, OSError) as lost:
+            self._fail(f"a helper process exited ({lost!r})")
+            return None
 
     def close(self) -> None:
         helpers, self._helpers, self._sent = self._helpers, [], None

@@ -241,3 +241,19 @@ print("ok")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert runs.read_text() == "ran\n"
+
+
+def test_a_failing_local_part_leaves_no_reply_behind(pair, tokenizer, monkeypatch):
+    _, single, split = pair
+    requests = _requests(tokenizer)
+
+    def interrupted(requests):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(split, "_generate_here", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        split.generate(requests)
+    monkeypatch.undo()
+    # The helpers' replies to the interrupted call were drained: this call gets its own.
+    expected, got = _generate_both(single, split, requests[::-1], entropy_seed=7)
+    _assert_same(got, expected)
