@@ -162,8 +162,13 @@ def _compare(
     return result
 
 
-def engine_config_value(decode_shards: int | str | None) -> int | str:
-    return SamplerEngine.Config().decode_shards if decode_shards is None else decode_shards
+def engine_config_value(name: str, value: int | str | None) -> int | str:
+    """The value a run used for an engine setting: `value`, else the engine's default."""
+    return getattr(SamplerEngine.Config(), name) if value is None else value
+
+
+def auto_or_int(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def run_case(
@@ -209,8 +214,8 @@ def run_case(
             "device": device.type,
             "batch": batch,
             "temper_threads": num_threads or torch.get_num_threads(),
-            "temper_decode_shards": engine_config_value(decode_shards),
-            "temper_cpu_processes": cpu_processes or SamplerEngine.Config().cpu_processes,
+            "temper_decode_shards": engine_config_value("decode_shards", decode_shards),
+            "temper_cpu_processes": engine_config_value("cpu_processes", cpu_processes),
             "temper_packed_linear": measured["packed"],
             "temper_tokens_per_s": round(ours_tps, 1),
             "hf_tokens_per_s": round(measured["hf"], 1),
@@ -255,14 +260,14 @@ def main() -> None:
     parser.add_argument(
         "--decode-shards",
         default=None,
-        type=lambda value: value if value == "auto" else int(value),
+        type=auto_or_int,
         help="SamplerEngine.Config.decode_shards for the tiny model ('auto' or an int; "
         "default: the engine's default)",
     )
     parser.add_argument(
         "--cpu-processes",
         default=None,
-        type=lambda value: value if value == "auto" else int(value),
+        type=auto_or_int,
         help="SamplerEngine.Config.cpu_processes for the CPU cases ('auto' or an int; default: "
         "the engine's default, 1)",
     )

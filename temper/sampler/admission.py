@@ -38,9 +38,7 @@ class Admission:
     model: nn.Module
     _entropy: random.Random
     _num_python_rows: int
-
-    def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
-        raise NotImplementedError  # the engine's decoding role
+    # and the engine's decoding role: _draw_and_record(first_slot, logits_BV)
 
     def _start(self, request: SampleRequest, index: int) -> RequestState:
         state = RequestState(
