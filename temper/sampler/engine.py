@@ -299,7 +299,7 @@ class SamplerEngine(Configurable, Admission):
             [requests[part.start : part.stop] for part in parts],
             model=self.model,
             version=self.version,
-            local=self._generate_here,
+            local=lambda part: self._generate_here(part, num_threads=self._helpers.threads),
         )
 
     def _seeded(self, request: SampleRequest) -> SampleRequest:
@@ -310,13 +310,17 @@ class SamplerEngine(Configurable, Admission):
         return dataclasses.replace(request, params=params)
 
     @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
-    def _generate_here(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+    def _generate_here(
+        self, requests: Sequence[SampleRequest], *, num_threads: int | None = None
+    ) -> list[SampleResponse]:
+        """Decode `requests` in this process, on `num_threads` (else the config's) threads."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
         waiting = deque(states)
         decoder = self._decode_model()
         previous_threads = torch.get_num_threads()
-        if self.config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(self.config.num_threads)
+        num_threads = num_threads or self.config.num_threads
+        if num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(num_threads)
         try:
             while waiting or self.slots.num_active:
                 if waiting and self.slots.num_free:

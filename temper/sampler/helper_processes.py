@@ -74,6 +74,9 @@ class HelperProcesses:
     ) -> None:
         self.max_helpers = max_helpers
         self.min_rows = min_rows
+        self.threads = threads
+        """Intra-op threads of each process in a split call (the engine's part too): the
+        processes share the cores."""
         # Each helper's engine runs its share unsplit, on `threads` intra-op threads.
         self._config = replace(config, cpu_processes=1, num_threads=threads)
         self._tokenizer = tokenizer

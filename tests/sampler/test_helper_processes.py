@@ -184,6 +184,32 @@ def test_small_calls_and_cuda_settings_do_not_split(pair, tokenizer):
     assert _engine(split.model, tokenizer)._helpers is None  # cpu_processes=1
 
 
+def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(
+    tokenizer, monkeypatch
+):
+    # With num_threads unset, 2 processes on 4 threads run 2 threads each: the engine's own
+    # part must not keep all 4 while its helper computes beside it.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    engine = _engine(_model(tokenizer), tokenizer, num_threads=None, cpu_processes=2)
+    seen = []
+    decode_step = engine._decode_step
+    monkeypatch.setattr(
+        engine, "_decode_step", lambda d: (seen.append(torch.get_num_threads()), decode_step(d))
+    )
+    try:
+        engine.generate(_requests(tokenizer))
+        assert engine._helpers.num_running == 1 and engine._helpers.threads == 2
+        assert set(seen) == {2}
+        assert torch.get_num_threads() == 4  # restored after the call
+        seen.clear()
+        engine.generate(_requests(tokenizer)[:1])  # not split: all the threads
+        assert set(seen) == {4}
+    finally:
+        engine.close()
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, "many"])
 def test_bad_cpu_processes_is_named(value):
     with pytest.raises(ValueError, match="cpu_processes must be 'auto' or an int >= 1"):
