@@ -184,9 +184,7 @@ def test_small_calls_and_cuda_settings_do_not_split(pair, tokenizer):
     assert _engine(split.model, tokenizer)._helpers is None  # cpu_processes=1
 
 
-def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(
-    tokenizer, monkeypatch
-):
+def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(tokenizer, monkeypatch):
     # With num_threads unset, 2 processes on 4 threads run 2 threads each: the engine's own
     # part must not keep all 4 while its helper computes beside it.
     previous = torch.get_num_threads()
@@ -273,7 +271,7 @@ def test_a_failing_local_part_leaves_no_reply_behind(pair, tokenizer, monkeypatc
     _, single, split = pair
     requests = _requests(tokenizer)
 
-    def interrupted(requests):
+    def interrupted(requests, **options):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(split, "_generate_here", interrupted)
