@@ -71,9 +71,10 @@ class SamplerEngine(Configurable, Admission):
         weights (bitwise the same results, faster); 'on' also fp32 (faster for large
         matrices, not bitwise equal to torch's default kernel); no effect on CUDA."""
         cpu_fused_projections: bool = True
-        """Decode fp32 models on CPU with each layer's q/k/v and gate/up projections fused
-        into one matmul each (a copy of those weights; bitwise the same results, fewer ops;
-        see fused_decoder.py). No effect on CUDA or with packed bf16 weights."""
+        """Decode on CPU with each layer's q/k/v and gate/up projections fused into one
+        matmul each (a copy of those weights; bitwise the same results, fewer ops; see
+        fused_decoder.py): fp32 models, and packed weights (cpu_packed_linear). No effect
+        on CUDA."""
         decode_shards: int | Literal["auto"] = 1
         """CPU decode steps split their rows into this many consecutive groups that run at
         once, one thread each with single-threaded ops (see decode_shards.py); tokens and
@@ -178,7 +179,7 @@ class SamplerEngine(Configurable, Admission):
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
-        self._packed: PackedDecoder | None = None
+        self._packed: PackedDecoder | FusedDecoder | None = None
         self._fused: FusedDecoder | None = None
         self._shards = DecodeShards(
             setting=config.decode_shards, min_rows=config.decode_shard_min_rows
@@ -220,12 +221,14 @@ class SamplerEngine(Configurable, Admission):
             return self.model
         mode = self.config.cpu_packed_linear
         packs = mode == "on" or (mode == "auto" and self.dtype == torch.bfloat16)
+        fuses = self.config.cpu_fused_projections
         if packs and packing_available():
             if self._packed is None or not self._packed.is_current_for(self.model):
                 self._packed = None  # drop the old copy before making the new one
-                self._packed = PackedDecoder(self.model, batch_hint=self.config.max_batch)
+                twin = FusedDecoder if fuses and fusable(self.model) else PackedDecoder
+                self._packed = twin(self.model, batch_hint=self.config.max_batch)
             return self._packed
-        if self.config.cpu_fused_projections:
+        if fuses and self.dtype == torch.float32:
             if self._fused is None or not self._fused.is_current_for(self.model):
                 self._fused = None
                 if fusable(self.model):

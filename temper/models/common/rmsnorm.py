@@ -13,6 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_normalize(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without a weight: computed in fp32, cast back to x's dtype
+    (what `RMSNorm` scales by its weight)."""
+    x_fp32 = x.float()
+    variance = x_fp32.pow(2).mean(-1, keepdim=True)
+    return (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
@@ -25,8 +33,4 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        input_dtype = x.dtype
-        x_fp32 = x.float()
-        variance = x_fp32.pow(2).mean(-1, keepdim=True)
-        normed = x_fp32 * torch.rsqrt(variance + self.eps)
-        return self.weight * normed.to(input_dtype)
+        return self.weight * rms_normalize(x, eps=self.eps)
