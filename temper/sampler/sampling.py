@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from temper.api.types import SamplingParams
 
@@ -265,18 +264,27 @@ def _walk_cdf(fixed_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
     """
     num_rows, vocab_size = fixed_BV.shape
     block = 1 << max(0, math.isqrt(vocab_size - 1).bit_length())  # power of two >= sqrt(V)
-    num_blocks = -(-vocab_size // block)
-    padded_BV = F.pad(fixed_BV, (0, num_blocks * block - vocab_size))
-    blocks_BNK = padded_BV.view(num_rows, num_blocks, block)
-    block_cdf_BN = blocks_BNK.sum(dim=-1).cumsum(dim=-1)
+    # Block sums without a padded copy of the vocabulary (a large fresh tensor every step):
+    # the whole blocks as a view, and the last, partial block on its own.
+    whole = vocab_size // block * block
+    block_sums_BN = fixed_BV[:, :whole].view(num_rows, -1, block).sum(dim=-1)
+    if whole < vocab_size:
+        block_sums_BN = torch.cat((block_sums_BN, fixed_BV[:, whole:].sum(-1, keepdim=True)), -1)
+    block_cdf_BN = block_sums_BN.cumsum(dim=-1)
     threshold_B1 = _threshold(uniforms_B, total_B1=block_cdf_BN[:, -1:])
     block_B1 = torch.searchsorted(block_cdf_BN, threshold_B1, right=True)
     mass_before_B1 = torch.where(
         block_B1 > 0, block_cdf_BN.gather(-1, (block_B1 - 1).clamp(min=0)), 0
     )
-    rows_B = torch.arange(num_rows, device=fixed_BV.device)
-    within_cdf_BK = blocks_BNK[rows_B, block_B1[:, 0]].cumsum(dim=-1) + mass_before_B1
-    offset_B1 = torch.searchsorted(within_cdf_BK, threshold_B1, right=True)
+    # The chosen block's tokens; positions past the vocabulary (last block) count as zero.
+    tokens_BK = block_B1 * block + torch.arange(block, device=fixed_BV.device)
+    past_end_BK = tokens_BK >= vocab_size
+    within_BK = fixed_BV.gather(-1, tokens_BK.clamp(max=vocab_size - 1)).masked_fill_(
+        past_end_BK, 0
+    )
+    offset_B1 = torch.searchsorted(
+        within_BK.cumsum(dim=-1) + mass_before_B1, threshold_B1, right=True
+    )
     return (block_B1 * block + offset_B1)[:, 0]
 
 
