@@ -7,7 +7,8 @@ the same length), group-relative advantages from a toy reward, then one `importa
 forward_backward and an AdamW optim_step on all completions. Both sides use the same tiny
 model directory (LoRA rank 16) and run in this one invocation, alternating step by step so
 that machine noise hits both alike; the server runs in a subprocess on a free port.
-Prints one JSON line: median seconds per step on each side, and server / in-process; also
+Prints one JSON line: median seconds per step on each side, and server / in-process; the
+median seconds of each phase of the step on each side (where the overhead sits); also
 the mean CPU seconds per step: of this process on the in-process side (the compute), and of
 the server process and of this process (the SDK's HTTP work) on the server side (Linux only;
 /proc counts in 10 ms ticks, hence means over all steps).
@@ -47,20 +48,27 @@ def rl_step(
     max_tokens: int,
     seed: int,
     learning_rate: float = 1e-3,
-) -> float:
-    """One GRPO-style step; returns the mean reward. `types` is tinker.types or temper.api.
+) -> tuple[float, dict[str, float]]:
+    """One GRPO-style step; returns the mean reward and the seconds of each phase. `types` is
+    tinker.types or temper.api.
 
-    Reward: the fraction of completion tokens equal to the prompt's first token.
+    Reward: the fraction of completion tokens equal to the prompt's first token. Phases:
+    `weights` (save_weights_and_get_sampling_client), `sample` (sample calls until the last
+    result), `data` (rewards, advantages, Datums), `train` (forward_backward + optim_step).
     """
+    start = time.perf_counter()
     sampler = training.save_weights_and_get_sampling_client()
     sampler = sampler.result() if hasattr(sampler, "result") else sampler  # SDK: a future
+    weights_done = time.perf_counter()
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, stop=[])
     futures = [
         sampler.sample(types.ModelInput.from_ints(prompt), group_size, params) for prompt in prompts
     ]
+    results = [future.result() for future in futures]
+    sampled = time.perf_counter()
     data, rewards = [], []
-    for prompt, future in zip(prompts, futures, strict=True):
-        sequences = future.result().sequences
+    for prompt, result in zip(prompts, results, strict=True):
+        sequences = result.sequences
         group = [sum(t == prompt[0] for t in s.tokens) / len(s.tokens) for s in sequences]
         mean = sum(group) / len(group)
         rewards += group
@@ -77,11 +85,23 @@ def rl_step(
                     },
                 )
             )
+    built = time.perf_counter()
     backward = training.forward_backward(data, "importance_sampling")
     step = training.optim_step(types.AdamParams(learning_rate=learning_rate))
     backward.result()
     step.result()
-    return sum(rewards) / len(rewards)
+    trained = time.perf_counter()
+    return sum(rewards) / len(rewards), {
+        "weights": weights_done - start,
+        "sample": sampled - weights_done,
+        "data": built - sampled,
+        "train": trained - built,
+    }
+
+
+def median_phases(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds of each phase over the steps."""
+    return {name: round(statistics.median(s[name] for s in steps), 4) for name in steps[0]}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -150,12 +170,13 @@ def main() -> None:
         )
         sides = {"in_process": (local, temper_types), "server": (remote, tinker_types)}
         times: dict[str, list[float]] = {name: [] for name in sides}
+        phases: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
         cpu: dict[str, list[float]] = {"in_process": [], "server": [], "sdk": []}
         for step in range(args.steps + 1):  # step 0 warms up both sides
             for name, (training, types) in sides.items():
                 own_cpu, server_cpu = time.process_time(), process_cpu_s(process.pid)
                 start = time.perf_counter()
-                rl_step(
+                _, step_phases = rl_step(
                     training,
                     types,
                     prompts,
@@ -166,6 +187,7 @@ def main() -> None:
                 if not step:
                     continue
                 times[name].append(time.perf_counter() - start)
+                phases[name].append(step_phases)
                 if name == "server":
                     cpu["server"].append(process_cpu_s(process.pid) - server_cpu)
                     cpu["sdk"].append(time.process_time() - own_cpu)
@@ -190,6 +212,7 @@ def main() -> None:
                 "ratio": round(server / in_process, 3),
                 "overhead_pct": round(100 * (server / in_process - 1), 1),
                 **{f"cpu_{name}_s": round(statistics.mean(v), 4) for name, v in cpu.items()},
+                **{f"phases_{name}_s": median_phases(steps) for name, steps in phases.items()},
             }
         )
     )

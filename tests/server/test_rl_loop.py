@@ -27,7 +27,9 @@ def test_grpo_loop_through_the_server_raises_the_reward(server, model_dir):
     tokenizer = training.get_tokenizer()
     prompts = [tokenizer.encode(f"{i}{(3 * i) % 10}=") for i in range(8)]
     rewards = [
-        rl_step(training, types, prompts, group_size=8, max_tokens=8, seed=step, learning_rate=5e-3)
+        rl_step(
+            training, types, prompts, group_size=8, max_tokens=8, seed=step, learning_rate=5e-3
+        )[0]
         for step in range(10)
     ]
     assert sum(rewards[-3:]) / 3 > 2 * sum(rewards[:3]) / 3
