@@ -32,6 +32,7 @@ def serve(argv: Sequence[str]) -> int:
         return 2
     from temper.checkpoint.hf import read_hf_config
     from temper.commands import serve_ranks
+    from temper.config.cli import config_registry
     from temper.distributed import launch
 
     try:
@@ -41,7 +42,8 @@ def serve(argv: Sequence[str]) -> int:
             args=args,
             prog="temper serve",
             description=f"{serve.__doc__} --nproc N: serve on N ranks (torchrun); each trains a "
-            "shard (FSDP over all ranks unless trainer.sharding:config sets degrees).",
+            "shard (FSDP over all ranks unless trainer.sharding:sharding sets degrees).",
+            registry=config_registry(),
         )
     except SystemExit as exit_:
         return int(exit_.code or 0)

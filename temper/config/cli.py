@@ -20,7 +20,7 @@ import pathlib
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Protocol
 
 import tyro
@@ -208,14 +208,21 @@ def override_config(config: Any, *, args: Sequence[str], prog: str) -> Any:
         prog=prog,
         description=TRAIN_USAGE,
         use_underscores=True,
-        registry=_config_registry(),
-        # Enums by value, as config.json writes them; booleans as `--flag True`.
-        config=(tyro.conf.FlagConversionOff, tyro.conf.EnumChoicesFromValues),
+        registry=config_registry(),
+        # Enums by value, as config.json writes them; booleans as `--flag True`. Cascading
+        # lets a root flag follow a union subcommand (`task:arithmetic --steps 3`) and a
+        # subcommand's flag select the default member (`--task.max_digits 3` alone).
+        config=(
+            tyro.conf.FlagConversionOff,
+            tyro.conf.EnumChoicesFromValues,
+            tyro.conf.CascadeSubcommandArgs,
+        ),
     )
 
 
-def _config_registry() -> tyro.constructors.ConstructorRegistry:
-    """tyro rules that name union subcommands after the owner (`optimizer:adam`).
+def config_registry() -> tyro.constructors.ConstructorRegistry:
+    """tyro rules for config classes: union subcommands named after the owner
+    (`optimizer:adam`), and field docstrings as flowing help text.
 
     tyro names a subcommand after the class, and every config class is called `Config`, so
     `Adam.Config | Sgd.Config` would give two `optimizer:config` and one would shadow the other.
@@ -237,11 +244,30 @@ def _config_registry() -> tyro.constructors.ConstructorRegistry:
         if not isinstance(spec, tyro.constructors.StructConstructorSpec):
             return spec
         fields = [
-            dataclasses.replace(field, type=_named_union(field.type)) for field in spec.fields
+            dataclasses.replace(
+                field, type=_named_union(field.type), helptext=_flowing(field.helptext)
+            )
+            for field in spec.fields
         ]
         return dataclasses.replace(spec, fields=tuple(fields))
 
     return registry
+
+
+def _flowing(helptext: str | Callable[[], str | None] | None) -> Any:
+    """Help text with a docstring's line breaks joined (blank lines still part paragraphs).
+
+    tyro keeps a break before every line that does not start with a letter, and the
+    continuation lines of a field docstring start with its indentation, so `--help` would
+    break each sentence where the source does. A callable (tyro parses docstrings lazily)
+    stays lazy.
+    """
+    if callable(helptext):
+        return lambda: _flowing(helptext())
+    if helptext is None:
+        return None
+    paragraphs = re.split(r"\n\s*\n", helptext)
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
 
 
 def _named_union(tp: Any) -> Any:

@@ -32,7 +32,8 @@ class DummyModel(Configurable):
         width: int = 8
         """Hidden width of the dummy model."""
         dropout: float = 0.0
-        """Dropout probability."""
+        """Dropout probability, applied after every
+        block of the dummy model."""
 
 
 class DummyAdam(Configurable):
@@ -184,6 +185,30 @@ def test_union_of_configs_is_a_subcommand_named_after_the_owner(tmp_path: pathli
     config = load_config(run_dir / "config.json").config
     assert config.optimizer == DummySgd.Config(momentum=0.5)
     assert config.precision is Precision.BF16
+
+
+def test_root_flags_may_follow_a_subcommand_and_its_flags_select_the_default(
+    tmp_path: pathlib.Path,
+) -> None:
+    argv = ["optimizer:dummy-sgd", "--optimizer.momentum", "0.5", "--num_steps", "9"]
+    assert main(["train", SPEC, "--run-dir", str(tmp_path / "a"), *argv]) == 0
+    config = load_config(tmp_path / "a" / "config.json").config
+    assert config.optimizer == DummySgd.Config(momentum=0.5) and config.num_steps == 9
+    # A member's flag without its subcommand applies to the default member.
+    argv = ["--optimizer.learning_rate", "0.5", "--mode", "slow"]
+    assert main(["train", SPEC, "--run-dir", str(tmp_path / "b"), *argv]) == 0
+    config = load_config(tmp_path / "b" / "config.json").config
+    assert config.optimizer == DummyAdam.Config(learning_rate=0.5) and config.mode == "slow"
+
+
+def test_help_joins_the_lines_of_a_field_docstring(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", SPEC, "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # One line at this width, not broken where the docstring's source line ends.
+    assert any(
+        "Dropout probability, applied after every block of the dummy model." in line
+        for line in lines
+    )
 
 
 def test_config_file_reproduces_run_and_accepts_overrides(tmp_path: pathlib.Path) -> None:
