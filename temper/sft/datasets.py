@@ -55,6 +55,12 @@ def _parse_line(line: str, where: str) -> tuple[Message, ...]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
+        if error.pos >= len(line.rstrip()):
+            # json counts the line's newline as a line of its own and would say "column 1".
+            raise ValueError(
+                f"{where}: malformed JSON (the line ends before the JSON value does); each "
+                "conversation must be a whole JSON object on one line"
+            ) from None
         raise ValueError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
     if not isinstance(record, dict) or "messages" not in record:
         raise ValueError(f'{where}: expected an object with a "messages" list')

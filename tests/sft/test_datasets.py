@@ -54,6 +54,16 @@ def test_bad_lines_are_errors_naming_file_and_line(tmp_path, bad_line, message):
         load_conversations(path)
 
 
+def test_a_conversation_spread_over_lines_is_an_error_saying_so(tmp_path):
+    # The pretty-printed layout of docs/sft.md's example, pasted as is.
+    pretty = json.dumps(GOOD, indent=2).splitlines()
+    with pytest.raises(ValueError, match=r"d\.jsonl:1: .*must be a whole JSON object on one line"):
+        load_conversations(write_lines(tmp_path / "d.jsonl", pretty))
+    # An error inside a line still names its column.
+    with pytest.raises(ValueError, match=r"d\.jsonl:1: malformed JSON \(Expecting .* column 2\)"):
+        load_conversations(write_lines(tmp_path / "d.jsonl", ["{x: 1}"]))
+
+
 def test_empty_file_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="holds no conversations"):
         load_conversations(write_lines(tmp_path / "d.jsonl", [""]))
