@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,12 +195,12 @@ class ServiceClient:
             "user_metadata": dict(user_metadata or {}),
         }
         if engine.sharding is None:
-            self.storage.write_run(run_id, info)
+            self._claim_run(run_id, info)
         else:
             # The ranks write one run's checkpoints together, so they need one run id: rank 0's
             # (it writes run.json; the others wait until it is there).
             def write_run() -> str:
-                self.storage.write_run(run_id, info)
+                self._claim_run(run_id, info)
                 return run_id
 
             run_id = Ranks.of_default_group().on_writer(write_run)
@@ -211,6 +211,24 @@ class ServiceClient:
             engine=engine,
             tokenizer=base.tokenizer,
         )
+
+    def _claim_run(self, run_id: str, info: dict[str, Any]) -> None:
+        """Write the run's run.json; an existing run of another base model or LoRA config is
+        refused, since its checkpoints would then be read as this client's."""
+        try:
+            existing = self.storage.read_run(run_id)
+        except FileNotFoundError:
+            existing = None
+        if existing is not None and (existing["base_model"], existing["lora"]) != (
+            info["base_model"],
+            info["lora"],
+        ):
+            raise ValueError(
+                f"run_id {run_id!r} exists already with base model {existing['base_model']!r} "
+                f"and LoRA {existing['lora']}, but this client trains {info['base_model']!r} "
+                f"with LoRA {info['lora']}; choose another run_id"
+            )
+        self.storage.write_run(run_id, info)
 
     def _from_state(
         self, path: str, *, with_optimizer: bool, run_id: str | None = None
@@ -267,7 +285,7 @@ class TrainingClient:
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         return self._worker.submit(
-            self.engine.forward_backward, list(data), loss_fn, loss_fn_config
+            self.engine.forward_backward, _datum_list(data), loss_fn, loss_fn_config
         )
 
     def forward(
@@ -276,12 +294,17 @@ class TrainingClient:
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self._worker.submit(self.engine.forward, list(data), loss_fn, loss_fn_config)
+        return self._worker.submit(self.engine.forward, _datum_list(data), loss_fn, loss_fn_config)
 
     def forward_backward_custom(
         self, data: Sequence[Datum], loss_fn: CustomLossFn
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self._worker.submit(self.engine.forward_backward_custom, list(data), loss_fn)
+        if not callable(loss_fn):
+            raise TypeError(
+                "forward_backward_custom: loss_fn must be a function (data, logprobs) -> "
+                f"(loss, metrics), got {type(loss_fn).__name__}"
+            )
+        return self._worker.submit(self.engine.forward_backward_custom, _datum_list(data), loss_fn)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self._worker.submit(self._optim_step, adam_params)
@@ -295,12 +318,10 @@ class TrainingClient:
 
     def load_state(self, path: str) -> APIFuture[LoadWeightsResponse]:
         """Weights from a `save_state` checkpoint; the optimizer starts fresh."""
-        parsed, _ = self.service.storage.existing(path)
-        return self._worker.submit(self._load_state, parsed, with_optimizer=False)
+        return self._worker.submit(self._load_state, self._train_state(path), with_optimizer=False)
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[LoadWeightsResponse]:
-        parsed, _ = self.service.storage.existing(path)
-        return self._worker.submit(self._load_state, parsed, with_optimizer=True)
+        return self._worker.submit(self._load_state, self._train_state(path), with_optimizer=True)
 
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
         """Sampler weights under `tinker://<model_id>/sampler_weights/<name>`."""
@@ -361,6 +382,15 @@ class TrainingClient:
     ) -> SamplingClient:
         return self.save_weights_and_get_sampling_client(name)
 
+    def _train_state(self, path: str) -> CheckpointPath:
+        parsed, _ = self.service.storage.existing(path)
+        if parsed.kind != "weights":
+            raise ValueError(
+                f"{path} is a {parsed.kind} checkpoint; load_state takes "
+                f"tinker://<run>/weights/<name> (from save_state)"
+            )
+        return parsed
+
     # -- run on the worker ------------------------------------------------------------------
 
     def _save_state(self, path: CheckpointPath, overwrite: bool) -> SaveWeightsResponse:
@@ -385,15 +415,16 @@ class TrainingClient:
             )
         engine = self.engine
         with self._changing_weights():
-            engine.zero_grad()
-            if not with_optimizer:
-                engine.reset_optimizer()
             metadata = load_train_state(
                 self.service.storage.directory(path),
                 model=engine.model,
                 optimizer=engine.optimizer.torch_optimizer if with_optimizer else None,
                 trainable_only=engine.lora is not None,
             )
+            # Only once the load succeeded: a failed one leaves gradients and moments as they were.
+            engine.zero_grad()
+            if not with_optimizer:
+                engine.reset_optimizer()
             engine.policy_version = int(metadata["policy_version"])
         return LoadWeightsResponse(path=str(path))
 
@@ -475,3 +506,10 @@ class TrainingClient:
         engine = self.service.sampler_config.build(model=copy, tokenizer=self.tokenizer)
         engine.update_weights(model.state_dict(), version=self.engine.policy_version)
         return engine
+
+
+def _datum_list(data: Iterable[Datum]) -> list[Datum]:
+    """`data` as a list (each item is checked by the engine)."""
+    if isinstance(data, Datum | str | Mapping) or not isinstance(data, Iterable):
+        raise TypeError(f"data must be a list of Datum, got {type(data).__name__}")
+    return list(data)

@@ -48,6 +48,14 @@ class SamplingClient:
     ) -> APIFuture[SampleResponse]:
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
+        counts = {
+            "num_samples": num_samples,
+            "topk_prompt_logprobs": topk_prompt_logprobs,
+            "topk_sample_logprobs": topk_sample_logprobs,
+        }
+        for name, value in counts.items():  # the engine checks their ranges
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         request = SampleRequest(
             prompt=prompt.to_ints(),
             params=sampling_params or SamplingParams(),
@@ -63,7 +71,19 @@ class SamplingClient:
         """Logprob of each prompt token given the ones before it (None for the first)."""
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
-        return self._worker.submit(self._compute_logprobs, prompt.to_ints())
+        tokens = prompt.to_ints()
+        if not tokens:
+            raise ValueError("compute_logprobs: prompt is empty; it needs at least one token")
+        # One token needs no forward pass, so the engine never sees it: check it here.
+        if len(tokens) == 1:
+            vocab_size = self.engine.vocab_size
+            if not 0 <= tokens[0] < vocab_size:
+                raise ValueError(
+                    f"compute_logprobs: prompt token {tokens[0]} at position 0 is outside the "
+                    f"vocabulary; valid ids are 0..{vocab_size - 1}"
+                )
+            return self._worker.submit(lambda: [None])
+        return self._worker.submit(self._compute_logprobs, tokens)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -83,8 +103,6 @@ class SamplingClient:
             return engine.generate(requests)
 
     def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
-        if len(tokens) < 2:
-            return [None] * len(tokens)
         with self._reading() as engine:
             return [None, *engine.score([tokens])[0].tolist()]
 

@@ -9,6 +9,7 @@ numpy arrays or lists are converted to `TensorData` when a `Datum` is made.
 from __future__ import annotations
 
 import math
+import numbers
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,12 @@ import torch
 StopReason = Literal["stop", "length"]
 TopkLogprobs = list[tuple[int, float]]
 """The k most likely (token id, logprob) pairs at one position, most likely first."""
+
+
+def _check_number(value: object, *, field: str) -> None:
+    """A real number (int, float, numpy scalar); bool is an int but never meant as one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{field} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +54,8 @@ class SamplingParams:
             raise TypeError(f"max_tokens must be an int or None, got {self.max_tokens!r}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (or None), got {self.max_tokens}")
+        _check_number(self.temperature, field="temperature")
+        _check_number(self.top_p, field="top_p")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
@@ -254,6 +263,9 @@ class Datum:
         object.__setattr__(self, "loss_fn_inputs", converted)
 
 
+_ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
 @dataclass(frozen=True, kw_only=True)
 class AdamParams:
     """One AdamW step's hyperparameters (Tinker defaults)."""
@@ -268,6 +280,8 @@ class AdamParams:
     """Clip the global gradient norm to this first; 0 disables clipping."""
 
     def __post_init__(self) -> None:
+        for name in _ADAM_FIELDS:  # before comparing: "1e-3" >= 0 raises an unhelpful error
+            _check_number(getattr(self, name), field=f"AdamParams.{name}")
         checks = {
             "learning_rate": self.learning_rate >= 0,
             "beta1": 0 <= self.beta1 < 1,

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -75,7 +76,7 @@ def save_train_state(
     if not _no_dist():
         _save_on_all_ranks(directory, state=state, metadata_text=metadata_text)
         return directory
-    with staged_directory(directory) as staging, _single_process_quiet():
+    with staged_directory(directory) as staging, _single_process_quiet(), _plain_errors():
         torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging), no_dist=True)
         _write_synced(staging / METADATA_FILE, metadata_text)
     return directory
@@ -87,7 +88,8 @@ def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text:
     if dist.get_rank() != 0:
         staging = Path(_from_rank0(None, None))
         try:
-            torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+            with _plain_errors():
+                torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
         finally:
             _from_rank0(None, None)
         return
@@ -96,7 +98,8 @@ def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text:
         with staged_directory(directory) as staging:
             _from_rank0(str(staging), None)
             sent_staging = True
-            torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+            with _plain_errors():
+                torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
             _write_synced(staging / METADATA_FILE, metadata_text)
     except Exception as error:
         if not sent_staging:
@@ -139,7 +142,7 @@ def load_train_state(
             model, optimizer, options=options, saved=saved, directory=directory
         )
 
-    with _single_process_quiet():
+    with _single_process_quiet(), _plain_errors():
         torch_dcp.load(
             state, storage_reader=torch_dcp.FileSystemReader(directory), no_dist=_no_dist()
         )
@@ -256,6 +259,20 @@ def _tensor_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
 
 def _no_dist() -> bool:
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """Re-raise DCP's CheckpointException as the error behind it (e.g. FileNotFoundError for
+    a missing shard file): CheckpointException derives from BaseException, so `except
+    Exception` handlers (a server's, a worker's) would let it through."""
+    try:
+        yield
+    except CheckpointException as error:
+        causes = [cause for cause, _ in error.failures.values() if isinstance(cause, Exception)]
+        if not causes:
+            raise
+        raise causes[0] from None
 
 
 @contextlib.contextmanager

@@ -344,15 +344,47 @@ def _custom_loss_weights(
     if not data:
         return torch.zeros(()), {}, []
     leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
-    loss, metrics = loss_fn(list(data), leaves)
+    result = loss_fn(list(data), leaves)
+    # Everything is checked before the backward pass, so a bad result changes no gradient.
+    where = "forward_backward_custom: loss_fn"
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(f"{where} must return (loss, metrics), got {type(result).__name__}")
+    loss, metrics = result
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        raise TypeError("forward_backward_custom: loss_fn must return (0-d tensor, metrics)")
+        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else list(loss.shape)
+        raise TypeError(f"{where} must return a 0-d tensor as its loss, got {got}")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{where} returned a loss that does not depend on the logprobs it was given "
+            "(requires_grad=False); compute it from those tensors, without .detach()"
+        )
+    if not bool(torch.isfinite(loss)):
+        raise ValueError(f"{where} returned a non-finite loss ({loss.item()})")
+    metrics = _float_metrics(metrics, where=where)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     weights = [
         torch.zeros_like(leaf) if grad is None else grad.detach()
         for leaf, grad in zip(leaves, grads, strict=True)
     ]
+    for index, weights_T in enumerate(weights):
+        if not bool(torch.isfinite(weights_T).all()):
+            raise ValueError(
+                f"{where}: the loss's gradient with respect to datum {index}'s logprobs is "
+                "not finite"
+            )
     return loss, metrics, weights
+
+
+def _float_metrics(metrics: object, *, where: str) -> dict[str, float]:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{where} must return its metrics as a dict, got {type(metrics).__name__}")
+    converted = {}
+    for key, value in metrics.items():
+        try:
+            converted[str(key)] = float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
+            raise TypeError(f"{where}: metrics[{key!r}] must be a number, got {value!r}") from None
+    return converted
 
 
 class _GradientStash:
