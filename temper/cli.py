@@ -121,7 +121,19 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         print(f"temper train: error: {error}", file=sys.stderr)
         _remove_if_only_config(invocation.run_dir)
         return 1
+    except KeyboardInterrupt:
+        return _interrupted(invocation.run_dir)
     return 0
+
+
+def _interrupted(run_dir: pathlib.Path) -> int:
+    """Ctrl-C during a run: how to continue it instead of a traceback; 130 as shells use."""
+    print(
+        f"\ntemper train: interrupted; `temper train --resume {run_dir}` continues from the "
+        "run's last full-state checkpoint (saved every `checkpoint_every` steps)",
+        file=sys.stderr,
+    )
+    return 130
 
 
 def _remove_if_only_config(run_dir: pathlib.Path) -> None:
@@ -189,6 +201,8 @@ def _resume(invocation: config_cli.TrainInvocation) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"temper train: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return _interrupted(invocation.run_dir)
     return 0
 
 

@@ -56,7 +56,8 @@ class MetricsLogger(Configurable):
     class Config(Configurable.Config):
         display: Display = "progress"
         """Console output: 'progress' (a progress bar plus a table every `table_every` steps),
-        'table' (tables only) or 'none' (silent, also for `summary()`)."""
+        'table' (tables only) or 'none' (no progress bar, tables or `summary()`; a job's own
+        few lines, such as the paths it wrote, still print)."""
 
         table_every: int = 10
         """Steps between console tables of the latest metric values; 0 turns tables off."""
@@ -164,8 +165,12 @@ class MetricsLogger(Configurable):
         if self.config.display != "none":
             self.console.print(summary_panel(columns, title=title))
 
-    def close(self) -> None:
-        """Stop the progress bar and flush and close the files; safe to call twice."""
+    def close(self, *, warn_unlogged: bool = True) -> None:
+        """Stop the progress bar and flush and close the files; safe to call twice.
+
+        `warn_unlogged`: warn about `progress_keys` never logged (a misspelled name); off when
+        a run stops early (an exception, Ctrl-C), before it could log them.
+        """
         if self._closed:
             return
         self._closed = True
@@ -176,7 +181,7 @@ class MetricsLogger(Configurable):
         if self._tensorboard_writer is not None:
             self._tensorboard_writer.close()
         never_logged = [key for key in self.config.progress_keys if key not in self._latest]
-        if never_logged and self._last_step is not None:
+        if never_logged and warn_unlogged and self._last_step is not None:
             warnings.warn(
                 f"MetricsLogger.Config.progress_keys {never_logged} were never logged "
                 f"(logged names: {sorted(self._latest)})",
@@ -186,8 +191,8 @@ class MetricsLogger(Configurable):
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.close(warn_unlogged=exc_type is None)
 
     def _write_sinks(self, step: int, values: dict[str, float]) -> None:
         now = time.time()

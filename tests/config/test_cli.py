@@ -92,6 +92,27 @@ def dummy_recipe() -> DummyJob.Config:
 SPEC = f"{__name__}:dummy_recipe"
 
 
+class InterruptedJob(Configurable):
+    """A job stopped by Ctrl-C after writing its first file."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        num_steps: int = 3
+        """Number of dummy steps."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def run(self, *, run_dir: pathlib.Path, resume: bool = False) -> None:
+        (run_dir / "started").write_text("")
+        raise KeyboardInterrupt
+
+
+def interrupted_recipe() -> InterruptedJob.Config:
+    """A run interrupted with Ctrl-C."""
+    return InterruptedJob.Config()
+
+
 @pytest.fixture(autouse=True)
 def wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     # tyro wraps help text to the terminal width; keep docstrings on one line.
@@ -209,6 +230,17 @@ def test_help_joins_the_lines_of_a_field_docstring(capsys: pytest.CaptureFixture
         "Dropout probability, applied after every block of the dummy model." in line
         for line in lines
     )
+
+
+def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", f"{__name__}:interrupted_recipe", "--run-dir", str(run_dir)]) == 130
+    assert f"interrupted; `temper train --resume {run_dir}`" in capsys.readouterr().err
+    assert (run_dir / "started").exists()  # the run directory is kept for --resume
+    assert main(["train", "--resume", str(run_dir)]) == 130
+    assert f"--resume {run_dir}" in capsys.readouterr().err
 
 
 def test_config_file_reproduces_run_and_accepts_overrides(tmp_path: pathlib.Path) -> None:

@@ -224,6 +224,19 @@ def test_unused_progress_key_is_warned_at_close(tmp_path: Path) -> None:
     assert len(caught) == 1 and "'eval/acc'" in str(caught[0].message)
 
 
+def test_a_run_stopped_early_is_not_warned_about_keys_it_had_no_time_to_log(
+    tmp_path: Path,
+) -> None:
+    config = quiet_config(progress_keys=("train/loss", "eval/acc"), jsonl=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger = config.build(run_dir=tmp_path, total_steps=5, description="sft")
+        with pytest.raises(KeyboardInterrupt), logger:
+            logger.log(0, {"train/loss": 1.0})
+            raise KeyboardInterrupt
+    assert caught == []
+
+
 def test_format_value() -> None:
     assert format_value(0.000123456) == "0.0001235"
     assert format_value(123456.7) == "1.235e+05"
