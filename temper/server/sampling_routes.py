@@ -23,7 +23,7 @@ from temper.server.lean import lean_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
 from temper.server.storage import new_sampling_session_id
-from temper.server.validation import check_prompt
+from temper.server.validation import check_sample
 
 
 def sampling_router(server: TemperServer) -> APIRouter:
@@ -92,7 +92,7 @@ def hot_routes(server: TemperServer) -> list[Route]:
             raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
         sampling = server.sampling_session(body.sampling_session_id)
         call = wire.decode_sample(body)
-        check_prompt(call.prompt, num_samples=call.num_samples, limits=server.limits)
+        check_sample(call, limits=server.limits)
         prompt_length = call.prompt.length
 
         def run():

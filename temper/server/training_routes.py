@@ -16,7 +16,7 @@ from temper.server.errors import BadRequest
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
 from temper.server.server import SamplingSession, ServedModel, TemperServer
 from temper.server.storage import checked, model_id, new_sampling_session_id
-from temper.server.validation import check_training_data
+from temper.server.validation import check_lora, check_training_data
 
 
 def training_router(server: TemperServer) -> APIRouter:
@@ -38,6 +38,8 @@ def training_router(server: TemperServer) -> APIRouter:
         new_id = model_id(body.session_id, body.model_seq_id)
         lora = body.lora_config or tinker_types.LoraConfig(rank=32)
         full = server.config.fine_tuning == "full"
+        if not full:
+            check_lora(lora)
         metadata = {key: str(value) for key, value in (body.user_metadata or {}).items()}
 
         def create() -> tinker_types.CreateModelResponse:

@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from tinker import types as tinker_types
 
 from temper.api.types import Datum, ModelInput
 from temper.losses import get_loss, resolve_config
 from temper.server.errors import BadRequest
 from temper.server.server import ModelLimits
+from temper.server.wire import SampleCall
 from temper.trainer.batching import prepare
+from temper.trainer.lora import LoraConfig
 
 MAX_NUM_SAMPLES = 4096
 
@@ -91,3 +94,33 @@ def check_prompt(prompt: ModelInput, *, num_samples: int, limits: ModelLimits) -
         )
     if not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise BadRequest(f"sample: num_samples must be in 1..{MAX_NUM_SAMPLES}, got {num_samples}")
+
+
+def check_sample(call: SampleCall, *, limits: ModelLimits) -> None:
+    """The prompt (`check_prompt`), and what else the sampler would only reject once queued."""
+    check_prompt(call.prompt, num_samples=call.num_samples, limits=limits)
+    vocab_size = limits.vocab_size
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        value = getattr(call, name)
+        if not 0 <= value <= vocab_size:
+            raise BadRequest(f"sample: {name} must be in 0..{vocab_size}, got {value}")
+    bad = [token for token in call.params.stop_token_ids if token >= vocab_size]
+    if bad:
+        raise BadRequest(
+            f"sampling_params: stop token ids {bad} are outside the vocabulary; valid ids are "
+            f"0..{vocab_size - 1}"
+        )
+
+
+def check_lora(config: tinker_types.LoraConfig) -> None:
+    """A create_model LoRA config the trainer accepts (else it would fail once queued)."""
+    try:
+        LoraConfig(
+            rank=config.rank,
+            seed=0 if config.seed is None else config.seed,
+            train_attn=config.train_attn,
+            train_mlp=config.train_mlp,
+            train_unembed=config.train_unembed,
+        )
+    except (TypeError, ValueError) as error:
+        raise BadRequest(f"create_model: lora_config: {error}") from None

@@ -41,6 +41,11 @@ _TENSOR_DTYPES = {
 }
 _OUTPUT_DTYPES = {"float32": (np.float32, pb.DTYPE_FLOAT32), "int64": (np.int64, pb.DTYPE_INT64)}
 _EMPTY_TOPK = (0, -99999.0)
+MAX_BODY_BYTES = 1 << 30
+"""Largest forward_backward body after zstd decompression (a small body may expand hugely)."""
+MAX_SPARSE_VALUES = 1 << 22
+"""Most values a sparse CSR loss input may expand to: its shape is not bounded by the body's
+size, and no loss here takes more than one value per token ([T], T <= max_seq_len)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,12 +74,7 @@ class SampleCall:
 
 def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> ForwardBackwardCall:
     if content_encoding == "zstd":
-        import zstandard
-
-        try:
-            body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
-        except zstandard.ZstdError as error:
-            raise BadRequest(f"forward_backward body is not valid zstd: {error}") from None
+        body = _decompressed(body)
     elif content_encoding not in (None, "", "identity"):
         raise BadRequest(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
     message = pb.ForwardBackwardRequest()
@@ -99,6 +99,24 @@ def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> For
         forward_only=message.forward_only,
         data=data,
     )
+
+
+def _decompressed(body: bytes) -> bytes:
+    import zstandard
+
+    parts, size = [], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while part := reader.read(1 << 20):
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise BadRequest(
+                        f"forward_backward body decompresses to more than {MAX_BODY_BYTES} bytes"
+                    )
+                parts.append(part)
+    except zstandard.ZstdError as error:
+        raise BadRequest(f"forward_backward body is not valid zstd: {error}") from None
+    return b"".join(parts)
 
 
 def _datum(message: pb.Datum, *, index: int) -> Datum:
@@ -139,6 +157,11 @@ def _dense_from_csr(csr: pb.SparseCsr, np_dtype, shape: tuple[int, ...], *, wher
     values = _frombuffer(csr.values, np_dtype, where=f"{where} values")
     crow = _frombuffer(csr.crow_indices, np.int64, where=f"{where} crow_indices")
     col = _frombuffer(csr.col_indices, np.int64, where=f"{where} col_indices")
+    if len(shape) == 2 and min(shape) >= 0 and math.prod(shape) > MAX_SPARSE_VALUES:
+        raise BadRequest(
+            f"{where}: sparse CSR tensor of shape {list(shape)} would hold {math.prod(shape)} "
+            f"values, more than {MAX_SPARSE_VALUES}; loss inputs are one value per token"
+        )
     valid = (
         len(shape) == 2
         and crow.size == shape[0] + 1

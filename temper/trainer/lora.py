@@ -54,6 +54,10 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"LoraConfig.rank must be an int >= 1, got {self.rank!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"LoraConfig.seed must be an int, got {self.seed!r}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"LoraConfig.seed must be in [-2**63, 2**64), got {self.seed}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
             raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
         if not (self.train_attn or self.train_mlp or self.train_unembed):
