@@ -157,21 +157,29 @@ def load_sampler_weights(
             f"{path} is a training-state checkpoint; sampling clients load "
             f"tinker://{parsed.run_id}/sampler_weights/<name> (from save_weights_for_sampler)"
         )
+    return load_sampler_directory(directory, name=str(parsed), device=device, dtype=dtype)
+
+
+def load_sampler_directory(
+    directory: Path, *, name: str, device: str, dtype: str
+) -> SamplerWeights:
+    """The model a sampler checkpoint directory holds (a HF model, or LoRA adapters merged
+    into their base model) with its tokenizer; `name` names it in errors."""
     info = json.loads((directory / SAMPLER_FILE).read_text())
     tokenizer = load_tokenizer(directory)
     if info["lora"] is None:
         return SamplerWeights(
             model=load_pretrained(directory, dtype=dtype, device=device),
             tokenizer=tokenizer,
-            name=str(parsed),
+            name=name,
         )
     base = resolve_base_model(info["base_model"], device=device, dtype=dtype).build()
     apply_lora(base.model, LoraConfig(**info["lora"]))
     adapters = load_file(str(directory / LORA_FILE), device=device)
-    _load_adapters(base.model, adapters, where=str(parsed))
+    _load_adapters(base.model, adapters, where=name)
     plain = sampler_model(base.model, lora=LoraConfig(**info["lora"]))
     plain.load_state_dict(merged_state_dict(base.model))
-    return SamplerWeights(model=plain, tokenizer=tokenizer, name=str(parsed))
+    return SamplerWeights(model=plain, tokenizer=tokenizer, name=name)
 
 
 @torch.no_grad()

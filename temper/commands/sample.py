@@ -4,6 +4,8 @@ The prompt is encoded as is (no chat template), so a chat model wants the templa
 into it. The sampler is sized to this one call: one KV-cache slot per completion and exactly
 prompt + max_tokens positions, so a large model does not reserve its whole context.
 Completions are shown with their special tokens (an EOS that ended one is visible).
+`--model` also takes a sampler checkpoint directory (`save_weights_for_sampler`, e.g. a
+run's final weights): a full model, or LoRA adapters merged into the base model it names.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import rich.text
 import tyro
 
 from temper.api.types import SampledSequence, SamplingParams
+from temper.api.weights import SAMPLER_FILE, load_sampler_directory
 from temper.models.base_model import BaseModel, DType
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import Tokenizer
@@ -47,7 +50,7 @@ def sample(
     """Sample completions of a text prompt from a model directory and print them.
 
     Args:
-        model: HF model directory (config.json, safetensors weights, tokenizer files).
+        model: HF model directory, or a run's checkpoints/<run>/sampler_weights/<name> (LoRA too).
         prompt: Prompt text, encoded as is (no chat template is applied).
         n: Number of completions.
         max_tokens: Most tokens per completion.
@@ -73,7 +76,11 @@ def sample(
     )
     if not model.is_dir():
         raise FileNotFoundError(f"--model {str(model)!r} is not a directory")
-    base = BaseModel.Config(path=str(model), dtype=dtype, device=device).build()
+    if (model / SAMPLER_FILE).is_file():
+        # A run's sampler weights: a HF model, or LoRA adapters over a base model.
+        base = load_sampler_directory(model, name=str(model), device=device, dtype=dtype)
+    else:
+        base = BaseModel.Config(path=str(model), dtype=dtype, device=device).build()
     prompt_tokens = base.tokenizer.encode(prompt)
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")

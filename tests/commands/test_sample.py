@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import load_pretrained
 from temper.cli import main
 from temper.models.base_model import init_model_dir
@@ -104,3 +105,27 @@ def test_missing_model_dir_is_a_clean_error(tmp_path, capsys):
 def test_sample_is_listed(capsys):
     assert main(["--help"]) == 0
     assert "sample" in capsys.readouterr().out
+
+
+def test_samples_from_a_runs_lora_sampler_weights(tmp_path, capsys):
+    service = ServiceClient(storage_dir=tmp_path / "checkpoints")
+    training = service.create_lora_training_client("tiny", rank=4)
+    tokenizer = training.get_tokenizer()
+    tokens = tokenizer.encode("12=3")
+    weights = [1.0] * (len(tokens) - 1)
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(AdamParams(learning_rate=1e-2)).result()
+    path = training.save_weights_for_sampler("final").result().path
+    _, directory = service.storage.existing(path)
+    assert (directory / "lora.safetensors").is_file()  # adapters, not a HF model directory
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompt = ModelInput.from_ints(tokenizer.encode("12="))
+    response = service.create_sampling_client(model_path=path).sample(prompt, 1, params).result()
+    argv = ["sample", "--model", str(directory), "--prompt", "12=", "-n", "1"]
+    assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
+    expected = tokenizer.decode(response.sequences[0].tokens)
+    assert _completions(capsys.readouterr().out) == [expected]
