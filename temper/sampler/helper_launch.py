@@ -31,6 +31,9 @@ START_TIMEOUT_S = 300.0
 """Longest wait for a child to import torch and start listening."""
 
 _BOOTSTRAP = (
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides what it means
+    # (the child stops when its connection closes), so the child ignores it from the start.
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
     "import json, sys; setup = json.loads(sys.stdin.readline()); sys.path[:] = setup['sys_path']; "
     "from temper.sampler.helper_launch import child_main; child_main(setup)"
 )

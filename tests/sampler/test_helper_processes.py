@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -173,6 +175,24 @@ def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tok
     _assert_same(got, expected)
     assert split._helpers.num_running == 0
     assert len(split._helpers.plan(requests)) == 1  # no more splitting
+
+
+def test_ctrl_c_is_left_to_the_parent(tokenizer):
+    # A terminal's Ctrl-C reaches the helpers too; they must not die (or print tracebacks)
+    # of it: the parent decides, and a helper stops when its connection closes.
+    model = _model(tokenizer)
+    single, split = _engine(model, tokenizer), _engine(model, tokenizer, cpu_processes=2)
+    requests = _requests(tokenizer)
+    _generate_both(single, split, requests, entropy_seed=8)  # starts the helper
+    (helper,) = split._helpers._helpers
+    helper.process.send_signal(signal.SIGINT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dropped helper would warn
+        expected, got = _generate_both(single, split, requests, entropy_seed=9)
+    _assert_same(got, expected)
+    assert split._helpers.num_running == 1 and helper.process.poll() is None
+    split.close()
+    assert helper.process.poll() is not None
 
 
 def test_small_calls_and_cuda_settings_do_not_split(pair, tokenizer):
