@@ -128,7 +128,8 @@ def _print_completions(
     num_tokens = sum(len(sequence.tokens) for sequence in sequences)
     console.print(
         f"prompt: {_escaped(prompt)} ({num_prompt_tokens} tokens); {len(sequences)} "
-        f"completions, {num_tokens} tokens in {seconds:.2f} s",
+        f"completion{'s' if len(sequences) != 1 else ''}, {num_tokens} tokens in "
+        f"{seconds:.2f} s",
         markup=False,
     )
     for index, sequence in enumerate(sequences):
