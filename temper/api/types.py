@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,6 +212,14 @@ def _flat_numbers(values: list | tuple) -> TensorData | None:
     return None
 
 
+def _token_id(token: Any) -> int:
+    """An int token id (numpy and 0-d torch ints too); a float is an error, not truncated."""
+    try:
+        return operator.index(token)
+    except TypeError:
+        raise TypeError(f"token ids must be ints, got {token!r}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class EncodedTextChunk:
     tokens: tuple[int, ...]
@@ -229,7 +238,7 @@ class ModelInput:
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
-        return cls(chunks=(EncodedTextChunk(tokens=tuple(int(t) for t in tokens)),))
+        return cls(chunks=(EncodedTextChunk(tokens=tuple(map(_token_id, tokens))),))
 
     @classmethod
     def empty(cls) -> ModelInput:

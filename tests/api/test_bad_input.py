@@ -510,3 +510,9 @@ def test_checkpoints_of_the_wrong_kind_are_named(service, client):
         service.create_training_client_from_state(sampler_path)
     with pytest.raises(ValueError, match=r"LoraConfig.rank must be an int >= 1, got 0"):
         service.create_lora_training_client("tiny", rank=0)
+
+
+def test_token_ids_must_be_ints():
+    assert ModelInput.from_ints([1, torch.tensor(2)]).to_ints() == [1, 2]
+    with pytest.raises(TypeError, match=r"token ids must be ints, got 1\.5"):
+        ModelInput.from_ints([1, 1.5])
