@@ -129,6 +129,13 @@ class MetricsLogger(Configurable):
             self._task = self._progress.add_task(description, total=total_steps, metrics="")
             self._progress.start()
 
+    def set_description(self, description: str) -> None:
+        """Name what the steps do from now on, in the progress bar and the tables (a run of
+        two phases on one step axis, e.g. an SFT warm-up, then RL)."""
+        self.description = description
+        if self._progress is not None:
+            self._progress.update(self._task, description=description)
+
     @property
     def latest(self) -> dict[str, float]:
         """The most recent value of every metric logged so far (e.g. for `summary()`)."""

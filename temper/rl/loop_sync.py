@@ -216,6 +216,7 @@ class RLJob(Configurable):
         ) as logger:
             if start < num_warmup:
                 logger.console.print(f"SFT warm-up: {num_warmup} steps")
+                logger.set_description("SFT warm-up")
 
                 def on_warmup_step(step: int, metrics: dict[str, float]) -> None:
                     if step == num_warmup - 1:
@@ -243,6 +244,7 @@ class RLJob(Configurable):
             logger.console.print(
                 f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
             )
+            logger.set_description("GRPO")
             with _rollouts_file(run_dir, ranks=ranks) as rollouts_file:
                 steps = RLSteps(
                     config,

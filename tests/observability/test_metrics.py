@@ -111,6 +111,19 @@ def test_table_is_printed_every_n_steps(tmp_path: Path) -> None:
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_new_description_names_the_later_steps(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(display="table", table_every=2, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=4, description="GRPO", console=console) as lg:
+        lg.set_description("SFT warm-up")
+        lg.log(0, {"loss": 1.0})
+        lg.set_description("GRPO")
+        lg.log(2, {"loss": 0.5})
+    words = " ".join(buffer.getvalue().split())  # a title may wrap to the table's width
+    assert "SFT warm-up step 0/4" in words and "GRPO step 2/4" in words
+    assert "GRPO step 0" not in words
+
+
 def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> None:
     console, buffer = captured_console()
     config = MetricsLogger.Config(display="table", table_every=10, jsonl=False)
