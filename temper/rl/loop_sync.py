@@ -141,8 +141,8 @@ class RLJob(Configurable):
         """Console, metrics.jsonl and TensorBoard logging."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         """The engine behind the training client (micro-batch budget, shared prefixes, CPU
-        thread shards). On several ranks `sharding` below applies and thread shards are off
-        (the ranks already use the cores)."""
+        thread shards). Its `sharding` stays unset: on several ranks `sharding` below applies,
+        and thread shards are off (the ranks already use the cores)."""
         sharding: Sharding.Config = field(default_factory=Sharding.Config)
         """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
         torchrun); data-parallel only (tp must be 1). Unused in one process."""
@@ -420,6 +420,11 @@ def _check_config(config: RLJob.Config) -> None:
         raise ValueError(f"{name}.lora_rank must be >= 1 or None, got {config.lora_rank}")
     if config.mode not in ("sync", "async"):
         raise ValueError(f"{name}.mode must be 'sync' or 'async', got {config.mode!r}")
+    if config.trainer.sharding is not None:
+        raise ValueError(
+            f"{name}.trainer.sharding is set by the loop on several ranks; configure it "
+            f"through {name}.sharding (--sharding.* flags) and leave trainer.sharding:none"
+        )
     if config.kl_coef < 0:
         raise ValueError(
             f"{name}.kl_coef must be >= 0 (0 turns the penalty off), got {config.kl_coef}"

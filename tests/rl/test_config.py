@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from temper.distributed.sharding import Sharding
 from temper.rl.loop_sync import RLJob
+from temper.trainer.engine import TrainerEngine
 
 
 @pytest.mark.parametrize(
@@ -18,6 +20,11 @@ from temper.rl.loop_sync import RLJob
         ({"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
         ({"mode": "eager"}, "mode must be 'sync' or 'async'"),
         ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
+        (
+            {"trainer": TrainerEngine.Config(sharding=Sharding.Config())},
+            r"trainer.sharding is set by the loop on several ranks; configure it through "
+            r"RLJob.Config.sharding",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(fields, message):
