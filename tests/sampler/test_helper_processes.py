@@ -162,12 +162,18 @@ def test_a_bad_request_fails_the_call_before_any_part_runs(pair, tokenizer):
     _assert_same(got, expected)
 
 
-def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tokenizer):
+def _one_helper_running(tokenizer):
+    """(one-process engine, two-process engine whose helper has started, requests, helper)."""
     model = _model(tokenizer)
     single, split = _engine(model, tokenizer), _engine(model, tokenizer, cpu_processes=2)
     requests = _requests(tokenizer)
     _generate_both(single, split, requests, entropy_seed=5)  # starts the helper
     (helper,) = split._helpers._helpers
+    return single, split, requests, helper
+
+
+def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tokenizer):
+    single, split, requests, helper = _one_helper_running(tokenizer)
     helper.process.kill()
     helper.process.wait()
     with pytest.warns(RuntimeWarning, match="helper process"):
@@ -180,11 +186,7 @@ def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tok
 def test_ctrl_c_is_left_to_the_parent(tokenizer):
     # A terminal's Ctrl-C reaches the helpers too; they must not die (or print tracebacks)
     # of it: the parent decides, and a helper stops when its connection closes.
-    model = _model(tokenizer)
-    single, split = _engine(model, tokenizer), _engine(model, tokenizer, cpu_processes=2)
-    requests = _requests(tokenizer)
-    _generate_both(single, split, requests, entropy_seed=8)  # starts the helper
-    (helper,) = split._helpers._helpers
+    single, split, requests, helper = _one_helper_running(tokenizer)
     helper.process.send_signal(signal.SIGINT)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a dropped helper would warn
