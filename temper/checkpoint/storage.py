@@ -86,6 +86,16 @@ class CheckpointStorage:
             raise FileNotFoundError(f"unknown training run {run_id!r} (no {run_file})")
         return json.loads(run_file.read_text())
 
+    def run_ids(self) -> list[str]:
+        """Every run under the root (a directory with a run.json), by name."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name
+            for entry in self.root.iterdir()
+            if _SAFE_NAME.fullmatch(entry.name) and (entry / "run.json").is_file()
+        )
+
     def list(self, run_id: str) -> list[CheckpointPath]:
         run_dir = self.root / check_name(run_id, field="run id")
         found = []

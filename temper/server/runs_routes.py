@@ -1,4 +1,5 @@
-"""Session-less REST routes: training runs, their checkpoints, weights info, capabilities.
+"""Session-less REST routes: training runs (one, or a page of all), checkpoints (of a run, or a
+page of all), weights info, capabilities.
 
 These read the storage directory, so they answer for runs saved before a restart too.
 """
@@ -9,18 +10,46 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel
 from tinker import types as tinker_types
 
+from temper.server.errors import BadRequest
 from temper.server.responses import json_response
 from temper.server.server import TemperServer
 from temper.server.storage import checked
+
+MAX_PAGE = 1000
+"""Most runs or checkpoints one listing request returns."""
 
 
 class WeightsInfoRequest(BaseModel):
     tinker_path: str
 
 
+def _check_page(*, limit: int, offset: int) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"limit must be in 1..{MAX_PAGE}, got {limit}")
+    if offset < 0:
+        raise BadRequest(f"offset must be >= 0, got {offset}")
+
+
 def runs_router(server: TemperServer) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
     catalog = server.catalog
+
+    @router.get("/training_runs")
+    async def training_runs(
+        limit: int = 20, offset: int = 0, project_id: str | None = None
+    ) -> Response:
+        _check_page(limit=limit, offset=offset)
+        if project_id is not None:
+            raise BadRequest("project_id: this server has no projects; list without it")
+        times = {run_id: model.last_request_time for run_id, model in server.models.items()}
+        return json_response(
+            catalog.training_runs(limit=limit, offset=offset, last_request_times=times)
+        )
+
+    @router.get("/checkpoints")
+    async def all_checkpoints(limit: int = 100, offset: int = 0) -> Response:
+        _check_page(limit=limit, offset=offset)
+        return json_response(catalog.all_checkpoints(limit=limit, offset=offset))
 
     @router.get("/training_runs/{training_run_id}")
     async def training_run(training_run_id: str) -> Response:

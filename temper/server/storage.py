@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,38 @@ class CheckpointCatalog:
             last_checkpoint=by_type["training"][-1] if by_type["training"] else None,
             last_sampler_checkpoint=by_type["sampler"][-1] if by_type["sampler"] else None,
             user_metadata={key: str(value) for key, value in run.get("user_metadata", {}).items()},
+        )
+
+    def training_runs(
+        self,
+        *,
+        limit: int,
+        offset: int,
+        last_request_times: Mapping[str, datetime.datetime],
+    ) -> tinker_types.TrainingRunsResponse:
+        """One page of every run in storage, the most recently used first (`last_request_times`:
+        the live models' last requests; other runs count from their run.json)."""
+        runs = [
+            self.training_run(run_id, last_request_time=last_request_times.get(run_id))
+            for run_id in self.storage.run_ids()
+        ]
+        runs.sort(key=lambda run: (run.last_request_time, run.training_run_id), reverse=True)
+        return tinker_types.TrainingRunsResponse(
+            training_runs=runs[offset : offset + limit],
+            cursor=tinker_types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
+        )
+
+    def all_checkpoints(self, *, limit: int, offset: int) -> tinker_types.CheckpointsListResponse:
+        """One page of the checkpoints of every run in storage, newest first."""
+        found = [
+            self.checkpoint(path)
+            for run_id in self.storage.run_ids()
+            for path in self.storage.list(run_id)
+        ]
+        found.sort(key=lambda checkpoint: (checkpoint.time, checkpoint.tinker_path), reverse=True)
+        return tinker_types.CheckpointsListResponse(
+            checkpoints=found[offset : offset + limit],
+            cursor=tinker_types.Cursor(offset=offset, limit=limit, total_count=len(found)),
         )
 
     def weights_info(self, path: str) -> tinker_types.WeightsInfoResponse:
