@@ -133,7 +133,9 @@ def load_train_state(
     """
     directory = Path(directory)
     metadata = read_train_state_metadata(directory)
-    saved = torch_dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    index = torch_dcp.FileSystemReader(directory).read_metadata()
+    _check_files(directory, index.storage_data)
+    saved = index.state_dict_metadata
     options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     state: dict[str, Any] = {_MODEL: get_model_state_dict(model, options=options)}
     _check_tensors(state, saved=saved, directory=directory)
@@ -150,6 +152,26 @@ def load_train_state(
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state[_OPTIMIZER], options=options)
     return metadata
+
+
+def _check_files(directory: Path, storage_data: Mapping[Any, Any]) -> None:
+    """Every byte range the checkpoint's index names lies inside an existing file.
+
+    DCP copies each tensor into the model as it reads it, so a shard file that is missing or
+    cut short (an interrupted copy) would leave the model half loaded; checked first, it
+    changes nothing."""
+    ends: dict[str, int] = {}
+    for item in storage_data.values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name, end in sorted(ends.items()):
+        path = directory / name
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {directory} is incomplete: {name} is missing")
+        if (size := path.stat().st_size) < end:
+            raise ValueError(
+                f"checkpoint {directory} is damaged: {name} has {size} bytes, its index needs "
+                f"{end} (a copy cut short?)"
+            )
 
 
 def read_train_state_metadata(directory: str | Path) -> dict[str, Any]:

@@ -319,6 +319,37 @@ def test_mismatched_checkpoint_is_a_value_error_and_changes_nothing(tmp_path):
         )
 
 
+def test_a_cut_short_or_missing_shard_file_fails_before_anything_is_loaded(tmp_path):
+    source = _model()
+    optimizer = _adamw(source)
+    _train(source, optimizer, steps=range(1))
+    save_train_state(
+        tmp_path / "ckpt", model=source, optimizer=optimizer, metadata={}, trainable_only=False
+    )
+    (shard,) = (tmp_path / "ckpt").glob("*.distcp")
+    target = _model(seed=1)
+    target_optimizer = _adamw(target)
+    _train(target, target_optimizer, steps=range(1, 2))
+    before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+    moments = {k: v.clone() for k, v in target_optimizer.state_dict()["state"][0].items()}
+
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # a copy interrupted half way
+    with pytest.raises(ValueError, match=rf"{shard.name} has {len(data) // 2} bytes, its index"):
+        load_train_state(
+            tmp_path / "ckpt", model=target, optimizer=target_optimizer, trainable_only=False
+        )
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"incomplete: {shard.name} is missing"):
+        load_train_state(
+            tmp_path / "ckpt", model=target, optimizer=target_optimizer, trainable_only=False
+        )
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    for key, value in target_optimizer.state_dict()["state"][0].items():
+        assert torch.equal(value, moments[key]), key
+
+
 def test_public_api():
     assert {"save_train_state", "load_train_state", "read_train_state_metadata"} <= set(
         temper.checkpoint.__all__
