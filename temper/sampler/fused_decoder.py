@@ -91,11 +91,11 @@ class _FusedLayer:
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.head_dim = attention.head_dim
         projections = (attention.wq, attention.wk, attention.wv)
-        self.w_qkv = torch.cat([p.weight.detach() for p in projections])
+        w_qkv = torch.cat([p.weight.detach() for p in projections])
         b_qkv = None
         if attention.wq.bias is not None:
             b_qkv = torch.cat([p.bias.detach() for p in projections])
-        self.qkv = _projection(self.w_qkv, b_qkv, batch_hint=batch_hint)
+        self.qkv = _projection(w_qkv, b_qkv, batch_hint=batch_hint)
         self.wo = _own_or_packed(attention.wo, batch_hint=batch_hint)
         self.qk_norm_weight_JH = None
         if attention.q_norm is not None:
@@ -109,8 +109,6 @@ class _FusedLayer:
         self.gate_up = _projection(w_gate_up, None, batch_hint=batch_hint)
         self.w_down = _own_or_packed(feed_forward.w_down, batch_hint=batch_hint)
         self.ffn_dim = feed_forward.w_gate.weight.shape[0]
-        if batch_hint is not None:
-            self.w_qkv = None  # only the packed copy is kept
 
     def __call__(
         self,
