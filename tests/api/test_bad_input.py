@@ -516,3 +516,5 @@ def test_token_ids_must_be_ints():
     assert ModelInput.from_ints([1, torch.tensor(2)]).to_ints() == [1, 2]
     with pytest.raises(TypeError, match=r"token ids must be ints, got 1\.5"):
         ModelInput.from_ints([1, 1.5])
+    with pytest.raises(TypeError, match=r"token ids must be ints, got True"):
+        ModelInput.from_ints([1, True])
