@@ -120,9 +120,9 @@ class ServiceClient:
     ) -> TrainingClient:
         """`run_id` names the run (and its `tinker://<run_id>/...` paths); default: random.
         With a sharded trainer every rank gets rank 0's id."""
-        lora = LoraConfig(
+        lora = lora_config(
             rank=rank,
-            seed=0 if seed is None else seed,
+            seed=seed,
             train_mlp=train_mlp,
             train_attn=train_attn,
             train_unembed=train_unembed,
@@ -506,6 +506,19 @@ class TrainingClient:
         engine = self.service.sampler_config.build(model=copy, tokenizer=self.tokenizer)
         engine.update_weights(model.state_dict(), version=self.engine.policy_version)
         return engine
+
+
+def lora_config(
+    *, rank: int, seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool
+) -> LoraConfig:
+    """The LoRA config of Tinker's create_lora_training_client arguments (seed None: 0)."""
+    return LoraConfig(
+        rank=rank,
+        seed=0 if seed is None else seed,
+        train_mlp=train_mlp,
+        train_attn=train_attn,
+        train_unembed=train_unembed,
+    )
 
 
 def _datum_list(data: Iterable[Datum]) -> list[Datum]:

@@ -215,12 +215,12 @@ def _flat_numbers(values: list | tuple) -> TensorData | None:
 def _token_id(token: Any) -> int:
     """An int token id (numpy and 0-d torch ints too); a float is an error, not truncated,
     and so is a bool (an int to Python, but never a token id)."""
-    if isinstance(token, bool):
-        raise TypeError(f"token ids must be ints, got {token!r}")
     try:
-        return operator.index(token)
+        if not isinstance(token, bool):
+            return operator.index(token)
     except TypeError:
-        raise TypeError(f"token ids must be ints, got {token!r}") from None
+        pass
+    raise TypeError(f"token ids must be ints, got {token!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from tinker import types as tinker_types
 
+from temper.api.client import lora_config
 from temper.api.types import Datum, ModelInput
 from temper.losses import get_loss, resolve_config
 from temper.server.errors import BadRequest
 from temper.server.server import ModelLimits
 from temper.server.wire import SampleCall
 from temper.trainer.batching import prepare
-from temper.trainer.lora import LoraConfig
 
 MAX_NUM_SAMPLES = 4096
 
@@ -115,11 +115,11 @@ def check_sample(call: SampleCall, *, limits: ModelLimits) -> None:
 def check_lora(config: tinker_types.LoraConfig) -> None:
     """A create_model LoRA config the trainer accepts (else it would fail once queued)."""
     try:
-        LoraConfig(
+        lora_config(
             rank=config.rank,
-            seed=0 if config.seed is None else config.seed,
-            train_attn=config.train_attn,
+            seed=config.seed,
             train_mlp=config.train_mlp,
+            train_attn=config.train_attn,
             train_unembed=config.train_unembed,
         )
     except (TypeError, ValueError) as error:
