@@ -39,6 +39,7 @@ test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test
+	$(BIN)/lint-imports
 	$(BIN)/ruff check temper recipes tests bench
 	$(BIN)/ruff format --check temper recipes tests bench
 

@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 
 from temper.api import AdamParams, SamplingParams
-from temper.api.client import ServiceClient
 from temper.checkpoint.hf import save_pretrained
+from temper.checkpoint.model_source import ModelSource
+from temper.client.training_client import ServiceClient
 from temper.config.recipes import default_recipe
-from temper.models.base_model import BaseModel
 from temper.rl.advantages import group_advantages
 from temper.rl.env import make_groups
 from temper.rl.rollout import policy_datum, rollout_groups
-from temper.rl.tasks import SumDigits
+from temper.tasks import SumDigits
 
 PROMPTS = 16
 GROUP_SIZE = 8
@@ -195,7 +195,7 @@ def main() -> None:
     baseline: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
     ratios = []
     with tempfile.TemporaryDirectory() as directory:
-        base = BaseModel.Config(size="tiny", tokenizer="digits", seed=0).build()
+        base = ModelSource.Config(size="tiny", tokenizer="digits", seed=0).build()
         model_dir = save_pretrained(base.model, Path(directory) / "model", tokenizer=base.tokenizer)
         # Rounds alternate which side runs first, and each round's ratio compares steps timed
         # seconds apart, so the machine's drift (a shared VM) does not favour either side.

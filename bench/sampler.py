@@ -37,8 +37,8 @@ from timing import median_seconds
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu.packed_linear import PackedLinear
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.packed_linear import PackedLinear
 
 PROMPT_LEN = 16
 NEW_TOKENS = 32

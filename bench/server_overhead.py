@@ -154,8 +154,8 @@ def main() -> None:
     from tinker import types as tinker_types
 
     from temper import api as temper_types
-    from temper.api.client import ServiceClient
-    from temper.models.base_model import init_model_dir
+    from temper.checkpoint.model_source import init_model_dir
+    from temper.client.training_client import ServiceClient
 
     root = Path(tempfile.mkdtemp(prefix="temper-bench-"))
     model_dir = root / "models" / "tiny-digits"

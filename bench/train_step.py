@@ -4,7 +4,7 @@ Same random weights (one HF checkpoint loaded by both), same token batch, AdamW 
 measured side by side in one run; prints one JSON line. Temper's side is the real API path:
 Datums with cross_entropy loss inputs -> TrainerEngine.forward_backward -> optim_step, with
 `shard_threads` = the torch thread count (one shard of the datums per core, see
-temper/trainer/thread_shards.py) and, for reference, without (`..._unsharded`).
+temper/distributed/thread_shards.py) and, for reference, without (`..._unsharded`).
 
 The three steps are timed interleaved (one of each per round) so that load from other
 processes on a shared machine hits them alike; reported: the median of the rounds, the best

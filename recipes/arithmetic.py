@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from temper.config.recipes import recipe
 from temper.rl.loop_sync import RLJob
-from temper.rl.tasks import Arithmetic
 from temper.rl.warmup import SFTWarmup
+from temper.tasks import Arithmetic
 
 
 @recipe("SFT warm-up then GRPO on 1-2 digit a+b and a-b, tiny Qwen3 from scratch (CPU, ~3 min)")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from temper.config.recipes import recipe
 from temper.rl.loop_sync import RLJob
-from temper.rl.tasks import Math
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
+from temper.tasks import Math
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 """The repository's data/ folder (absolute, so a run works from any directory)."""

@@ -13,8 +13,8 @@ import string
 
 from temper.config.recipes import recipe
 from temper.rl.loop_sync import RLJob
-from temper.rl.tasks import ReverseText
 from temper.rl.warmup import SFTWarmup
+from temper.tasks import ReverseText
 
 
 @recipe("Short SFT warm-up then GRPO on reversing 4-8 letter strings, tiny Qwen3 (CPU, ~2 min)")

@@ -1,8 +1,8 @@
 """Temper: PyTorch-native RL post-training with a Tinker-style API."""
 
-from temper.api.client import ServiceClient, TrainingClient
-from temper.api.sampling_client import SamplingClient
 from temper.api.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import ServiceClient, TrainingClient
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,7 @@
-"""The Tinker-style API: domain types (clients come with the trainer)."""
+"""The Tinker contract: domain types, backend Protocols of the verbs, futures.
+
+The in-process clients that implement it live in `temper.client`.
+"""
 
 from temper.api.types import (
     AdamParams,

@@ -1,7 +1,7 @@
 """The seam between a front end (the HTTP server) and whatever runs the Tinker verbs.
 
 Three small Protocols mirror the Tinker API one for one. The in-process clients of
-`temper.api.client` satisfy them (a test pins that), and `temper.server` calls nothing else on
+`temper.client` satisfy them (a test pins that), and `temper.server` calls nothing else on
 them, so another backend (a pool of GPU workers, a remote trainer) can sit behind the same
 server by implementing these verbs.
 

@@ -16,7 +16,7 @@ import torch
 
 from temper.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from temper.models.common.decoder import Decoder
-from temper.trainer.lora import merged_config, merged_state_dict
+from temper.models.lora import merged_config, merged_state_dict
 
 
 def merged_model(model: Decoder) -> Decoder:

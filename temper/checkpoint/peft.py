@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.common.decoder import Decoder
+from temper.models.lora import LoraUnembedding, lora_modules
 from temper.models.registry import family_of_model
-from temper.trainer.lora import LoraUnembedding, lora_modules
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

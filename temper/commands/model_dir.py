@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import tyro
 
-from temper.models.base_model import init_model_dir
+from temper.checkpoint.model_source import init_model_dir
 
 
 def init_model(

@@ -23,8 +23,8 @@ import rich.text
 import tyro
 
 from temper.api.types import SampledSequence, SamplingParams
-from temper.api.weights import SAMPLER_FILE, load_sampler_directory
-from temper.models.base_model import BaseModel, DType
+from temper.checkpoint.model_source import DType, ModelSource
+from temper.client.sampler_weights import SAMPLER_FILE, load_sampler_directory
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import Tokenizer
 
@@ -80,7 +80,7 @@ def sample(
         # A run's sampler weights: a HF model, or LoRA adapters over a base model.
         base = load_sampler_directory(model, name=str(model), device=device, dtype=dtype)
     else:
-        base = BaseModel.Config(path=str(model), dtype=dtype, device=device).build()
+        base = ModelSource.Config(path=str(model), dtype=dtype, device=device).build()
     prompt_tokens = base.tokenizer.encode(prompt)
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")

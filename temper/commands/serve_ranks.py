@@ -1,6 +1,6 @@
 """`temper serve` on several ranks: `--nproc N` starts torchrun; under torchrun every rank
 builds the same sharded backend, rank 0 serves HTTP and the others replay its calls
-(temper/distributed/replay.py).
+(temper/server/replicated.py).
 
 Stopping: the command `temper serve --nproc N` starts torchrun in a session of its own with a
 pipe on its stdin and adds `--stop-on-stdin-eof` for rank 0. SIGINT/SIGTERM to the command
@@ -78,10 +78,10 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
 
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this)."""
-    from temper.api.client import ServiceClient
-    from temper.distributed.replay import ReplicatedService, follow, replay_ranks
-    from temper.distributed.sharding import Sharding
+    from temper.client.training_client import ServiceClient
+    from temper.server.replicated import ReplicatedService, follow, replay_ranks
     from temper.server.security import check_bind
+    from temper.trainer.sharding import Sharding
 
     if config.trainer.sharding is None:  # default: FSDP over every rank
         trainer = dataclasses.replace(config.trainer, sharding=Sharding.Config())

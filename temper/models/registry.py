@@ -1,7 +1,8 @@
 """Model families Temper implements, keyed by their HF `model_type`.
 
-A family bundles the model class, its named sizes and its HF state-dict adapter, so that
-checkpoint code can load any supported architecture without knowing which one it is.
+A family bundles the model class, its named sizes, its HF state-dict adapter and its
+parallelize plan, so that checkpoint and trainer code can load and shard any supported
+architecture without knowing which one it is.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from temper.models.qwen3 import state_dict_adapter as qwen3_adapter
 from temper.models.qwen3.model import Qwen3
+from temper.models.qwen3.parallelize import parallelize_qwen3
 from temper.models.qwen3.sizes import QWEN3_SIZES
 
 
@@ -29,6 +31,8 @@ class ModelFamily:
     config_to_hf: Callable[..., dict[str, Any]]
     key_to_hf: Callable[[str], str]
     key_from_hf: Callable[[str], str | None]
+    parallelize: Callable[..., nn.Module]
+    """Applies TP, activation checkpointing, compile and FSDP2 to a model of this family."""
 
 
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
@@ -42,6 +46,7 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
             config_to_hf=qwen3_adapter.config_to_hf,
             key_to_hf=qwen3_adapter.key_to_hf,
             key_from_hf=qwen3_adapter.key_from_hf,
+            parallelize=parallelize_qwen3,
         )
     }
 )

@@ -1,1 +1,1 @@
-"""Reinforcement learning: tasks and environments (loops come with the RL issue)."""
+"""Reinforcement learning: environments, rollouts, advantages, KL, the RL job and its loops."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from temper.rl.tasks.sum_digits import Problem
+from temper.tasks.problem import Problem, Task
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,6 @@ class Env(Protocol):
     def stop_token_ids(self) -> list[int]: ...
 
     def step(self, action_tokens: Sequence[int]) -> StepResult: ...
-
-
-class Task(Protocol):
-    def sample(self, rng: random.Random, *, split: str) -> Problem: ...
-
-    def reward(self, problem: Problem, completion: str) -> float: ...
 
 
 class ProblemEnv:

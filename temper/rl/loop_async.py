@@ -6,7 +6,7 @@ run samples exactly what an uninterrupted one did, not before the last checkpoin
 before j (`barrier(j)` steps done). The loop keeps every batch it may already sample in
 flight: its requests run on the sampling client's worker, concurrently with
 `forward_backward` on the training worker. Old sampling clients stay valid while the trainer
-steps (copy-on-write in temper/api/client.py), and the loss corrects for the lag with the
+steps (copy-on-write in temper/client/), and the loss corrects for the lag with the
 sampler's logprobs (PPO / importance ratio).
 
 Batches are submitted in step order from the main thread, so the problem stream and sample

@@ -31,7 +31,7 @@ from typing import ClassVar, Literal
 
 from rich.console import Console
 
-from temper.api.client import ServiceClient
+from temper.checkpoint.model_source import DType
 from temper.checkpoint.run_state import (
     RunState,
     load_run_state,
@@ -40,21 +40,21 @@ from temper.checkpoint.run_state import (
     save_run_state,
     truncate_jsonl,
 )
+from temper.client.training_client import ServiceClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.distributed.sharding import Sharding
-from temper.models.base_model import DType
 from temper.observability import MetricsLogger, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.advantages import AdvantageMode
-from temper.rl.evaluation import greedy_accuracy, heldout_problems
 from temper.rl.kl import KLEstimator
 from temper.rl.loop_async import run_async
 from temper.rl.steps import RLSteps
-from temper.rl.tasks import SumDigits, TaskConfig
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
+from temper.tasks import SumDigits, TaskConfig
+from temper.tasks.evaluation import greedy_accuracy, heldout_problems
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.sharding import Sharding
 
 ROLLOUTS_FILE_NAME = "rollouts.jsonl"
 

@@ -27,7 +27,7 @@ from temper.api.types import AdamParams, SamplingParams
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.rl.advantages import group_advantages, is_uniform
-from temper.rl.env import Task, make_groups
+from temper.rl.env import make_groups
 from temper.rl.kl import kl_penalty, submit_reference_logprobs
 from temper.rl.rollout import (
     PendingRollouts,
@@ -37,6 +37,7 @@ from temper.rl.rollout import (
     submit_rollouts,
 )
 from temper.rl.step_metrics import StepStats, mismatch_stats, rollout_stats
+from temper.tasks.problem import Task
 
 
 @dataclass(frozen=True)

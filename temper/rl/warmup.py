@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from temper.api.types import AdamParams
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.rl.env import Task
 from temper.rl.rollout import supervised_datum
+from temper.tasks.problem import Task
 from temper.trainer.schedule import warmup_cosine
 
 

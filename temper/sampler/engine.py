@@ -36,15 +36,15 @@ from temper.config.configurable import Configurable
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
 from temper.sampler.admission import Admission
+from temper.sampler.cpu.decode_shards import DecodeShards
+from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
+from temper.sampler.cpu.helper_processes import HelperProcesses
+from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
-from temper.sampler.decode_shards import DecodeShards
-from temper.sampler.fused_decoder import FusedDecoder, fusable
-from temper.sampler.helper_processes import HelperProcesses
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
-from temper.sampler.packed_linear import PackedDecoder, packing_available
 from temper.sampler.requests import SampleRequest
 from temper.sampler.slots import SlotTable
-from temper.sampler.weights import WeightSource
+from temper.sampler.weight_source import WeightSource
 
 
 class SamplerEngine(Configurable, Admission):

@@ -16,13 +16,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from tinker import types as tinker_types
 
+from temper.server.catalog import new_session_id
 from temper.server.errors import USER_ERRORS, RequestError, error_body
 from temper.server.responses import json_response
 from temper.server.runs_routes import runs_router
 from temper.server.sampling_routes import hot_routes, sampling_router
 from temper.server.security import key_checker
 from temper.server.server import Session, TemperServer
-from temper.server.storage import new_session_id
 from temper.server.training_routes import training_router
 
 log = logging.getLogger("temper.server")

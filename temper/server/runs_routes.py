@@ -10,10 +10,10 @@ from fastapi import APIRouter, Response
 from pydantic import BaseModel
 from tinker import types as tinker_types
 
+from temper.server.catalog import checked
 from temper.server.errors import BadRequest
 from temper.server.responses import json_response
 from temper.server.server import TemperServer
-from temper.server.storage import checked
 
 MAX_PAGE = 1000
 """Most runs or checkpoints one listing request returns."""

@@ -4,7 +4,7 @@ A sampling session is a handle on one backend sampling client. Sessions on the b
 share one client, as do sessions on the same sampler checkpoint; each
 `save_weights_and_get_sampling_client` makes its own (see training_routes). Samples on one
 client that arrive together are started together (coalescer.py), and the backend decodes
-them as one batch. `asample` and `retrieve_future` are lean routes (lean.py).
+them as one batch. `asample` and `retrieve_future` are plain routes (plain_routes.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
 from temper.server import wire
+from temper.server.catalog import new_sampling_session_id
 from temper.server.coalescer import SampleCoalescer
 from temper.server.errors import BadRequest
-from temper.server.lean import lean_post
+from temper.server.plain_routes import plain_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
-from temper.server.storage import new_sampling_session_id
 from temper.server.validation import check_sample
 
 
@@ -80,7 +80,7 @@ def sampling_router(server: TemperServer) -> APIRouter:
 
 
 def hot_routes(server: TemperServer) -> list[Route]:
-    """`asample` and `retrieve_future`: two per sample, so they run as lean routes (lean.py)."""
+    """`asample` and `retrieve_future`: two per sample, so they run as plain routes."""
     coalescer = SampleCoalescer(
         server.config.sample_window_s,
         max_hold_s=server.config.sample_max_hold_s,
@@ -141,8 +141,8 @@ def hot_routes(server: TemperServer) -> list[Route]:
 
     api_key = server.config.api_key
     return [
-        lean_post("/api/v1/asample", tinker_types.SampleRequest, asample, api_key=api_key),
-        lean_post(
+        plain_post("/api/v1/asample", tinker_types.SampleRequest, asample, api_key=api_key),
+        plain_post(
             "/api/v1/retrieve_future",
             tinker_types.FutureRetrieveRequest,
             retrieve_future,

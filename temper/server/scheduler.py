@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temper.api.futures import APIFuture, Worker
+from temper.server.catalog import new_request_id
 from temper.server.errors import NotFound, category_of
-from temper.server.storage import new_request_id
 
 log = logging.getLogger("temper.server")
 

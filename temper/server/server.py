@@ -26,9 +26,9 @@ from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
 from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
+from temper.server.catalog import CheckpointCatalog
 from temper.server.errors import NotFound
 from temper.server.scheduler import Scheduler
-from temper.server.storage import CheckpointCatalog
 from temper.trainer.engine import TrainerEngine
 
 
@@ -157,7 +157,7 @@ class TemperServer(Configurable):
         storage = CheckpointStorage(config.storage)
         self.catalog = CheckpointCatalog(storage)
         if backend is None:
-            from temper.api.client import ServiceClient
+            from temper.client.training_client import ServiceClient
 
             if config.device == "cpu":
                 # Before the backend starts its worker threads: they read this once.

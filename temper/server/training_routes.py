@@ -12,10 +12,10 @@ from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath
 from temper.server import wire
+from temper.server.catalog import checked, model_id, new_sampling_session_id
 from temper.server.errors import BadRequest
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
 from temper.server.server import SamplingSession, ServedModel, TemperServer
-from temper.server.storage import checked, model_id, new_sampling_session_id
 from temper.server.validation import check_lora, check_training_data
 
 

@@ -2,7 +2,7 @@
 
 Training data gets one vectorized pass over the whole batch (cheap: it runs on every
 request); when anything looks wrong, the trainer's own validation
-(`temper.trainer.batching.prepare`) runs to produce the engine's message naming the datum,
+(`temper.trainer.inputs.prepare`) runs to produce the engine's message naming the datum,
 field and position. The engine checks again when it runs.
 """
 
@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from tinker import types as tinker_types
 
-from temper.api.client import lora_config
 from temper.api.types import Datum, ModelInput
+from temper.client.training_client import lora_config
 from temper.losses import get_loss, resolve_config
 from temper.server.errors import BadRequest
 from temper.server.server import ModelLimits
 from temper.server.wire import SampleCall
-from temper.trainer.batching import prepare
+from temper.trainer.inputs import prepare
 
 MAX_NUM_SAMPLES = 4096
 

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from temper.api.client import ServiceClient, TrainingClient
 from temper.api.types import AdamParams
-from temper.api.weights import SAMPLER_FILE
+from temper.checkpoint.model_source import DType
 from temper.checkpoint.run_state import RunState, load_run_state, save_run_state, truncate_jsonl
+from temper.client.sampler_weights import SAMPLER_FILE
+from temper.client.training_client import ServiceClient, TrainingClient
 from temper.config.configurable import Configurable
-from temper.models.base_model import DType
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME
-from temper.rl.tasks import SumDigits, TaskConfig
 from temper.sampler import SamplerEngine
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
+from temper.tasks import SumDigits, TaskConfig
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.schedule import warmup_cosine
 

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from temper.api.types import ModelInput, SamplingParams
-from temper.rl.env import Task
-from temper.rl.evaluation import greedy_accuracy, heldout_problems
 from temper.sft.batches import completion_tokens
 from temper.sft.datasets import Conversation, ConversationDataset, DataPosition, EpochStream
+from temper.tasks.evaluation import greedy_accuracy, heldout_problems
+from temper.tasks.problem import Task
 from temper.tokenizer.renderers import WeightedTokens, build_renderer
 
 

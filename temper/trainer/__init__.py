@@ -1,6 +1,6 @@
-"""The trainer engine: losses on model logprobs, gradient accumulation, AdamW, LoRA."""
+"""The trainer engine: losses on model logprobs, gradient accumulation, AdamW, sharding."""
 
+from temper.models.lora import LoraConfig
 from temper.trainer.engine import TrainerEngine
-from temper.trainer.lora import LoraConfig
 
 __all__ = ["LoraConfig", "TrainerEngine"]

@@ -35,14 +35,14 @@ from temper.api.types import (
 )
 from temper.config.configurable import Configurable
 from temper.distributed.fsdp import reshard_root
-from temper.distributed.sharding import Sharding
+from temper.distributed.thread_shards import ThreadShards, split_by_tokens, sum_gradients
 from temper.losses import get_loss, resolve_config
 from temper.models.common.logprobs import forward_logprobs
-from temper.trainer.batching import MicroBatch, micro_batches, prepare, split_per_datum
-from temper.trainer.lora import LoraConfig, apply_lora
+from temper.models.lora import LoraConfig, apply_lora
+from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.optim import AdamW
+from temper.trainer.sharding import Sharding
 from temper.trainer.shared_prefix import packed_logprobs
-from temper.trainer.thread_shards import ThreadShards, split_by_tokens, sum_gradients
 
 CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 """Tinker's custom loss: (data, per-datum logprobs) -> (loss, metrics)."""

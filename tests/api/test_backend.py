@@ -5,8 +5,8 @@ from __future__ import annotations
 import inspect
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
-from temper.api.client import ServiceClient, TrainingClient
-from temper.api.sampling_client import SamplingClient
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import ServiceClient, TrainingClient
 
 
 def test_in_process_clients_implement_the_backend_verbs(tmp_path):

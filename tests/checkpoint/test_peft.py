@@ -15,7 +15,7 @@ from safetensors import safe_open
 from temper.checkpoint.hf import load_pretrained
 from temper.checkpoint.merge import save_merged_pretrained
 from temper.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, save_peft_adapter
-from temper.trainer.lora import LoraConfig, apply_lora, lora_modules
+from temper.models.lora import LoraConfig, apply_lora, lora_modules
 from tests.models.hf_reference import save_hf, tiny_hf_qwen3
 
 pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import pytest
 
 from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import load_pretrained
+from temper.checkpoint.model_source import init_model_dir
 from temper.cli import main
-from temper.models.base_model import init_model_dir
 from temper.sampler.reference import greedy_decode
 from temper.tokenizer import load_tokenizer
 

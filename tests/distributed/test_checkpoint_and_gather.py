@@ -14,13 +14,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from temper.api import Datum, ModelInput
-from temper.api.client import ServiceClient
 from temper.checkpoint.dcp import load_train_state, save_train_state
-from temper.distributed.gather import full_state_dict, sampler_state_dict
+from temper.checkpoint.gather import full_state_dict, sampler_state_dict
+from temper.client.training_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
-from temper.distributed.sharding import Sharding
+from temper.models.lora import apply_lora, merged_state_dict
 from temper.trainer import LoraConfig, TrainerEngine
-from temper.trainer.lora import apply_lora, merged_state_dict
+from temper.trainer.sharding import Sharding
 from tests.distributed import training
 from tests.distributed.spawn import spawn
 

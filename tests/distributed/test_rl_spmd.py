@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from temper.api import Datum, ModelInput
-from temper.api.client import ServiceClient
+from temper.client.training_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
-from temper.distributed.sharding import Sharding
 from temper.observability import read_metrics
 from temper.rl import loop_sync, steps
 from temper.rl.loop_sync import RLJob
 from temper.trainer import TrainerEngine
+from temper.trainer.sharding import Sharding
 from tests.distributed import training
 from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config

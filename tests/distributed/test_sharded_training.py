@@ -12,8 +12,8 @@ import torch
 
 from temper.api import Datum, ModelInput
 from temper.distributed.parallel_dims import ParallelDims
-from temper.distributed.sharding import Sharding
 from temper.trainer import LoraConfig, TrainerEngine
+from temper.trainer.sharding import Sharding
 from tests.distributed import training
 from tests.distributed.spawn import spawn
 

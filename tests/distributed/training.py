@@ -7,11 +7,11 @@ import dataclasses
 import torch
 
 from temper.api import AdamParams, Datum, ModelInput
-from temper.distributed.gather import full_state_dict
+from temper.checkpoint.gather import full_state_dict
 from temper.distributed.parallel_dims import ParallelDims
-from temper.distributed.sharding import Sharding
 from temper.models import materialize, qwen3_size
 from temper.trainer import LoraConfig, TrainerEngine
+from temper.trainer.sharding import Sharding
 
 VOCAB = 31
 NUM_DATUMS = 8

@@ -17,9 +17,9 @@ from temper.config.cli import parse_train_argv
 from temper.config.serialize import config_from_dict, config_to_dict, load_config, save_config
 from temper.observability import read_metrics
 from temper.rl.loop_sync import RLJob
-from temper.rl.tasks import Arithmetic, Math, ReverseText, SumDigits, TaskConfig
 from temper.sft import SFTJob
-from tests.rl.tasks.test_math_task import SAMPLE
+from temper.tasks import Arithmetic, Math, ReverseText, SumDigits, TaskConfig
+from tests.tasks.test_math_task import SAMPLE
 
 TASK_RECIPES = ("arithmetic", "arithmetic_smoke", "reverse_text", "gsm8k_qwen3_0_6b")
 TASK_CONFIGS = (

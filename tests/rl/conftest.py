@@ -7,9 +7,9 @@ from safetensors.torch import load_file
 
 from temper.observability import MetricsLogger, read_metrics
 from temper.rl.loop_sync import RLJob
-from temper.rl.tasks import SumDigits
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
+from temper.tasks import SumDigits
 
 # Keys that measure wall-clock time and so differ between otherwise identical runs.
 TIMING_PREFIXES = ("time/", "throughput/")

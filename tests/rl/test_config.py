@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from temper.distributed.sharding import Sharding
 from temper.rl.loop_sync import RLJob
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.sharding import Sharding
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from temper.models.base_model import init_model_dir
+    from temper.checkpoint.model_source import init_model_dir
 
     # Deep enough that the SDK's "org/model/variant" tokenizer heuristic leaves it alone.
     directory = tmp_path_factory.mktemp("models") / "tiny-digits"

@@ -74,7 +74,7 @@ def test_bad_requests_are_4xx_and_change_nothing(server, client):
     assert "unknown or expired request" in assert_user_error(
         post(server, "retrieve_future", json={"request_id": "req-missing"}), status=404
     )
-    # The lean routes (asample, retrieve_future) reject malformed bodies the same way.
+    # The plain routes (asample, retrieve_future) reject malformed bodies the same way.
     assert "malformed" in assert_user_error(post(server, "asample", content=b"{not json"))
     assert "request_id" in assert_user_error(post(server, "retrieve_future", json={}))
 
@@ -181,7 +181,7 @@ def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path)
         assert wrong.status_code == 401 and wrong.json()["category"] == "user"
         missing = httpx.get(f"{guarded.base_url}/api/v1/healthz")
         assert missing.status_code == 401
-        for path in ("asample", "retrieve_future"):  # lean routes check the key themselves
+        for path in ("asample", "retrieve_future"):  # plain routes check the key themselves
             lean = httpx.post(f"{guarded.base_url}/api/v1/{path}", json={"request_id": "x"})
             assert lean.status_code == 401 and lean.json()["category"] == "user"
         with pytest.raises(tinker.AuthenticationError):

@@ -11,7 +11,7 @@ import torch
 from temper.api import Datum, ModelInput
 from temper.models import materialize, qwen3_size
 from temper.trainer import LoraConfig, TrainerEngine
-from temper.trainer.batching import micro_batches, prepare
+from temper.trainer.inputs import micro_batches, prepare
 from temper.trainer.shared_prefix import cluster_prefixes, packed_size
 
 VOCAB = 29

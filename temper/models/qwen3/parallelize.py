@@ -35,7 +35,7 @@ from temper.distributed.tensor_parallel import (
     per_head_parallel,
 )
 from temper.models.build import parse_dtype
-from temper.trainer.lora import has_lora
+from temper.models.lora import has_lora
 
 # [B, T, N, H] activations: the heads are dimension 2.
 _HEADS_DIM = 2

@@ -1,0 +1,91 @@
+"""Where a job's model comes from: a HF model directory, or a named size with random weights.
+
+Random models pair a named size with a built-in tokenizer vocabulary (the model's vocabulary
+size is taken from the tokenizer), so toy tasks, tests and the demo run with nothing
+downloaded. `init_model_dir` writes such a model as a regular model directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from temper.checkpoint.hf import load_pretrained, save_pretrained
+from temper.config.configurable import Configurable
+from temper.models.build import materialize
+from temper.models.registry import family
+from temper.tokenizer import Tokenizer, build_builtin_tokenizer, load_tokenizer
+
+DType = Literal["float32", "bfloat16"]
+
+
+class ModelSource(Configurable):
+    """A loaded model and its tokenizer."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        path: str | None = None
+        """HF model directory to load; unset: a random model of `size` with `tokenizer`."""
+        family: str = "qwen3"
+        """Model family of a random model (HF model_type)."""
+        size: str = "tiny"
+        """Named size of a random model (tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B)."""
+        tokenizer: str = "digits"
+        """Built-in vocabulary of a random model (digits, letters, words)."""
+        seed: int = 0
+        """Seed of a random model's initialization."""
+        dtype: DType = "float32"
+        """Parameter dtype."""
+        device: str = "cpu"
+        """Device to hold the model on, e.g. 'cpu' or 'cuda'."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        if config.path is not None:
+            self.model = load_pretrained(config.path, dtype=config.dtype, device=config.device)
+            self.tokenizer = load_tokenizer(config.path)
+            if self.tokenizer.vocab_size > self.model.config.vocab_size:
+                raise ValueError(
+                    f"{config.path}: tokenizer has {self.tokenizer.vocab_size} tokens but the "
+                    f"model's vocab_size is {self.model.config.vocab_size}"
+                )
+        else:
+            self.tokenizer = build_builtin_tokenizer(config.tokenizer)
+            sizes = family(config.family).sizes
+            if config.size not in sizes:
+                raise ValueError(
+                    f"ModelSource.Config.size: unknown {config.family} size {config.size!r}; "
+                    f"valid sizes: {', '.join(sizes)}"
+                )
+            model_config = dataclasses.replace(
+                sizes[config.size], vocab_size=self.tokenizer.vocab_size
+            )
+            self.model = materialize(
+                model_config, device=config.device, dtype=config.dtype, seed=config.seed
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def init_model_dir(
+    out_dir: str | Path,
+    *,
+    size: str = "tiny",
+    tokenizer: str = "digits",
+    family: str = "qwen3",
+    dtype: DType = "float32",
+    seed: int = 0,
+    overwrite: bool = False,
+) -> Tokenizer:
+    """Write a randomly initialized model directory that `load_pretrained` and HF load."""
+    loaded = ModelSource.Config(
+        family=family, size=size, tokenizer=tokenizer, dtype=dtype, seed=seed
+    ).build()
+    save_pretrained(loaded.model, out_dir, tokenizer=loaded.tokenizer, overwrite=overwrite)
+    return loaded.tokenizer

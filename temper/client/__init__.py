@@ -1,0 +1,10 @@
+"""In-process clients of the Tinker API: `ServiceClient`, `TrainingClient`, `SamplingClient`.
+
+They build a trainer and a generator in this process and speak the contract in `temper.api`;
+the HTTP server's backend is the same clients. Also here: the sampler checkpoint format.
+"""
+
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import ServiceClient, TrainingClient
+
+__all__ = ["SamplingClient", "ServiceClient", "TrainingClient"]

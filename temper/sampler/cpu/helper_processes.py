@@ -1,0 +1,268 @@
+"""Helper processes that decode a share of a CPU `generate` call (`cpu_processes`).
+
+A small model's CPU decode is a few thousand small ops issued from Python, one after another:
+intra-op threads do not pay at that size, and threads that split the rows wait on each other
+for the GIL around every op (decode_shards.py). Processes share no GIL. With
+`cpu_processes = N` the engine splits a large enough call's requests into up to N consecutive
+parts of about equal numbers of samples, decodes the first part itself and hands the others
+to helper processes, each with an engine of its own (same config, its own KV cache) over the
+same weight tensors. Responses come back in request order.
+
+Weights are not copied per update: the first time a module goes to the helpers, its tensors
+move into shared memory (torch.multiprocessing; values unchanged), and the helpers map the
+same pages. An optimizer step that writes the trainer's parameters in place is then visible
+to the helpers at once; the engine only tells them to rebuild their decode twins (fused or
+packed copies of the projections). A module whose tensors have new storage (another module,
+or tensors replaced) is sent again. The engine decodes only while no trainer writes (the
+clients' weight lock), so a helper never reads a half-written step.
+
+A split call returns what an unsplit one would: every request is validated and given its
+seed before it is split (unseeded ones draw from the engine's entropy in request order, as
+an unsplit call does), and a seeded request's tokens do not depend on which others share its
+batch. Its logprobs may differ in the last bits, as with any other batch composition (a
+smaller batch can take another matmul kernel or attend over another cache width).
+
+Helpers start on first use (about 1-2 s each: a fresh interpreter imports torch) as plain
+child interpreters that import only this module (helper_launch.py): not forked (the parent
+has threads and OpenMP pools), and unlike multiprocessing's spawn they never re-run the
+parent's `__main__`, so scripts need no `if __name__ == "__main__":` guard. A helper that
+cannot start, cannot take the weights, or dies is dropped with a warning, and
+its share runs in the engine's own process: the call still returns the same results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.multiprocessing  # registers the tensor reductions that share storage
+from torch import nn
+
+from temper.api.types import SampleResponse
+from temper.sampler.cpu.helper_launch import ChildProcess, launch
+from temper.sampler.requests import SampleRequest
+
+if TYPE_CHECKING:
+    from temper.sampler.engine import SamplerEngine
+
+
+@dataclass(frozen=True)
+class _WeightsSent:
+    """What the helpers hold: the module, its tensors' storage, and their current values."""
+
+    model_id: int
+    pointers: tuple[int, ...]
+    values: tuple
+
+
+class HelperProcesses:
+    """Up to `max_helpers` helper engines in other processes, started as calls need them."""
+
+    def __init__(
+        self,
+        *,
+        max_helpers: int,
+        min_rows: int,
+        config: SamplerEngine.Config,
+        tokenizer: Any,
+        threads: int,
+    ) -> None:
+        self.max_helpers = max_helpers
+        self.min_rows = min_rows
+        self.threads = threads
+        """Intra-op threads of each process in a split call (the engine's part too): the
+        processes share the cores."""
+        # Each helper's engine runs its share unsplit, on `threads` intra-op threads.
+        self._config = replace(config, cpu_processes=1, num_threads=threads)
+        self._tokenizer = tokenizer
+        self._helpers: list[ChildProcess] = []
+        self._sent: _WeightsSent | None = None
+        self._generation = 0
+        self._failed = False  # after a failure, every call runs in the engine's process
+
+    @property
+    def num_running(self) -> int:
+        return len(self._helpers)
+
+    def plan(self, requests: Sequence[SampleRequest]) -> list[range]:
+        """Consecutive request ranges, one per process; one range means: do not split.
+
+        Each part holds at least `min_rows` samples, and the parts' sample counts are as
+        even as whole requests allow."""
+        rows = [request.num_samples for request in requests]
+        num_parts = min(self.max_helpers + 1, len(rows), sum(rows) // self.min_rows)
+        if self._failed or num_parts < 2:
+            return [range(len(rows))]
+        return _balanced_ranges(rows, num_parts)
+
+    def run(
+        self,
+        parts: list[Sequence[SampleRequest]],
+        *,
+        model: nn.Module,
+        version: int,
+        local: Callable[[Sequence[SampleRequest]], list[SampleResponse]],
+    ) -> list[SampleResponse]:
+        """`local(parts[0])` here while helpers decode the other parts; responses in order.
+
+        The requests must be validated and seeded already (see the module docstring)."""
+        remote = parts[1:]
+        self._grow(len(remote))
+        weights = self._weights_message(model, version=version)
+        sent: list[tuple[ChildProcess, Sequence[SampleRequest]]] = []
+        leftover: list[Sequence[SampleRequest]] = []
+        for helper, part in zip(self._helpers, remote, strict=False):
+            try:
+                helper.connection.send(("generate", weights, part))
+                sent.append((helper, part))
+            except Exception as error:  # pickling the weights, a closed pipe
+                self._fail(f"could not send work to a helper process ({error!r})")
+                leftover.append(part)
+        leftover.extend(remote[len(sent) + len(leftover) :])
+        try:
+            responses = local(parts[0])
+        finally:  # drained even if the local part raised, so no reply is left for a later call
+            replies = [self._reply(helper) for helper, _ in sent]
+        error: BaseException | None = None
+        for (_, part), reply in zip(sent, replies, strict=True):
+            if reply is None:  # the helper is gone: decode its part here
+                responses.extend(local(part))
+            elif reply[0] == "ok":
+                responses.extend(reply[1])
+            else:
+                error = error or reply[1]
+        if error is not None:
+            raise error
+        for part in leftover:
+            responses.extend(local(part))
+        return responses
+
+    def _reply(self, helper: ChildProcess) -> tuple[str, Any] | None:
+        try:
+            return helper.connection.recv()
+        except (EOFError, OSError) as lost:
+            self._fail(f"a helper process exited ({lost!r})")
+            return None
+
+    def close(self) -> None:
+        helpers, self._helpers, self._sent = self._helpers, [], None
+        for helper in helpers:
+            helper.close()
+
+    def _grow(self, count: int) -> None:
+        while len(self._helpers) < count and not self._failed:
+            name = f"sampler helper process {len(self._helpers)}"
+            try:
+                helper = launch("temper.sampler.cpu.helper_processes:serve", name=name)
+                helper.connection.send((self._config, self._tokenizer))
+            except Exception as error:  # cannot start, or the config does not pickle
+                self._fail(f"could not start a helper process ({error!r})")
+                return
+            self._helpers.append(helper)
+            self._sent = None  # a new helper holds no weights yet
+
+    def _weights_message(self, model: nn.Module, *, version: int) -> tuple | None:
+        """None if the helpers hold `model` as it is now; else (module or None, generation):
+        the module when its storage is new to them, None when only values changed."""
+        tensors = [*model.parameters(), *model.buffers()]
+        sent = self._sent
+        if sent is not None and sent.model_id == id(model) and sent.pointers == _pointers(tensors):
+            values = _values(tensors, version=version)
+            if sent.values == values:
+                return None
+            self._generation += 1
+            self._sent = replace(sent, values=values)
+            return (None, self._generation)
+        self._generation += 1
+        # Sending shares each tensor's storage; the first time, that moves it into shared
+        # memory (new pointers, same values). Move them now so the record below is final.
+        for tensor in tensors:
+            tensor.share_memory_()
+        self._sent = _WeightsSent(
+            model_id=id(model),
+            pointers=_pointers(tensors),
+            values=_values(tensors, version=version),
+        )
+        return (model, self._generation)
+
+    def _fail(self, reason: str) -> None:
+        if not self._failed:
+            warnings.warn(
+                f"sampler: {reason}; decoding in the engine's own process from now on "
+                "(SamplerEngine.Config.cpu_processes)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._failed = True
+        self.close()
+
+
+def _pointers(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(tensor.data_ptr() for tensor in tensors)
+
+
+def _values(tensors: list[torch.Tensor], *, version: int) -> tuple:
+    """Changes whenever the values may have: a new weight version, or an in-place write."""
+    return (version, tuple(tensor._version for tensor in tensors))
+
+
+def _balanced_ranges(rows: Sequence[int], num_parts: int) -> list[range]:
+    """`num_parts` non-empty consecutive ranges of `rows` whose sums are close to even: each
+    cut falls at the request boundary nearest its share of the total."""
+    total, bounds, cumulative = sum(rows), [0], 0
+    cuts = iter(total * part / num_parts for part in range(1, num_parts))
+    target = next(cuts)
+    for index, count in enumerate(rows[:-1], start=1):
+        cumulative += count
+        remaining_cuts = num_parts - len(bounds)
+        if remaining_cuts == 0:
+            break
+        # Cut here if this boundary is at least as close to the target as the next one, or
+        # if every remaining request must start a part of its own.
+        next_cumulative = cumulative + rows[index]
+        closest = abs(cumulative - target) <= abs(next_cumulative - target)
+        if closest or len(rows) - index == remaining_cuts:
+            bounds.append(index)
+            target = next(cuts, total)
+    bounds.append(len(rows))
+    return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
+
+
+def serve(connection: Connection) -> None:
+    """A helper process: take the engine config and tokenizer, then decode each part it is
+    sent, until told to stop or the connection closes."""
+    from temper.sampler.engine import SamplerEngine
+
+    try:
+        config, tokenizer = connection.recv()
+    except (EOFError, OSError):
+        return
+    torch.set_num_threads(config.num_threads or 1)
+    engine: SamplerEngine | None = None
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        _, weights, requests = message
+        try:
+            if weights is not None:
+                model, generation = weights
+                if engine is None:
+                    engine = SamplerEngine(config, model=model, tokenizer=tokenizer)
+                # Values changed in place (or a new module): rebuild the decode twins.
+                engine.update_weights(
+                    model if model is not None else engine.model, version=generation
+                )
+            assert engine is not None, "a helper's first part comes with the weights"
+            reply = ("ok", engine.generate(requests))
+        except Exception as error:
+            reply = ("error", error)
+        connection.send(reply)

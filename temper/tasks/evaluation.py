@@ -1,0 +1,35 @@
+"""Held-out accuracy: greedy answers from a sampling client, scored by the task.
+
+Shared by the RL and SFT jobs. Every problem is sent before any answer is read, so the sampler
+decodes them as one batch.
+"""
+
+from __future__ import annotations
+
+import random
+
+from temper.api.types import ModelInput, SamplingParams
+from temper.tasks.problem import Problem, Task
+from temper.tokenizer import Tokenizer
+
+
+def heldout_problems(task: Task, *, count: int) -> list[Problem]:
+    """A fixed set (independent of the run's seed), so every evaluation scores the same."""
+    return [task.sample(random.Random(f"heldout-{i}"), split="heldout") for i in range(count)]
+
+
+def greedy_accuracy(
+    sampling_client, problems: list[Problem], *, task: Task, tokenizer: Tokenizer, max_tokens: int
+) -> tuple[float, list[tuple[str, str, float]]]:
+    """Accuracy and (prompt, completion, reward) of each problem."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    futures = [
+        sampling_client.sample(ModelInput.from_ints(tokenizer.encode(p.prompt)), 1, params)
+        for p in problems
+    ]
+    examples = []
+    for problem, future in zip(problems, futures, strict=True):
+        completion_tokens = future.result().sequences[0].tokens
+        completion = tokenizer.decode(completion_tokens, skip_special_tokens=True)
+        examples.append((problem.prompt, completion, task.reward(problem, completion)))
+    return sum(reward for _, _, reward in examples) / len(examples), examples

@@ -1,0 +1,101 @@
+"""The fused-projection decode twin: bitwise the model's own decode (fp32, and bf16 on packed
+weights), rebuilt after updates, and not used where it cannot stand in for the model."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from temper.api import SamplingParams
+from temper.models import materialize, qwen3_size
+from temper.models.lora import LoraConfig, apply_lora
+from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
+from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
+from temper.sampler.engine import SamplerEngine, SampleRequest
+
+
+def _model(seed=3):
+    config = dataclasses.replace(qwen3_size("tiny", vocab_size=37), init_std=0.1)
+    return materialize(config, seed=seed, dtype="float32").eval()
+
+
+_REQUESTS = [
+    SampleRequest(prompt=[1, 2, 3], params=SamplingParams(max_tokens=9, seed=4), num_samples=5),
+    SampleRequest(prompt=[7, 8], params=SamplingParams(max_tokens=6, temperature=0)),
+    SampleRequest(prompt=[5] * 11, params=SamplingParams(max_tokens=12, top_k=5, seed=1)),
+]
+
+
+def _generate(model, *, fused: bool):
+    engine = SamplerEngine.Config(max_batch=16, max_seq_len=64, cpu_fused_projections=fused).build(
+        model=model
+    )
+    return engine, engine.generate(_REQUESTS)
+
+
+def test_fused_decode_is_bitwise_the_models_own():
+    model = _model()
+    fused_engine, fused = _generate(model, fused=True)
+    assert isinstance(fused_engine._decode_model(), FusedDecoder)
+    plain_engine, plain = _generate(model, fused=False)
+    assert plain_engine._decode_model() is model
+    for a, b in zip(fused, plain, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
+
+
+def test_an_in_place_update_rebuilds_the_fused_weights():
+    model = _model()
+    engine, _ = _generate(model, fused=True)
+    first = engine._decode_model()
+    assert engine._decode_model() is first  # unchanged weights: reused
+    with torch.no_grad():
+        model.blocks[0].attention.wk.weight.mul_(1.5)
+    second = engine._decode_model()
+    assert second is not first
+    attention = model.blocks[0].attention
+    x_BD = torch.randn(3, 128)
+    assert torch.equal(second._layers[0].qkv(x_BD)[:, 128:192], attention.wk(x_BD))
+
+
+def test_only_plain_projections_are_fused():
+    assert fusable(_model())
+    assert fusable(_model().to(torch.bfloat16))
+    assert not fusable(_model().half())
+    lora_model = _model()
+    apply_lora(lora_model, LoraConfig(rank=4))
+    assert not fusable(lora_model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32).build(model=lora_model)
+    assert engine._decode_model() is lora_model
+    # bf16 is fused only on packed weights (unpacked, it decodes on its own forward).
+    bf16 = _model().to(torch.bfloat16)
+    engine = SamplerEngine.Config(max_batch=4, cpu_packed_linear="off").build(model=bf16)
+    assert engine._decode_model() is bf16
+
+
+@pytest.mark.skipif(not packing_available(), reason="needs oneDNN (mkldnn)")
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_packed_bf16_fused_decode_is_bitwise_the_models_own(tie_embeddings):
+    config = dataclasses.replace(
+        qwen3_size("tiny", vocab_size=37), init_std=0.1, tie_embeddings=tie_embeddings
+    )
+    model = materialize(config, seed=5, dtype="bfloat16").eval()
+    fused_engine, fused = _generate(model, fused=True)  # 'auto' packs bf16
+    decoder = fused_engine._decode_model()
+    assert isinstance(decoder, FusedDecoder) and decoder._output is not None
+    plain_engine = SamplerEngine.Config(
+        max_batch=16, max_seq_len=64, cpu_packed_linear="off"
+    ).build(model=model)
+    assert plain_engine._decode_model() is model
+    plain = plain_engine.generate(_REQUESTS)
+    for a, b in zip(fused, plain, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
+    # Not fused when asked not to: the packed twin of the model's own layers.
+    unfused_engine, unfused = _generate(model, fused=False)
+    assert isinstance(unfused_engine._decode_model(), PackedDecoder)
+    assert [s.tokens for r in unfused for s in r.sequences] == [
+        s.tokens for r in plain for s in r.sequences
+    ]
