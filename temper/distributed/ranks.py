@@ -113,7 +113,7 @@ class Ranks:
                 result = fn()
             except Exception as caught:
                 error = caught
-        message = self.broadcast([result, _picklable(error)])
+        message = self.broadcast([result, picklable_error(error, label="rank 0: ")])
         if error is not None:
             raise error
         if message[1] is not None:
@@ -125,12 +125,13 @@ class Ranks:
             dist.barrier(group=self.group)
 
 
-def _picklable(error: BaseException | None) -> BaseException | None:
-    """The error itself if it survives pickling, else a RuntimeError with its message."""
+def picklable_error(error: BaseException | None, *, label: str = "") -> BaseException | None:
+    """The error itself if it survives pickling (to send it to other ranks), else a
+    RuntimeError with `label`, its type and its message."""
     if error is None:
         return None
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        return RuntimeError(f"rank 0: {type(error).__name__}: {error}")
+        return RuntimeError(f"{label}{type(error).__name__}: {error}")
     return error

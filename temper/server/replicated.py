@@ -25,7 +25,6 @@ here: the Tinker SDK computes them on the client and sends forward + forward_bac
 from __future__ import annotations
 
 import datetime
-import pickle
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,7 @@ from temper.api.types import (
 )
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import ServiceClient, TrainingClient
-from temper.distributed.ranks import Ranks
+from temper.distributed.ranks import Ranks, picklable_error
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 """How long ranks > 0 wait for rank 0's next call (a server may sit idle for days); a rank
@@ -109,7 +108,7 @@ class Replica:
         part = None
         if error is None and call.verb in DATA_VERBS:
             part = (self.clients[call.model_id].engine.sharding.dp_rank, result)
-        reports = self.ranks.all_gather(_Report(error=_portable(error), part=part))
+        reports = self.ranks.all_gather(_Report(error=picklable_error(error), part=part))
         if call.verb in CREATE_VERBS and any(report.error is not None for report in reports):
             if error is None:
                 self.clients.pop(result.model_id)
@@ -295,17 +294,6 @@ def _share(count: int, *, part: int, parts: int) -> slice:
     base, extra = divmod(count, parts)
     start = part * base + min(part, extra)
     return slice(start, start + base + (1 if part < extra else 0))
-
-
-def _portable(error: BaseException | None) -> BaseException | None:
-    """The error itself if it survives pickling, else a RuntimeError with its message."""
-    if error is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return error
 
 
 def _on_rank(error: BaseException, rank: int) -> BaseException:

@@ -40,6 +40,13 @@ class Sharding(Configurable):
         reduce_dtype: Literal["float32", "bfloat16"] | None = None
         """FSDP mixed precision gradient-reduction dtype; None: the compute dtype."""
 
+        def __post_init__(self) -> None:
+            if self.activation_checkpointing not in ("none", "full"):
+                raise ValueError(
+                    "Sharding.Config.activation_checkpointing must be 'none' or 'full', got "
+                    f"{self.activation_checkpointing!r}"
+                )
+
     def __init__(self, config: Config, *, model: nn.Module) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(

@@ -10,19 +10,15 @@ logits for convenience and for tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rmsnorm import RMSNorm
 from temper.models.common.rope import rope_cos_sin
-
-ActivationCheckpointing = Literal["none", "full"]
 
 
 @dataclass(kw_only=True)
@@ -55,8 +51,6 @@ class DecoderConfig:
     """Longest sequence (prompt + completion) the model is used with."""
     init_std: float = 0.02
     """Standard deviation of the random normal init of weight matrices."""
-    activation_checkpointing: ActivationCheckpointing = "none"
-    """'full' recomputes each block's activations in backward to save memory."""
 
     def __post_init__(self) -> None:
         name = type(self).__qualname__
@@ -71,11 +65,6 @@ class DecoderConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"{name}.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.activation_checkpointing not in ("none", "full"):
-            raise ValueError(
-                f"{name}.activation_checkpointing must be 'none' or 'full', got "
-                f"{self.activation_checkpointing!r}"
-            )
 
 
 class DecoderBlock(nn.Module):
@@ -180,14 +169,8 @@ class Decoder(nn.Module):
             theta=self.config.rope_theta,
             dtype=x_BTD.dtype,
         )
-        checkpointed = self.config.activation_checkpointing == "full" and torch.is_grad_enabled()
         for block in self.blocks:
-            if checkpointed:
-                x_BTD = checkpoint(
-                    block, x_BTD, cos_B1TH, signed_sin_B1TH, attention, use_reentrant=False
-                )
-            else:
-                x_BTD = block(x_BTD, cos_B1TH, signed_sin_B1TH, attention)
+            x_BTD = block(x_BTD, cos_B1TH, signed_sin_B1TH, attention)
         return self.norm(x_BTD)
 
     def forward(
