@@ -22,6 +22,7 @@ from torch import nn
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.build import dtype_name, materialize, parse_dtype
 from temper.models.registry import ModelFamily, family_for_hf_config, family_of_model
+from temper.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS = "model.safetensors"
@@ -158,7 +159,7 @@ def _write_weights(
     (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
-def _special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+def _special_token_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
     return {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -170,7 +171,7 @@ def save_pretrained(
     model: nn.Module,
     out_dir: str | Path,
     *,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:

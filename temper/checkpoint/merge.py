@@ -10,13 +10,13 @@ ones (norms, the embedding) share storage with the source model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from temper.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, save_pretrained
 from temper.models.common.decoder import Decoder
 from temper.models.lora import merged_config, merged_state_dict
+from temper.tokenizer import Tokenizer
 
 
 def merged_model(model: Decoder) -> Decoder:
@@ -31,7 +31,7 @@ def save_merged_pretrained(
     model: Decoder,
     out_dir: str | Path,
     *,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:

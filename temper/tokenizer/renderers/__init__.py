@@ -18,12 +18,13 @@ from temper.tokenizer.renderers.base import (
 )
 from temper.tokenizer.renderers.qwen3 import Qwen3Renderer
 from temper.tokenizer.renderers.role_colon import RoleColonRenderer
+from temper.tokenizer.tokenizer import Tokenizer
 
 RendererName = Literal["role_colon", "qwen3", "qwen3_no_think"]
 RENDERER_NAMES: tuple[str, ...] = get_args(RendererName)
 
 
-def build_renderer(name: RendererName, *, tokenizer) -> Renderer:
+def build_renderer(name: RendererName, *, tokenizer: Tokenizer) -> Renderer:
     """The renderer called `name` over `tokenizer`."""
     if name == "role_colon":
         return RoleColonRenderer(tokenizer)

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from temper.tokenizer.tokenizer import Tokenizer
+
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 
@@ -67,7 +69,7 @@ class Renderer(Protocol):
 class Segments:
     """Token ids built piece by piece, each piece with one loss weight."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.weights: list[float] = []

@@ -36,6 +36,7 @@ from temper.tokenizer.renderers.base import (
     special_token_id,
     trained_indices,
 )
+from temper.tokenizer.tokenizer import Tokenizer
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -51,7 +52,7 @@ class _AssistantBody:
 
 
 class Qwen3Renderer:
-    def __init__(self, tokenizer, *, thinking: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, thinking: bool = True) -> None:
         self.tokenizer = tokenizer
         self.thinking = thinking
         self.name = "qwen3" if thinking else "qwen3_no_think"

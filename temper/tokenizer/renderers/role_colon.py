@@ -27,6 +27,7 @@ from temper.tokenizer.renderers.base import (
     check_messages,
     trained_indices,
 )
+from temper.tokenizer.tokenizer import Tokenizer
 
 ROLE_HEADERS = {"system": "System:", "user": "User:", "assistant": "Assistant:"}
 SEPARATOR = "\n\n"
@@ -35,7 +36,7 @@ SEPARATOR = "\n\n"
 class RoleColonRenderer:
     name = "role_colon"
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
 
     def render(
