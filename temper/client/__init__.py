@@ -5,6 +5,7 @@ the HTTP server's backend is the same clients. Also here: the sampler checkpoint
 """
 
 from temper.client.sampling_client import SamplingClient
-from temper.client.training_client import ServiceClient, TrainingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 
 __all__ = ["SamplingClient", "ServiceClient", "TrainingClient"]
