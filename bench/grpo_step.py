@@ -32,7 +32,7 @@ import torch
 from temper.api import AdamParams, SamplingParams
 from temper.checkpoint.hf import save_pretrained
 from temper.checkpoint.model_source import ModelSource
-from temper.client.training_client import ServiceClient
+from temper.client.service_client import ServiceClient
 from temper.config.recipes import default_recipe
 from temper.rl.advantages import group_advantages
 from temper.rl.env import make_groups

@@ -155,7 +155,7 @@ def main() -> None:
 
     from temper import api as temper_types
     from temper.checkpoint.model_source import init_model_dir
-    from temper.client.training_client import ServiceClient
+    from temper.client.service_client import ServiceClient
 
     root = Path(tempfile.mkdtemp(prefix="temper-bench-"))
     model_dir = root / "models" / "tiny-digits"

@@ -2,7 +2,8 @@
 
 from temper.api.types import AdamParams, Datum, ModelInput, SamplingParams, TensorData
 from temper.client.sampling_client import SamplingClient
-from temper.client.training_client import ServiceClient, TrainingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ from temper.models.lora import (
     merged_state_dict,
 )
 from temper.models.registry import MODEL_FAMILIES
-from temper.tokenizer import load_tokenizer
+from temper.tokenizer import Tokenizer, load_tokenizer
 
 SAMPLER_FILE = "sampler.json"
 LORA_FILE = "lora.safetensors"
@@ -61,7 +61,7 @@ def resolve_base_model(name: str, *, device: str, dtype: str) -> ModelSource.Con
 @dataclass(frozen=True)
 class SamplerWeights:
     model: nn.Module
-    tokenizer: Any
+    tokenizer: Tokenizer
     name: str
 
 
@@ -86,7 +86,12 @@ def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module | 
 
 
 def save_sampler_weights(
-    directory: Path, *, model: nn.Module, tokenizer: Any, base_model: str, lora: LoraConfig | None
+    directory: Path,
+    *,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    base_model: str,
+    lora: LoraConfig | None,
 ) -> None:
     """Write `model`'s sampler weights to `directory` (which must not exist).
 
@@ -132,7 +137,7 @@ def _write_sampler_weights(
     *,
     model: nn.Module | None,
     adapters: dict[str, torch.Tensor] | None,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     info: dict[str, Any],
 ) -> None:
     """A full HF model directory (`model`), or LoRA `adapters` plus the tokenizer."""

@@ -1,41 +1,34 @@
 """SamplingClient: `sample` and `compute_logprobs` on one policy version.
 
-A sampling client made by a training client may read the trainer's own weights; it holds the
-trainer's weight lock while it decodes, and the training client detaches it onto a private
-copy just before those weights change (copy-on-write, see training_client.py). A client made
-from a checkpoint or a base model owns its engine outright.
+A sampling client reads through a `Snapshot` (weight_sync.py). One made by a training client
+may read the trainer's own weights: the snapshot holds them against changes while it decodes,
+and gets a private copy just before they change (copy-on-write). A client made from a
+checkpoint or a base model owns its engine outright.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 from temper.api.futures import APIFuture, Worker
 from temper.api.types import ModelInput, SampleResponse, SamplingParams
+from temper.client.weight_sync import Snapshot
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
-
-if TYPE_CHECKING:
-    from temper.client.training_client import TrainingClient
+from temper.tokenizer import Tokenizer
 
 
 class SamplingClient:
-    def __init__(
-        self,
-        *,
-        engine: SamplerEngine,
-        worker: Worker,
-        tokenizer: Any,
-        owner: tuple[TrainingClient, int] | None,
-    ) -> None:
-        self.engine = engine
+    def __init__(self, *, snapshot: Snapshot, worker: Worker, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._snapshot = snapshot
         self._worker = worker
-        self._owner = owner
-        # True while `engine` is the training client's own sampler (maybe on its tensors).
-        self._shared = owner is not None
+
+    @property
+    def engine(self) -> SamplerEngine:
+        """The engine that serves this client's version now (copy-on-write may replace it)."""
+        return self._snapshot.engine
 
     def sample(
         self,
@@ -85,12 +78,12 @@ class SamplingClient:
             return self._worker.submit(lambda: [None])
         return self._worker.submit(self._compute_logprobs, tokens)
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
     @property
     def version(self) -> int:
-        return self.engine.version if self._owner is None else self._owner[1]
+        return self._snapshot.version
 
     async def sample_async(self, *args: Any, **kwargs: Any) -> APIFuture[SampleResponse]:
         return self.sample(*args, **kwargs)
@@ -99,22 +92,9 @@ class SamplingClient:
         return self.compute_logprobs(*args, **kwargs)
 
     def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        with self._reading() as engine:
+        with self._snapshot.reading() as engine:
             return engine.generate(requests)
 
     def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
-        with self._reading() as engine:
+        with self._snapshot.reading() as engine:
             return [None, *engine.score([tokens])[0].tolist()]
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[SamplerEngine]:
-        """The engine to use; weights shared with a trainer are held against changes."""
-        if not self._shared:  # a detached client never shares again
-            yield self.engine
-            return
-        with self._owner[0]._weights_lock:
-            yield self.engine
-
-    def _detach(self, engine: SamplerEngine) -> None:
-        """Serve the same version from `engine` from now on (under the owner's lock)."""
-        self.engine, self._shared = engine, False

@@ -78,7 +78,7 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
 
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this)."""
-    from temper.client.training_client import ServiceClient
+    from temper.client.service_client import ServiceClient
     from temper.server.replicated import ReplicatedService, follow, replay_ranks
     from temper.server.security import check_bind
     from temper.trainer.sharding import Sharding

@@ -40,7 +40,7 @@ from temper.checkpoint.run_state import (
     save_run_state,
     truncate_jsonl,
 )
-from temper.client.training_client import ServiceClient
+from temper.client.service_client import ServiceClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, plot_metrics

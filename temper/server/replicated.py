@@ -42,7 +42,8 @@ from temper.api.types import (
     SaveWeightsResponse,
 )
 from temper.client.sampling_client import SamplingClient
-from temper.client.training_client import ServiceClient, TrainingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 from temper.distributed.ranks import Ranks, picklable_error
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)

@@ -157,7 +157,7 @@ class TemperServer(Configurable):
         storage = CheckpointStorage(config.storage)
         self.catalog = CheckpointCatalog(storage)
         if backend is None:
-            from temper.client.training_client import ServiceClient
+            from temper.client.service_client import ServiceClient
 
             if config.device == "cpu":
                 # Before the backend starts its worker threads: they read this once.

@@ -14,7 +14,7 @@ import numpy as np
 from tinker import types as tinker_types
 
 from temper.api.types import Datum, ModelInput
-from temper.client.training_client import lora_config
+from temper.client.service_client import lora_config
 from temper.losses import get_loss, resolve_config
 from temper.server.errors import BadRequest
 from temper.server.server import ModelLimits

@@ -26,7 +26,8 @@ from temper.api.types import AdamParams
 from temper.checkpoint.model_source import DType
 from temper.checkpoint.run_state import RunState, load_run_state, save_run_state, truncate_jsonl
 from temper.client.sampler_weights import SAMPLER_FILE
-from temper.client.training_client import ServiceClient, TrainingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME

@@ -6,7 +6,8 @@ import inspect
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.client.sampling_client import SamplingClient
-from temper.client.training_client import ServiceClient, TrainingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 
 
 def test_in_process_clients_implement_the_backend_verbs(tmp_path):

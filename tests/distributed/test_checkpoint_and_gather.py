@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from temper.api import Datum, ModelInput
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.gather import full_state_dict, sampler_state_dict
-from temper.client.training_client import ServiceClient
+from temper.client.service_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
 from temper.models.lora import apply_lora, merged_state_dict
 from temper.trainer import LoraConfig, TrainerEngine

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from temper.api import Datum, ModelInput
-from temper.client.training_client import ServiceClient
+from temper.client.service_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
 from temper.observability import read_metrics
 from temper.rl import loop_sync, steps

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from temper.client.training_client import ServiceClient
+from temper.client.service_client import ServiceClient
 from temper.sft.batches import completion_tokens, supervised_data
 from temper.tokenizer.renderers import WeightedTokens
 

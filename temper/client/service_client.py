@@ -1,0 +1,217 @@
+"""ServiceClient: makes training clients and sampling clients in this process.
+
+`base_model` is a HF model directory, or a named size with random weights and a built-in
+vocabulary. Training clients get their run id, their run.json under the checkpoint storage and
+a trainer built from `trainer`; their sampling clients use `sampler` (see training_client.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from temper.api.futures import Worker
+from temper.checkpoint.storage import CheckpointStorage, check_name
+from temper.client.sampler_weights import (
+    SamplerWeights,
+    load_sampler_weights,
+    resolve_base_model,
+)
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import TrainingClient
+from temper.client.weight_sync import Snapshot
+from temper.distributed.ranks import Ranks
+from temper.models.lora import LoraConfig
+from temper.sampler.engine import SamplerEngine
+from temper.trainer.engine import TrainerEngine
+
+DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
+
+
+class ServiceClient:
+    """Creates training and sampling clients on this machine.
+
+    `base_model` is a HF model directory, or a named size with random weights and a built-in
+    vocabulary: "tiny" (digits), "tiny:letters", "0.6B:words", ...
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_dir: str | Path = DEFAULT_STORAGE,
+        device: str = "cpu",
+        dtype: str = "float32",
+        trainer: TrainerEngine.Config | None = None,
+        sampler: SamplerEngine.Config | None = None,
+    ) -> None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}, but this machine has no CUDA device (or torch was built "
+                "without CUDA); use device='cpu'"
+            )
+        self.storage = CheckpointStorage(storage_dir)
+        self.device = device
+        self.dtype = dtype
+        self.trainer_config = trainer or TrainerEngine.Config()
+        self.sampler_config = sampler or SamplerEngine.Config()
+
+    def create_lora_training_client(
+        self,
+        base_model: str,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
+    ) -> TrainingClient:
+        """`run_id` names the run (and its `tinker://<run_id>/...` paths); default: random.
+        With a sharded trainer every rank gets rank 0's id."""
+        lora = lora_config(
+            rank=rank,
+            seed=seed,
+            train_mlp=train_mlp,
+            train_attn=train_attn,
+            train_unembed=train_unembed,
+        )
+        return self._new_training_client(
+            base_model, lora=lora, user_metadata=user_metadata, run_id=run_id
+        )
+
+    def create_training_client(
+        self,
+        base_model: str,
+        user_metadata: Mapping[str, str] | None = None,
+        *,
+        run_id: str | None = None,
+    ) -> TrainingClient:
+        """Full fine-tuning (every parameter trains); an addition to Tinker's API."""
+        return self._new_training_client(
+            base_model, lora=None, user_metadata=user_metadata, run_id=run_id
+        )
+
+    def create_training_client_from_state(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingClient:
+        """A new training client with the weights of a `save_state` checkpoint (fresh optimizer)."""
+        return self._from_state(path, with_optimizer=False, run_id=run_id)
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, *, run_id: str | None = None
+    ) -> TrainingClient:
+        return self._from_state(path, with_optimizer=True, run_id=run_id)
+
+    def create_sampling_client(
+        self, model_path: str | None = None, base_model: str | None = None
+    ) -> SamplingClient:
+        """Sample from sampler weights (`tinker://.../sampler_weights/...`) or a base model."""
+        if (model_path is None) == (base_model is None):
+            raise ValueError("create_sampling_client takes exactly one of model_path, base_model")
+        if model_path is not None:
+            weights = load_sampler_weights(
+                self.storage, model_path, device=self.device, dtype=self.dtype
+            )
+        else:
+            base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
+            weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
+        engine = self.sampler_config.build(model=weights.model, tokenizer=weights.tokenizer)
+        return SamplingClient(
+            snapshot=Snapshot(engine=engine, version=engine.version),
+            worker=Worker("temper-sampler"),
+            tokenizer=weights.tokenizer,
+        )
+
+    async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:
+        return self.create_lora_training_client(*args, **kwargs)
+
+    async def create_sampling_client_async(self, *args: Any, **kwargs: Any) -> SamplingClient:
+        return self.create_sampling_client(*args, **kwargs)
+
+    def _new_training_client(
+        self,
+        base_model: str,
+        *,
+        lora: LoraConfig | None,
+        user_metadata: Mapping[str, str] | None,
+        run_id: str | None = None,
+    ) -> TrainingClient:
+        base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
+        engine = self.trainer_config.build(model=base.model, lora=lora)
+        run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
+        info = {
+            "base_model": base_model,
+            "lora": None if lora is None else dataclasses.asdict(lora),
+            "user_metadata": dict(user_metadata or {}),
+        }
+        if engine.sharding is None:
+            self._claim_run(run_id, info)
+        else:
+            # The ranks write one run's checkpoints together, so they need one run id: rank 0's
+            # (it writes run.json; the others wait until it is there).
+            def write_run() -> str:
+                self._claim_run(run_id, info)
+                return run_id
+
+            run_id = Ranks.of_default_group().on_writer(write_run)
+        return TrainingClient(
+            service=self,
+            run_id=run_id,
+            base_model=base_model,
+            engine=engine,
+            tokenizer=base.tokenizer,
+        )
+
+    def _claim_run(self, run_id: str, info: dict[str, Any]) -> None:
+        """Write the run's run.json; an existing run of another base model or LoRA config is
+        refused, since its checkpoints would then be read as this client's."""
+        try:
+            existing = self.storage.read_run(run_id)
+        except FileNotFoundError:
+            existing = None
+        if existing is not None and (existing["base_model"], existing["lora"]) != (
+            info["base_model"],
+            info["lora"],
+        ):
+            raise ValueError(
+                f"run_id {run_id!r} exists already with base model {existing['base_model']!r} "
+                f"and LoRA {existing['lora']}, but this client trains {info['base_model']!r} "
+                f"with LoRA {info['lora']}; choose another run_id"
+            )
+        self.storage.write_run(run_id, info)
+
+    def _from_state(
+        self, path: str, *, with_optimizer: bool, run_id: str | None = None
+    ) -> TrainingClient:
+        parsed, _ = self.storage.existing(path)
+        if parsed.kind != "weights":
+            raise ValueError(
+                f"{path} is a {parsed.kind} checkpoint; training state is under weights/"
+            )
+        run = self.storage.read_run(parsed.run_id)
+        lora = None if run["lora"] is None else LoraConfig(**run["lora"])
+        client = self._new_training_client(
+            run["base_model"], lora=lora, user_metadata=run.get("user_metadata"), run_id=run_id
+        )
+        load = client.load_state_with_optimizer if with_optimizer else client.load_state
+        load(path).result()
+        return client
+
+
+def lora_config(
+    *, rank: int, seed: int | None, train_mlp: bool, train_attn: bool, train_unembed: bool
+) -> LoraConfig:
+    """The LoRA config of Tinker's create_lora_training_client arguments (seed None: 0)."""
+    return LoraConfig(
+        rank=rank,
+        seed=0 if seed is None else seed,
+        train_mlp=train_mlp,
+        train_attn=train_attn,
+        train_unembed=train_unembed,
+    )
