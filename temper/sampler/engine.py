@@ -41,7 +41,7 @@ from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
-from temper.sampler.decoding import DecodeModel, Decoding
+from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
 from temper.sampler.requests import SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
@@ -262,11 +262,11 @@ class SamplerEngine(Configurable, Admission):
             draws = self.decoding.map_rows(
                 lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
             )
-            draw = _Draw.concat(draws)
+            draw = Draw.concat(draws)
         positions_B += 1
         self._record(0, draw)
 
-    def _decode_rows(self, rows: range, *, decoder: DecodeModel, width: int) -> _Draw:
+    def _decode_rows(self, rows: range, *, decoder: DecodeModel, width: int) -> Draw:
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
@@ -277,7 +277,7 @@ class SamplerEngine(Configurable, Admission):
         )
         return self._draw(rows, decoder.logits(hidden_B1D[:, 0]).float())
 
-    def _draw(self, rows: range, logits_BV: torch.Tensor) -> _Draw:
+    def _draw(self, rows: range, logits_BV: torch.Tensor) -> Draw:
         """One token for each slot in `rows` (its logits row by row), with its logprobs."""
         slots = self.slots
         rows = slice(rows.start, rows.stop)
@@ -304,15 +304,13 @@ class SamplerEngine(Configurable, Admission):
                 draw_mode=draw_mode,
             )
         token_logprobs_B = sampling.gather_logprobs(logprobs_BV, tokens_B)
-        return _Draw(
-            tokens_B=tokens_B, token_logprobs_B=token_logprobs_B, logprobs_BV=[logprobs_BV]
-        )
+        return Draw(tokens_B=tokens_B, token_logprobs_B=token_logprobs_B, logprobs_BV=[logprobs_BV])
 
     def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
         """Draw one token for slots first_slot.. (to the last active) and record it."""
         self._record(first_slot, self._draw(range(first_slot, self.slots.num_active), logits_BV))
 
-    def _record(self, first_slot: int, draw: _Draw) -> None:
+    def _record(self, first_slot: int, draw: Draw) -> None:
         """Store the tokens drawn for slots first_slot.. (to the last active), and retire
         the sequences that are done."""
         slots = self.slots
@@ -386,24 +384,3 @@ class SamplerEngine(Configurable, Admission):
             self.cache.copy_slots(sources=movers, targets=holes, length=length)
             slots.move(sources=movers, targets=holes)
         slots.release_last(len(finished))
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Draw:
-    """A step's draw for consecutive rows: tokens, their logprobs, and the rows' sampling
-    logprobs (one [B_i, V] tensor per shard; joined only when per-token Python work needs
-    them)."""
-
-    tokens_B: torch.Tensor
-    token_logprobs_B: torch.Tensor
-    logprobs_BV: list[torch.Tensor]
-
-    @staticmethod
-    def concat(draws: Sequence[_Draw]) -> _Draw:
-        if len(draws) == 1:
-            return draws[0]
-        return _Draw(
-            tokens_B=torch.cat([draw.tokens_B for draw in draws]),
-            token_logprobs_B=torch.cat([draw.token_logprobs_B for draw in draws]),
-            logprobs_BV=[logprobs_BV for draw in draws for logprobs_BV in draw.logprobs_BV],
-        )
