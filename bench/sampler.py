@@ -37,6 +37,7 @@ from timing import median_seconds
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.packed_linear import PackedLinear
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
@@ -102,11 +103,12 @@ def _compare(
     cpu_processes: int | str | None = None,
 ) -> dict[str, float | bool]:
     """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
-    options = {} if decode_shards is None else {"decode_shards": decode_shards}
-    if cpu_processes is not None:
-        options["cpu_processes"] = cpu_processes
     engine = SamplerEngine.Config(
-        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, num_threads=num_threads, **options
+        max_batch=batch,
+        max_seq_len=PROMPT_LEN + NEW_TOKENS,
+        cpu=cpu_config(
+            num_threads=num_threads, decode_shards=decode_shards, processes=cpu_processes
+        ),
     ).build(model=ours)
     generator = torch.Generator().manual_seed(0)
     prompts_BT = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=generator)
@@ -152,7 +154,9 @@ def _compare(
     )
     total_s = batch * NEW_TOKENS / result["temper"]
     result["temper_decode"] = batch * (NEW_TOKENS - 1) / max(total_s - prefill_s, 1e-9)
-    result["packed"] = engine._packed is not None
+    # On CPU the engine's decode path (chosen at build) says whether it decodes on packed
+    # weights; the plain path (CUDA) has no twin.
+    result["packed"] = getattr(_local_engine(engine).decoding, "twin", None) == "packed"
     if num_threads is not None and device.type == "cpu":
         threads = torch.get_num_threads()
         torch.set_num_threads(num_threads)
@@ -163,9 +167,19 @@ def _compare(
     return result
 
 
+def cpu_config(**settings: int | str | None) -> CpuDecoding.Config:
+    """`SamplerEngine.Config.cpu` with the settings given (None: the engine's default)."""
+    return CpuDecoding.Config(**{name: v for name, v in settings.items() if v is not None})
+
+
+def _local_engine(sampler) -> SamplerEngine:
+    """The engine itself (a split sampler holds one for its own part)."""
+    return getattr(sampler, "engine", sampler)
+
+
 def engine_config_value(name: str, value: int | str | None) -> int | str:
-    """The value a run used for an engine setting: `value`, else the engine's default."""
-    return getattr(SamplerEngine.Config(), name) if value is None else value
+    """The value a run used for a CPU engine setting: `value`, else the engine's default."""
+    return getattr(SamplerEngine.Config().cpu, name) if value is None else value
 
 
 def auto_or_int(value: str) -> int | str:
@@ -216,7 +230,7 @@ def run_case(
             "batch": batch,
             "temper_threads": num_threads or torch.get_num_threads(),
             "temper_decode_shards": engine_config_value("decode_shards", decode_shards),
-            "temper_cpu_processes": engine_config_value("cpu_processes", cpu_processes),
+            "temper_cpu_processes": engine_config_value("processes", cpu_processes),
             "temper_packed_linear": measured["packed"],
             "temper_tokens_per_s": round(ours_tps, 1),
             "hf_tokens_per_s": round(measured["hf"], 1),
@@ -265,14 +279,14 @@ def main() -> None:
         "--decode-shards",
         default=None,
         type=auto_or_int,
-        help="SamplerEngine.Config.decode_shards for the tiny model ('auto' or an int; "
+        help="SamplerEngine.Config.cpu.decode_shards for the tiny model ('auto' or an int; "
         "default: the engine's default)",
     )
     parser.add_argument(
         "--cpu-processes",
         default=None,
         type=auto_or_int,
-        help="SamplerEngine.Config.cpu_processes for the CPU cases ('auto' or an int; default: "
+        help="SamplerEngine.Config.cpu.processes for the CPU cases ('auto' or an int; default: "
         "the engine's default, 1)",
     )
     args = parser.parse_args()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from temper.config.recipes import recipe
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.sft import ConversationDataset, SFTJob
 
@@ -31,6 +32,8 @@ def sft_conversations() -> SFTJob.Config:
         warmup_steps=20,
         eval_every=50,
         max_new_tokens=20,
-        sampler=SamplerEngine.Config(max_batch=64, max_seq_len=128, num_threads=1),
+        sampler=SamplerEngine.Config(
+            max_batch=64, max_seq_len=128, cpu=CpuDecoding.Config(num_threads=1)
+        ),
         export="none",
     )

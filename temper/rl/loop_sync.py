@@ -50,6 +50,7 @@ from temper.rl.kl import KLEstimator
 from temper.rl.loop_async import run_async
 from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.tasks import SumDigits, TaskConfig
 from temper.tasks.evaluation import greedy_accuracy, heldout_problems
@@ -128,11 +129,13 @@ class RLJob(Configurable):
         """Decoded completions written to rollouts.jsonl per RL step."""
         sampler: SamplerEngine.Config = field(
             default_factory=lambda: SamplerEngine.Config(
-                max_batch=256, max_seq_len=64, num_threads=1, cpu_processes="auto"
+                max_batch=256,
+                max_seq_len=64,
+                cpu=CpuDecoding.Config(num_threads=1, processes="auto"),
             )
         )
         """The sampling engine behind the sampling clients. On CPU each rollout batch is split
-        over one process per core (`cpu_processes`), each decoding on one thread."""
+        over one process per core (`cpu.processes`), each decoding on one thread."""
         metrics: MetricsLogger.Config = field(
             default_factory=lambda: MetricsLogger.Config(
                 progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"), table_every=100
@@ -164,7 +167,9 @@ class RLJob(Configurable):
         trainer, sampler = config.trainer, config.sampler
         if ranks.world_size > 1:  # the ranks already use the cores
             trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
-            sampler = dataclasses.replace(sampler, cpu_processes=1)
+            sampler = dataclasses.replace(
+                sampler, cpu=dataclasses.replace(sampler.cpu, processes=1)
+            )
         service = ServiceClient(
             storage_dir=run_dir / "checkpoints",
             device=config.device,

@@ -15,17 +15,20 @@ How a call to `generate` runs:
 Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
 row's random draw depends only on its seed and how many tokens it has drawn, so seeded
 results do not depend on which other requests share the batch.
+
+What a decode step runs on is chosen once, when the engine is built (`self.decoding`): the
+model itself, or on CPU the speed wing's twins and row shards (cpu/decoding.py); on CUDA a
+step may replay a CUDA graph (cuda_graphs.py). Splitting calls over processes is not done
+here: `Config.build` wraps the engine for that (cpu/process_split.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -33,16 +36,15 @@ from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
 from temper.config.configurable import Configurable
-from temper.models.common.logprobs import forward_logprobs
 from temper.sampler import sampling
 from temper.sampler.admission import Admission
-from temper.sampler.cpu.decode_shards import DecodeShards
-from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
-from temper.sampler.cpu.helper_processes import HelperProcesses
-from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
+from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
 from temper.sampler.requests import SampleRequest
+from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
 from temper.sampler.weight_source import WeightSource
 
@@ -62,37 +64,9 @@ class SamplerEngine(Configurable, Admission):
         """'auto' replays decode steps as CUDA graphs on a CUDA device (no effect on CPU)."""
         graph_batch_sizes: tuple[int, ...] = ()
         """Batch-size buckets captured as graphs; () = powers of two up to max_batch."""
-        num_threads: int | None = None
-        """CPU threads (torch intra-op) while generating; None keeps the process setting.
-        Small models decode faster on 1: waking another thread costs more than it saves."""
-        cpu_packed_linear: Literal["auto", "on", "off"] = "auto"
-        """Decode linear layers on CPU from weights prepacked for oneDNN (a copy: as much
-        memory again, and one pass over the weights whenever they change). 'auto' packs bf16
-        weights (bitwise the same results, faster); 'on' also fp32 (faster for large
-        matrices, not bitwise equal to torch's default kernel); no effect on CUDA."""
-        cpu_fused_projections: bool = True
-        """Decode on CPU with each layer's q/k/v and gate/up projections fused into one
-        matmul each (a copy of those weights; bitwise the same results, fewer ops; see
-        fused_decoder.py): fp32 models, and packed weights (cpu_packed_linear). No effect
-        on CUDA."""
-        decode_shards: int | Literal["auto"] = 1
-        """CPU decode steps split their rows into this many consecutive groups that run at
-        once, one thread each with single-threaded ops (see decode_shards.py); tokens and
-        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
-        threads generate runs on (num_threads, else torch's), each of at least
-        decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
-        split step was slower, docs/sampler.md). No effect on CUDA."""
-        decode_shard_min_rows: int = 16
-        """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
-        cpu_processes: int | Literal["auto"] = 1
-        """CPU generate calls split their requests over up to this many processes: the
-        engine's own and helpers started on first use, each with its own KV cache, reading
-        the same weights through shared memory (see helper_processes.py). Tokens are those
-        of one process (logprobs to float rounding, as with any batch composition). 'auto':
-        one per core this process may run on. Only calls with at least cpu_process_min_rows
-        samples per part split. No effect on CUDA."""
-        cpu_process_min_rows: int = 16
-        """With cpu_processes > 1, the fewest samples per process worth splitting a call for."""
+        cpu: CpuDecoding.Config = field(default_factory=CpuDecoding.Config)
+        """The CPU speed wing (no effect on CUDA): threads, fused or packed decode twins,
+        decode shards, helper processes (temper/sampler/cpu/decoding.py)."""
 
         def __post_init__(self) -> None:
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
@@ -110,43 +84,22 @@ class SamplerEngine(Configurable, Admission):
                     f"SamplerEngine.Config.cuda_graphs must be 'auto' or 'off', got "
                     f"{self.cuda_graphs!r}"
                 )
-            if self.cpu_packed_linear not in ("auto", "on", "off"):
-                raise ValueError(
-                    "SamplerEngine.Config.cpu_packed_linear must be 'auto', 'on' or 'off', got "
-                    f"{self.cpu_packed_linear!r}"
+            if not isinstance(self.cpu, CpuDecoding.Config):
+                raise TypeError(
+                    "SamplerEngine.Config.cpu must be a CpuDecoding.Config, got "
+                    f"{type(self.cpu).__name__}"
                 )
-            shards = self.decode_shards
-            if shards != "auto" and (isinstance(shards, bool) or not isinstance(shards, int)):
-                raise ValueError(
-                    "SamplerEngine.Config.decode_shards must be 'auto' or an int >= 1, got "
-                    f"{shards!r}"
-                )
-            if shards != "auto" and shards < 1:
-                raise ValueError(
-                    f"SamplerEngine.Config.decode_shards must be 'auto' or >= 1, got {shards}"
-                )
-            if self.decode_shard_min_rows < 1:
-                raise ValueError(
-                    "SamplerEngine.Config.decode_shard_min_rows must be >= 1, got "
-                    f"{self.decode_shard_min_rows}"
-                )
-            processes = self.cpu_processes
-            if processes != "auto" and (
-                isinstance(processes, bool) or not isinstance(processes, int) or processes < 1
-            ):
-                raise ValueError(
-                    "SamplerEngine.Config.cpu_processes must be 'auto' or an int >= 1, got "
-                    f"{processes!r}"
-                )
-            if self.cpu_process_min_rows < 1:
-                raise ValueError(
-                    "SamplerEngine.Config.cpu_process_min_rows must be >= 1, got "
-                    f"{self.cpu_process_min_rows}"
-                )
-            if self.num_threads is not None and self.num_threads < 1:
-                raise ValueError(
-                    f"SamplerEngine.Config.num_threads must be >= 1 or None, got {self.num_threads}"
-                )
+
+        def build(
+            self, *, model: nn.Module, tokenizer: Any = None
+        ) -> SamplerEngine | ProcessSplitSampler:
+            """The engine on `model`; on CPU with `cpu.processes` > 1, a
+            `ProcessSplitSampler` around it (used the same way)."""
+            engine = super().build(model=model, tokenizer=tokenizer)
+            processes = self.cpu.num_processes()
+            if processes < 2 or engine.device.type != "cpu":
+                return engine
+            return ProcessSplitSampler(engine, processes=processes)
 
         def kv_cache_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
             """Bytes the KV cache will take for a model, known before anything is allocated."""
@@ -179,12 +132,10 @@ class SamplerEngine(Configurable, Admission):
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
-        self._packed: PackedDecoder | FusedDecoder | None = None
-        self._fused: FusedDecoder | None = None
-        self._shards = DecodeShards(
-            setting=config.decode_shards, min_rows=config.decode_shard_min_rows
-        )
-        self._helpers = self._build_helpers()
+        # How decode steps run, chosen once: on CPU the speed wing, else the plain path.
+        self.decoding: Decoding = Decoding()
+        if self.device.type == "cpu":
+            self.decoding = config.cpu.build(model=model, batch_hint=config.max_batch)
 
     @property
     def model(self) -> nn.Module:
@@ -206,61 +157,18 @@ class SamplerEngine(Configurable, Admission):
         self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int
     ) -> None:
         """Sample from new weights from now on; the cache is kept, and a module of matching
-        dtype and device is used in place, without a copy."""
+        dtype and device is used in place, without a copy.
+
+        Whoever changes the weights calls this, also after writing the module in place (an
+        optimizer step on a trainer module the engine reads): copies made from the weights
+        (the CPU wing's twins, helper processes) are made again only after it."""
         self.weights.update(source, version=version)
-        # Twins are rebuilt from the new weights on the next call. (Within one process they
-        # also notice in-place writes; a helper process reading shared memory cannot.)
-        self._packed = self._fused = None
         if self._static_decoder is not None and self._static_decoder.model is not self.model:
             self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
 
-    def _decode_model(self) -> nn.Module | PackedDecoder | FusedDecoder:
-        """The model, or a packed or fused twin of its current weights (rebuilt after any
-        change)."""
-        if self.device.type != "cpu":
-            return self.model
-        mode = self.config.cpu_packed_linear
-        packs = mode == "on" or (mode == "auto" and self.dtype == torch.bfloat16)
-        fuses = self.config.cpu_fused_projections
-        if packs and packing_available():
-            if self._packed is None or not self._packed.is_current_for(self.model):
-                self._packed = None  # drop the old copy before making the new one
-                twin = FusedDecoder if fuses and fusable(self.model) else PackedDecoder
-                self._packed = twin(self.model, batch_hint=self.config.max_batch)
-            return self._packed
-        if fuses and self.dtype == torch.float32:
-            if self._fused is None or not self._fused.is_current_for(self.model):
-                self._fused = None
-                if fusable(self.model):
-                    self._fused = FusedDecoder(self.model)
-            if self._fused is not None:
-                return self._fused
-        return self.model
-
-    def _build_helpers(self) -> HelperProcesses | None:
-        processes = self.config.cpu_processes
-        if processes == "auto":  # the cores this process may run on (Linux), else all
-            affinity = getattr(os, "sched_getaffinity", None)
-            processes = len(affinity(0)) if affinity else os.cpu_count() or 1
-        if processes < 2 or self.device.type != "cpu":
-            return None
-        threads = self.config.num_threads or max(1, torch.get_num_threads() // processes)
-        helpers = HelperProcesses(
-            max_helpers=processes - 1,
-            min_rows=self.config.cpu_process_min_rows,
-            config=self.config,
-            tokenizer=self.tokenizer,
-            threads=threads,
-        )
-        weakref.finalize(self, helpers.close)
-        return helpers
-
     def close(self) -> None:
-        """Stop the helper processes and decode threads (the engine stays usable: they
-        start again if needed)."""
-        if self._helpers is not None:
-            self._helpers.close()
-        self._shards.close()
+        """Stop the decode threads (the engine stays usable: they start again if needed)."""
+        self.decoding.close()
 
     def _build_static_decoder(self) -> StaticDecoder | None:
         if self.config.cuda_graphs == "off" or self.device.type != "cuda":
@@ -289,105 +197,76 @@ class SamplerEngine(Configurable, Admission):
         )
         return self.generate([request])[0]
 
-    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        """Run requests to completion with continuous batching; responses in request order."""
-        parts = self._helpers.plan(requests) if self._helpers is not None else None
-        if parts is None or len(parts) == 1:
-            return self._generate_here(requests)
-        # Seed and validate everything before any part starts (see helper_processes.py).
-        requests = [self._seeded(request) for request in requests]
-        for index, request in enumerate(requests):
-            self._start(request, index)
-        return self._helpers.run(
-            [requests[part.start : part.stop] for part in parts],
-            model=self.model,
-            version=self.version,
-            local=lambda part: self._generate_here(part, num_threads=self._helpers.threads),
-        )
-
-    def _seeded(self, request: SampleRequest) -> SampleRequest:
-        """The request with the seed an unsplit call would draw for it (same entropy order)."""
-        if not isinstance(request.params, SamplingParams) or request.params.seed is not None:
-            return request  # (a wrong type fails validation next)
-        params = dataclasses.replace(request.params, seed=self._entropy.getrandbits(63))
-        return dataclasses.replace(request, params=params)
-
     @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
-    def _generate_here(
+    def generate(
         self, requests: Sequence[SampleRequest], *, num_threads: int | None = None
     ) -> list[SampleResponse]:
-        """Decode `requests` in this process, on `num_threads` (else the config's) threads."""
+        """Run requests to completion with continuous batching; responses in request order.
+        On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
         waiting = deque(states)
-        decoder = self._decode_model()
-        previous_threads = torch.get_num_threads()
-        num_threads = num_threads or self.config.num_threads
-        if num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(num_threads)
+        decoder = self.decoding.decoder(self.weights)
         try:
-            while waiting or self.slots.num_active:
-                if waiting and self.slots.num_free:
-                    self._admit(waiting)
-                if self.slots.num_active:
-                    self._decode_step(decoder)
+            with self.decoding.threads(num_threads):
+                while waiting or self.slots.num_active:
+                    if waiting and self.slots.num_free:
+                        self._admit(waiting)
+                    if self.slots.num_active:
+                        self._decode_step(decoder)
         finally:
             # Only reached with sequences still active if a step raised; free their slots so
             # the engine keeps serving.
             self.slots.clear()
             self._num_python_rows = 0
-            torch.set_num_threads(previous_threads)
         return [state.response() for state in states]
+
+    def seeded(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]:
+        """`requests`, validated, with each unseeded one given the seed `generate` would draw
+        for it (the same entropy, in request order): a call split into parts (cpu/
+        process_split.py) then returns what one call would."""
+        seeded = [self._seeded(request) for request in requests]
+        for index, request in enumerate(seeded):
+            self._start(request, index)
+        return seeded
+
+    def _seeded(self, request: SampleRequest) -> SampleRequest:
+        if not isinstance(request.params, SamplingParams) or request.params.seed is not None:
+            return request  # (a wrong type fails validation next)
+        params = dataclasses.replace(request.params, seed=self._entropy.getrandbits(63))
+        return dataclasses.replace(request, params=params)
 
     @torch.no_grad()
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        """Logprob of tokens[1:] of each sequence given the ones before it (fp32 tensors).
-
-        A full forward per batch, through the same function the trainer uses, so the result
-        equals the trainer's logprobs for the same batch bitwise.
-        """
-        for index, sequence in enumerate(sequences):
-            self._check_tokens(sequence, where=f"sequence {index}", min_len=2)
-        results: list[torch.Tensor] = []
-        for batch in _token_budget_batches(sequences, budget=self.config.max_score_tokens):
-            width = max(len(sequence) for sequence in batch) - 1
-            tokens_BT = torch.zeros((len(batch), width + 1), dtype=torch.long)
-            for row, sequence in enumerate(batch):
-                tokens_BT[row, : len(sequence)] = torch.tensor(sequence)
-            tokens_BT = tokens_BT.to(self.device)
-            logprobs_BT = forward_logprobs(
-                self.model, tokens_BT[:, :-1], tokens_BT[:, 1:], temperature=temperature
-            )
-            results.extend(logprobs_BT[row, : len(seq) - 1] for row, seq in enumerate(batch))
-        return results
+        """Logprob of tokens[1:] of each sequence given the ones before it (fp32 tensors):
+        full forwards, bitwise the trainer's logprobs for the same batch
+        (sequence_scoring.py)."""
+        return score_sequences(
+            self.model, sequences, temperature=temperature, max_tokens=self.config.max_score_tokens
+        )
 
     # -- decoding --------------------------------------------------------------------------
 
-    def _decode_step(self, decoder: nn.Module | PackedDecoder | FusedDecoder) -> None:
+    def _decode_step(self, decoder: DecodeModel) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
-        if self._static_decoder is not None:
+        if self._static_decoder is not None:  # a CUDA graph replays the whole step
             tokens_B = self.slots.last_token_S[:num_rows]
             logits_BV = self._static_decoder.logits(tokens_B, positions_B)
             draw = self._draw(range(num_rows), logits_BV)
         else:
             width = int(positions_B.max()) + 1  # attend over no more of the cache than used
-            shards = self._shards.plan(num_rows) if self.device.type == "cpu" else None
-            if shards is None or len(shards) == 1:
-                draw = self._decode_rows(range(num_rows), decoder=decoder, width=width)
-            else:
-                # Every shard attends over the whole step's width: bitwise the unsplit step.
-                draws = self._shards.map(
-                    lambda rows: self._decode_rows(rows, decoder=decoder, width=width), shards
-                )
-                draw = _Draw.concat(draws)
+            # The rows at once, or in groups (CPU decode shards): every group attends over
+            # the whole step's width, so its rows' draws are bitwise those of one group.
+            draws = self.decoding.map_rows(
+                lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
+            )
+            draw = Draw.concat(draws)
         positions_B += 1
         self._record(0, draw)
 
-    def _decode_rows(
-        self, rows: range, *, decoder: nn.Module | PackedDecoder | FusedDecoder, width: int
-    ) -> _Draw:
+    def _decode_rows(self, rows: range, *, decoder: DecodeModel, width: int) -> Draw:
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
@@ -398,7 +277,7 @@ class SamplerEngine(Configurable, Admission):
         )
         return self._draw(rows, decoder.logits(hidden_B1D[:, 0]).float())
 
-    def _draw(self, rows: range, logits_BV: torch.Tensor) -> _Draw:
+    def _draw(self, rows: range, logits_BV: torch.Tensor) -> Draw:
         """One token for each slot in `rows` (its logits row by row), with its logprobs."""
         slots = self.slots
         rows = slice(rows.start, rows.stop)
@@ -425,15 +304,13 @@ class SamplerEngine(Configurable, Admission):
                 draw_mode=draw_mode,
             )
         token_logprobs_B = sampling.gather_logprobs(logprobs_BV, tokens_B)
-        return _Draw(
-            tokens_B=tokens_B, token_logprobs_B=token_logprobs_B, logprobs_BV=[logprobs_BV]
-        )
+        return Draw(tokens_B=tokens_B, token_logprobs_B=token_logprobs_B, logprobs_BV=[logprobs_BV])
 
     def _draw_and_record(self, first_slot: int, logits_BV: torch.Tensor) -> None:
         """Draw one token for slots first_slot.. (to the last active) and record it."""
         self._record(first_slot, self._draw(range(first_slot, self.slots.num_active), logits_BV))
 
-    def _record(self, first_slot: int, draw: _Draw) -> None:
+    def _record(self, first_slot: int, draw: Draw) -> None:
         """Store the tokens drawn for slots first_slot.. (to the last active), and retire
         the sequences that are done."""
         slots = self.slots
@@ -507,53 +384,3 @@ class SamplerEngine(Configurable, Admission):
             self.cache.copy_slots(sources=movers, targets=holes, length=length)
             slots.move(sources=movers, targets=holes)
         slots.release_last(len(finished))
-
-    def _check_tokens(self, tokens: Sequence[int], *, where: str, min_len: int) -> None:
-        if len(tokens) < min_len:
-            raise ValueError(f"{where}: needs at least {min_len} tokens, got {len(tokens)}")
-        if len(tokens) > self.model.config.max_seq_len:
-            raise ValueError(
-                f"{where}: {len(tokens)} tokens exceed the model's max_seq_len "
-                f"{self.model.config.max_seq_len}"
-            )
-        for position, token in enumerate(tokens):
-            if not 0 <= int(token) < self.vocab_size:
-                raise ValueError(
-                    f"{where}: token {token} at position {position} is outside the vocabulary; "
-                    f"valid ids are 0..{self.vocab_size - 1}"
-                )
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Draw:
-    """A step's draw for consecutive rows: tokens, their logprobs, and the rows' sampling
-    logprobs (one [B_i, V] tensor per shard; joined only when per-token Python work needs
-    them)."""
-
-    tokens_B: torch.Tensor
-    token_logprobs_B: torch.Tensor
-    logprobs_BV: list[torch.Tensor]
-
-    @staticmethod
-    def concat(draws: Sequence[_Draw]) -> _Draw:
-        return _Draw(
-            tokens_B=torch.cat([draw.tokens_B for draw in draws]),
-            token_logprobs_B=torch.cat([draw.token_logprobs_B for draw in draws]),
-            logprobs_BV=[logprobs_BV for draw in draws for logprobs_BV in draw.logprobs_BV],
-        )
-
-
-def _token_budget_batches(
-    sequences: Sequence[Sequence[int]], *, budget: int
-) -> Iterable[list[Sequence[int]]]:
-    batch: list[Sequence[int]] = []
-    width = 0
-    for sequence in sequences:
-        new_width = max(width, len(sequence))
-        if batch and new_width * (len(batch) + 1) > budget:
-            yield batch
-            batch, new_width = [], len(sequence)
-        batch.append(sequence)
-        width = new_width
-    if batch:
-        yield batch

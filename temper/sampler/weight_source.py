@@ -4,6 +4,13 @@ In one process the sampler can read the trainer's module directly: when the dtyp
 match, `update` just points at it (no copy, no extra memory). A state dict, or a module in
 another dtype, is copied into a private model the sampler owns; the trainer's module is never
 written to.
+
+Two counters: `version` is the policy version the caller names (a trainer's step; loading a
+checkpoint can set it back), and `generation` counts `update` calls. Whatever is derived from
+the weights (the CPU wing's fused or packed copies, helper processes) compares `generation`:
+it changes on every update, in place or not. The contract is that whoever changes the
+weights, even by writing the module's tensors in place, calls `update` before the next
+sample.
 """
 
 from __future__ import annotations
@@ -20,11 +27,21 @@ class WeightSource:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.version = 0
+        """Policy version of the weights (set by `update`)."""
+        self.generation = 0
+        """Number of `update` calls: changes whenever the weights may have."""
         self._owned = True  # the engine may write into `model` (it was handed over for sampling)
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
 
     def update(self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int) -> None:
+        try:
+            self._update(source)
+        finally:  # even a failed update may have written some tensors
+            self.generation += 1
+        self.version = version
+
+    def _update(self, source: nn.Module | Mapping[str, torch.Tensor]) -> None:
         if isinstance(source, nn.Module):
             self._check_compatible(source)
             parameter = next(source.parameters())
@@ -38,7 +55,6 @@ class WeightSource:
             raise TypeError(
                 f"update_weights takes an nn.Module or a state dict, got {type(source).__name__}"
             )
-        self.version = version
 
     def _private_model(self) -> nn.Module:
         if not self._owned:

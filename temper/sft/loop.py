@@ -32,6 +32,7 @@ from temper.config.configurable import Configurable
 from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
@@ -102,7 +103,7 @@ class SFTJob(Configurable):
         """Most tokens generated per greedy held-out reply."""
         sampler: SamplerEngine.Config = field(
             default_factory=lambda: SamplerEngine.Config(
-                max_batch=256, max_seq_len=64, num_threads=1
+                max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1)
             )
         )
         """The engine behind the sampling clients (greedy held-out replies)."""

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 from temper.observability import MetricsLogger, read_metrics
 from temper.rl.loop_sync import RLJob
 from temper.rl.warmup import SFTWarmup
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.tasks import SumDigits
 
@@ -25,7 +26,9 @@ def tiny_rl_config(**overrides) -> RLJob.Config:
         learning_rate=1e-3,
         eval_every=3,
         eval_problems=16,
-        sampler=SamplerEngine.Config(max_batch=64, max_seq_len=32, num_threads=1),
+        sampler=SamplerEngine.Config(
+            max_batch=64, max_seq_len=32, cpu=CpuDecoding.Config(num_threads=1)
+        ),
         metrics=MetricsLogger.Config(display="none"),
     )
     for name, value in overrides.items():

@@ -18,8 +18,9 @@ about 30% faster than [2048, 1024] and two [1024, 1024] (measured on the 0.6B sh
 rows). Results are again bitwise those of the model's own forward (tested).
 
 The fused weights are a copy of the attention and feed-forward projections (one pass over
-them per weight version); every other tensor is the model's own. Like `PackedDecoder`, it
-remembers the weights it copied and the engine rebuilds it after any change. Only plain
+them per weights generation); every other tensor is the model's own. Like `PackedDecoder`,
+it holds the weights as they were when it was made, and the CPU wing (decoding.py) makes a
+new one after every `update_weights`. Only plain
 `nn.Linear` projections in fp32 or bf16 are fused; a model with LoRA-wrapped projections or
 another layout decodes on its own forward (or the packed twin).
 """
@@ -38,7 +39,7 @@ from temper.models.common.decoder import Decoder
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rmsnorm import rms_normalize
 from temper.models.common.rope import apply_rope, rope_cos_sin
-from temper.sampler.cpu.packed_linear import PackedLinear, fingerprint
+from temper.sampler.cpu.packed_linear import PackedLinear
 
 Projection = nn.Module | Callable[[torch.Tensor], torch.Tensor]
 
@@ -150,17 +151,12 @@ class FusedDecoder:
                 "FusedDecoder needs CPU GroupedQueryAttention/SwiGLU blocks in fp32 or bf16"
             )
         self.model = model
-        self._fingerprint = fingerprint(model)
         self._layers = [_FusedLayer(block, batch_hint=batch_hint) for block in model.blocks]
         # Packed: the output layer too (the embedding when tied), unless an adapter extends
         # it (the model's own `logits` then applies the adapter).
         self._output: PackedLinear | None = None
         if batch_hint is not None and getattr(model, "output_adapter", None) is None:
             self._output = PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
-
-    def is_current_for(self, model: nn.Module) -> bool:
-        """Whether this was built from `model` as its weights are now."""
-        return model is self.model and fingerprint(model) == self._fingerprint
 
     def hidden_states(
         self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor, attention: AttentionBackend

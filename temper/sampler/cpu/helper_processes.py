@@ -1,20 +1,22 @@
-"""Helper processes that decode a share of a CPU `generate` call (`cpu_processes`).
+"""Helper processes that decode a share of a CPU `generate` call (`cpu.processes`).
 
 A small model's CPU decode is a few thousand small ops issued from Python, one after another:
 intra-op threads do not pay at that size, and threads that split the rows wait on each other
 for the GIL around every op (decode_shards.py). Processes share no GIL. With
-`cpu_processes = N` the engine splits a large enough call's requests into up to N consecutive
-parts of about equal numbers of samples, decodes the first part itself and hands the others
-to helper processes, each with an engine of its own (same config, its own KV cache) over the
-same weight tensors. Responses come back in request order.
+`cpu.processes = N`, a `ProcessSplitSampler` (process_split.py) splits a large enough call's
+requests into up to N consecutive parts of about equal numbers of samples, decodes the first
+part on its own engine and hands the others to helper processes, each with an engine of its
+own (same config with one process, its own KV cache) over the same weight tensors. Responses
+come back in request order.
 
 Weights are not copied per update: the first time a module goes to the helpers, its tensors
 move into shared memory (torch.multiprocessing; values unchanged), and the helpers map the
 same pages. An optimizer step that writes the trainer's parameters in place is then visible
-to the helpers at once; the engine only tells them to rebuild their decode twins (fused or
-packed copies of the projections). A module whose tensors have new storage (another module,
-or tensors replaced) is sent again. The engine decodes only while no trainer writes (the
-clients' weight lock), so a helper never reads a half-written step.
+to the helpers at once; after the `update_weights` that follows it (a new weights
+generation, weight_source.py) the helpers are only told to rebuild their decode twins (fused
+or packed copies of the projections). A module whose tensors have new storage (another
+module, or tensors replaced) is sent again. The engine decodes only while no trainer writes
+(the clients' weight lock), so a helper never reads a half-written step.
 
 A split call returns what an unsplit one would: every request is validated and given its
 seed before it is split (unseeded ones draw from the engine's entropy in request order, as
@@ -37,27 +39,35 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing  # registers the tensor reductions that share storage
 from torch import nn
 
 from temper.api.types import SampleResponse
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.helper_launch import ChildProcess, launch
 from temper.sampler.requests import SampleRequest
 
-if TYPE_CHECKING:
-    from temper.sampler.engine import SamplerEngine
+
+class EngineConfig(Protocol):
+    """What the helpers build their engines from: a `SamplerEngine.Config` (this module does
+    not import the engine, whose config builds the `ProcessSplitSampler` that uses it)."""
+
+    cpu: CpuDecoding.Config
+
+    def build(self, *, model: nn.Module, tokenizer: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
 class _WeightsSent:
-    """What the helpers hold: the module, its tensors' storage, and their current values."""
+    """What the helpers hold: the module, its tensors' storage, and the weights generation
+    their values are from."""
 
     model_id: int
     pointers: tuple[int, ...]
-    values: tuple
+    generation: int
 
 
 class HelperProcesses:
@@ -68,21 +78,21 @@ class HelperProcesses:
         *,
         max_helpers: int,
         min_rows: int,
-        config: SamplerEngine.Config,
+        config: EngineConfig,
         tokenizer: Any,
         threads: int,
     ) -> None:
+        """`config` builds each helper's engine (`config.build(model=..., tokenizer=...)`):
+        one process, on `threads` threads."""
         self.max_helpers = max_helpers
         self.min_rows = min_rows
         self.threads = threads
         """Intra-op threads of each process in a split call (the engine's part too): the
         processes share the cores."""
-        # Each helper's engine runs its share unsplit, on `threads` intra-op threads.
-        self._config = replace(config, cpu_processes=1, num_threads=threads)
+        self._config = config
         self._tokenizer = tokenizer
         self._helpers: list[ChildProcess] = []
         self._sent: _WeightsSent | None = None
-        self._generation = 0
         self._failed = False  # after a failure, every call runs in the engine's process
 
     @property
@@ -105,15 +115,17 @@ class HelperProcesses:
         parts: list[Sequence[SampleRequest]],
         *,
         model: nn.Module,
+        generation: int,
         version: int,
         local: Callable[[Sequence[SampleRequest]], list[SampleResponse]],
     ) -> list[SampleResponse]:
         """`local(parts[0])` here while helpers decode the other parts; responses in order.
+        `model` is the one to decode with, at weights `generation` and policy `version`.
 
         The requests must be validated and seeded already (see the module docstring)."""
         remote = parts[1:]
         self._grow(len(remote))
-        weights = self._weights_message(model, version=version)
+        weights = self._weights_message(model, generation=generation, version=version)
         sent: list[tuple[ChildProcess, Sequence[SampleRequest]]] = []
         leftover: list[Sequence[SampleRequest]] = []
         for helper, part in zip(self._helpers, remote, strict=False):
@@ -166,35 +178,33 @@ class HelperProcesses:
             self._helpers.append(helper)
             self._sent = None  # a new helper holds no weights yet
 
-    def _weights_message(self, model: nn.Module, *, version: int) -> tuple | None:
-        """None if the helpers hold `model` as it is now; else (module or None, generation):
-        the module when its storage is new to them, None when only values changed."""
+    def _weights_message(
+        self, model: nn.Module, *, generation: int, version: int
+    ) -> tuple[nn.Module | None, int] | None:
+        """None if the helpers hold `model` at this weights generation; else (module or
+        None, version): the module when its storage is new to them, None when only its
+        values changed (the helpers rebuild their decode twins)."""
         tensors = [*model.parameters(), *model.buffers()]
         sent = self._sent
         if sent is not None and sent.model_id == id(model) and sent.pointers == _pointers(tensors):
-            values = _values(tensors, version=version)
-            if sent.values == values:
+            if sent.generation == generation:
                 return None
-            self._generation += 1
-            self._sent = replace(sent, values=values)
-            return (None, self._generation)
-        self._generation += 1
+            self._sent = replace(sent, generation=generation)
+            return (None, version)
         # Sending shares each tensor's storage; the first time, that moves it into shared
         # memory (new pointers, same values). Move them now so the record below is final.
         for tensor in tensors:
             tensor.share_memory_()
         self._sent = _WeightsSent(
-            model_id=id(model),
-            pointers=_pointers(tensors),
-            values=_values(tensors, version=version),
+            model_id=id(model), pointers=_pointers(tensors), generation=generation
         )
-        return (model, self._generation)
+        return (model, version)
 
     def _fail(self, reason: str) -> None:
         if not self._failed:
             warnings.warn(
                 f"sampler: {reason}; decoding in the engine's own process from now on "
-                "(SamplerEngine.Config.cpu_processes)",
+                "(SamplerEngine.Config.cpu.processes)",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -204,11 +214,6 @@ class HelperProcesses:
 
 def _pointers(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(tensor.data_ptr() for tensor in tensors)
-
-
-def _values(tensors: list[torch.Tensor], *, version: int) -> tuple:
-    """Changes whenever the values may have: a new weight version, or an in-place write."""
-    return (version, tuple(tensor._version for tensor in tensors))
 
 
 def _balanced_ranges(rows: Sequence[int], num_parts: int) -> list[range]:
@@ -236,14 +241,12 @@ def _balanced_ranges(rows: Sequence[int], num_parts: int) -> list[range]:
 def serve(connection: Connection) -> None:
     """A helper process: take the engine config and tokenizer, then decode each part it is
     sent, until told to stop or the connection closes."""
-    from temper.sampler.engine import SamplerEngine
-
     try:
         config, tokenizer = connection.recv()
     except (EOFError, OSError):
         return
-    torch.set_num_threads(config.num_threads or 1)
-    engine: SamplerEngine | None = None
+    torch.set_num_threads(config.cpu.num_threads or 1)
+    engine = None  # built from the first weights (the config is one process: no helpers)
     while True:
         try:
             message = connection.recv()
@@ -254,13 +257,12 @@ def serve(connection: Connection) -> None:
         _, weights, requests = message
         try:
             if weights is not None:
-                model, generation = weights
+                model, version = weights
                 if engine is None:
-                    engine = SamplerEngine(config, model=model, tokenizer=tokenizer)
-                # Values changed in place (or a new module): rebuild the decode twins.
-                engine.update_weights(
-                    model if model is not None else engine.model, version=generation
-                )
+                    engine = config.build(model=model, tokenizer=tokenizer)
+                # Values changed in place (or a new module): a new weights generation, so
+                # the engine rebuilds its decode twins.
+                engine.update_weights(model if model is not None else engine.model, version=version)
             assert engine is not None, "a helper's first part comes with the weights"
             reply = ("ok", engine.generate(requests))
         except Exception as error:

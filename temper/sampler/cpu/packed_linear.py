@@ -11,9 +11,9 @@ can run the model's own code on a twin of it whose `nn.Linear` leaves read packe
 The twin is a shallow copy of the module tree: every other parameter (norms, embedding) is
 the model's own tensor, and the model is never modified (the trainer, LoRA and HF export
 depend on its structure). The packed weights are a copy: one pass over the weights and as
-much memory again. A `PackedDecoder` remembers which weights it packed (tensor identity,
-storage and in-place version counter), so `is_current_for` notices any change, including an
-optimizer step on a trainer module the sampler reads in place, and the engine re-packs.
+much memory again. A twin holds the weights as they were when it was made: the CPU wing
+(decoding.py) makes a new one whenever the engine's weights generation changes (every
+`update_weights`, also the one a trainer sends after an in-place optimizer step).
 """
 
 from __future__ import annotations
@@ -56,20 +56,11 @@ def _twin(module: nn.Module, *, batch_hint: int) -> nn.Module:
     return twin
 
 
-def fingerprint(model: nn.Module) -> tuple:
-    """Identity, storage and in-place version of every parameter: changes with any update."""
-    return tuple(
-        (id(parameter), parameter.data_ptr(), parameter._version)
-        for parameter in model.parameters()
-    )
-
-
 class PackedDecoder:
     """A model's decode forward (`hidden_states`, `logits`) on packed linear weights."""
 
     def __init__(self, model: nn.Module, *, batch_hint: int) -> None:
         self.model = model
-        self._fingerprint = fingerprint(model)
         self._twin = _twin(model, batch_hint=batch_hint)
         # The output projection is the embedding when tied (not an nn.Linear): pack it too.
         # With an adapter extending it, the model's own `logits` applies the adapter.
@@ -79,10 +70,6 @@ class PackedDecoder:
             if not isinstance(output, PackedLinear):
                 output = PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
             self._output_packed = output
-
-    def is_current_for(self, model: nn.Module) -> bool:
-        """Whether this was packed from `model` as its weights are now."""
-        return model is self.model and fingerprint(model) == self._fingerprint
 
     def hidden_states(self, tokens_BT: torch.Tensor, **kwargs) -> torch.Tensor:
         return self._twin.hidden_states(tokens_BT, **kwargs)

@@ -13,6 +13,7 @@ import torch
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
 from temper.sampler.cpu.decode_shards import DecodeShards, even_ranges
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
 VOCAB = 61
@@ -33,7 +34,9 @@ def _generate(model, requests, *, decode_shards, max_batch=12):
     decode_shards=1 is the reference: unsplit one-thread steps. (An unsplit step on several
     intra-op threads rounds differently: see decode_shards.py.)"""
     engine = SamplerEngine.Config(
-        max_batch=max_batch, max_seq_len=64, decode_shards=decode_shards, num_threads=1
+        max_batch=max_batch,
+        max_seq_len=64,
+        cpu=CpuDecoding.Config(decode_shards=decode_shards, num_threads=1),
     ).build(model=model)
     return engine, engine.generate(requests)
 
@@ -76,7 +79,7 @@ def test_sharded_decode_is_bitwise_the_unsharded_decode(model, num_shards):
     _, unsharded = _generate(model, requests, decode_shards=1)
     engine, sharded = _generate(model, requests, decode_shards=num_shards)
     _assert_bitwise_equal(unsharded, sharded)
-    assert engine._shards._workers is not None  # the split path really ran
+    assert engine.decoding.shards._workers is not None  # the split path really ran
     sampled = [seq.tokens for r in sharded[1:] for seq in r.sequences]
     assert len(set(map(tuple, sampled))) > 3  # rows really differ
 
@@ -126,7 +129,9 @@ def test_bf16_packed_decode_with_shards():
 
 
 def test_shards_run_on_worker_threads_under_inference_mode(model):
-    engine = SamplerEngine.Config(max_batch=8, max_seq_len=32, decode_shards=2).build(model=model)
+    engine = SamplerEngine.Config(
+        max_batch=8, max_seq_len=32, cpu=CpuDecoding.Config(decode_shards=2)
+    ).build(model=model)
     seen = []
     original = engine._decode_rows
 
@@ -160,15 +165,18 @@ def test_auto_splits_by_threads_and_rows_per_shard():
 
 
 def test_auto_follows_the_engine_thread_setting(model):
-    auto = {"max_batch": 8, "max_seq_len": 32, "decode_shards": "auto"}
-    engine = SamplerEngine.Config(**auto, num_threads=2).build(model=model)
-    engine._shards.min_rows = 4
-    engine.sample([1, 2], SamplingParams(max_tokens=3, temperature=0), num_samples=8)
-    assert engine._shards._workers is not None
-    one = SamplerEngine.Config(**auto, num_threads=1).build(model=model)
-    one._shards.min_rows = 4
+    def engine(num_threads):
+        cpu = CpuDecoding.Config(
+            decode_shards="auto", decode_shard_min_rows=4, num_threads=num_threads
+        )
+        return SamplerEngine.Config(max_batch=8, max_seq_len=32, cpu=cpu).build(model=model)
+
+    two = engine(2)
+    two.sample([1, 2], SamplingParams(max_tokens=3, temperature=0), num_samples=8)
+    assert two.decoding.shards._workers is not None
+    one = engine(1)
     one.sample([1, 2], SamplingParams(max_tokens=3, temperature=0), num_samples=8)
-    assert one._shards._workers is None
+    assert one.decoding.shards._workers is None
 
 
 @pytest.mark.parametrize("rows,shards", [(10, 3), (7, 7), (128, 2), (5, 1)])
@@ -182,11 +190,11 @@ def test_even_ranges_cover_rows_in_order(rows, shards):
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"decode_shards": 0}, "decode_shards must be 'auto' or >= 1, got 0"),
-        ({"decode_shards": "two"}, "decode_shards must be 'auto' or an int >= 1"),
-        ({"decode_shard_min_rows": 0}, "decode_shard_min_rows must be >= 1, got 0"),
+        ({"decode_shards": 0}, r"cpu\.decode_shards must be 'auto' or an int >= 1, got 0"),
+        ({"decode_shards": "two"}, r"cpu\.decode_shards must be 'auto' or an int >= 1"),
+        ({"decode_shard_min_rows": 0}, r"cpu\.decode_shard_min_rows must be an int >= 1, got 0"),
     ],
 )
 def test_bad_shard_settings_are_named(config, message):
     with pytest.raises(ValueError, match=message):
-        SamplerEngine.Config(**config)
+        CpuDecoding.Config(**config)

@@ -11,6 +11,7 @@ import torch
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
 from temper.models.lora import LoraConfig, apply_lora
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
 from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
 from temper.sampler.engine import SamplerEngine, SampleRequest
@@ -28,19 +29,31 @@ _REQUESTS = [
 ]
 
 
-def _generate(model, *, fused: bool):
-    engine = SamplerEngine.Config(max_batch=16, max_seq_len=64, cpu_fused_projections=fused).build(
-        model=model
+def _engine(model, *, max_batch=16, max_seq_len=64, **cpu):
+    config = SamplerEngine.Config(
+        max_batch=max_batch, max_seq_len=max_seq_len, cpu=CpuDecoding.Config(**cpu)
     )
+    return config.build(model=model)
+
+
+def _decoder(engine):
+    """What the engine's decode steps run on now."""
+    return engine.decoding.decoder(engine.weights)
+
+
+def _generate(model, *, fused: bool):
+    engine = _engine(model, fused_projections=fused)
     return engine, engine.generate(_REQUESTS)
 
 
 def test_fused_decode_is_bitwise_the_models_own():
     model = _model()
     fused_engine, fused = _generate(model, fused=True)
-    assert isinstance(fused_engine._decode_model(), FusedDecoder)
+    assert fused_engine.decoding.twin == "fused"
+    assert isinstance(_decoder(fused_engine), FusedDecoder)
     plain_engine, plain = _generate(model, fused=False)
-    assert plain_engine._decode_model() is model
+    assert plain_engine.decoding.twin == "none"
+    assert _decoder(plain_engine) is model
     for a, b in zip(fused, plain, strict=True):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
@@ -49,11 +62,12 @@ def test_fused_decode_is_bitwise_the_models_own():
 def test_an_in_place_update_rebuilds_the_fused_weights():
     model = _model()
     engine, _ = _generate(model, fused=True)
-    first = engine._decode_model()
-    assert engine._decode_model() is first  # unchanged weights: reused
+    first = _decoder(engine)
+    assert _decoder(engine) is first  # unchanged weights: reused
     with torch.no_grad():
         model.blocks[0].attention.wk.weight.mul_(1.5)
-    second = engine._decode_model()
+    engine.update_weights(model, version=1)  # whoever writes the weights says so
+    second = _decoder(engine)
     assert second is not first
     attention = model.blocks[0].attention
     x_BD = torch.randn(3, 128)
@@ -67,12 +81,12 @@ def test_only_plain_projections_are_fused():
     lora_model = _model()
     apply_lora(lora_model, LoraConfig(rank=4))
     assert not fusable(lora_model)
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32).build(model=lora_model)
-    assert engine._decode_model() is lora_model
+    engine = _engine(lora_model, max_batch=4, max_seq_len=32)
+    assert _decoder(engine) is lora_model
     # bf16 is fused only on packed weights (unpacked, it decodes on its own forward).
     bf16 = _model().to(torch.bfloat16)
-    engine = SamplerEngine.Config(max_batch=4, cpu_packed_linear="off").build(model=bf16)
-    assert engine._decode_model() is bf16
+    engine = _engine(bf16, max_batch=4, packed_linear="off")
+    assert engine.decoding.twin == "none" and _decoder(engine) is bf16
 
 
 @pytest.mark.skipif(not packing_available(), reason="needs oneDNN (mkldnn)")
@@ -83,19 +97,17 @@ def test_packed_bf16_fused_decode_is_bitwise_the_models_own(tie_embeddings):
     )
     model = materialize(config, seed=5, dtype="bfloat16").eval()
     fused_engine, fused = _generate(model, fused=True)  # 'auto' packs bf16
-    decoder = fused_engine._decode_model()
+    decoder = _decoder(fused_engine)
     assert isinstance(decoder, FusedDecoder) and decoder._output is not None
-    plain_engine = SamplerEngine.Config(
-        max_batch=16, max_seq_len=64, cpu_packed_linear="off"
-    ).build(model=model)
-    assert plain_engine._decode_model() is model
+    plain_engine = _engine(model, packed_linear="off")
+    assert _decoder(plain_engine) is model
     plain = plain_engine.generate(_REQUESTS)
     for a, b in zip(fused, plain, strict=True):
         assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
         assert [s.logprobs for s in a.sequences] == [s.logprobs for s in b.sequences]
     # Not fused when asked not to: the packed twin of the model's own layers.
     unfused_engine, unfused = _generate(model, fused=False)
-    assert isinstance(unfused_engine._decode_model(), PackedDecoder)
+    assert isinstance(_decoder(unfused_engine), PackedDecoder)
     assert [s.tokens for r in unfused for s in r.sequences] == [
         s.tokens for r in plain for s in r.sequences
     ]

@@ -1,6 +1,6 @@
-"""Generate calls split over helper processes (`cpu_processes`): the same responses as one
-process, weights that follow the trainer's in-place updates through shared memory, bad
-input, a helper that dies, and how requests are split."""
+"""Generate calls split over helper processes (`cpu.processes`, a `ProcessSplitSampler` around
+the engine): the same responses as one process, weights that follow the trainer's updates
+through shared memory, bad input, a helper that dies, and how requests are split."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.helper_processes import HelperProcesses, _balanced_ranges
+from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import build_builtin_tokenizer
 
@@ -33,9 +35,15 @@ def _model(tokenizer, *, seed=3):
     return materialize(config, seed=seed).eval()
 
 
-def _engine(model, tokenizer, **config):
-    defaults = {"max_batch": 16, "max_seq_len": 48, "num_threads": 1, "cpu_process_min_rows": 4}
-    return SamplerEngine.Config(**{**defaults, **config}).build(model=model, tokenizer=tokenizer)
+def _engine(model, tokenizer, **cpu):
+    cpu = CpuDecoding.Config(**{"num_threads": 1, "process_min_rows": 4, **cpu})
+    config = SamplerEngine.Config(max_batch=16, max_seq_len=48, cpu=cpu)
+    return config.build(model=model, tokenizer=tokenizer)
+
+
+def _local(sampler):
+    """The engine that decodes in this process (a split sampler's own)."""
+    return sampler.engine if isinstance(sampler, ProcessSplitSampler) else sampler
 
 
 def _requests(tokenizer, *, seed=0):
@@ -71,14 +79,15 @@ def pair(tokenizer):
     """A one-process engine and a three-process engine on the same model."""
     model = _model(tokenizer)
     single = _engine(model, tokenizer)
-    split = _engine(model, tokenizer, cpu_processes=3)
+    split = _engine(model, tokenizer, processes=3)
+    assert isinstance(split, ProcessSplitSampler) and isinstance(single, SamplerEngine)
     yield model, single, split
     split.close()
 
 
 def _generate_both(single, split, requests, *, entropy_seed):
-    single._entropy.seed(entropy_seed)
-    split._entropy.seed(entropy_seed)
+    _local(single)._entropy.seed(entropy_seed)
+    _local(split)._entropy.seed(entropy_seed)
     return single.generate(requests), split.generate(requests)
 
 
@@ -115,9 +124,9 @@ def _assert_same(got, expected):
 def test_split_calls_return_what_one_process_returns(pair, tokenizer):
     _, single, split = pair
     requests = _requests(tokenizer)
-    assert len(split._helpers.plan(requests)) == 3
+    assert len(split.helpers.plan(requests)) == 3
     expected, got = _generate_both(single, split, requests, entropy_seed=1)
-    assert split._helpers.num_running == 2
+    assert split.helpers.num_running == 2
     _assert_same(got, expected)
     assert any(s.stop_reason == "stop" for r in got for s in r.sequences)
     # Unseeded requests draw fresh seeds per call, from the engine's entropy in request order.
@@ -133,6 +142,9 @@ def test_helpers_follow_in_place_updates_and_new_modules(pair, tokenizer):
     with torch.no_grad():  # an optimizer step: the helpers read these very tensors
         for parameter in model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
+    for engine in (single, split):  # whoever writes the weights says so
+        engine.update_weights(model, version=6)
+    assert split.version == 6
     expected, got = _generate_both(single, split, requests, entropy_seed=3)
     _assert_same(got, expected)
     assert [r.sequences[0].tokens for r in got] != [r.sequences[0].tokens for r in before]
@@ -157,7 +169,7 @@ def test_a_bad_request_fails_the_call_before_any_part_runs(pair, tokenizer):
     bad = dataclasses.replace(requests[8], prompt=[1, tokenizer.vocab_size])
     with pytest.raises(ValueError, match="request 8: prompt token"):
         split.generate([*requests[:8], bad, *requests[9:]])
-    assert split.slots.num_active == 0
+    assert split.engine.slots.num_active == 0
     expected, got = _generate_both(single, split, requests, entropy_seed=4)
     _assert_same(got, expected)
 
@@ -165,10 +177,10 @@ def test_a_bad_request_fails_the_call_before_any_part_runs(pair, tokenizer):
 def _one_helper_running(tokenizer):
     """(one-process engine, two-process engine whose helper has started, requests, helper)."""
     model = _model(tokenizer)
-    single, split = _engine(model, tokenizer), _engine(model, tokenizer, cpu_processes=2)
+    single, split = _engine(model, tokenizer), _engine(model, tokenizer, processes=2)
     requests = _requests(tokenizer)
     _generate_both(single, split, requests, entropy_seed=5)  # starts the helper
-    (helper,) = split._helpers._helpers
+    (helper,) = split.helpers._helpers
     return single, split, requests, helper
 
 
@@ -179,8 +191,8 @@ def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tok
     with pytest.warns(RuntimeWarning, match="helper process"):
         expected, got = _generate_both(single, split, requests, entropy_seed=6)
     _assert_same(got, expected)
-    assert split._helpers.num_running == 0
-    assert len(split._helpers.plan(requests)) == 1  # no more splitting
+    assert split.helpers.num_running == 0
+    assert len(split.helpers.plan(requests)) == 1  # no more splitting
 
 
 def test_ctrl_c_is_left_to_the_parent(tokenizer):
@@ -192,7 +204,7 @@ def test_ctrl_c_is_left_to_the_parent(tokenizer):
         warnings.simplefilter("error")  # a dropped helper would warn
         expected, got = _generate_both(single, split, requests, entropy_seed=9)
     _assert_same(got, expected)
-    assert split._helpers.num_running == 1 and helper.process.poll() is None
+    assert split.helpers.num_running == 1 and helper.process.poll() is None
     split.close()
     assert helper.process.poll() is not None
 
@@ -200,10 +212,10 @@ def test_ctrl_c_is_left_to_the_parent(tokenizer):
 def test_small_calls_and_cuda_settings_do_not_split(pair, tokenizer):
     _, _, split = pair
     requests = _requests(tokenizer)
-    assert len(split._helpers.plan(requests[:1])) == 1  # one request
+    assert len(split.helpers.plan(requests[:1])) == 1  # one request
     tiny = [SampleRequest(prompt=[1, 2], num_samples=2)] * 3  # 6 samples < 2 x min rows
-    assert len(split._helpers.plan(tiny)) == 1
-    assert _engine(split.model, tokenizer)._helpers is None  # cpu_processes=1
+    assert len(split.helpers.plan(tiny)) == 1
+    assert type(_engine(split.model, tokenizer)) is SamplerEngine  # processes=1: no wrapper
 
 
 def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(tokenizer, monkeypatch):
@@ -211,15 +223,17 @@ def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(token
     # part must not keep all 4 while its helper computes beside it.
     previous = torch.get_num_threads()
     torch.set_num_threads(4)
-    engine = _engine(_model(tokenizer), tokenizer, num_threads=None, cpu_processes=2)
+    engine = _engine(_model(tokenizer), tokenizer, num_threads=None, processes=2)
     seen = []
-    decode_step = engine._decode_step
+    decode_step = engine.engine._decode_step
     monkeypatch.setattr(
-        engine, "_decode_step", lambda d: (seen.append(torch.get_num_threads()), decode_step(d))
+        engine.engine,
+        "_decode_step",
+        lambda d: (seen.append(torch.get_num_threads()), decode_step(d)),
     )
     try:
         engine.generate(_requests(tokenizer))
-        assert engine._helpers.num_running == 1 and engine._helpers.threads == 2
+        assert engine.helpers.num_running == 1 and engine.helpers.threads == 2
         assert set(seen) == {2}
         assert torch.get_num_threads() == 4  # restored after the call
         seen.clear()
@@ -232,8 +246,9 @@ def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(token
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, "many"])
 def test_bad_cpu_processes_is_named(value):
-    with pytest.raises(ValueError, match="cpu_processes must be 'auto' or an int >= 1"):
-        SamplerEngine.Config(cpu_processes=value)
+    message = r"SamplerEngine\.Config\.cpu\.processes must be 'auto' or an int >= 1"
+    with pytest.raises(ValueError, match=message):
+        CpuDecoding.Config(processes=value)
 
 
 def test_plan_respects_min_rows_and_max_helpers():
@@ -269,15 +284,17 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
 from pathlib import Path
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
 with Path({str(runs)!r}).open("a") as runs:
     runs.write("ran\\n")
 model = materialize(qwen3_size("tiny", vocab_size=32), seed=0)
-engine = SamplerEngine.Config(max_batch=32, max_seq_len=16, cpu_processes=2).build(model=model)
+config = SamplerEngine.Config(max_batch=32, max_seq_len=16, cpu=CpuDecoding.Config(processes=2))
+engine = config.build(model=model)
 request = SampleRequest(prompt=[1, 2], params=SamplingParams(max_tokens=3, seed=0), num_samples=16)
 responses = engine.generate([request, request])
-assert engine._helpers.num_running == 1 and len(responses) == 2
+assert engine.helpers.num_running == 1 and len(responses) == 2
 print("ok")
 """
     )
@@ -296,7 +313,7 @@ def test_a_failing_local_part_leaves_no_reply_behind(pair, tokenizer, monkeypatc
     def interrupted(requests, **options):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(split, "_generate_here", interrupted)
+    monkeypatch.setattr(split.engine, "generate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         split.generate(requests)
     monkeypatch.undo()

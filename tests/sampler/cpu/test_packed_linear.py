@@ -12,6 +12,7 @@ from torch import nn
 
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.packed_linear import PackedLinear, packing_available
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
@@ -27,8 +28,13 @@ def _model(*, seed=5, dtype="bfloat16", tie_embeddings=True):
     return materialize(config, seed=seed, dtype=dtype).eval()
 
 
-def _generate(model, **config):
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=64, **config).build(model=model)
+def _engine(model, **cpu):
+    config = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu=CpuDecoding.Config(**cpu))
+    return config.build(model=model)
+
+
+def _generate(model, **cpu):
+    engine = _engine(model, **cpu)
     requests = [
         SampleRequest(prompt=p, params=SamplingParams(max_tokens=10, seed=i, temperature=0.8))
         for i, p in enumerate(PROMPTS)
@@ -51,8 +57,8 @@ def test_bf16_packed_linear_is_bitwise_the_linear(bias, batch_hint):
 def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_embeddings):
     model = _model(tie_embeddings=tie_embeddings)
     engine, packed = _generate(model)  # 'auto' packs bf16
-    assert engine._packed is not None
-    _, plain = _generate(model, cpu_packed_linear="off")
+    assert engine.decoding.twin == "packed"
+    _, plain = _generate(model, packed_linear="off")
     assert [s.tokens for s in packed] == [s.tokens for s in plain]
     assert [s.logprobs for s in packed] == [s.logprobs for s in plain]
 
@@ -63,12 +69,13 @@ def test_in_place_weight_changes_are_repacked():
     with torch.no_grad():  # what an optimizer step on a shared trainer module does
         for parameter in model.parameters():
             parameter.mul_(-1.5)
+    engine.update_weights(model, version=1)  # whoever writes the weights says so
     requests = [
         SampleRequest(prompt=p, params=SamplingParams(max_tokens=10, seed=i, temperature=0.8))
         for i, p in enumerate(PROMPTS)
     ]
     after = [r.sequences[0] for r in engine.generate(requests)]
-    _, expected = _generate(model, cpu_packed_linear="off")
+    _, expected = _generate(model, packed_linear="off")
     assert [s.tokens for s in after] == [s.tokens for s in expected]
     assert [s.logprobs for s in after] == [s.logprobs for s in expected]
     assert [s.tokens for s in after] != [s.tokens for s in before]
@@ -80,9 +87,7 @@ def test_state_dict_updates_are_repacked():
     engine.update_weights(other.state_dict(), version=2)
     requests = [SampleRequest(prompt=PROMPTS[2], params=SamplingParams(max_tokens=10, seed=1))]
     (response,) = engine.generate(requests)
-    plain = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu_packed_linear="off").build(
-        model=other
-    )
+    plain = _engine(other, packed_linear="off")
     (reference,) = plain.generate(requests)
     assert response.sequences[0].tokens == reference.sequences[0].tokens
     assert response.sequences[0].logprobs == reference.sequences[0].logprobs
@@ -91,10 +96,10 @@ def test_state_dict_updates_are_repacked():
 def test_fp32_is_not_packed_unless_asked():
     model = _model(dtype="float32")
     engine, _ = _generate(model)
-    assert engine._packed is None
-    engine, packed = _generate(model, cpu_packed_linear="on")
-    assert engine._packed is not None
-    _, plain = _generate(model, cpu_packed_linear="off")
+    assert engine.decoding.twin != "packed"
+    engine, packed = _generate(model, packed_linear="on")
+    assert engine.decoding.twin == "packed"
+    _, plain = _generate(model, packed_linear="off")
     for a, b in zip(packed, plain, strict=True):  # fp32 oneDNN sums in another order
         assert a.tokens == b.tokens
         torch.testing.assert_close(
@@ -103,5 +108,5 @@ def test_fp32_is_not_packed_unless_asked():
 
 
 def test_bad_packing_mode_is_named():
-    with pytest.raises(ValueError, match="cpu_packed_linear must be 'auto', 'on' or 'off'"):
-        SamplerEngine.Config(cpu_packed_linear="always")
+    with pytest.raises(ValueError, match=r"cpu\.packed_linear must be 'auto', 'on' or 'off'"):
+        CpuDecoding.Config(packed_linear="always")

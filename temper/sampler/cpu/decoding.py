@@ -1,0 +1,181 @@
+"""The CPU speed wing of the sampler: its settings, and the decode path it picks at build.
+
+`SamplerEngine.Config.cpu` holds every CPU speed setting; none has an effect on CUDA. When a
+CPU engine is built, `CpuDecoding` decides once what its decode steps run on:
+- a packed twin (packed_linear.py; fused as well when the model allows, fused_decoder.py)
+  for bf16 weights, or fp32 with `packed_linear='on'`, where oneDNN is available;
+- else a fused twin for fp32 models (`fused_projections`);
+- else the model itself;
+and whether a step's rows split over threads (`decode_shards`, decode_shards.py). A twin is a
+copy of the weights as they were: it is made again when the engine's weights generation
+changes (every `update_weights`, weight_source.py), never by watching tensors.
+
+`processes` is not used here: with more than one, `SamplerEngine.Config.build` wraps the
+engine in a `ProcessSplitSampler` (process_split.py), and each helper process builds its own
+engine from the same config with `processes=1`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from temper.config.configurable import Configurable
+from temper.sampler.cpu.decode_shards import DecodeShards
+from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
+from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
+from temper.sampler.decoding import DecodeModel, Decoding, Result
+from temper.sampler.weight_source import WeightSource
+
+_FIELD = "SamplerEngine.Config.cpu"
+"""Where these settings sit in the engine's config (named in errors)."""
+
+Twin = Literal["packed", "fused", "none"]
+
+
+class CpuDecoding(Configurable, Decoding):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        num_threads: int | None = None
+        """CPU threads (torch intra-op) while generating; None keeps the process setting.
+        Small models decode faster on 1: waking another thread costs more than it saves."""
+        packed_linear: Literal["auto", "on", "off"] = "auto"
+        """Decode linear layers from weights prepacked for oneDNN (a copy: as much memory
+        again, and one pass over the weights whenever they change). 'auto' packs bf16
+        weights (bitwise the same results, faster); 'on' also fp32 (faster for large
+        matrices, not bitwise equal to torch's default kernel)."""
+        fused_projections: bool = True
+        """Decode with each layer's q/k/v and gate/up projections fused into one matmul each
+        (a copy of those weights; bitwise the same results, fewer ops; see
+        fused_decoder.py): fp32 models, and packed weights (packed_linear)."""
+        decode_shards: int | Literal["auto"] = 1
+        """Decode steps split their rows into this many consecutive groups that run at
+        once, one thread each with single-threaded ops (see decode_shards.py); tokens and
+        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
+        threads generate runs on (num_threads, else torch's), each of at least
+        decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
+        split step was slower, docs/sampler.md)."""
+        decode_shard_min_rows: int = 16
+        """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
+        processes: int | Literal["auto"] = 1
+        """Generate calls split their requests over up to this many processes: the
+        engine's own and helpers started on first use, each with its own KV cache, reading
+        the same weights through shared memory (see helper_processes.py). Tokens are those
+        of one process (logprobs to float rounding, as with any batch composition). 'auto':
+        one per core this process may run on. Only calls with at least process_min_rows
+        samples per part split."""
+        process_min_rows: int = 16
+        """With processes > 1, the fewest samples per process worth splitting a call for."""
+
+        def __post_init__(self) -> None:
+            if self.num_threads is not None and (
+                not _is_int(self.num_threads) or self.num_threads < 1
+            ):
+                raise ValueError(
+                    f"{_FIELD}.num_threads must be an int >= 1 or None, got {self.num_threads!r}"
+                )
+            if self.packed_linear not in ("auto", "on", "off"):
+                raise ValueError(
+                    f"{_FIELD}.packed_linear must be 'auto', 'on' or 'off', got "
+                    f"{self.packed_linear!r}"
+                )
+            if not isinstance(self.fused_projections, bool):
+                raise ValueError(
+                    f"{_FIELD}.fused_projections must be True or False, got "
+                    f"{self.fused_projections!r}"
+                )
+            for name in ("decode_shards", "processes"):
+                value = getattr(self, name)
+                if value != "auto" and (not _is_int(value) or value < 1):
+                    raise ValueError(
+                        f"{_FIELD}.{name} must be 'auto' or an int >= 1, got {value!r}"
+                    )
+            for name in ("decode_shard_min_rows", "process_min_rows"):
+                value = getattr(self, name)
+                if not _is_int(value) or value < 1:
+                    raise ValueError(f"{_FIELD}.{name} must be an int >= 1, got {value!r}")
+
+        def num_processes(self) -> int:
+            """`processes`, with 'auto' as the cores this process may run on (Linux; else
+            all the machine's)."""
+            if self.processes != "auto":
+                return self.processes
+            affinity = getattr(os, "sched_getaffinity", None)
+            return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+    def __init__(self, config: Config, *, model: nn.Module, batch_hint: int) -> None:
+        """`batch_hint`: the rows a decode step usually has (the engine's slots), which
+        packed weights are laid out for."""
+        self.config = config
+        self.batch_hint = batch_hint
+        self.twin = _pick_twin(config, dtype=next(model.parameters()).dtype)
+        """What decode steps run on, chosen here once (see the module docstring)."""
+        self.shards = DecodeShards(
+            setting=config.decode_shards, min_rows=config.decode_shard_min_rows
+        )
+        self._decoder: DecodeModel | None = None
+        self._generation: int | None = None  # the weights generation `_decoder` was made from
+
+    def decoder(self, weights: WeightSource) -> DecodeModel:
+        """The model, or the chosen twin of it, made again after any weights update."""
+        if self.twin == "none":
+            return weights.model
+        if self._generation != weights.generation:
+            self._decoder = None  # drop the old copy before making the new one
+            self._decoder = self._make_twin(weights.model)
+            self._generation = weights.generation
+        assert self._decoder is not None
+        return self._decoder
+
+    def _make_twin(self, model: nn.Module) -> DecodeModel:
+        # A module that cannot be fused (LoRA-wrapped projections, another block layout)
+        # decodes on its own layers: packed, or as they are.
+        fuses = self.config.fused_projections and fusable(model)
+        if self.twin == "packed":
+            if fuses:
+                return FusedDecoder(model, batch_hint=self.batch_hint)
+            return PackedDecoder(model, batch_hint=self.batch_hint)
+        return FusedDecoder(model) if fuses else model
+
+    @contextlib.contextmanager
+    def threads(self, num_threads: int | None) -> Iterator[None]:
+        """Around a generate call: torch on `num_threads` threads, else the config's, else
+        as it is; restored afterwards."""
+        num_threads = num_threads or self.config.num_threads
+        previous = torch.get_num_threads()
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def map_rows(self, step: Callable[[range], Result], num_rows: int) -> list[Result]:
+        """`step` over consecutive row groups of a decode step, at once (one group: no
+        split); results in row order."""
+        return self.shards.map(step, self.shards.plan(num_rows))
+
+    def close(self) -> None:
+        """Stop the decode-shard threads (they start again if needed)."""
+        self.shards.close()
+
+
+def _pick_twin(config: CpuDecoding.Config, *, dtype: torch.dtype) -> Twin:
+    packs = config.packed_linear == "on" or (
+        config.packed_linear == "auto" and dtype == torch.bfloat16
+    )
+    if packs and packing_available():
+        return "packed"
+    if config.fused_projections and dtype == torch.float32:
+        return "fused"
+    return "none"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,77 @@
+"""How the engine's decode steps run: the plain path, which speed wings override.
+
+Shapes: B rows, T tokens, D model dim, V vocab.
+
+The engine picks its `Decoding` once, when it is built: this plain one (the model itself, a
+step's rows all at once, the process's threads), or on CPU the speed wing's `CpuDecoding`
+(cpu/decoding.py: fused or packed twins of the model, rows split over threads, a thread
+setting). The engine's decode loop calls the same three methods either way, so it reads the
+same whatever runs underneath. (CUDA graphs replace a whole step instead: cuda_graphs.py.)
+`Draw` is what a step yields for its rows (one per group of rows, joined in row order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+
+from temper.models.common.attention import AttentionBackend
+from temper.sampler.weight_source import WeightSource
+
+Result = TypeVar("Result")
+
+
+class DecodeModel(Protocol):
+    """The part of a model a decode step runs: the model itself, or a twin of it."""
+
+    def hidden_states(
+        self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor: ...
+
+    def logits(self, hidden_BD: torch.Tensor) -> torch.Tensor: ...
+
+
+class Decoding:
+    """The plain decode path: the model, whole steps, the process's threads."""
+
+    def decoder(self, weights: WeightSource) -> DecodeModel:
+        """What a generate call's decode steps run on: the model itself."""
+        return weights.model
+
+    @contextlib.contextmanager
+    def threads(self, num_threads: int | None) -> Iterator[None]:
+        """Around a generate call: torch's threads as they are."""
+        del num_threads  # only the CPU wing sets threads
+        yield
+
+    def map_rows(self, step: Callable[[range], Result], num_rows: int) -> list[Result]:
+        """`step` over a decode step's rows 0..num_rows-1: one call for all of them."""
+        return [step(range(num_rows))]
+
+    def close(self) -> None:
+        """Release what the path holds (nothing here)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draw:
+    """A step's draw for consecutive rows: tokens, their logprobs, and the rows' sampling
+    logprobs (one [B_i, V] tensor per shard; joined only when per-token Python work needs
+    them)."""
+
+    tokens_B: torch.Tensor
+    token_logprobs_B: torch.Tensor
+    logprobs_BV: list[torch.Tensor]
+
+    @staticmethod
+    def concat(draws: Sequence[Draw]) -> Draw:
+        if len(draws) == 1:
+            return draws[0]
+        return Draw(
+            tokens_B=torch.cat([draw.tokens_B for draw in draws]),
+            token_logprobs_B=torch.cat([draw.token_logprobs_B for draw in draws]),
+            logprobs_BV=[logprobs_BV for draw in draws for logprobs_BV in draw.logprobs_BV],
+        )
