@@ -24,6 +24,7 @@ from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
 from temper.sampler.requests import RequestState, SampleRequest
 from temper.sampler.slots import SlotOwner, SlotTable
 from temper.sampler.stopping import StopStringMatcher
+from temper.tokenizer import Tokenizer
 
 
 class Admission:
@@ -32,7 +33,7 @@ class Admission:
     config: Any
     cache: KVCache
     slots: SlotTable
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     device: torch.device
     vocab_size: int
     model: nn.Module

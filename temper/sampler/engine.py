@@ -47,6 +47,7 @@ from temper.sampler.requests import SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
 from temper.sampler.weight_source import WeightSource
+from temper.tokenizer import Tokenizer
 
 
 class SamplerEngine(Configurable, Admission):
@@ -91,7 +92,7 @@ class SamplerEngine(Configurable, Admission):
                 )
 
         def build(
-            self, *, model: nn.Module, tokenizer: Any = None
+            self, *, model: nn.Module, tokenizer: Tokenizer | None = None
         ) -> SamplerEngine | ProcessSplitSampler:
             """The engine on `model`; on CPU with `cpu.processes` > 1, a
             `ProcessSplitSampler` around it (used the same way)."""
@@ -110,7 +111,9 @@ class SamplerEngine(Configurable, Admission):
                 model_config, num_slots=self.max_batch, max_seq_len=self.max_seq_len
             )
 
-    def __init__(self, config: Config, *, model: nn.Module, tokenizer: Any = None) -> None:
+    def __init__(
+        self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.config = config
         model_config = model.config
         if config.max_seq_len > model_config.max_seq_len:

@@ -49,6 +49,7 @@ from temper.api.types import SampleResponse
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.helper_launch import ChildProcess, launch
 from temper.sampler.requests import SampleRequest
+from temper.tokenizer import Tokenizer
 
 
 class EngineConfig(Protocol):
@@ -57,7 +58,7 @@ class EngineConfig(Protocol):
 
     cpu: CpuDecoding.Config
 
-    def build(self, *, model: nn.Module, tokenizer: Any) -> Any: ...
+    def build(self, *, model: nn.Module, tokenizer: Tokenizer | None) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class HelperProcesses:
         max_helpers: int,
         min_rows: int,
         config: EngineConfig,
-        tokenizer: Any,
+        tokenizer: Tokenizer | None,
         threads: int,
     ) -> None:
         """`config` builds each helper's engine (`config.build(model=..., tokenizer=...)`):

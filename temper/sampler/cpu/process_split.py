@@ -26,6 +26,7 @@ from temper.api.types import SampleResponse, SamplingParams
 from temper.sampler.cpu.helper_processes import EngineConfig, HelperProcesses
 from temper.sampler.requests import SampleRequest
 from temper.sampler.weight_source import WeightSource
+from temper.tokenizer import Tokenizer
 
 
 class LocalEngine(Protocol):
@@ -33,7 +34,7 @@ class LocalEngine(Protocol):
 
     config: EngineConfig
     weights: WeightSource
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     vocab_size: int
     device: torch.device
 
