@@ -31,7 +31,7 @@ class JsonLine:
 
     @property
     def where(self) -> str:
-        """"path:line", the prefix of every error about this line."""
+        """ "path:line", the prefix of every error about this line."""
         return f"{self.path}:{self.number}"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 
