@@ -1,9 +1,10 @@
-"""The RL job's config, `RLJob.Config` (temper/rl/job.py), defined here, below the job.
+"""The RL job's settings, `RLJobConfig`, defined here, below the job (temper/rl/job.py).
 
-The step functions (steps.py) and loops (loops.py) read it, and the job imports them; a type
-both sides need lives in the lower module, so the config is this module's `RLJobConfig` and
-`RLJob.Config` is that class (built by `RLJob`). Bad settings fail when the config is made,
-before any model is built.
+The step functions (steps.py) and loops (loops.py) read them, and the job imports those; a
+type both sides need lives in the lower module. So every field is declared here, and
+`RLJob.Config`, the config that recipes make and config.json names, is this class nested in
+its owner without fields of its own (only it builds an `RLJob`). Bad settings fail when the
+config is made, before any model is built.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from temper.trainer.sharding import Sharding
 
 @dataclass(kw_only=True)
 class RLJobConfig(Configurable.Config):
+    """Every setting of the RL job; make the job's configs as `RLJob.Config`."""
+
     model: ModelChoice.Config = field(default_factory=ModelChoice.Config)
     """The model trained: base model, LoRA, device, dtype."""
     task: TaskConfig = field(default_factory=SumDigits.Config)

@@ -34,10 +34,10 @@ from rich.console import Console
 
 from temper.checkpoint.run_state import load_run_state, rng_from_json, rng_to_json, truncate_jsonl
 from temper.client.sampling_client import SamplingClient
-from temper.client.training_client import TrainingClient
+from temper.client.training_client import ServiceClient, TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.job import RunCheckpoints
+from temper.job import ModelChoice, RunCheckpoints
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
@@ -92,13 +92,16 @@ class RLLoopState:
 
 
 class RLJob(Configurable):
-    Config = RLJobConfig
-    """The job's settings (temper/rl/config.py, below the steps and loops that read it)."""
+    @dataclass(kw_only=True)
+    class Config(RLJobConfig):
+        """The job's settings: all of them are `RLJobConfig`'s (temper/rl/config.py, below the
+        step functions and loops, which read them); this subclass is the one `build()` makes
+        an `RLJob` of and config.json names."""
 
     runs_on_ranks: ClassVar[bool] = True
     """`temper train` may run this job on several ranks (torchrun, `--nproc`)."""
 
-    def __init__(self, config: RLJobConfig) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
 
     def run(self, *, run_dir: Path, resume: bool = False) -> RLResult:
@@ -148,14 +151,8 @@ class _RLRun:
 
     def __init__(self, config: RLJobConfig, *, run_dir: Path, resume: bool, ranks: Ranks) -> None:
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
-        trainer, sampler = config.trainer, config.sampler
-        if ranks.world_size > 1:  # the ranks already use the cores
-            trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
-            sampler = dataclasses.replace(sampler, cpu_processes=1)
         model = config.model.build()
-        self.service = model.service_client(
-            storage_dir=run_dir / "checkpoints", sampler=sampler, trainer=trainer
-        )
+        self.service = _service_client(config, model=model, run_dir=run_dir, ranks=ranks)
         saved = load_run_state(run_dir) if resume else None
         self.training = model.training_client(
             self.service, train_state=None if saved is None else saved.train_state
@@ -295,6 +292,20 @@ class _RLRun:
             reward_last=rewards[-1] if rewards else float("nan"),
             sampler_path=sampler_path,
         )
+
+
+def _service_client(
+    config: RLJobConfig, *, model: ModelChoice, run_dir: Path, ranks: Ranks
+) -> ServiceClient:
+    """The service with the config's engines; on several ranks the trainer is sharded over
+    them and neither engine spreads over the cores (the ranks already use them)."""
+    trainer, sampler = config.trainer, config.sampler
+    if ranks.world_size > 1:
+        trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
+        sampler = dataclasses.replace(sampler, cpu_processes=1)
+    return model.service_client(
+        storage_dir=run_dir / "checkpoints", sampler=sampler, trainer=trainer
+    )
 
 
 def _truncate_logs(run_dir: Path, *, before_step: int) -> None:

@@ -35,3 +35,11 @@ def test_bad_settings_name_the_field(fields, message):
 def test_staleness_without_async_mode_warns():
     with pytest.warns(UserWarning, match="max_staleness=3 is ignored in mode='sync'"):
         RLJob.Config(max_staleness=3)
+
+
+def test_config_json_names_the_job_config():
+    # config.json names this class; loading it imports temper.rl.job, so it builds an RLJob.
+    assert (
+        RLJob.Config.__module__ == "temper.rl.job" and RLJob.Config.__qualname__ == "RLJob.Config"
+    )
+    assert isinstance(RLJob.Config().build(), RLJob)
