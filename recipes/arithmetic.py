@@ -9,7 +9,8 @@ Measured (seed 0): held-out accuracy 0.71 after the warm-up, 0.79 after 100 GRPO
 from __future__ import annotations
 
 from temper.config.recipes import recipe
-from temper.rl.loop_sync import RLJob
+from temper.job import ModelChoice
+from temper.rl.job import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.tasks import Arithmetic
 
@@ -17,7 +18,7 @@ from temper.tasks import Arithmetic
 @recipe("SFT warm-up then GRPO on 1-2 digit a+b and a-b, tiny Qwen3 from scratch (CPU, ~3 min)")
 def arithmetic() -> RLJob.Config:
     return RLJob.Config(
-        base_model="tiny",
+        model=ModelChoice.Config(base_model="tiny"),
         task=Arithmetic.Config(ops=("add", "sub"), min_digits=1, max_digits=2),
         warmup=SFTWarmup.Config(steps=1000, batch_size=64, learning_rate=2e-3),
         steps=100,

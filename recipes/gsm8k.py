@@ -1,12 +1,12 @@
 """gsm8k: GRPO with LoRA on grade-school word problems, Qwen3-0.6B loaded from a local directory.
 
-Nothing is downloaded: `base_model` is a Qwen3-0.6B directory you provide (HF layout:
+Nothing is downloaded: `model.base_model` is a Qwen3-0.6B directory you provide (HF layout:
 config.json, *.safetensors, tokenizer.json), and the problems are a GSM8K-format JSONL file. The
 default file is the 50-problem sample shipped in data/ (so the recipe runs from a clean clone);
 point `task:math --task.path` at GSM8K's train.jsonl (and `--task.heldout_path` at test.jsonl)
 for a real run:
 
-    temper train gsm8k_qwen3_0_6b --base_model /models/Qwen3-0.6B \
+    temper train gsm8k_qwen3_0_6b --model.base_model /models/Qwen3-0.6B \
         task:math --task.path gsm8k/train.jsonl --task.heldout_path gsm8k/test.jsonl
 
 Prompts are plain text ("Question: ...\\nAnswer:"), no chat template. A short supervised warm-up
@@ -19,7 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from temper.config.recipes import recipe
-from temper.rl.loop_sync import RLJob
+from temper.job import ModelChoice
+from temper.rl.job import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
 from temper.tasks import Math
@@ -31,10 +32,9 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 @recipe("GRPO + LoRA on GSM8K-format JSONL, Qwen3-0.6B from a local directory (GPU)")
 def gsm8k_qwen3_0_6b() -> RLJob.Config:
     return RLJob.Config(
-        base_model="models/Qwen3-0.6B",
-        lora_rank=32,
-        device="cuda",
-        dtype="bfloat16",
+        model=ModelChoice.Config(
+            base_model="models/Qwen3-0.6B", lora_rank=32, device="cuda", dtype="bfloat16"
+        ),
         task=Math.Config(path=str(DATA_DIR / "gsm8k_sample.jsonl")),
         warmup=SFTWarmup.Config(steps=20, batch_size=16, learning_rate=1e-4, warmup_steps=5),
         steps=200,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import string
 
 from temper.config.recipes import recipe
-from temper.rl.loop_sync import RLJob
+from temper.job import ModelChoice
+from temper.rl.job import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.tasks import ReverseText
 
@@ -20,7 +21,7 @@ from temper.tasks import ReverseText
 @recipe("Short SFT warm-up then GRPO on reversing 4-8 letter strings, tiny Qwen3 (CPU, ~2 min)")
 def reverse_text() -> RLJob.Config:
     return RLJob.Config(
-        base_model="tiny:letters",
+        model=ModelChoice.Config(base_model="tiny:letters"),
         task=ReverseText.Config(alphabet=string.ascii_lowercase, min_length=4, max_length=8),
         warmup=SFTWarmup.Config(steps=110, batch_size=64, learning_rate=2e-3),
         steps=100,

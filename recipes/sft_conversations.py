@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from temper.config.recipes import recipe
+from temper.job import ModelChoice
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.sft import ConversationDataset, SFTJob
@@ -21,7 +22,7 @@ SAMPLE_DATASET = Path(__file__).resolve().parents[1] / "data" / "conversations_s
 @recipe("SFT a random tiny Qwen3 on sample JSONL conversations (role_colon, ~1.5 min on CPU)")
 def sft_conversations() -> SFTJob.Config:
     return SFTJob.Config(
-        base_model="tiny:words",
+        model=ModelChoice.Config(base_model="tiny:words"),
         source="conversations",
         conversations=ConversationDataset.Config(
             path=str(SAMPLE_DATASET), renderer="role_colon", heldout_fraction=0.1

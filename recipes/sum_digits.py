@@ -7,7 +7,7 @@ by GRPO with PPO-clipped importance sampling, all through the Tinker-style clien
 from __future__ import annotations
 
 from temper.config.recipes import recipe
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.sft import SFTJob
 from temper.trainer import TrainerEngine

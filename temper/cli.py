@@ -29,6 +29,7 @@ from temper.config import cli as config_cli
 from temper.config import recipes, serialize
 from temper.distributed import launch
 from temper.distributed.ranks import Ranks
+from temper.job import ModelChoice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,8 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
         raise ValueError("--nproc starts torchrun; under torchrun the ranks are torchrun's")
     _check_runs_on_ranks(invocation)
     # NCCL and one GPU per rank for a job on 'cuda', gloo on CPU.
-    device = getattr(invocation.config, "device", "cpu")
+    model = getattr(invocation.config, "model", None)
+    device = model.device if isinstance(model, ModelChoice.Config) else "cpu"
     rank = launch.init_from_env(device_type="cuda" if device.startswith("cuda") else "cpu")
     prepared = False
     try:

@@ -14,7 +14,8 @@ Per-step logs written after the checkpoint by a run that then crashed are cut on
 Any job can use this: save with `save_run_state` every few steps, and on `resume` read
 `load_run_state`, restore the training client with
 `ServiceClient.create_training_client_from_state_with_optimizer(state.train_state)`, restore
-the RNG with `rng_from_json`, cut the logs, and continue from `state.step`.
+the RNG with `rng_from_json`, cut the logs, and continue from `state.step`
+(temper/job/run_checkpoints.py does the saving for the RL and SFT jobs).
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from temper.checkpoint.atomic import staged_directory
 
 RUN_STATE_DIR = "run_state"
 STATE_FILE = "state.json"
+
+
+class LoopState(Protocol):
+    """A job's own state (its dataclass: the RL job's `RLLoopState`, SFT's `SFTState`), kept
+    in `RunState.loop` as the JSON `to_json` gives; the job reads it back with its own
+    `from_json`."""
+
+    def to_json(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

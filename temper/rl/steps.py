@@ -3,9 +3,10 @@
 `submit` takes a sampling client on the current weights, draws the step's problems and seeds
 from the run's RNG and sends the sample requests; `finish` waits for them, scores, applies the
 optional KL penalty, trains (`forward_backward` + `optim_step`, once per substep), evaluates
-and logs. loop_sync.py calls submit(k) then finish(k); loop_async.py submits up to
-`max_staleness` steps ahead, so sampling for later steps runs while this one trains. Both call
-the RNG in the same order (submission order is step order), so they draw the same problems.
+and logs. The synchronous loop (loops.py) calls submit(k) then finish(k); the asynchronous
+one submits up to `max_staleness` steps ahead, so sampling for later steps runs while this one
+trains. Both call the RNG in the same order (submission order is step order), so they draw the
+same problems.
 
 On several ranks (SPMD) every rank draws the whole step's problems and seeds from its own copy
 of the run's RNG (so the copies stay equal) and samples only its share of the groups, with its
@@ -21,12 +22,15 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO
 
 from temper.api.types import AdamParams, SamplingParams
+from temper.client.sampling_client import SamplingClient
+from temper.client.training_client import TrainingClient
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.rl.advantages import group_advantages, is_uniform
+from temper.rl.config import RLJobConfig
 from temper.rl.env import make_groups
 from temper.rl.kl import kl_penalty, submit_reference_logprobs
 from temper.rl.rollout import (
@@ -38,6 +42,7 @@ from temper.rl.rollout import (
 )
 from temper.rl.step_metrics import StepStats, mismatch_stats, rollout_stats
 from temper.tasks.problem import Task
+from temper.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -50,17 +55,17 @@ class SubmittedStep:
 
 
 class RLSteps:
-    """Step functions over one training client; `config` is an `RLJob.Config`."""
+    """Step functions over one training client."""
 
     def __init__(
         self,
-        config: Any,
+        config: RLJobConfig,
         *,
-        training,
+        training: TrainingClient,
         task: Task,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         rng: random.Random,
-        reference,
+        reference: SamplingClient | None,
         logger: MetricsLogger,
         rollouts_file: IO[str] | None,
         evaluate: Callable[[], float],

@@ -12,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from temper.api.types import AdamParams
+from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.rl.rollout import supervised_datum
 from temper.tasks.problem import Task
+from temper.tokenizer import Tokenizer
 from temper.trainer.schedule import warmup_cosine
 
 
@@ -49,10 +51,10 @@ class SFTWarmup(Configurable):
 
     def run(
         self,
-        training_client,
+        training_client: TrainingClient,
         *,
         task: Task,
-        tokenizer,
+        tokenizer: Tokenizer,
         rng: random.Random,
         on_step: Callable[[int, dict[str, float]], None],
         start_step: int = 0,

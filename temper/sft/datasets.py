@@ -4,10 +4,11 @@ A dataset file holds one conversation per line:
 
     {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
 
-Everything is checked at load, before any training starts: a missing file is a
-FileNotFoundError naming the path; malformed JSON, a missing or empty "messages" list, a bad
-role or content, or a conversation without an assistant message is a ValueError naming the
-file and line. Blank lines are skipped (and still counted for line numbers).
+Everything is checked at load (through the shared JSONL reader, temper/tasks/jsonl.py), before
+any training starts: a missing file is a FileNotFoundError naming the path; malformed JSON, a
+missing or empty "messages" list, a bad role or content, or a conversation without an
+assistant message is a ValueError naming the file and line. Blank lines are skipped (and still
+counted for line numbers).
 
 `EpochStream` yields the training conversations in a seeded shuffled order, a new order each
 epoch; its position is two plain ints (epoch, index), so a resumed run continues exactly.
@@ -15,13 +16,13 @@ epoch; its position is two plain ints (epoch, index), so a resumed run continues
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from temper.config.configurable import Configurable
+from temper.tasks.jsonl import JsonLine, read_jsonl
 from temper.tokenizer.renderers import Message, RendererName, TrainOn, check_messages
 
 
@@ -34,34 +35,17 @@ class Conversation:
 
 def load_conversations(path: str | Path) -> list[Conversation]:
     """Every conversation in the JSONL file at `path`, validated (see the module doc)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"conversation dataset {str(path)!r} does not exist or is not a file; it must be a "
-            'JSONL file with one {"messages": [...]} object per line'
-        )
-    conversations = []
-    with path.open(encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if line.strip():
-                where = f"{path}:{line_number}"
-                conversations.append(Conversation(messages=_parse_line(line, where), where=where))
-    if not conversations:
-        raise ValueError(f"conversation dataset {path} holds no conversations")
-    return conversations
+    return read_jsonl(
+        path,
+        _parse_line,
+        name="conversation dataset",
+        expected='a JSONL file with one {"messages": [...]} object per line',
+        items="conversations",
+    )
 
 
-def _parse_line(line: str, where: str) -> tuple[Message, ...]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        if error.pos >= len(line.rstrip()):
-            # json counts the line's newline as a line of its own and would say "column 1".
-            raise ValueError(
-                f"{where}: malformed JSON (the line ends before the JSON value does); each "
-                "conversation must be a whole JSON object on one line"
-            ) from None
-        raise ValueError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
+def _parse_line(line: JsonLine) -> Conversation:
+    where, record = line.where, line.value
     if not isinstance(record, dict) or "messages" not in record:
         raise ValueError(f'{where}: expected an object with a "messages" list')
     messages = record["messages"]
@@ -73,7 +57,10 @@ def _parse_line(line: str, where: str) -> tuple[Message, ...]:
         raise ValueError(f"{where}: {error}") from None
     if not any(message["role"] == "assistant" for message in messages):
         raise ValueError(f"{where}: the conversation has no assistant message to train on")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    return Conversation(
+        messages=tuple({"role": m["role"], "content": m["content"]} for m in messages),
+        where=where,
+    )
 
 
 @dataclass(frozen=True)

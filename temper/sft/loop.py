@@ -7,10 +7,12 @@ in-process (here) or against a Tinker-compatible server. Loss weights are 1 on a
 (task) or on assistant tokens (conversations, see `temper/tokenizer/renderers`), divided by
 the batch's count of such tokens: `train/loss` and `eval/loss` are mean losses per token.
 
-Full-state checkpoints (`checkpoint_every`, and always at the end) hold the weights and the
-optimizer (`save_state`) plus `SFTState` and the held-out history in RUN_DIR/run_state
-(temper/checkpoint/run_state.py); `run(resume=True)` (`temper train --resume RUN_DIR`)
-continues from the last one and equals an uninterrupted run bitwise.
+Full-state checkpoints (`checkpoint_every`, and always at the end; temper/job/run_checkpoints.py,
+shared with the RL job) hold the weights and the optimizer (`save_state`) plus `SFTState` (data
+position and held-out history) in RUN_DIR/run_state (temper/checkpoint/run_state.py);
+`run(resume=True)` (`temper train --resume RUN_DIR`) continues from the last one and equals an
+uninterrupted run bitwise. The model (`model`: base model, LoRA, device, dtype) is the same
+`ModelChoice` the RL job uses (temper/job/model.py).
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from temper.api.types import AdamParams
-from temper.checkpoint.model_source import DType
-from temper.checkpoint.run_state import RunState, load_run_state, save_run_state, truncate_jsonl
+from temper.checkpoint.run_state import load_run_state, truncate_jsonl
 from temper.client.sampler_weights import SAMPLER_FILE
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
-from temper.observability import MetricsLogger, PhaseTimer, plot_metrics
+from temper.distributed.ranks import Ranks
+from temper.job import ModelChoice, RunCheckpoints
+from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
 from temper.sampler.cpu.decoding import CpuDecoding
@@ -37,6 +40,7 @@ from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
 from temper.tasks import SumDigits, TaskConfig
+from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.schedule import warmup_cosine
 
@@ -56,24 +60,39 @@ class SFTResult:
 
 @dataclass
 class SFTState:
-    """The loop's position: all a resume needs besides the weights and optimizer state."""
+    """The loop's position and held-out history: all a resume needs besides the weights and
+    optimizer state. Saved as the run state's `loop` (its `step` is the run state's)."""
 
     step: int
     """Optimizer steps done."""
     data: DataPosition
+    initial_loss: float
+    """Held-out loss before training."""
+    accuracies: list[float] = field(default_factory=list)
+    """Held-out accuracy of each evaluation so far."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "data": {"epoch": self.data.epoch, "index": self.data.index},
+            "initial_loss": self.initial_loss,
+            "accuracies": list(self.accuracies),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, step: int) -> SFTState:
+        return cls(
+            step=step,
+            data=DataPosition(**data["data"]),
+            initial_loss=data["initial_loss"],
+            accuracies=list(data["accuracies"]),
+        )
 
 
 class SFTJob(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        base_model: str = "tiny"
-        """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:words')."""
-        lora_rank: int | None = None
-        """LoRA rank; None trains every parameter."""
-        dtype: DType = "float32"
-        """Parameter dtype of the model."""
-        device: str = "cpu"
-        """Device of the model, e.g. 'cpu' or 'cuda'."""
+        model: ModelChoice.Config = field(default_factory=ModelChoice.Config)
+        """The model trained: base model, LoRA, device, dtype."""
         source: Literal["task", "conversations"] = "task"
         """Train on the problems of `task`, or on the JSONL conversations of `conversations`."""
         task: TaskConfig = field(default_factory=SumDigits.Config)
@@ -110,7 +129,8 @@ class SFTJob(Configurable):
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         """The engine behind the training client (micro-batch budget, CPU thread shards)."""
         seed: int = 0
-        """Seed of the training data order (and of LoRA initialization)."""
+        """Seed of the training data order (LoRA initialization has its own,
+        `model.lora_seed`)."""
         checkpoint_every: int = 0
         """Steps between full-state checkpoints (model, optimizer, data position) that
         `temper train --resume` continues from; 0 = only at the end."""
@@ -136,15 +156,12 @@ class SFTJob(Configurable):
                 raise ValueError(
                     f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}"
                 )
-            if self.lora_rank is not None and self.lora_rank < 1:
+            if self.export == "hf" and self.model.lora_rank is not None:
                 raise ValueError(
-                    f"SFTJob.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
-                )
-            if self.export == "hf" and self.lora_rank is not None:
-                raise ValueError(
-                    "SFTJob.Config.export='hf' writes a full model directory, but lora_rank="
-                    f"{self.lora_rank} trains adapters; use export='none' (the adapters are "
-                    "saved as sampler weights under RUN_DIR/checkpoints either way)"
+                    "SFTJob.Config.export='hf' writes a full model directory, but "
+                    f"model.lora_rank={self.model.lora_rank} trains adapters; use export='none' "
+                    "(the adapters are saved as sampler weights under RUN_DIR/checkpoints "
+                    "either way)"
                 )
 
     def __init__(self, config: Config) -> None:
@@ -156,89 +173,101 @@ class SFTJob(Configurable):
         saved = load_run_state(run_dir) if resume else None
         # Load and validate the dataset first: a bad file fails before any model is built.
         dataset = config.conversations.build() if config.source == "conversations" else None
-        service = ServiceClient(
-            storage_dir=run_dir / "checkpoints",
-            device=config.device,
-            dtype=config.dtype,
-            sampler=config.sampler,
-            trainer=config.trainer,
+        model = config.model.build()
+        service = model.service_client(
+            storage_dir=run_dir / "checkpoints", sampler=config.sampler, trainer=config.trainer
         )
-        if saved is None:
-            training = self._training_client(service)
-        else:
-            training = service.create_training_client_from_state_with_optimizer(saved.train_state)
+        training = model.training_client(
+            service, train_state=None if saved is None else saved.train_state
+        )
         source = self._source(training.get_tokenizer(), dataset=dataset)
         if saved is None:
-            state = SFTState(step=0, data=source.position)
-            initial_loss = self._heldout_loss(training, source)
-            accuracies: list[float] = []
+            state = SFTState(
+                step=0, data=source.position, initial_loss=self._heldout_loss(training, source)
+            )
         else:
             if saved.step >= config.steps:
                 raise ValueError(
                     f"--resume {run_dir}: the run already finished all {config.steps} steps"
                 )
-            state = SFTState(step=saved.step, data=DataPosition(**saved.loop["data"]))
+            state = SFTState.from_json(saved.loop, step=saved.step)
             source.position = state.data
-            initial_loss, accuracies = saved.loop["initial_loss"], saved.loop["accuracies"]
             truncate_jsonl(run_dir / METRICS_FILE_NAME, before_step=saved.step)
-        checkpoint = _Checkpoint(
-            run_dir, training=training, previous=None if saved is None else saved.train_state
+        checkpoints = RunCheckpoints(
+            run_dir=run_dir,
+            training=training,
+            every=config.checkpoint_every,
+            total_steps=config.steps,
+            previous=saved,
+            ranks=Ranks.single(),
         )
-        examples: list[Example] = []
-        timer = PhaseTimer()
         with MetricsLogger(
             config.metrics, run_dir=run_dir, total_steps=config.steps, description=self._title()
         ) as logger:
-            logger.console.print(f"held-out loss before training: {initial_loss:.4f}")
-            while state.step < config.steps:
-                with timer.phase("train"):
-                    metrics = self._train_step(training, source, step=state.step)
-                state.data = source.position
-                last = state.step == config.steps - 1
-                if (state.step + 1) % config.eval_every == 0 or last:
-                    with timer.phase("eval"):
-                        eval_metrics, examples = self._evaluate(training, source)
-                    accuracies.append(eval_metrics["eval/accuracy"])
-                    metrics |= eval_metrics
-                logger.log(state.step, metrics | timer.collect())
-                state.step += 1
-                every = config.checkpoint_every
-                if state.step == config.steps or (every and state.step % every == 0):
-                    checkpoint.save(state, initial_loss=initial_loss, accuracies=accuracies)
-            self._show_examples(logger, examples[:4])
-            return self._finish(
-                service, training, logger=logger, initial_loss=initial_loss, accuracies=accuracies
+            logger.console.print(f"held-out loss before training: {state.initial_loss:.4f}")
+            examples = self._train(
+                training, source, state=state, logger=logger, checkpoints=checkpoints
             )
+            self._show_examples(logger, examples[:4])
+            return self._finish(service, state=state, logger=logger, checkpoints=checkpoints)
+
+    def _train(
+        self,
+        training: TrainingClient,
+        source: TaskSource | ConversationSource,
+        *,
+        state: SFTState,
+        logger: MetricsLogger,
+        checkpoints: RunCheckpoints,
+    ) -> list[Example]:
+        """The steps not done yet, with evaluations and checkpoints; the last evaluation's
+        examples."""
+        config = self.config
+        examples: list[Example] = []
+        timer = PhaseTimer()
+        while state.step < config.steps:
+            with timer.phase("train"):
+                metrics = self._train_step(training, source, step=state.step)
+            state.data = source.position
+            last = state.step == config.steps - 1
+            if (state.step + 1) % config.eval_every == 0 or last:
+                with timer.phase("eval"):
+                    eval_metrics, examples = self._evaluate(training, source)
+                state.accuracies.append(eval_metrics["eval/accuracy"])
+                metrics |= eval_metrics
+            logger.log(state.step, metrics | timer.collect())
+            state.step += 1
+            checkpoints.step_done(state.step, state)
+        return examples
 
     def _finish(
         self,
         service: ServiceClient,
-        training: TrainingClient,
         *,
+        state: SFTState,
         logger: MetricsLogger,
-        initial_loss: float,
-        accuracies: list[float],
+        checkpoints: RunCheckpoints,
     ) -> SFTResult:
         """Save the final weights, export and plot them, print the summary."""
-        config, run_dir = self.config, logger.run_dir
-        sampler_path = training.save_weights_for_sampler("final").result().path
+        config, run_dir, accuracies = self.config, logger.run_dir, state.accuracies
+        sampler_path = checkpoints.save_final()
         model_dir = None
         if config.export == "hf":
             model_dir = export_model_dir(service, sampler_path, out_dir=run_dir / "model")
-        plots = plot_metrics(run_dir)
         final_loss = logger.latest["eval/loss"]
-        logger.summary(
-            {
-                "held-out loss": {"before": initial_loss, "final": final_loss},
+        checkpoints.report(
+            logger,
+            sampler_path=sampler_path,
+            summary={
+                "held-out loss": {"before": state.initial_loss, "final": final_loss},
                 "held-out accuracy": {"final": accuracies[-1], "best": max(accuracies)},
                 "train/loss": {"final": logger.latest["train/loss"]},
             },
             title=f"SFT done: {config.steps} steps",
         )
-        logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
         return SFTResult(
             steps=config.steps,
-            initial_heldout_loss=initial_loss,
+            initial_heldout_loss=state.initial_loss,
             heldout_loss=final_loss,
             heldout_accuracy=accuracies[-1],
             best_heldout_accuracy=max(accuracies),
@@ -257,16 +286,8 @@ class SFTJob(Configurable):
             return f"SFT {Path(config.conversations.path).name} ({config.conversations.renderer})"
         return f"SFT {type(config.task).__qualname__.split('.')[0]}"
 
-    def _training_client(self, service: ServiceClient) -> TrainingClient:
-        config = self.config
-        if config.lora_rank is None:
-            return service.create_training_client(config.base_model)
-        return service.create_lora_training_client(
-            config.base_model, rank=config.lora_rank, seed=config.seed
-        )
-
     def _source(
-        self, tokenizer, *, dataset: ConversationDataset | None
+        self, tokenizer: Tokenizer, *, dataset: ConversationDataset | None
     ) -> TaskSource | ConversationSource:
         config = self.config
         if dataset is not None:
@@ -320,26 +341,6 @@ class SFTJob(Configurable):
         for example in examples:
             mark = "ok" if example.correct else f"wrong, expected {example.reference!r}"
             logger.console.print(f"  {example.prompt!r} -> {example.reply!r}  ({mark})")
-
-
-class _Checkpoint:
-    """The run's one full-state checkpoint: each save replaces the previous one."""
-
-    def __init__(self, run_dir: Path, *, training: TrainingClient, previous: str | None) -> None:
-        self.run_dir, self.training, self.previous = run_dir, training, previous
-
-    def save(self, state: SFTState, *, initial_loss: float, accuracies: list[float]) -> None:
-        path = self.training.save_state(f"step-{state.step:06d}").result().path
-        loop = {
-            "data": {"epoch": state.data.epoch, "index": state.data.index},
-            "initial_loss": initial_loss,
-            "accuracies": list(accuracies),
-        }
-        # The run state names the new checkpoint only once it is complete; then the old one goes.
-        save_run_state(self.run_dir, RunState(step=state.step, train_state=path, loop=loop))
-        if self.previous is not None and self.previous != path:
-            self.training.service.storage.delete(self.previous)
-        self.previous = path
 
 
 def export_model_dir(service: ServiceClient, sampler_path: str, *, out_dir: Path) -> Path:

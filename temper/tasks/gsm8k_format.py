@@ -1,18 +1,20 @@
 """GSM8K-format JSONL: one `{"question": "...", "answer": "... #### 42"}` object per line.
 
 The answer is a worked solution whose final number follows `####` (as in GSM8K). Reading is
-strict: every problem in the file is checked when the file is read, and a bad line is a
-ValueError naming the file and the 1-based line number, so a run fails before it trains.
-Blank lines are skipped. `final_number` also reads a model's completion, which may give its
-answer after `####`, in `\\boxed{...}`, or just as its last number.
+strict (through the shared JSONL reader, jsonl.py): every problem in the file is checked when
+the file is read, and a bad line is a ValueError naming the file and the 1-based line number,
+so a run fails before it trains. Blank lines are skipped. `final_number` also reads a model's
+completion, which may give its answer after `####`, in `\\boxed{...}`, or just as its last
+number.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from temper.tasks.jsonl import JsonLine, read_jsonl
 
 ANSWER_MARK = "####"
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
@@ -58,28 +60,18 @@ def same_number(a: float, b: float) -> bool:
 
 def read_gsm8k_jsonl(path: str | Path, *, field: str = "path") -> list[MathRow]:
     """Every problem of a GSM8K-format file; `field` names the config field in messages."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{field}: no such file {str(path)!r} (resolved: {path.resolve()}); expected a "
-            'GSM8K-format JSONL file with one {"question": ..., "answer": "... #### 42"} per line'
-        )
-    rows = []
-    with path.open(encoding="utf-8") as file:
-        for line_number, line in enumerate(file, start=1):
-            if line.strip():
-                rows.append(_parse_line(line, path=path, line_number=line_number))
-    if not rows:
-        raise ValueError(f"{path}: no problems in the file (every line is blank)")
-    return rows
+    return read_jsonl(
+        path,
+        _parse_line,
+        name=field,
+        expected='a GSM8K-format JSONL file with one {"question": ..., "answer": "... #### 42"} '
+        "per line",
+        items="problems",
+    )
 
 
-def _parse_line(line: str, *, path: Path, line_number: int) -> MathRow:
-    where = f"{path}:{line_number}"
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not valid JSON ({error.msg} at column {error.colno})") from None
+def _parse_line(line: JsonLine) -> MathRow:
+    where, record = line.where, line.value
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("question", "answer"):
@@ -93,4 +85,4 @@ def _parse_line(line: str, *, path: Path, line_number: int) -> MathRow:
         raise ValueError(
             f"{where}: the answer must end with '{ANSWER_MARK} <number>', got ...{answer[-40:]!r}"
         )
-    return MathRow(question=record["question"], solution=answer, final=final, line=line_number)
+    return MathRow(question=record["question"], solution=answer, final=final, line=line.number)

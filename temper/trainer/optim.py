@@ -7,7 +7,7 @@ measured over all trainable parameters before clipping and reported either way.
 Plain (unsharded) CPU or CUDA parameters use torch's multi-tensor ("foreach") AdamW; sharded
 (DTensor) parameters the default. torch's fused kernel would save ~2 ms a step on the tiny
 model, but it rounds differently (~1e-6), and in two RL runs with it the sum_digits recipe
-learned visibly less than with the foreach kernel (test_loop_sync), so it is not used. CPU
+learned visibly less than with the foreach kernel (tests/rl/test_job.py), so it is not used. CPU
 parameters that are all small step on one thread (see SMALL_TENSOR).
 """
 

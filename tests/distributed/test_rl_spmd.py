@@ -17,9 +17,10 @@ import torch
 from temper.api import Datum, ModelInput
 from temper.client.service_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
+from temper.job import run_checkpoints
 from temper.observability import read_metrics
-from temper.rl import loop_sync, steps
-from temper.rl.loop_sync import RLJob
+from temper.rl import steps
+from temper.rl.job import RLJob
 from temper.trainer import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.distributed import training
@@ -53,7 +54,7 @@ def _no_plots(run_dir):
 
 
 def _rank_main(rank: int, directory) -> dict:
-    loop_sync.plot_metrics = _no_plots  # matplotlib costs seconds and is not under test
+    run_checkpoints.plot_metrics = _no_plots  # matplotlib costs seconds and is not under test
     errors = {}
     for name, config in bad_configs().items():
         try:
@@ -124,13 +125,13 @@ def ranks(tmp_path_factory) -> tuple[list[dict], object]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The same job in one process."""
-    original = loop_sync.plot_metrics
-    loop_sync.plot_metrics = _no_plots
+    original = run_checkpoints.plot_metrics
+    run_checkpoints.plot_metrics = _no_plots
     try:
         run_dir = tmp_path_factory.mktemp("single") / "run"
         return RLJob(rl_config()).run(run_dir=run_dir), run_dir
     finally:
-        loop_sync.plot_metrics = original
+        run_checkpoints.plot_metrics = original
 
 
 def test_settings_that_do_not_fit_the_ranks_fail_on_every_rank(ranks):

@@ -16,7 +16,7 @@ from temper.config import get_recipe, list_recipes
 from temper.config.cli import parse_train_argv
 from temper.config.serialize import config_from_dict, config_to_dict, load_config, save_config
 from temper.observability import read_metrics
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from temper.sft import SFTJob
 from temper.tasks import Arithmetic, Math, ReverseText, SumDigits, TaskConfig
 from tests.tasks.test_math_task import SAMPLE
@@ -75,9 +75,16 @@ def test_cli_picks_a_task_and_overrides_its_fields():
     argv = ["arithmetic", "task:arithmetic", "--task.ops", "add", "mul"]
     task = parse_train_argv(argv).config.task
     assert task == Arithmetic.Config(ops=("add", "mul"), min_digits=1, max_digits=2)
-    argv = ["gsm8k_qwen3_0_6b", "--base_model", "/m/Qwen3-0.6B", "task:math", "--task.path", "t"]
+    argv = [
+        "gsm8k_qwen3_0_6b",
+        "--model.base_model",
+        "/m/Qwen3-0.6B",
+        "task:math",
+        "--task.path",
+        "t",
+    ]
     config = parse_train_argv(argv).config
-    assert config.base_model == "/m/Qwen3-0.6B" and config.task == Math.Config(path="t")
+    assert config.model.base_model == "/m/Qwen3-0.6B" and config.task == Math.Config(path="t")
 
 
 def test_unknown_task_name_is_a_clear_error(tmp_path, capsys):
@@ -100,8 +107,15 @@ def test_malformed_dataset_stops_the_run_before_training(tmp_path, capsys):
 
 def test_missing_model_directory_fails_clearly(tmp_path, capsys):
     model_dir = tmp_path / "models" / "Qwen3-0.6B"
-    argv = ["train", "gsm8k_qwen3_0_6b", "--run-dir", str(tmp_path / "run"), "--device", "cpu"]
-    assert main([*argv, "--base_model", str(model_dir)]) == 1
+    argv = [
+        "train",
+        "gsm8k_qwen3_0_6b",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--model.device",
+        "cpu",
+    ]
+    assert main([*argv, "--model.base_model", str(model_dir)]) == 1
     err = capsys.readouterr().err
     assert str(model_dir) in err and "neither a model directory" in err
 
@@ -124,7 +138,14 @@ def test_math_task_runs_through_the_rl_loop(tmp_path):
     """The shipped sample file on a tiny letters model: the plumbing, not learning."""
     run_dir = tmp_path / "run"
     argv = ["train", "arithmetic_smoke", "--run-dir", str(run_dir), "--metrics.display", "none"]
-    argv += ["--base_model", "tiny:letters", "--max_tokens", "8", "--sampler.max_seq_len", "256"]
+    argv += [
+        "--model.base_model",
+        "tiny:letters",
+        "--max_tokens",
+        "8",
+        "--sampler.max_seq_len",
+        "256",
+    ]
     argv += ["--warmup.steps", "2", "--warmup.batch_size", "4", "--eval_problems", "4"]
     assert main([*argv, "task:math", "--task.path", str(SAMPLE)]) == 0
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]

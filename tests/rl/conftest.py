@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from temper.observability import MetricsLogger, read_metrics
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -61,5 +61,5 @@ def tiny_config():
 def no_plots(monkeypatch):
     """Skip drawing PNGs (seconds of matplotlib per run, irrelevant to these tests)."""
     monkeypatch.setattr(
-        "temper.rl.loop_sync.plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"]
+        "temper.job.run_checkpoints.plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"]
     )

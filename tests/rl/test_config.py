@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -35,3 +35,11 @@ def test_bad_settings_name_the_field(fields, message):
 def test_staleness_without_async_mode_warns():
     with pytest.warns(UserWarning, match="max_staleness=3 is ignored in mode='sync'"):
         RLJob.Config(max_staleness=3)
+
+
+def test_config_json_names_the_job_config():
+    # config.json names this class; loading it imports temper.rl.job, so it builds an RLJob.
+    assert (
+        RLJob.Config.__module__ == "temper.rl.job" and RLJob.Config.__qualname__ == "RLJob.Config"
+    )
+    assert isinstance(RLJob.Config().build(), RLJob)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from temper.api.futures import APIFuture
+from temper.rl.job import RLJob
 from temper.rl.kl import kl_estimate, kl_penalty
-from temper.rl.loop_sync import RLJob
 from temper.rl.rollout import Trajectory
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 

@@ -9,8 +9,8 @@ import torch
 from temper.checkpoint.run_state import load_run_state
 from temper.cli import main
 from temper.config import serialize
-from temper.rl import loop_sync
-from temper.rl.loop_sync import RLJob
+from temper.job import RunCheckpoints
+from temper.rl.job import RLJob
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
 
@@ -19,14 +19,14 @@ class Crash(RuntimeError):
 
 
 def _crash_after(monkeypatch, steps_done: int) -> None:
-    original = loop_sync._Checkpoints.step_done
+    original = RunCheckpoints.step_done
 
-    def step_done(self, done: int) -> None:
-        original(self, done)
+    def step_done(self, done: int, state) -> None:
+        original(self, done, state)
         if done == steps_done:
             raise Crash(f"stopped after step {done - 1}")
 
-    monkeypatch.setattr(loop_sync._Checkpoints, "step_done", step_done)
+    monkeypatch.setattr(RunCheckpoints, "step_done", step_done)
 
 
 def _final_weights(run_dir):

@@ -42,7 +42,7 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
 def test_missing_model_directory_is_a_clean_error_and_leaves_no_run(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = ["train", "sum_digits_smoke", "--run-dir", str(run_dir)]
-    assert main([*argv, "--base_model", str(tmp_path / "nowhere")]) == 1
+    assert main([*argv, "--model.base_model", str(tmp_path / "nowhere")]) == 1
     assert "neither a model directory nor a named size" in capsys.readouterr().err
     assert not run_dir.exists()
 

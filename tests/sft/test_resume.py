@@ -13,8 +13,8 @@ from recipes.sum_digits import sum_digits_smoke
 from temper.checkpoint.run_state import load_run_state
 from temper.cli import main
 from temper.config import serialize
+from temper.job import RunCheckpoints, run_checkpoints
 from temper.observability import read_metrics
-from temper.sft import loop
 from temper.sft.loop import SFTJob
 
 
@@ -47,7 +47,9 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("source", ["task", "conversations"])
 def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, source):
-    monkeypatch.setattr(loop, "plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"])
+    monkeypatch.setattr(
+        run_checkpoints, "plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"]
+    )
     config = _config(source)
     straight = tmp_path / "straight"
     SFTJob(config).run(run_dir=straight)
@@ -55,15 +57,15 @@ def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, source):
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     serialize.save_config(stopped / "config.json", config, recipe=None)
-    original = loop._Checkpoint.save
+    original = RunCheckpoints.step_done
 
-    def save_then_crash(self, state, **kwargs):
-        original(self, state, **kwargs)
-        if state.step == 4:
+    def step_done_then_crash(self, steps_done, state):
+        original(self, steps_done, state)
+        if steps_done == 4:
             raise Crash("stopped after step 4")
 
     with monkeypatch.context() as patch:
-        patch.setattr(loop._Checkpoint, "save", save_then_crash)
+        patch.setattr(RunCheckpoints, "step_done", step_done_then_crash)
         with pytest.raises(Crash):
             SFTJob(config).run(run_dir=stopped)
     assert load_run_state(stopped).step == 4
@@ -77,7 +79,9 @@ def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, source):
 
 
 def test_resuming_a_finished_run_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"])
+    monkeypatch.setattr(
+        run_checkpoints, "plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"]
+    )
     config = _config("task")
     config.steps, config.checkpoint_every = 2, 0
     run_dir = tmp_path / "run"

@@ -87,7 +87,7 @@ def test_missing_file_names_the_path(tmp_path):
 @pytest.mark.parametrize(
     ("bad_line", "message"),
     [
-        ('{"question": "Q?", "answer": "#### 1"', "not valid JSON"),
+        ('{"question": "Q?", "answer": "#### 1"', "malformed JSON"),
         ('["Q?", "#### 1"]', "expected a JSON object, got list"),
         ('{"question": "Q?"}', "missing key 'answer'"),
         ('{"answer": "#### 1"}', "missing key 'question'"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from temper.rl.loop_sync import RLJob
+from temper.rl.job import RLJob
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
 

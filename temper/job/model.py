@@ -1,0 +1,75 @@
+"""The model a job trains: which base model, full or LoRA, on which device and dtype.
+
+A job's config holds it as `model: ModelChoice.Config` (flags `--model.base_model`,
+`--model.lora_rank`, ...), and the job asks it for the in-process `ServiceClient` and the
+training client, new or restored from a full-state checkpoint. The engines behind the clients
+(`sampler`, `trainer`) stay in the job's config: their defaults differ per job, and the RL job
+adapts them to the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from temper.checkpoint.model_source import DType
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
+from temper.config.configurable import Configurable
+from temper.sampler.engine import SamplerEngine
+from temper.trainer.engine import TrainerEngine
+
+
+class ModelChoice(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        base_model: str = "tiny"
+        """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:letters',
+        'tiny:words')."""
+        lora_rank: int | None = None
+        """LoRA rank; None trains every parameter."""
+        lora_seed: int = 0
+        """Seed of the LoRA adapters' initialization (lora_rank set)."""
+        device: str = "cpu"
+        """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's GPU)."""
+        dtype: DType = "float32"
+        """Parameter dtype of the model ('bfloat16' on GPUs)."""
+
+        def __post_init__(self) -> None:
+            if self.lora_rank is not None and self.lora_rank < 1:
+                raise ValueError(
+                    f"ModelChoice.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
+                )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def service_client(
+        self,
+        *,
+        storage_dir: Path,
+        sampler: SamplerEngine.Config,
+        trainer: TrainerEngine.Config,
+    ) -> ServiceClient:
+        """The in-process service on this model's device and dtype, storing under
+        `storage_dir`, with the job's engine configs."""
+        config = self.config
+        return ServiceClient(
+            storage_dir=storage_dir,
+            device=config.device,
+            dtype=config.dtype,
+            sampler=sampler,
+            trainer=trainer,
+        )
+
+    def training_client(self, service: ServiceClient, *, train_state: str | None) -> TrainingClient:
+        """A training client on the base model (full or LoRA), or, given the `train_state` of a
+        full-state checkpoint, one restored from it with its optimizer."""
+        if train_state is not None:
+            return service.create_training_client_from_state_with_optimizer(train_state)
+        config = self.config
+        if config.lora_rank is None:
+            return service.create_training_client(config.base_model)
+        return service.create_lora_training_client(
+            config.base_model, rank=config.lora_rank, seed=config.lora_seed
+        )

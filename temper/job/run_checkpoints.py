@@ -1,0 +1,82 @@
+"""A run's checkpoints, shared by the RL and SFT jobs: resumable states while it trains, the
+final sampler weights and the closing report when it ends.
+
+Every `every` steps and after the last one, `step_done` saves the training client's full state
+(`save_state`: model and optimizer, written by all ranks together) and then, on rank 0, the
+run state that names it plus the job's loop state (temper/checkpoint/run_state.py), and drops
+the previous checkpoint: the run directory holds only the last one, and a crash at any moment
+leaves one that `temper train --resume` continues from. The loop state is the job's own
+dataclass (`RLLoopState`, `SFTState`) with a `to_json`; the RNG copies and loop states of all
+ranks are equal, so rank 0's stands for all.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from temper.checkpoint.run_state import LoopState, RunState, save_run_state
+from temper.client.training_client import TrainingClient
+from temper.distributed.ranks import Ranks
+from temper.observability import MetricsLogger, plot_metrics
+
+
+class RunCheckpoints:
+    """Full-state checkpoints every `every` steps (0: only at the end) and after step
+    `total_steps`, keeping the last; then the final weights and the report."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        training: TrainingClient,
+        every: int,
+        total_steps: int,
+        previous: RunState | None,
+        ranks: Ranks,
+    ) -> None:
+        self.run_dir = run_dir
+        self.training = training
+        self.every = every
+        self.total_steps = total_steps
+        self.ranks = ranks
+        self.previous = None if previous is None else previous.train_state
+        """The train state of the checkpoint the run state names now (deleted once replaced)."""
+
+    def due(self, steps_done: int) -> bool:
+        return steps_done == self.total_steps or (self.every > 0 and steps_done % self.every == 0)
+
+    def step_done(self, steps_done: int, state: LoopState) -> None:
+        """After `steps_done` steps: save a checkpoint with the job's `state` if one is due."""
+        if not self.due(steps_done):
+            return
+        path = self.training.save_state(f"step-{steps_done:06d}").result().path
+        run_state = RunState(step=steps_done, train_state=path, loop=state.to_json())
+        self.ranks.on_writer(functools.partial(self._record, run_state))
+        self.previous = path
+
+    def _record(self, run_state: RunState) -> None:
+        """Rank 0: the run state names the new checkpoint only once it is complete (all ranks
+        wrote their shards); then the previous one goes."""
+        save_run_state(self.run_dir, run_state)
+        if self.previous is not None and self.previous != run_state.train_state:
+            self.training.service.storage.delete(self.previous)
+
+    def save_final(self) -> str:
+        """Save the final weights for sampling; their `tinker://<run>/sampler_weights/final`."""
+        return self.training.save_weights_for_sampler("final").result().path
+
+    def report(
+        self,
+        logger: MetricsLogger,
+        *,
+        sampler_path: str,
+        summary: Mapping[str, Mapping[str, Any]],
+        title: str,
+    ) -> None:
+        """Plot metrics.jsonl (rank 0), show the summary table and where the outputs are."""
+        plots = self.ranks.on_writer(functools.partial(plot_metrics, self.run_dir))
+        logger.summary(summary, title=title)
+        logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")

@@ -1,0 +1,149 @@
+"""The RL job's settings, `RLJobConfig`, defined here, below the job (temper/rl/job.py).
+
+The step functions (steps.py) and loops (loops.py) read them, and the job imports those; a
+type both sides need lives in the lower module. So every field is declared here, and
+`RLJob.Config`, the config that recipes make and config.json names, is this class nested in
+its owner without fields of its own (only it builds an `RLJob`). Bad settings fail when the
+config is made, before any model is built.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from temper.config.configurable import Configurable
+from temper.job import ModelChoice
+from temper.observability import MetricsLogger
+from temper.rl.advantages import AdvantageMode
+from temper.rl.kl import KLEstimator
+from temper.rl.warmup import SFTWarmup
+from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.engine import SamplerEngine
+from temper.tasks import SumDigits, TaskConfig
+from temper.trainer.engine import TrainerEngine
+from temper.trainer.sharding import Sharding
+
+
+@dataclass(kw_only=True)
+class RLJobConfig(Configurable.Config):
+    """Every setting of the RL job; make the job's configs as `RLJob.Config`."""
+
+    model: ModelChoice.Config = field(default_factory=ModelChoice.Config)
+    """The model trained: base model, LoRA, device, dtype."""
+    task: TaskConfig = field(default_factory=SumDigits.Config)
+    """The task problems and rewards come from."""
+    warmup: SFTWarmup.Config = field(default_factory=SFTWarmup.Config)
+    """Supervised warm-up before RL."""
+    steps: int = 60
+    """RL steps."""
+    prompts_per_step: int = 16
+    """Problems per RL step."""
+    group_size: int = 8
+    """Completions per problem, compared with each other (GRPO groups)."""
+    num_substeps: int = 1
+    """Optimizer steps per RL step: the step's problems split into this many equal
+    minibatches (prompts_per_step must be divisible by it)."""
+    max_tokens: int = 4
+    """Most tokens per completion."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    loss_fn: Literal["ppo", "importance_sampling"] = "ppo"
+    """Policy loss; the sampler's logprobs give the importance ratios."""
+    learning_rate: float = 2e-4
+    """AdamW learning rate of RL steps."""
+    advantages: AdvantageMode = "grpo"
+    """grpo (std-normalized), dr_grpo (mean baseline only) or rloo."""
+    drop_uniform_groups: bool = True
+    """Skip groups whose rewards are all equal (no signal)."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: sample, then train, every step. async: sample later steps while this one
+    trains, from weights at most `max_staleness` steps old (the PPO / importance ratio
+    against the sampler's logprobs corrects for the lag)."""
+    max_staleness: int = 1
+    """async: how many RL steps older than the trained policy the sampling weights may be
+    (0 behaves exactly like sync)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the policy at the start of RL (0 = off)."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token KL estimator of the penalty: k1 (log-ratio) or k3 (nonnegative)."""
+    checkpoint_every: int = 0
+    """Steps (warm-up and RL together) between full-state checkpoints that
+    `temper train --resume` continues from; 0 = only at the end."""
+    eval_every: int = 20
+    """RL steps between held-out evaluations (plus one after warm-up and one at the end)."""
+    eval_problems: int = 256
+    """Held-out problems per evaluation (a fixed set)."""
+    seed: int = 0
+    """Seed of the problem stream (LoRA initialization has its own, `model.lora_seed`)."""
+    rollouts_per_step: int = 4
+    """Decoded completions written to rollouts.jsonl per RL step."""
+    sampler: SamplerEngine.Config = field(
+        default_factory=lambda: SamplerEngine.Config(
+            max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1, processes="auto")
+        )
+    )
+    """The sampling engine behind the sampling clients. On CPU each rollout batch is split
+    over one process per core (`cpu.processes`), each decoding on one thread."""
+    metrics: MetricsLogger.Config = field(
+        default_factory=lambda: MetricsLogger.Config(
+            progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"), table_every=100
+        )
+    )
+    """Console, metrics.jsonl and TensorBoard logging."""
+    trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
+    """The engine behind the training client (micro-batch budget, shared prefixes, CPU
+    thread shards). Its `sharding` stays unset: on several ranks `sharding` below applies,
+    and thread shards are off (the ranks already use the cores)."""
+    sharding: Sharding.Config = field(default_factory=Sharding.Config)
+    """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
+    torchrun); data-parallel only (tp must be 1). Unused in one process."""
+
+    def __post_init__(self) -> None:
+        _check_config(self)
+
+    @property
+    def total_steps(self) -> int:
+        """Warm-up and RL steps together: the run's step count (logs, checkpoints)."""
+        return self.warmup.steps + self.steps
+
+
+def _check_config(config: RLJobConfig) -> None:
+    """Bad settings fail when the config is made, before any model is built."""
+    name = "RLJob.Config"
+    if config.group_size < 2:
+        raise ValueError(
+            f"{name}.group_size must be >= 2 (GRPO compares members of a group), "
+            f"got {config.group_size}"
+        )
+    for field_name in ("prompts_per_step", "num_substeps", "max_tokens", "eval_every"):
+        if getattr(config, field_name) < 1:
+            raise ValueError(f"{name}.{field_name} must be >= 1, got {getattr(config, field_name)}")
+    for field_name in ("steps", "max_staleness", "checkpoint_every", "eval_problems"):
+        if getattr(config, field_name) < (1 if field_name == "eval_problems" else 0):
+            raise ValueError(f"{name}.{field_name} is out of range: {getattr(config, field_name)}")
+    if config.prompts_per_step % config.num_substeps:
+        raise ValueError(
+            f"{name}.prompts_per_step ({config.prompts_per_step}) must be divisible by "
+            f"num_substeps ({config.num_substeps}): each substep trains on an equal share"
+        )
+    if config.mode not in ("sync", "async"):
+        raise ValueError(f"{name}.mode must be 'sync' or 'async', got {config.mode!r}")
+    if config.trainer.sharding is not None:
+        raise ValueError(
+            f"{name}.trainer.sharding is set by the loop on several ranks; configure it "
+            f"through {name}.sharding (--sharding.* flags) and leave trainer.sharding:none"
+        )
+    if config.kl_coef < 0:
+        raise ValueError(
+            f"{name}.kl_coef must be >= 0 (0 turns the penalty off), got {config.kl_coef}"
+        )
+    if config.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")
+    if config.mode == "sync" and config.max_staleness != 1:
+        warnings.warn(
+            f"{name}.max_staleness={config.max_staleness} is ignored in mode='sync' "
+            "(set mode='async')",
+            stacklevel=3,
+        )

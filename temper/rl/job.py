@@ -1,0 +1,352 @@
+"""The RL job (GRPO-style), written only against the public client API.
+
+One step: a sampling client on the current weights -> `group_size` completions for each of
+`prompts_per_step` problems (one batched decode) -> rewards -> group-relative advantages
+(optionally a KL penalty to the initial policy) -> `forward_backward(loss_fn)` -> `optim_step`.
+An optional supervised warm-up runs first. The step functions live in steps.py and the loops
+that run them in loops.py: lock-step (`mode="sync"`) or sampling overlapped with training
+(`mode="async"`). This module sets a run up and runs its phases (warm-up, RL, finish), each a
+method of `_RLRun`. The same job runs in-process (here) or against a Tinker-compatible server.
+
+Several ranks (SPMD, `temper train RECIPE --nproc N` or torchrun): every rank runs this job
+with the trainer sharded over all ranks (`sharding`); each samples its share of every step's
+groups and of the warm-up batches and evaluation problems, and metrics are combined over ranks
+(steps.py). Rank 0 alone writes metrics.jsonl, rollouts.jsonl, plots and the run state; the
+training client's checkpoints are written by all ranks together (DCP).
+
+Resume: every `checkpoint_every` steps (warm-up and RL steps counted together) the job saves
+the training client's state and its `RLLoopState` (temper/job/run_checkpoints.py);
+`run(run_dir=..., resume=True)` (`temper train --resume RUN_DIR`) continues from the last one,
+bitwise equal to a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from rich.console import Console
+
+from temper.checkpoint.run_state import load_run_state, rng_from_json, rng_to_json, truncate_jsonl
+from temper.client.sampling_client import SamplingClient
+from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
+from temper.config.configurable import Configurable
+from temper.distributed.ranks import Ranks
+from temper.job import ModelChoice, RunCheckpoints
+from temper.observability import MetricsLogger
+from temper.observability.metrics import METRICS_FILE_NAME
+from temper.rl.config import RLJobConfig
+from temper.rl.loops import run_async, run_sync
+from temper.rl.steps import RLSteps
+from temper.tasks.evaluation import greedy_accuracy, heldout_problems
+from temper.tasks.problem import Task
+from temper.tokenizer import Tokenizer
+
+ROLLOUTS_FILE_NAME = "rollouts.jsonl"
+
+
+@dataclass(frozen=True)
+class RLResult:
+    warmup_accuracy: float | None
+    final_accuracy: float
+    reward_first: float
+    reward_last: float
+    sampler_path: str
+
+
+@dataclass
+class RLLoopState:
+    """All a resume needs besides the weights and optimizer state: the run's RNG (problems
+    and sample seeds) and what the final report shows. Saved as the run state's `loop`."""
+
+    rng: random.Random
+    rewards: list[float] = field(default_factory=list)
+    """Mean rollout reward of each RL step done."""
+    warmup_accuracy: float | None = None
+    """Held-out accuracy after the warm-up (None without one)."""
+    kl_reference: str | None = None
+    """Sampler weights of the policy at the start of RL, the KL penalty's reference
+    (kl_coef > 0); saved once, so a resumed run keeps the same reference."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rewards": list(self.rewards),
+            "warmup_accuracy": self.warmup_accuracy,
+            "kl_reference": self.kl_reference,
+            "rng": rng_to_json(self.rng),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RLLoopState:
+        return cls(
+            rng=rng_from_json(data["rng"]),
+            rewards=list(data["rewards"]),
+            warmup_accuracy=data.get("warmup_accuracy"),
+            kl_reference=data.get("kl_reference"),
+        )
+
+
+class RLJob(Configurable):
+    @dataclass(kw_only=True)
+    class Config(RLJobConfig):
+        """The job's settings: all of them are `RLJobConfig`'s (temper/rl/config.py, below the
+        step functions and loops, which read them); this subclass is the one `build()` makes
+        an `RLJob` of and config.json names."""
+
+    runs_on_ranks: ClassVar[bool] = True
+    """`temper train` may run this job on several ranks (torchrun, `--nproc`)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def run(self, *, run_dir: Path, resume: bool = False) -> RLResult:
+        """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
+        ranks = Ranks.current()
+        _check_ranks(self.config, ranks)  # before any model is built, on every rank alike
+        run = _RLRun(self.config, run_dir=Path(run_dir), resume=resume, ranks=ranks)
+        with run.logger:
+            run.warmup()
+            run.reinforce()
+            return run.finish()
+
+
+class HeldoutAccuracy:
+    """Greedy accuracy on the task's fixed held-out problems, each rank scoring its part."""
+
+    def __init__(
+        self,
+        *,
+        training: TrainingClient,
+        task: Task,
+        tokenizer: Tokenizer,
+        num_problems: int,
+        max_tokens: int,
+        ranks: Ranks,
+    ) -> None:
+        self.training, self.task, self.tokenizer = training, task, tokenizer
+        self.problems = heldout_problems(task, count=num_problems)
+        self.max_tokens = max_tokens
+        self.ranks = ranks
+
+    def __call__(self) -> float:
+        sampler = self.training.save_weights_and_get_sampling_client()
+        mine = self.problems[self.ranks.split(len(self.problems))]
+        total = 0.0
+        if mine:
+            _, examples = greedy_accuracy(
+                sampler, mine, task=self.task, tokenizer=self.tokenizer, max_tokens=self.max_tokens
+            )
+            total = sum(reward for _, _, reward in examples)
+        return self.ranks.sum([total])[0] / len(self.problems)
+
+
+class _RLRun:
+    """One run of the job: set up (fresh, or resumed from the run's last checkpoint) when
+    made, then its phases in order: `warmup`, `reinforce`, `finish`."""
+
+    def __init__(self, config: RLJobConfig, *, run_dir: Path, resume: bool, ranks: Ranks) -> None:
+        self.config, self.run_dir, self.ranks = config, run_dir, ranks
+        model = config.model.build()
+        self.service = _service_client(config, model=model, run_dir=run_dir, ranks=ranks)
+        saved = load_run_state(run_dir) if resume else None
+        self.training = model.training_client(
+            self.service, train_state=None if saved is None else saved.train_state
+        )
+        if saved is None:
+            self.start, self.state = 0, RLLoopState(rng=random.Random(config.seed))
+        else:
+            self.start, self.state = saved.step, RLLoopState.from_json(saved.loop)
+            ranks.on_writer(functools.partial(_truncate_logs, run_dir, before_step=saved.step))
+        self.tokenizer, self.task = self.training.get_tokenizer(), config.task.build()
+        self.evaluate = HeldoutAccuracy(
+            training=self.training,
+            task=self.task,
+            tokenizer=self.tokenizer,
+            num_problems=config.eval_problems,
+            max_tokens=config.max_tokens,
+            ranks=ranks,
+        )
+        self.checkpoints = RunCheckpoints(
+            run_dir=run_dir,
+            training=self.training,
+            every=config.checkpoint_every,
+            total_steps=config.total_steps,
+            previous=saved,
+            ranks=ranks,
+        )
+        # After the logs are cut: the logger appends to metrics.jsonl.
+        self.logger = _metrics_logger(
+            config.metrics, ranks=ranks, run_dir=run_dir, total_steps=config.total_steps
+        )
+
+    def warmup(self) -> None:
+        """The supervised warm-up steps not done yet; evaluates after the last."""
+        num_warmup = self.config.warmup.steps
+        if self.start >= num_warmup:
+            return
+        self.logger.console.print(f"SFT warm-up: {num_warmup} steps")
+        self.logger.set_description("SFT warm-up")
+        self.config.warmup.build().run(
+            self.training,
+            task=self.task,
+            tokenizer=self.tokenizer,
+            rng=self.state.rng,
+            on_step=self._warmup_step_done,
+            start_step=self.start,
+            ranks=self.ranks,
+        )
+
+    def _warmup_step_done(self, step: int, metrics: dict[str, float]) -> None:
+        if step == self.config.warmup.steps - 1:
+            metrics = {**metrics, "eval/accuracy": self.evaluate()}
+            self.state.warmup_accuracy = metrics["eval/accuracy"]
+        self.logger.log(step, metrics)
+        self.checkpoints.step_done(step + 1, self.state)
+
+    def reinforce(self) -> None:
+        """The RL steps not done yet, in the config's mode."""
+        config = self.config
+        reference = self._kl_reference()
+        self.logger.console.print(
+            f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
+        )
+        self.logger.set_description("GRPO")
+        with _rollouts_file(self.run_dir, ranks=self.ranks) as rollouts_file:
+            steps = RLSteps(
+                config,
+                training=self.training,
+                task=self.task,
+                tokenizer=self.tokenizer,
+                rng=self.state.rng,
+                reference=reference,
+                logger=self.logger,
+                rollouts_file=rollouts_file,
+                evaluate=self.evaluate,
+                ranks=self.ranks,
+            )
+            first = max(self.start - config.warmup.steps, 0)
+            if config.mode == "sync":
+                run_sync(steps, first=first, on_step_done=self._rl_step_done)
+            else:
+                run_async(
+                    steps,
+                    first=first,
+                    max_staleness=config.max_staleness,
+                    barrier=self._rl_barrier,
+                    on_step_done=self._rl_step_done,
+                )
+
+    def _kl_reference(self) -> SamplingClient | None:
+        """A sampling client on the policy at the start of RL (saved the first time)."""
+        if self.config.kl_coef <= 0:
+            return None
+        if self.state.kl_reference is None:
+            saved = self.training.save_weights_for_sampler("kl_reference").result()
+            self.state.kl_reference = saved.path
+        return self.service.create_sampling_client(model_path=self.state.kl_reference)
+
+    def _rl_step_done(self, steps_done: int) -> None:
+        self.state.rewards.append(self.logger.latest["reward/mean"])
+        self.checkpoints.step_done(self.config.warmup.steps + steps_done, self.state)
+
+    def _rl_barrier(self, rl_step: int) -> int:
+        """RL steps that must be done before sampling for `rl_step` may start: those up to
+        the last checkpoint at or before it, so a resumed run samples what this one did."""
+        every, num_warmup = self.config.checkpoint_every, self.config.warmup.steps
+        if every == 0:
+            return 0
+        return max(0, (num_warmup + rl_step) // every * every - num_warmup)
+
+    def finish(self) -> RLResult:
+        """The final evaluation (unless the last step had one), weights and report."""
+        logger, rewards = self.logger, self.state.rewards
+        warmup_accuracy = self.state.warmup_accuracy
+        final_accuracy = logger.latest.get("eval/accuracy", None)
+        if final_accuracy is None:
+            final_accuracy = self.evaluate()
+        sampler_path = self.checkpoints.save_final()
+        self.checkpoints.report(
+            logger,
+            sampler_path=sampler_path,
+            summary={
+                "held-out accuracy": {
+                    "after warm-up": warmup_accuracy if warmup_accuracy is not None else "-",
+                    "final": final_accuracy,
+                },
+                "rollout reward": {
+                    "first RL step": rewards[0] if rewards else "-",
+                    "last RL step": rewards[-1] if rewards else "-",
+                },
+            },
+            title="GRPO done",
+        )
+        return RLResult(
+            warmup_accuracy=warmup_accuracy,
+            final_accuracy=final_accuracy,
+            reward_first=rewards[0] if rewards else float("nan"),
+            reward_last=rewards[-1] if rewards else float("nan"),
+            sampler_path=sampler_path,
+        )
+
+
+def _service_client(
+    config: RLJobConfig, *, model: ModelChoice, run_dir: Path, ranks: Ranks
+) -> ServiceClient:
+    """The service with the config's engines; on several ranks the trainer is sharded over
+    them and neither engine spreads over the cores (the ranks already use them)."""
+    trainer, sampler = config.trainer, config.sampler
+    if ranks.world_size > 1:
+        trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
+        sampler = dataclasses.replace(sampler, cpu=dataclasses.replace(sampler.cpu, processes=1))
+    return model.service_client(
+        storage_dir=run_dir / "checkpoints", sampler=sampler, trainer=trainer
+    )
+
+
+def _truncate_logs(run_dir: Path, *, before_step: int) -> None:
+    """Cut the per-step logs a stopped run wrote after its last checkpoint."""
+    for name in (METRICS_FILE_NAME, ROLLOUTS_FILE_NAME):
+        truncate_jsonl(run_dir / name, before_step=before_step)
+
+
+def _metrics_logger(
+    config: MetricsLogger.Config, *, ranks: Ranks, run_dir: Path, total_steps: int
+) -> MetricsLogger:
+    """Rank 0's logger writes and shows; the other ranks' log the same metrics silently."""
+    console = None
+    if not ranks.is_writer:
+        config = dataclasses.replace(
+            config, display="none", jsonl=False, tensorboard=False, progress_keys=()
+        )
+        console = Console(quiet=True)
+    return MetricsLogger(
+        config, run_dir=run_dir, total_steps=total_steps, description="GRPO", console=console
+    )
+
+
+def _rollouts_file(
+    run_dir: Path, *, ranks: Ranks
+) -> contextlib.AbstractContextManager[IO[str] | None]:
+    """rollouts.jsonl, opened for appending on rank 0; None on the others."""
+    if not ranks.is_writer:
+        return contextlib.nullcontext(None)
+    return (run_dir / ROLLOUTS_FILE_NAME).open("a")
+
+
+def _check_ranks(config: RLJobConfig, ranks: Ranks) -> None:
+    """Settings that depend on the number of ranks; raises the same error on every rank."""
+    if ranks.world_size == 1:
+        return
+    dims = config.sharding.dims.build(world_size=ranks.world_size)  # degrees vs world size
+    if dims.tp_enabled:
+        raise ValueError(
+            f"RLJob.Config.sharding.dims.tp={dims.tp}: the RL loop runs data-parallel only "
+            "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
+        )
+    ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
