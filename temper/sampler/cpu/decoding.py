@@ -170,7 +170,7 @@ def _pick_twin(config: CpuDecoding.Config, *, dtype: torch.dtype) -> Twin:
     packs = config.packed_linear == "on" or (
         config.packed_linear == "auto" and dtype == torch.bfloat16
     )
-    if packs and packing_available():
+    if packs and packing_available(dtype):
         return "packed"
     if config.fused_projections and dtype == torch.float32:
         return "fused"

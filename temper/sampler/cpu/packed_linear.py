@@ -24,8 +24,12 @@ import torch
 from torch import nn
 
 
-def packing_available() -> bool:
-    return torch.backends.mkldnn.is_available()
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack `dtype` weights on this CPU. bf16 needs AVX-512 (or
+    AVX-NE-CONVERT); without it oneDNN refuses to pack, and the model decodes as it is."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

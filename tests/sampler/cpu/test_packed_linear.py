@@ -16,7 +16,12 @@ from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.packed_linear import PackedLinear, packing_available
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
-pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not packing_available(torch.float32), reason="torch built without oneDNN"
+)
+needs_bf16_packing = pytest.mark.skipif(
+    not packing_available(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU"
+)
 
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [2, 2, 2, 2, 2]]
 
@@ -42,6 +47,7 @@ def _generate(model, **cpu):
     return engine, [r.sequences[0] for r in engine.generate(requests)]
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("batch_hint", [1, 8])
 def test_bf16_packed_linear_is_bitwise_the_linear(bias, batch_hint):
@@ -53,6 +59,7 @@ def test_bf16_packed_linear_is_bitwise_the_linear(bias, batch_hint):
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias)), shape
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_embeddings):
     model = _model(tie_embeddings=tie_embeddings)
@@ -63,6 +70,7 @@ def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_emb
     assert [s.logprobs for s in packed] == [s.logprobs for s in plain]
 
 
+@needs_bf16_packing
 def test_in_place_weight_changes_are_repacked():
     model = _model()
     engine, before = _generate(model)
@@ -81,6 +89,7 @@ def test_in_place_weight_changes_are_repacked():
     assert [s.tokens for s in after] != [s.tokens for s in before]
 
 
+@needs_bf16_packing
 def test_state_dict_updates_are_repacked():
     engine, _ = _generate(_model())
     other = _model(seed=9)
