@@ -12,9 +12,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from temper.tasks.problem import Problem, Task
+from temper.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Env(Protocol):
 class ProblemEnv:
     """One problem, one answer: reward from the task's checker on the decoded completion."""
 
-    def __init__(self, problem: Problem, *, task: Task, tokenizer: Any) -> None:
+    def __init__(self, problem: Problem, *, task: Task, tokenizer: Tokenizer) -> None:
         self.problem = problem
         self.task = task
         self.tokenizer = tokenizer
@@ -57,7 +58,13 @@ class ProblemEnv:
 
 
 def make_groups(
-    task: Task, *, tokenizer: Any, rng: random.Random, num_groups: int, group_size: int, split: str
+    task: Task,
+    *,
+    tokenizer: Tokenizer,
+    rng: random.Random,
+    num_groups: int,
+    group_size: int,
+    split: str,
 ) -> list[list[ProblemEnv]]:
     """`num_groups` problems, each repeated `group_size` times."""
     groups = []

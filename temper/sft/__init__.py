@@ -1,7 +1,7 @@
 """Supervised fine-tuning on a task's problems or on JSONL conversations, via the client API."""
 
 from temper.sft.datasets import ConversationDataset, DataPosition, load_conversations
-from temper.sft.loop import SFTJob, SFTResult, SFTState
+from temper.sft.job import SFTJob, SFTResult, SFTState
 
 __all__ = [
     "ConversationDataset",

@@ -15,7 +15,7 @@ from temper.cli import main
 from temper.config import serialize
 from temper.job import RunCheckpoints, run_checkpoints
 from temper.observability import read_metrics
-from temper.sft.loop import SFTJob
+from temper.sft.job import SFTJob
 
 
 class Crash(RuntimeError):
