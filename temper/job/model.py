@@ -28,8 +28,8 @@ class ModelChoice(Configurable):
         'tiny:words')."""
         lora_rank: int | None = None
         """LoRA rank; None trains every parameter."""
-        lora_seed: int = 0
-        """Seed of the LoRA adapters' initialization (lora_rank set)."""
+        lora_seed: int | None = None
+        """Seed of the LoRA adapters' initialization (lora_rank set); None: the job's seed."""
         device: str = "cpu"
         """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's GPU)."""
         dtype: DType = "float32"
@@ -62,14 +62,19 @@ class ModelChoice(Configurable):
             trainer=trainer,
         )
 
-    def training_client(self, service: ServiceClient, *, train_state: str | None) -> TrainingClient:
-        """A training client on the base model (full or LoRA), or, given the `train_state` of a
-        full-state checkpoint, one restored from it with its optimizer."""
+    def training_client(
+        self, service: ServiceClient, *, train_state: str | None, job_seed: int
+    ) -> TrainingClient:
+        """A training client on the base model (full or LoRA, its adapters seeded by
+        `lora_seed`, else `job_seed`), or, given the `train_state` of a full-state checkpoint,
+        one restored from it with its optimizer."""
         if train_state is not None:
             return service.create_training_client_from_state_with_optimizer(train_state)
         config = self.config
         if config.lora_rank is None:
             return service.create_training_client(config.base_model)
         return service.create_lora_training_client(
-            config.base_model, rank=config.lora_rank, seed=config.lora_seed
+            config.base_model,
+            rank=config.lora_rank,
+            seed=job_seed if config.lora_seed is None else config.lora_seed,
         )

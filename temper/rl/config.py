@@ -76,7 +76,8 @@ class RLJobConfig(Configurable.Config):
     eval_problems: int = 256
     """Held-out problems per evaluation (a fixed set)."""
     seed: int = 0
-    """Seed of the problem stream (LoRA initialization has its own, `model.lora_seed`)."""
+    """Seed of the problem stream, and of LoRA initialization unless `model.lora_seed` is
+    set."""
     rollouts_per_step: int = 4
     """Decoded completions written to rollouts.jsonl per RL step."""
     sampler: SamplerEngine.Config = field(

@@ -156,7 +156,9 @@ class _RLRun:
         self.service = _service_client(config, model=model, run_dir=run_dir, ranks=ranks)
         saved = load_run_state(run_dir) if resume else None
         self.training = model.training_client(
-            self.service, train_state=None if saved is None else saved.train_state
+            self.service,
+            train_state=None if saved is None else saved.train_state,
+            job_seed=config.seed,
         )
         if saved is None:
             self.start, self.state = 0, RLLoopState(rng=random.Random(config.seed))

@@ -129,8 +129,8 @@ class SFTJob(Configurable):
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         """The engine behind the training client (micro-batch budget, CPU thread shards)."""
         seed: int = 0
-        """Seed of the training data order (LoRA initialization has its own,
-        `model.lora_seed`)."""
+        """Seed of the training data order, and of LoRA initialization unless
+        `model.lora_seed` is set."""
         checkpoint_every: int = 0
         """Steps between full-state checkpoints (model, optimizer, data position) that
         `temper train --resume` continues from; 0 = only at the end."""
@@ -178,7 +178,9 @@ class SFTJob(Configurable):
             storage_dir=run_dir / "checkpoints", sampler=config.sampler, trainer=config.trainer
         )
         training = model.training_client(
-            service, train_state=None if saved is None else saved.train_state
+            service,
+            train_state=None if saved is None else saved.train_state,
+            job_seed=config.seed,
         )
         source = self._source(training.get_tokenizer(), dataset=dataset)
         if saved is None:
