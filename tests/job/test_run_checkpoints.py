@@ -1,0 +1,71 @@
+"""RunCheckpoints: when a job saves, what the run state names, and that only the last stays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from temper.checkpoint.run_state import load_run_state
+from temper.client.service_client import ServiceClient
+from temper.distributed.ranks import Ranks
+from temper.job import RunCheckpoints
+
+
+@dataclass
+class _State:
+    step: int
+
+    def to_json(self) -> dict:
+        return {"step": self.step}
+
+
+def test_saves_when_due_names_the_newest_and_keeps_only_it(tmp_path):
+    service = ServiceClient(storage_dir=tmp_path / "checkpoints")
+    training = service.create_training_client("tiny")
+    checkpoints = RunCheckpoints(
+        run_dir=tmp_path,
+        training=training,
+        every=2,
+        total_steps=5,
+        previous=None,
+        ranks=Ranks.current(),
+    )
+    assert [step for step in range(1, 6) if checkpoints.due(step)] == [2, 4, 5]
+    saved = []
+    for step in range(1, 6):
+        checkpoints.step_done(step, _State(step))
+        if checkpoints.due(step):
+            saved.append(load_run_state(tmp_path))
+    assert [state.step for state in saved] == [2, 4, 5]
+    assert [state.loop for state in saved] == [{"step": 2}, {"step": 4}, {"step": 5}]
+    weights = sorted(
+        p.name for p in (tmp_path / "checkpoints" / training.model_id / "weights").iterdir()
+    )
+    assert weights == ["step-000005"]
+    assert saved[-1].train_state.endswith("/weights/step-000005")
+
+
+def test_a_resumed_run_replaces_the_checkpoint_it_resumed_from(tmp_path):
+    service = ServiceClient(storage_dir=tmp_path / "checkpoints")
+    training = service.create_training_client("tiny")
+    first = RunCheckpoints(
+        run_dir=tmp_path,
+        training=training,
+        every=0,
+        total_steps=1,
+        previous=None,
+        ranks=Ranks.current(),
+    )
+    first.step_done(1, _State(1))
+    resumed = RunCheckpoints(
+        run_dir=tmp_path,
+        training=training,
+        every=0,
+        total_steps=2,
+        previous=load_run_state(tmp_path),
+        ranks=Ranks.current(),
+    )
+    resumed.step_done(2, _State(2))
+    weights = sorted(
+        p.name for p in (tmp_path / "checkpoints" / training.model_id / "weights").iterdir()
+    )
+    assert weights == ["step-000002"] and load_run_state(tmp_path).step == 2
