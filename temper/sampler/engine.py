@@ -43,14 +43,14 @@ from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
-from temper.sampler.requests import SampleRequest
+from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
 from temper.sampler.weight_source import WeightSource
 from temper.tokenizer import Tokenizer
 
 
-class SamplerEngine(Configurable, Admission):
+class SamplerEngine(Configurable, Admission, OnePromptSampling):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         max_batch: int = 64
@@ -178,27 +178,6 @@ class SamplerEngine(Configurable, Admission):
             return None
         buckets = self.config.graph_batch_sizes or default_buckets(self.config.max_batch)
         return StaticDecoder(model=self.model, cache=self.cache, buckets=buckets, capture=True)
-
-    def sample(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        num_samples: int = 1,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-    ) -> SampleResponse:
-        """Completions of one prompt (see `generate` for many requests at once)."""
-        request = SampleRequest(
-            prompt=prompt,
-            params=params or SamplingParams(),
-            num_samples=num_samples,
-            prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-        )
-        return self.generate([request])[0]
 
     @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(

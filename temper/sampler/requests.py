@@ -38,6 +38,35 @@ def sample_seed(request_seed: int, sample_index: int) -> int:
     return mixed - 2**64 if mixed >= 2**63 else mixed  # as a signed int64
 
 
+class OnePromptSampling:
+    """`sample(prompt, ...)`: one prompt's completions through the host's `generate` (the
+    engine, and the process-split wrapper around it)."""
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        raise NotImplementedError
+
+    def sample(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        num_samples: int = 1,
+        prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+        topk_sample_logprobs: int = 0,
+    ) -> SampleResponse:
+        """Completions of one prompt (see `generate` for many requests at once)."""
+        request = SampleRequest(
+            prompt=prompt,
+            params=params or SamplingParams(),
+            num_samples=num_samples,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt_logprobs,
+            topk_sample_logprobs=topk_sample_logprobs,
+        )
+        return self.generate([request])[0]
+
+
 class RequestState:
     """One request in flight: its prompt, its samples' seeds and limits, and its results."""
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from temper.api.types import SampleResponse, SamplingParams
+from temper.api.types import SampleResponse
 from temper.sampler.cpu.helper_processes import EngineConfig, HelperProcesses
-from temper.sampler.requests import SampleRequest
+from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.weight_source import WeightSource
 from temper.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ class LocalEngine(Protocol):
     def close(self) -> None: ...
 
 
-class ProcessSplitSampler:
+class ProcessSplitSampler(OnePromptSampling):
     """`engine`, with generate calls split over up to `processes` processes (its own and
     helpers started on first use)."""
 
@@ -124,27 +124,6 @@ class ProcessSplitSampler:
     ) -> list[torch.Tensor]:
         """The engine's `score` (one forward per batch, in this process)."""
         return self.engine.score(sequences, temperature=temperature)
-
-    def sample(
-        self,
-        prompt: Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        num_samples: int = 1,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        topk_sample_logprobs: int = 0,
-    ) -> SampleResponse:
-        """Completions of one prompt (see `generate` for many requests at once)."""
-        request = SampleRequest(
-            prompt=prompt,
-            params=params or SamplingParams(),
-            num_samples=num_samples,
-            prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-        )
-        return self.generate([request])[0]
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
         """The engine's `generate`, its requests split over the processes when the call is
