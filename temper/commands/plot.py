@@ -1,4 +1,4 @@
-"""`temper plot RUN_DIR`: PNG curves from a run's metrics.jsonl."""
+"""`temper plot RUN_DIR`: the figures of a run's metrics.jsonl and their index.html."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ def plot(
     *,
     out_dir: Path | None = None,
 ) -> int:
-    """Write PNG curves of a run's metrics (default: RUN_DIR/plots).
+    """Write the figures of a run's metrics and an index.html showing them (default:
+    RUN_DIR/plots); prints the paths written, the index last.
 
     Args:
         run_dir: A run directory holding metrics.jsonl.
-        out_dir: Where to write the PNG files.
+        out_dir: Where to write the PNG files and index.html.
     """
     for path in plot_metrics(run_dir, out_dir=out_dir):
         print(path)

@@ -79,4 +79,5 @@ class RunCheckpoints:
         """Plot metrics.jsonl (rank 0), show the summary table and where the outputs are."""
         plots = self.ranks.on_writer(functools.partial(plot_metrics, self.run_dir))
         logger.summary(summary, title=title)
-        logger.console.print(f"plots: {plots[0].parent}\nsampler weights: {sampler_path}")
+        # plot_metrics returns the figures, then the index.html that shows them all.
+        logger.console.print(f"plots: {plots[-1]}\nsampler weights: {sampler_path}")

@@ -9,6 +9,9 @@ are easy to get wrong and handled here:
   per metric name (the console still shows `nan`/`inf`).
 - Steps count from 0; after `log(step, ...)` the progress bar shows `step + 1` of
   `total_steps` done.
+- A run of several phases on one step axis (an SFT warm-up, then RL) names each with
+  `begin_phase`: the console counts a phase in its own steps and shows only the metrics logged
+  during it (progress.py), while metrics.jsonl keeps the run's step.
 - On a console that is not a terminal (CI, pipes) rich draws the progress bar once, when the
   logger closes, so the periodic tables are the progress record there.
 
@@ -30,18 +33,11 @@ from typing import IO, Any, Literal, get_args
 from rich import get_console
 from rich.console import Console
 from rich.panel import Panel
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 from rich.table import Table
 from rich.text import Text
 
 from temper.config.configurable import Configurable
+from temper.observability.progress import Phase, PhaseProgress
 
 Display = Literal["progress", "table", "none"]
 RESERVED_KEYS = ("step", "time")
@@ -63,7 +59,8 @@ class MetricsLogger(Configurable):
         """Steps between console tables of the latest metric values; 0 turns tables off."""
 
         progress_keys: tuple[str, ...] = ()
-        """Metric names shown on the progress bar; empty shows the first three names logged."""
+        """Metric names shown on the progress bar, those logged during the current phase;
+        empty shows the first three names the phase logged."""
 
         jsonl: bool = True
         """Append one JSON object per `log()` call to `run_dir/metrics.jsonl`."""
@@ -98,7 +95,6 @@ class MetricsLogger(Configurable):
         self.config = config
         self.run_dir = Path(run_dir)
         self.total_steps = total_steps
-        self.description = description
         self.console = console if console is not None else get_console()
         # TensorBoard first: a missing extra must fail before any file or live display opens.
         self._tensorboard_writer = _open_tensorboard(self.run_dir) if config.tensorboard else None
@@ -106,35 +102,38 @@ class MetricsLogger(Configurable):
         if config.jsonl:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl_file = (self.run_dir / METRICS_FILE_NAME).open("a", encoding="utf-8")
-        self._progress_keys = list(config.progress_keys)
         self._latest: dict[str, tuple[int, float]] = {}  # name -> (step logged, value)
         self._warned_non_finite: set[str] = set()
         self._last_step: int | None = None
         self._last_table_step: int | None = None
         self._closed = False
-        self._progress: Progress | None = None
+        self._phase = Phase(description, first_step=0, num_steps=total_steps)
+        self._progress: PhaseProgress | None = None
         # Off a terminal (CI logs, pipes) a live bar can only be drawn once, at the end, squeezed
         # to 80 columns; the periodic tables already tell the story there.
         if config.display == "progress" and self.console.is_terminal:
-            self._progress = Progress(
-                TextColumn("{task.description}", markup=False),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[metrics]}", markup=False),
-                console=self.console,
-            )
-            self._task = self._progress.add_task(description, total=total_steps, metrics="")
-            self._progress.start()
+            self._progress = PhaseProgress(console=self.console)
+            self._progress.begin(self._phase)
 
-    def set_description(self, description: str) -> None:
-        """Name what the steps do from now on, in the progress bar and the tables (a run of
-        two phases on one step axis, e.g. an SFT warm-up, then RL)."""
-        self.description = description
+    @property
+    def description(self) -> str:
+        """What the current phase's steps do (the progress bar's and the tables' title)."""
+        return self._phase.description
+
+    def begin_phase(self, description: str, *, first_step: int, num_steps: int) -> None:
+        """Name the run's steps `first_step` .. `first_step + num_steps - 1`, which come next
+        (a run of several phases on one step axis, e.g. an SFT warm-up, then RL).
+
+        The console counts them as `<description> step i/num_steps` and shows only metrics
+        logged from `first_step` on; the previous phase's bar becomes a printed line.
+        """
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ValueError(f"first_step={first_step!r} must be an int >= 0")
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+            raise ValueError(f"num_steps={num_steps!r} must be an int >= 0")
+        self._phase = Phase(description, first_step=first_step, num_steps=num_steps)
         if self._progress is not None:
-            self._progress.update(self._task, description=description)
+            self._progress.begin(self._phase)
 
     @property
     def latest(self) -> dict[str, float]:
@@ -223,14 +222,13 @@ class MetricsLogger(Configurable):
 
     def _update_progress(self, step: int) -> None:
         assert self._progress is not None
-        if not self._progress_keys:
-            self._progress_keys = list(self._latest)[:3]
-        shown = [
-            f"{key} {format_value(self._latest[key][1])}"
-            for key in self._progress_keys
-            if key in self._latest
+        # Only what the current phase logged: a finished phase's metrics are stale.
+        fresh = [
+            name for name, (logged, _) in self._latest.items() if logged >= self._phase.first_step
         ]
-        self._progress.update(self._task, completed=step + 1, metrics="  ".join(shown))
+        keys = self.config.progress_keys or fresh[:3]
+        shown = [(key, format_value(self._latest[key][1])) for key in keys if key in fresh]
+        self._progress.update(step, shown)
 
     def _table_due(self, step: int) -> bool:
         every = self.config.table_every
@@ -241,8 +239,10 @@ class MetricsLogger(Configurable):
         return self._last_table_step is None or step // every > self._last_table_step // every
 
     def _latest_table(self, step: int) -> Table:
-        total = f"/{self.total_steps}" if self.total_steps is not None else ""
-        title = Text(f"{self.description} step {step}{total}")
+        phase = self._phase
+        total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
+        run_step = f" (run step {step})" if phase.first_step > 0 else ""
+        title = Text(f"{phase.description} step {step - phase.first_step}{total}{run_step}")
         table = Table(title=title, title_justify="left")
         table.add_column("group", style="bold")
         table.add_column("metrics")

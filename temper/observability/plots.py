@@ -1,43 +1,42 @@
-"""PNG curves of a run's metrics.jsonl: one figure per metric group plus overlay figures.
+"""PNG figures of a run's metrics.jsonl, one per question (figures.py), and an index.html.
+
+Written to `out_dir` (default `<run dir>/plots`): `<figure>.png` for each figure worth drawing
+(`learning`, `sampling`, `rollouts`, `optimizer`, `time`, `other`; see figures.py) and
+`index.html`, which shows them in reading order, each under its question and a one-line caption.
+
+How a panel is drawn: x is the run's step; dense noisy series are drawn faint with a moving
+average over them (computed within each phase, so the warm-up does not bleed into RL);
+schedules and sparse evaluations are drawn raw, with markers when there are few points.
+Fractions get a 0..1 axis; a linear axis never narrows below 5% of the values' size, so noise
+does not fill it; wide positive ranges (losses, mismatch) get a log axis. The SFT warm-up of a
+run with one is shaded and both phases are labelled.
 
 Figures are built on `matplotlib.figure.Figure` directly, never through pyplot, so plotting
-touches no global backend or figure state and works in headless jobs and threads.
-
-Files written to `out_dir` (default `<run dir>/plots`):
-- `<group>.png` per group (the name before the first '/', `metrics` for names without one), one
-  subplot per metric;
-- `reward.png`, `accuracy.png`, `loss.png`: every metric whose name contains that word,
-  overlaid on one axes (e.g. train and eval loss together). A group with one of these names is
-  written as `<group>_group.png` instead.
-
-When a resumed run re-logs steps it already logged (it restarted from an earlier checkpoint),
-the later records replace the earlier ones from that step on.
+touches no global backend or figure state and works in headless jobs and threads. Files of an
+earlier layout already in `out_dir` are left alone; the index names only what this call wrote.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import html
+import itertools
 import math
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from temper.observability.metrics import METRICS_FILE_NAME, RESERVED_KEYS, read_metrics
+from temper.observability.figures import FigureSpec, PanelSpec, RunPhase, figure_specs
+from temper.observability.metrics import METRICS_FILE_NAME, read_metrics
+from temper.observability.series import Series, ema, metric_series
 
-OVERLAY_WORDS = ("reward", "accuracy", "loss")
-UNGROUPED = "metrics"
+INDEX_FILE_NAME = "index.html"
 # Smooth only when there are enough points for a trend to hide in the noise.
 MIN_POINTS_TO_SMOOTH = 30
-SUBPLOT_INCHES = (4.0, 3.0)
-
-
-@dataclasses.dataclass
-class Series:
-    """The logged points of one metric, in step order; null (non-finite) values are left out."""
-
-    steps: list[int]
-    values: list[float]
+MAX_POINTS_WITH_MARKERS = 60
+LOG_SCALE_RATIO = 100.0
+"""A log axis when the largest value is this many times the smallest (all positive)."""
+MIN_RELATIVE_SPAN = 0.05
+PANEL_INCHES = (4.6, 3.3)
 
 
 def plot_metrics(
@@ -46,9 +45,11 @@ def plot_metrics(
     out_dir: Path | str | None = None,
     keys: Sequence[str] | None = None,
 ) -> list[Path]:
-    """Write PNG curves for the metrics in `source` (a run dir or a metrics.jsonl path).
+    """Write the figures for the metrics in `source` (a run dir or a metrics.jsonl path) and
+    their index.html.
 
-    `keys` restricts the plots to those metric names. Returns the written paths.
+    `keys` restricts the figures to those metric names. Returns the written paths: the PNGs in
+    reading order, then the index.
     """
     source = Path(source)
     path = source / METRICS_FILE_NAME if source.is_dir() else source
@@ -66,113 +67,169 @@ def plot_metrics(
         series = {key: series[key] for key in keys}
     out_dir = Path(out_dir) if out_dir is not None else path.parent / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    groups: dict[str, dict[str, Series]] = {}
-    for name in sorted(series):
-        group = name.partition("/")[0] if "/" in name else UNGROUPED
-        groups.setdefault(group, {})[name] = series[name]
+    specs = figure_specs(series)
     written = []
-    for group, members in sorted(groups.items()):
-        file_stem = f"{group}_group" if group in OVERLAY_WORDS else group
-        written.append(_save_grid(members, out_dir / f"{_safe_file_stem(file_stem)}.png"))
-    for word in OVERLAY_WORDS:
-        members = {name: s for name, s in series.items() if word in name.lower()}
-        if members:
-            written.append(_save_overlay(members, title=word, path=out_dir / f"{word}.png"))
-    return written
+    for spec in specs:
+        figure = draw_figure(spec, series)
+        figure.savefig(out_dir / f"{spec.name}.png", dpi=100)
+        written.append(out_dir / f"{spec.name}.png")
+    index = out_dir / INDEX_FILE_NAME
+    index.write_text(index_html(specs, title=path.parent.name), encoding="utf-8")
+    return [*written, index]
 
 
-def metric_series(records: Sequence[dict[str, Any]]) -> dict[str, Series]:
-    """Collect each metric's (step, value) points from metrics.jsonl records, in file order."""
-    series: dict[str, Series] = {}
-    previous_step = -1
-    for record in records:
-        step = record["step"]
-        if step < previous_step:
-            # The run resumed from an earlier checkpoint: the newer timeline wins for every
-            # metric, including ones this record does not carry.
-            for points in series.values():
-                _drop_from(points, step)
-        previous_step = step
-        for name, value in record.items():
-            if name in RESERVED_KEYS:
-                continue
-            points = series.setdefault(name, Series(steps=[], values=[]))
-            _drop_from(points, step)  # the same metric logged twice at one step: keep the last
-            if value is not None:
-                points.steps.append(step)
-                points.values.append(float(value))
-    return {name: points for name, points in series.items() if points.steps}
-
-
-def ema(values: Sequence[float], *, num_points: int) -> list[float]:
-    """Bias-corrected exponential moving average with a span of about 5% of `num_points`."""
-    span = max(2, num_points // 20)
-    decay = 1.0 - 2.0 / (span + 1)
-    smoothed, average = [], 0.0
-    for index, value in enumerate(values, start=1):
-        average = decay * average + (1.0 - decay) * value
-        smoothed.append(average / (1.0 - decay**index))
-    return smoothed
-
-
-def _drop_from(points: Series, step: int) -> None:
-    while points.steps and points.steps[-1] >= step:
-        points.steps.pop()
-        points.values.pop()
-
-
-def _draw(axes: Any, name: str, points: Series, *, color: str, label: bool) -> None:
-    smooth = len(points.steps) >= MIN_POINTS_TO_SMOOTH
-    raw_style = {"alpha": 0.3, "linewidth": 0.8} if smooth else {"marker": "o", "markersize": 3}
-    axes.plot(
-        points.steps,
-        points.values,
-        color=color,
-        label=name if label and not smooth else None,
-        **raw_style,
-    )
-    if smooth:
-        smoothed = ema(points.values, num_points=len(points.values))
-        axes.plot(points.steps, smoothed, color=color, linewidth=1.6, label=name if label else None)
-
-
-def _save_grid(members: dict[str, Series], path: Path) -> Path:
+def draw_figure(spec: FigureSpec, series: Mapping[str, Series]) -> Any:
+    """The `matplotlib.figure.Figure` of `spec`, drawn from `series` (name -> points)."""
     from matplotlib.figure import Figure
 
-    num_cols = min(3, len(members))
-    num_rows = math.ceil(len(members) / num_cols)
+    num_panels = len(spec.panels)
+    num_cols = num_panels if num_panels <= 3 else (2 if num_panels == 4 else 3)
+    num_rows = math.ceil(num_panels / num_cols)
     figure = Figure(
-        figsize=(SUBPLOT_INCHES[0] * num_cols, SUBPLOT_INCHES[1] * num_rows), layout="constrained"
+        figsize=(PANEL_INCHES[0] * num_cols, PANEL_INCHES[1] * num_rows + 0.4),
+        layout="constrained",
     )
+    figure.suptitle(spec.title, fontsize=13, fontweight="bold")
     all_axes = figure.subplots(num_rows, num_cols, squeeze=False).flatten()
-    for axes, (name, points) in zip(all_axes, members.items(), strict=False):
-        _draw(axes, name, points, color="C0", label=False)
-        axes.set_title(name, fontsize=10)
-        axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
-    for axes in all_axes[len(members) :]:
+    for axes, panel in zip(all_axes, spec.panels, strict=False):
+        _draw_panel(axes, panel, series, phases=spec.phases)
+    for axes in all_axes[num_panels:]:
         axes.set_visible(False)
-    figure.savefig(path, dpi=100)
-    return path
+    return figure
 
 
-def _save_overlay(members: dict[str, Series], *, title: str, path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    figure = Figure(
-        figsize=(SUBPLOT_INCHES[0] * 1.5, SUBPLOT_INCHES[1] * 1.5), layout="constrained"
+def index_html(specs: Sequence[FigureSpec], *, title: str) -> str:
+    """A page showing every figure of `specs` (by relative link) under its question."""
+    sections = [
+        f"<section>\n<h2>{html.escape(spec.title)}</h2>\n<p>{html.escape(spec.caption)}</p>\n"
+        f'<img src="{html.escape(spec.name)}.png" alt="{html.escape(spec.title)}">\n</section>'
+        for spec in specs
+    ]
+    return "\n".join(
+        [
+            "<!doctype html>",
+            '<html lang="en">',
+            '<head><meta charset="utf-8">',
+            f"<title>{html.escape(title)}: plots</title>",
+            "<style>body { font-family: sans-serif; max-width: 1400px; margin: 1em auto; } "
+            "img { max-width: 100%; } p { color: #444; }</style>",
+            "</head>",
+            "<body>",
+            f"<h1>{html.escape(title)}</h1>",
+            *sections,
+            "</body>",
+            "</html>",
+            "",
+        ]
     )
-    axes = figure.subplots()
-    for index, (name, points) in enumerate(sorted(members.items())):
-        _draw(axes, name, points, color=f"C{index % 10}", label=True)
-    axes.set_title(title)
+
+
+def _draw_panel(
+    axes: Any, panel: PanelSpec, series: Mapping[str, Series], *, phases: Sequence[RunPhase]
+) -> None:
+    drawn: list[Series] = []
+    for index, line in enumerate(panel.lines):
+        points = series[line.key]
+        if panel.phase is not None:
+            points = _between(points, panel.phase.first_step, panel.phase.last_step)
+        label = line.label if len(panel.lines) > 1 else None
+        if line.smooth:
+            _draw_smoothed(axes, points, phases=phases, color=f"C{index}", label=label)
+        else:
+            _draw_raw(axes, points, color=f"C{index}", label=label)
+        drawn.append(points)
+    steps = [step for points in drawn for step in points.steps]
+    values = [value for points in drawn for value in points.values]
+    _mark_phases(axes, phases, first_step=min(steps), last_step=max(steps))
+    _scale_y(axes, panel, values)
+    axes.set_title(panel.title, fontsize=10)
     axes.set_xlabel("step")
+    axes.set_ylabel(panel.ylabel)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.savefig(path, dpi=100)
-    return path
+    if len(panel.lines) > 1:
+        axes.legend(fontsize=8)
 
 
-def _safe_file_stem(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+def _draw_smoothed(
+    axes: Any, points: Series, *, phases: Sequence[RunPhase], color: str, label: str | None
+) -> None:
+    """Raw values faint and a moving average per phase, when there are enough points."""
+    if len(points.steps) < MIN_POINTS_TO_SMOOTH:
+        _draw_raw(axes, points, color=color, label=label)
+        return
+    axes.plot(points.steps, points.values, color=color, alpha=0.25, linewidth=0.8)
+    for segment in _split_at_phases(points, phases):
+        smoothed = ema(segment.values, num_points=len(segment.values))
+        axes.plot(segment.steps, smoothed, color=color, linewidth=1.6, label=label)
+        label = None  # one legend entry per line
+
+
+def _draw_raw(axes: Any, points: Series, *, color: str, label: str | None) -> None:
+    if len(points.steps) <= MAX_POINTS_WITH_MARKERS:
+        style = {"marker": "o", "markersize": 4, "linewidth": 1.0}
+    else:
+        style = {"linewidth": 1.4}
+    if len(points.steps) == 1:
+        style = {"marker": "*", "markersize": 10, "linestyle": "none"}
+    axes.plot(points.steps, points.values, color=color, label=label, **style)
+
+
+def _mark_phases(axes: Any, phases: Sequence[RunPhase], *, first_step: int, last_step: int) -> None:
+    """Shade every other phase and label each, within the panel's own steps only (a panel of
+    RL metrics is not stretched over the warm-up); nothing on a panel within one phase."""
+    width = last_step - first_step
+    overlapping = [p for p in phases if p.first_step <= last_step and first_step <= p.last_step]
+    if width <= 0 or len(overlapping) < 2:
+        return
+    for index, phase in enumerate(phases):
+        start, end = max(phase.first_step, first_step), min(phase.last_step, last_step)
+        if start > end:
+            continue
+        if index % 2 == 0:
+            axes.axvspan(start, end, color="0.5", alpha=0.1, linewidth=0)
+        if index > 0 and start == phase.first_step:
+            axes.axvline(start, color="0.4", linestyle="--", linewidth=0.8)
+        if (end - start) / width >= 0.05:
+            axes.text(
+                start + 0.01 * width,
+                0.97,
+                phase.name,
+                transform=axes.get_xaxis_transform(),
+                fontsize=8,
+                color="0.3",
+                va="top",
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1.5},
+            )
+
+
+def _scale_y(axes: Any, panel: PanelSpec, values: Sequence[float]) -> None:
+    low, high = min(values), max(values)
+    if panel.unit_range and low >= 0.0 and high <= 1.0:
+        axes.set_ylim(-0.03, 1.03)
+        return
+    if panel.log_y and low > 0 and high / low >= LOG_SCALE_RATIO:
+        axes.set_yscale("log")
+        return
+    axes.ticklabel_format(axis="y", useOffset=False)
+    floor = MIN_RELATIVE_SPAN * max(abs(low), abs(high))
+    if high - low < floor:
+        center = (low + high) / 2
+        axes.set_ylim(center - floor, center + floor)
+
+
+def _between(points: Series, first_step: int, last_step: int) -> Series:
+    return _where(points, lambda step: first_step <= step <= last_step)
+
+
+def _split_at_phases(points: Series, phases: Sequence[RunPhase]) -> list[Series]:
+    edges = [-math.inf, *(phase.first_step for phase in phases[1:]), math.inf]
+    segments = [
+        _where(points, lambda step, low=low, high=high: low <= step < high)
+        for low, high in itertools.pairwise(edges)
+    ]
+    return [segment for segment in segments if segment.steps]
+
+
+def _where(points: Series, keep: Callable[[int], bool]) -> Series:
+    pairs = [(s, v) for s, v in zip(points.steps, points.values, strict=True) if keep(s)]
+    return Series(steps=[s for s, _ in pairs], values=[v for _, v in pairs])

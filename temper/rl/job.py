@@ -193,7 +193,7 @@ class _RLRun:
         if self.start >= num_warmup:
             return
         self.logger.console.print(f"SFT warm-up: {num_warmup} steps")
-        self.logger.set_description("SFT warm-up")
+        self.logger.begin_phase("SFT warm-up", first_step=0, num_steps=num_warmup)
         self.config.warmup.build().run(
             self.training,
             task=self.task,
@@ -218,7 +218,7 @@ class _RLRun:
         self.logger.console.print(
             f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
         )
-        self.logger.set_description("GRPO")
+        self.logger.begin_phase("GRPO", first_step=config.warmup.steps, num_steps=config.steps)
         with _rollouts_file(self.run_dir, ranks=self.ranks) as rollouts_file:
             steps = RLSteps(
                 config,

@@ -5,7 +5,8 @@ and `optim_step` to train, `forward` for the held-out loss, a sampling client fo
 held-out accuracy, `save_weights_for_sampler` for the final weights. So the same loop runs
 in-process (here) or against a Tinker-compatible server. Loss weights are 1 on answer tokens
 (task) or on assistant tokens (conversations, see `temper/tokenizer/renderers`), divided by
-the batch's count of such tokens: `train/loss` and `eval/loss` are mean losses per token.
+the batch's count of such tokens: `train/loss` and `eval/loss` are mean losses per token
+(`eval/initial_loss`, logged with step 0, is the held-out loss before training).
 
 Full-state checkpoints (`checkpoint_every`, and always at the end; temper/job/run_checkpoints.py,
 shared with the RL job) hold the weights and the optimizer (`save_state`) plus `SFTState` (data
@@ -231,6 +232,8 @@ class SFTJob(Configurable):
             with timer.phase("train"):
                 metrics = self._train_step(training, source, step=state.step)
             state.data = source.position
+            if state.step == 0:  # the held-out loss before training, for the plots
+                metrics["eval/initial_loss"] = state.initial_loss
             last = state.step == config.steps - 1
             if (state.step + 1) % config.eval_every == 0 or last:
                 with timer.phase("eval"):

@@ -34,13 +34,14 @@ def test_init_model_unknown_size_is_a_clean_error(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_plot_writes_pngs(tmp_path, capsys):
+def test_plot_writes_pngs_and_their_index(tmp_path, capsys):
     lines = [{"step": s, "time": 0.0, "train/loss": 1.0 / (s + 1)} for s in range(5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert main(["plot", str(tmp_path)]) == 0
-    written = capsys.readouterr().out.split()
-    assert written and all(path.endswith(".png") for path in written)
-    assert (tmp_path / "plots" / "train.png").read_bytes()[:4] == b"\x89PNG"
+    *figures, index = capsys.readouterr().out.split()
+    assert figures and all(path.endswith(".png") for path in figures)
+    assert index == str(tmp_path / "plots" / "index.html")
+    assert (tmp_path / "plots" / "learning.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_without_metrics_is_a_clean_error(tmp_path, capsys):

@@ -25,7 +25,7 @@ def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     assert json.loads((run_dir / "config.json").read_text())["recipe"] == "arithmetic_smoke"
     (run_id,) = [path.name for path in (run_dir / "checkpoints").iterdir()]
     assert (run_dir / "checkpoints" / run_id / "sampler_weights" / "final").is_dir()
-    assert (run_dir / "plots" / "reward.png").is_file()
+    assert (run_dir / "plots" / "learning.png").is_file()
 
 
 def test_degrees_that_do_not_fit_nproc_fail_on_every_rank_and_leave_no_run_dir(tmp_path, capfd):

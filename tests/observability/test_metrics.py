@@ -7,7 +7,9 @@ import inspect
 import io
 import json
 import math
+import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -111,17 +113,97 @@ def test_table_is_printed_every_n_steps(tmp_path: Path) -> None:
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_a_new_description_names_the_later_steps(tmp_path: Path) -> None:
+def test_a_phase_is_counted_in_its_own_steps_in_the_tables(tmp_path: Path) -> None:
     console, buffer = captured_console()
     config = MetricsLogger.Config(display="table", table_every=2, jsonl=False)
-    with config.build(run_dir=tmp_path, total_steps=4, description="GRPO", console=console) as lg:
-        lg.set_description("SFT warm-up")
+    with config.build(run_dir=tmp_path, total_steps=6, description="GRPO", console=console) as lg:
+        lg.begin_phase("SFT warm-up", first_step=0, num_steps=2)
         lg.log(0, {"loss": 1.0})
-        lg.set_description("GRPO")
+        lg.begin_phase("GRPO", first_step=2, num_steps=4)
         lg.log(2, {"loss": 0.5})
     words = " ".join(buffer.getvalue().split())  # a title may wrap to the table's width
-    assert "SFT warm-up step 0/4" in words and "GRPO step 2/4" in words
-    assert "GRPO step 0" not in words
+    assert "SFT warm-up step 0/2" in words and "GRPO step 0/4 (run step 2)" in words
+    assert "/6" not in words
+
+
+def terminal_80() -> Console:
+    return Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None)
+
+
+def screen_lines(console: Console) -> list[str]:
+    """Every frame the console drew, one per line (a live bar redraws its line after '\r')."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", console.file.getvalue())
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+def final_line(console: Console, description: str) -> str:
+    """The last frame of the bar named `description` (what stays on screen at close)."""
+    return [line for line in screen_lines(console) if line.startswith(description)][-1]
+
+
+def rl_run_with_warmup(console: Console, tmp_path: Path, *, rl_steps_done: int) -> None:
+    """Log like the RL job: a 10-step warm-up, evaluated at its end, then RL steps."""
+    config = MetricsLogger.Config(
+        table_every=0,
+        jsonl=False,
+        progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"),
+    )
+    with config.build(run_dir=tmp_path, total_steps=110, description="GRPO", console=console) as lg:
+        lg.begin_phase("SFT warm-up", first_step=0, num_steps=10)
+        for step in range(10):
+            metrics = {"warmup/loss": 0.123456789, "optim/grad_norm": 3.14159, "optim/lr": 1e-3}
+            if step == 9:
+                metrics["eval/accuracy"] = 0.876543
+            lg.log(step, metrics)
+        lg.begin_phase("GRPO", first_step=10, num_steps=100)
+        for step in range(10, 10 + rl_steps_done):
+            lg.log(step, {"reward/mean": 0.5123456, "reward/std": 0.25, "optim/lr": 3e-5})
+            time.sleep(0.01)  # so the bar has a speed, hence an ETA
+
+
+def test_rl_progress_at_80_columns_keeps_step_eta_and_current_metrics(tmp_path: Path) -> None:
+    console = terminal_80()
+    rl_run_with_warmup(console, tmp_path, rl_steps_done=5)
+    line = final_line(console, "GRPO")
+    assert len(line) <= 80
+    assert "step 5/100" in line
+    assert re.search(r"eta \d+:\d\d:\d\d", line), line
+    assert "reward/mean 0.5123" in line
+    assert "warmup/loss" not in line and "eval/accuracy" not in line  # the warm-up's, stale
+    # The warm-up's bar became a line with its final metrics, counted to its own length.
+    text = "\n".join(screen_lines(console))
+    assert "SFT warm-up done: 10/10 steps" in text
+    assert "warmup/loss 0.1235" in text and "eval/accuracy 0.8765" in text
+    assert "/110" not in text
+
+
+def test_warmup_progress_counts_its_own_steps_and_no_bar_precedes_it(tmp_path: Path) -> None:
+    console = terminal_80()
+    config = MetricsLogger.Config(table_every=0, jsonl=False, progress_keys=("warmup/loss",))
+    # The RL job's logger is named for the whole run (110 steps) before its warm-up begins.
+    with config.build(run_dir=tmp_path, total_steps=110, description="GRPO", console=console) as lg:
+        lg.begin_phase("SFT warm-up", first_step=0, num_steps=10)
+        for step in range(10):
+            lg.log(step, {"warmup/loss": 0.123456789})
+    lines = screen_lines(console)
+    assert lines and all(line.startswith("SFT warm-up step") for line in lines)
+    assert all("/10 " in line and len(line) <= 80 for line in lines)
+    assert "step 10/10" in lines[-1] and "warmup/loss 0.1235" in lines[-1]
+
+
+def test_long_metrics_are_cropped_before_the_step_count_and_eta(tmp_path: Path) -> None:
+    console = terminal_80()
+    keys = tuple(f"group/a_rather_long_metric_name_{i}" for i in range(4))
+    config = MetricsLogger.Config(table_every=0, jsonl=False, progress_keys=keys)
+    with config.build(
+        run_dir=tmp_path, total_steps=1000, description="SFT warm-up", console=console
+    ) as lg:
+        for step in range(3):
+            lg.log(step, dict.fromkeys(keys, 0.123456))
+            time.sleep(0.01)
+    line = final_line(console, "SFT warm-up step")
+    assert "step 3/1000" in line and "eta " in line and "group/a_rather" in line
+    assert len(line) <= 80
 
 
 def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> None:

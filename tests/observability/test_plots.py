@@ -1,4 +1,5 @@
-"""plot_metrics writes readable PNGs from metrics.jsonl; metric_series handles resumes."""
+"""plot_metrics writes one figure per question with labelled axes and an index of them;
+metric_series handles resumes."""
 
 from __future__ import annotations
 
@@ -9,26 +10,72 @@ from pathlib import Path
 
 import pytest
 
-from temper.observability import MetricsLogger, metric_series, plot_metrics
+from temper.observability import draw_figure, figure_specs, metric_series, plot_metrics
+from temper.observability.metrics import read_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NUM_WARMUP, NUM_RL = 40, 40
 
 
-def write_run(run_dir: Path, *, num_steps: int = 40) -> None:
-    config = MetricsLogger.Config(display="none")
-    with config.build(run_dir=run_dir, total_steps=num_steps, description="rl") as logger:
-        for step in range(num_steps):
-            metrics = {
-                "train/loss": math.exp(-step / 10),
-                "train/lr": 1e-3,
-                "env/reward/mean": step / num_steps,
-                "time/sample": 0.01,
-                "tokens": 100 * step,
-            }
-            if step % 10 == 0:
-                metrics["eval/accuracy"] = step / num_steps
-                metrics["eval/loss"] = 1.0
-            logger.log(step, metrics)
+def write_metrics(run_dir: Path, records: list[dict]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"time": 0.0, **record}) + "\n" for record in records]
+    (run_dir / "metrics.jsonl").write_text("".join(lines))
+
+
+def rl_records(*, mode: str = "sync") -> list[dict]:
+    """What the RL job logs: an SFT warm-up (evaluated after its last step), then RL steps."""
+    records = []
+    for step in range(NUM_WARMUP):
+        record = {
+            "warmup/loss": 3.0 * math.exp(-step / 8),
+            "optim/grad_norm": 5.0 + math.sin(step),
+            "optim/lr": 2e-3 * (1 - step / NUM_WARMUP),
+        }
+        if step == NUM_WARMUP - 1:
+            record["eval/accuracy"] = 0.5
+        records.append({"step": step, **record})
+    for rl_step in range(NUM_RL):
+        record = {
+            "reward/mean": 0.5 + 0.01 * rl_step,
+            "reward/std": 0.2 + 0.01 * math.cos(rl_step),
+            "rollout/stopped": 1.0,
+            "rollout/response_length": 3.0 + 0.1 * math.sin(rl_step),
+            "mismatch/kl": 1e-12 * (1 + rl_step),
+            "mismatch/logprob_diff_max": 1e-6 * (1 + rl_step % 5),
+            "async/staleness": float(rl_step % 2) if mode == "async" else 0.0,
+            "optim/grad_norm": 20.0 + math.sin(rl_step),
+            "optim/lr": 3e-5,
+            "time/sample": 0.05 + 0.01 * math.sin(rl_step),
+            "time/train": 0.06 + 0.01 * math.cos(rl_step),
+            "time/total": 0.11 + 0.01 * math.sin(rl_step),
+        }
+        if rl_step % 10 == 9:
+            record["eval/accuracy"] = 0.6 + 0.01 * rl_step
+        records.append({"step": NUM_WARMUP + rl_step, **record})
+    return records
+
+
+def sft_records() -> list[dict]:
+    """What the SFT job logs, with the held-out loss before training at step 0."""
+    records = []
+    for step in range(60):
+        record = {"train/loss": 2.0 * math.exp(-step / 20), "optim/lr": 1e-3, "time/train": 0.2}
+        record["optim/grad_norm"] = 1.0 + 0.1 * math.sin(step)
+        if step == 0:
+            record["eval/initial_loss"] = 2.5
+        if step % 20 == 19:
+            record |= {"eval/loss": 1.0 - step / 100, "eval/accuracy": step / 100}
+        records.append({"step": step, **record})
+    return records
+
+
+def specs_of(records: list[dict]) -> dict:
+    return {spec.name: spec for spec in figure_specs(metric_series(records))}
+
+
+def drawn_keys(spec) -> set[str]:
+    return {line.key for panel in spec.panels for line in panel.lines}
 
 
 def assert_png(path: Path) -> None:
@@ -36,42 +83,120 @@ def assert_png(path: Path) -> None:
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000, path
 
 
-def test_plots_per_group_and_overlays(tmp_path: Path) -> None:
-    write_run(tmp_path)
+def test_an_rl_run_with_warmup_gets_one_figure_per_question(tmp_path: Path) -> None:
+    write_metrics(tmp_path, rl_records())
     paths = plot_metrics(tmp_path)
     names = [path.name for path in paths]
     assert names == [
-        "env.png",
-        "eval.png",
-        "metrics.png",  # names without a '/' group
+        "learning.png",
+        "sampling.png",
+        "rollouts.png",
+        "optimizer.png",
         "time.png",
-        "train.png",
-        "reward.png",
-        "accuracy.png",
-        "loss.png",
+        "index.html",
     ]
     assert all(path.parent == tmp_path / "plots" for path in paths)
-    for path in paths:
+    for path in paths[:-1]:
         assert_png(path)
+    specs = specs_of(rl_records())
+    assert {"reward/mean", "eval/accuracy", "warmup/loss"} <= drawn_keys(specs["learning"])
+    assert [phase.name for phase in specs["learning"].phases] == ["SFT warm-up", "RL"]
+    # The learning rate of each phase on its own panel, drawn raw.
+    lr_panels = [p for p in specs["optimizer"].panels if p.lines[0].key == "optim/lr"]
+    assert [p.title for p in lr_panels] == ["learning rate, SFT warm-up", "learning rate, RL"]
+    assert not any(p.lines[0].smooth for p in lr_panels)
+    # Evaluations are sparse: raw points, never a moving average.
+    accuracy = next(p for p in specs["learning"].panels if p.lines[0].key == "eval/accuracy")
+    assert not accuracy.lines[0].smooth and accuracy.unit_range
+
+
+def test_constant_metrics_get_no_panel_and_a_sync_run_no_staleness(tmp_path: Path) -> None:
+    sync = specs_of(rl_records(mode="sync"))
+    every_key = set().union(*(drawn_keys(spec) for spec in sync.values()))
+    assert "async/staleness" not in every_key and "rollout/stopped" not in every_key
+    assert "optim/lr" in every_key  # a constant RL learning rate is still shown
+    asynchronous = specs_of(rl_records(mode="async"))
+    assert "async/staleness" in drawn_keys(asynchronous["sampling"])
+
+
+def test_every_axis_is_labelled_and_accuracy_spans_zero_to_one() -> None:
+    series = metric_series(rl_records())
+    for spec in figure_specs(series):
+        figure = draw_figure(spec, series)
+        visible = [axes for axes in figure.axes if axes.get_visible()]
+        assert len(visible) == len(spec.panels)
+        assert figure.get_suptitle() == spec.title
+        for axes in visible:
+            assert axes.get_xlabel() == "step"
+            assert axes.get_ylabel(), (spec.name, axes.get_title())
+            assert axes.get_title()
+        if spec.name == "learning":
+            accuracy = next(a for a in visible if a.get_title() == "held-out accuracy")
+            low, high = accuracy.get_ylim()
+            assert low <= 0.0 and high >= 1.0
+
+
+def test_the_warmup_is_marked_where_a_panel_spans_both_phases() -> None:
+    series = metric_series(rl_records())
+    optimizer = next(spec for spec in figure_specs(series) if spec.name == "optimizer")
+    figure = draw_figure(optimizer, series)
+    grad_norm = next(a for a in figure.axes if a.get_title() == "gradient norm")
+    labels = {text.get_text() for text in grad_norm.texts}
+    assert labels == {"SFT warm-up", "RL"}
+    # An RL-only panel is not stretched over the warm-up.
+    learning = next(spec for spec in figure_specs(series) if spec.name == "learning")
+    reward = next(
+        a for a in draw_figure(learning, series).axes if a.get_title() == "rollout reward"
+    )
+    assert reward.get_xlim()[0] > NUM_WARMUP - 5
+
+
+def test_an_sft_run_plots_the_loss_before_training(tmp_path: Path) -> None:
+    write_metrics(tmp_path, sft_records())
+    names = [path.name for path in plot_metrics(tmp_path)]
+    assert "learning.png" in names and "sampling.png" not in names
+    specs = specs_of(sft_records())
+    assert specs["learning"].phases == ()
+    loss = next(p for p in specs["learning"].panels if p.title == "loss")
+    assert [line.key for line in loss.lines] == ["train/loss", "eval/loss", "eval/initial_loss"]
+    assert "nats" in loss.ylabel
+    figure = draw_figure(specs["learning"], metric_series(sft_records()))
+    axes = next(a for a in figure.axes if a.get_title() == "loss")
+    before = [line for line in axes.get_lines() if line.get_label() == "held-out, before training"]
+    assert len(before) == 1 and list(before[0].get_xdata()) == [0]
+
+
+def test_index_lists_exactly_the_figures_written(tmp_path: Path) -> None:
+    write_metrics(tmp_path, rl_records())
+    stale = tmp_path / "plots" / "reward_group.png"  # from an earlier layout
+    stale.parent.mkdir()
+    stale.write_bytes(PNG_SIGNATURE)
+    paths = plot_metrics(tmp_path)
+    index = paths[-1]
+    assert index.name == "index.html"
+    page = index.read_text()
+    linked = re.findall(r'<img src="([^"]+)"', page)
+    assert linked == [path.name for path in paths[:-1]]
+    assert "Is it learning?" in page and "<p>" in page
 
 
 def test_keys_and_out_dir_restrict_the_output(tmp_path: Path) -> None:
-    write_run(tmp_path)
+    write_metrics(tmp_path, sft_records())
     out_dir = tmp_path / "figures"
     paths = plot_metrics(tmp_path / "metrics.jsonl", out_dir=out_dir, keys=["train/loss"])
-    assert [path.name for path in paths] == ["train.png", "loss.png"]
-    assert sorted(path.name for path in out_dir.iterdir()) == ["loss.png", "train.png"]
+    assert [path.name for path in paths] == ["learning.png", "index.html"]
+    assert sorted(path.name for path in out_dir.iterdir()) == ["index.html", "learning.png"]
     with pytest.raises(ValueError, match=r"\['eval/acc'\].*eval/accuracy"):
         plot_metrics(tmp_path, keys=["eval/acc"])
 
 
-def test_group_named_like_an_overlay_does_not_collide(tmp_path: Path) -> None:
-    lines = [{"step": step, "time": 0.0, "reward/mean": step * 0.1} for step in range(3)]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+def test_unknown_metrics_land_in_other(tmp_path: Path) -> None:
+    write_metrics(tmp_path, [{"step": s, "env/bonus": float(s), "tokens": 100.0} for s in range(3)])
     paths = plot_metrics(tmp_path)
-    assert [path.name for path in paths] == ["reward_group.png", "reward.png"]
-    for path in paths:
-        assert_png(path)
+    assert [path.name for path in paths] == ["other.png", "index.html"]
+    assert drawn_keys(specs_of(read_metrics(tmp_path / "metrics.jsonl"))["other"]) == {
+        "env/bonus"  # `tokens` never changes
+    }
 
 
 def test_missing_or_empty_metrics_name_the_path(tmp_path: Path) -> None:

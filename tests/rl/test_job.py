@@ -35,5 +35,5 @@ def test_grpo_after_a_short_warmup_improves_accuracy_and_reward(tmp_path):
     assert rl_record["mismatch/logprob_diff_max"] < 1e-4  # on-policy: same weights both sides
     rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert rollouts and {"prompt", "completion", "reward"} <= rollouts[0].keys()
-    assert (run_dir / "plots" / "reward.png").is_file()
+    assert (run_dir / "plots" / "learning.png").is_file()
     assert (run_dir / "checkpoints").is_dir()

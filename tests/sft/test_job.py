@@ -31,7 +31,7 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
     loaded = load_config(run_dir / "config.json")
     assert loaded.recipe == "sum_digits_smoke"
     assert loaded.config.seed == 1 and loaded.config.eval_problems == 32
-    assert (run_dir / "plots" / "loss.png").is_file()
+    assert (run_dir / "plots" / "learning.png").is_file()
     assert load_pretrained(run_dir / "model").config.vocab_size == 29
     assert not (run_dir / "model" / "sampler.json").exists()
     assert list((run_dir / "checkpoints").glob("run-*/sampler_weights/final/sampler.json"))

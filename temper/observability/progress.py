@@ -1,0 +1,120 @@
+"""The console progress bar of `MetricsLogger`: one line per phase of a run, readable at 80
+columns.
+
+A run may have several phases on one step axis (an SFT warm-up, then RL). Each phase gets its
+own bar, counted in its own steps ("SFT warm-up step 640/1000", then "GRPO step 12/100"), which
+appears when the phase logs its first step (no bar for a phase that has not started). When the
+next phase starts, the finished bar is replaced by one printed line with its final metrics, so
+the live line only ever shows the current phase's metrics.
+
+The line is laid out so that a narrow terminal crops the metrics (with an ellipsis), never the
+step count or the ETA: the description, step count, a short bar and the ETA have fixed widths
+and the metrics column takes what is left. There is no elapsed-time column on the live line
+(the finished-phase line reports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Column
+from rich.text import Text
+
+BAR_WIDTH = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Steps `first_step` .. `first_step + num_steps - 1` of a run, under one name."""
+
+    description: str
+    first_step: int = 0
+    num_steps: int | None = None
+    """None: unknown (the bar shows no total and no ETA)."""
+
+
+class PhaseProgress:
+    """A rich progress display with one live bar, for the phase running now."""
+
+    def __init__(self, *, console: Console) -> None:
+        self.console = console
+        self._progress = Progress(
+            TextColumn("{task.description}", markup=False),
+            _StepColumn(),
+            BarColumn(bar_width=BAR_WIDTH),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            _MetricsColumn(table_column=Column(ratio=1, no_wrap=False)),
+            console=console,
+        )
+        self._task: int | None = None
+        self._phase: Phase | None = None
+        self._phase_started = time.monotonic()
+        self._progress.start()
+
+    def begin(self, phase: Phase) -> None:
+        """From now on count `phase`; the previous phase's bar becomes a printed line."""
+        self._end_current()
+        self._phase = phase
+        self._phase_started = time.monotonic()
+
+    def update(self, step: int, shown: Sequence[tuple[str, str]]) -> None:
+        """`step` (of the run) is done; `shown` are the (name, formatted value) pairs to show."""
+        assert self._phase is not None, "begin() a phase before update()"
+        done = step - self._phase.first_step + 1
+        metrics = "  ".join(f"{name} {value}" for name, value in shown)
+        if self._task is None:
+            # Created at the phase's first logged step, with the steps done: a resumed phase's
+            # earlier steps do not count as this session's speed in the ETA.
+            self._task = self._progress.add_task(
+                self._phase.description,
+                total=self._phase.num_steps,
+                completed=done,
+                metrics=metrics,
+            )
+        else:
+            self._progress.update(self._task, completed=done, metrics=metrics)
+
+    def stop(self) -> None:
+        """Stop the live display; its last frame stays on the console."""
+        self._progress.stop()
+
+    def _end_current(self) -> None:
+        if self._task is None:
+            return
+        task = self._progress.tasks[self._progress.task_ids.index(self._task)]
+        self._progress.remove_task(self._task)
+        self._progress.refresh()  # else the print below repeats the last frame drawn
+        self._task = None
+        seconds = int(time.monotonic() - self._phase_started)
+        elapsed = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        total = f"/{int(task.total)}" if task.total is not None else ""
+        line = f"{task.description} done: {int(task.completed)}{total} steps in {elapsed}"
+        metrics = task.fields["metrics"]
+        self.console.print(Text(f"{line}  {metrics}" if metrics else line))
+
+
+class _StepColumn(ProgressColumn):
+    """`step i/N` of the task's phase."""
+
+    def render(self, task: Task) -> Text:
+        total = f"/{int(task.total)}" if task.total is not None else ""
+        return Text(f"step {int(task.completed)}{total}")
+
+
+class _MetricsColumn(ProgressColumn):
+    """The metrics, cropped with an ellipsis to the width the other columns leave."""
+
+    def render(self, task: Task) -> Text:
+        return Text(task.fields["metrics"], no_wrap=True, overflow="ellipsis")
