@@ -3,9 +3,9 @@ columns.
 
 A run may have several phases on one step axis (an SFT warm-up, then RL). Each phase gets its
 own bar, counted in its own steps ("SFT warm-up step 640/1000", then "GRPO step 12/100"), which
-appears when the phase logs its first step (no bar for a phase that has not started). When the
-next phase starts, the finished bar is replaced by one printed line with its final metrics, so
-the live line only ever shows the current phase's metrics.
+appears when the phase logs its first step (no bar for a phase that has not started). After its
+last step (or when the next phase begins) the bar is replaced by one printed line with its final
+metrics, so the live line only ever shows the current phase's metrics.
 
 The line is laid out so that a narrow terminal crops the metrics (with an ellipsis), never the
 step count or the ETA: the description, step count, a short bar and the ETA have fixed widths
@@ -85,6 +85,8 @@ class PhaseProgress:
             )
         else:
             self._progress.update(self._task, completed=done, metrics=metrics)
+        if self._phase.num_steps is not None and done >= self._phase.num_steps:
+            self._end_current()  # before whatever the job prints next
 
     def stop(self) -> None:
         """Stop the live display; its last frame stays on the console."""

@@ -185,10 +185,10 @@ def test_warmup_progress_counts_its_own_steps_and_no_bar_precedes_it(tmp_path: P
         lg.begin_phase("SFT warm-up", first_step=0, num_steps=10)
         for step in range(10):
             lg.log(step, {"warmup/loss": 0.123456789})
-    lines = screen_lines(console)
-    assert lines and all(line.startswith("SFT warm-up step") for line in lines)
-    assert all("/10 " in line and len(line) <= 80 for line in lines)
-    assert "step 10/10" in lines[-1] and "warmup/loss 0.1235" in lines[-1]
+    *bars, done = screen_lines(console)
+    assert bars and all(line.startswith("SFT warm-up step") for line in bars)
+    assert all("/10 " in line and len(line) <= 80 for line in bars)
+    assert done.startswith("SFT warm-up done: 10/10 steps") and "warmup/loss 0.1235" in done
 
 
 def test_long_metrics_are_cropped_before_the_step_count_and_eta(tmp_path: Path) -> None:

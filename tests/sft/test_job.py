@@ -27,6 +27,7 @@ def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
     # From random init the answer loss starts near ln(29) = 3.4; 60 steps bring it well down.
     assert first > 2.5 and last < 0.75 * first, (first, last)
     assert [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    assert records[0]["eval/initial_loss"] > last  # the held-out loss before training
 
     loaded = load_config(run_dir / "config.json")
     assert loaded.recipe == "sum_digits_smoke"
