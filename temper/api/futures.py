@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any, Generic, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -41,8 +43,15 @@ class Worker:
     """One thread that runs submitted calls in order."""
 
     def __init__(self, name: str) -> None:
+        # The thread pins torch's thread count (the creator's) when it starts. Otherwise it
+        # would take the process-wide default the first time it runs an op, and others change
+        # that default for a moment (a sampler decoding on one thread, `optim_step`): its
+        # thread count, and with it the rounding of its results, would depend on timing.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=name
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
         )
         self._lock = threading.Lock()
         self._epoch = 0
