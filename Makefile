@@ -34,6 +34,7 @@ $(VENV)/.installed-test: pyproject.toml Makefile $(VENV)/.torch
 
 demo: $(VENV)/.installed-core
 	$(BIN)/temper train
+	@echo "More commands (README.md): source $(VENV)/bin/activate, then temper --help"
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

@@ -20,7 +20,7 @@ def cpu_trainer() -> TrainerEngine.Config:
 
 
 @recipe(
-    "SFT warm-up then GRPO on sum-of-digits, tiny Qwen3 from scratch (~2 min on CPU)", default=True
+    "SFT warm-up then GRPO on sum-of-digits, tiny Qwen3 from scratch (~1 min on CPU)", default=True
 )
 def sum_digits() -> RLJob.Config:
     return RLJob.Config(
@@ -44,7 +44,7 @@ def sum_digits_short_warmup() -> RLJob.Config:
     return config
 
 
-@recipe("Supervised only: SFT a random tiny Qwen3 on sum-of-digits (~2 min on CPU)")
+@recipe("Supervised only: SFT a random tiny Qwen3 on sum-of-digits (~1.5 min on CPU)")
 def sum_digits_sft() -> SFTJob.Config:
     return SFTJob.Config(
         steps=1200, batch_size=64, learning_rate=2e-3, eval_every=100, trainer=cpu_trainer()

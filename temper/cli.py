@@ -16,12 +16,14 @@ import difflib
 import functools
 import inspect
 import pathlib
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import tyro
 
+from temper.checkpoint.run_state import has_run_state
 from temper.commands import model_dir, plot
 from temper.commands import sample as sample_command
 from temper.commands import serve as serve_command
@@ -89,7 +91,9 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         if invocation.nproc is not None:
             _check_runs_on_ranks(invocation)
         if not invocation.resume:
-            config_cli.prepare_run_dir(invocation.run_dir)
+            config_cli.prepare_run_dir(
+                invocation.run_dir, resumable=has_run_state(invocation.run_dir)
+            )
     except SystemExit as exit_:
         return _exit_code(exit_)
     except ValueError as error:
@@ -128,20 +132,39 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
 
 
 def _interrupted(run_dir: pathlib.Path) -> int:
-    """Ctrl-C during a run: how to continue it instead of a traceback; 130 as shells use."""
-    print(
-        f"\ntemper train: interrupted; `temper train --resume {run_dir}` continues from the "
-        "run's last full-state checkpoint (saved every `checkpoint_every` steps)",
-        file=sys.stderr,
-    )
+    """Ctrl-C during a run: how to continue it (when it can be) instead of a traceback; 130
+    as shells use."""
+    if has_run_state(run_dir):
+        advice = (
+            f"`temper train --resume {run_dir}` continues from the run's last full-state "
+            "checkpoint (saved every `checkpoint_every` steps)"
+        )
+    else:
+        advice = (
+            "no full-state checkpoint was saved yet, so there is nothing to resume; start "
+            "again with another --run-dir (with --checkpoint_every N, a run can be resumed)"
+        )
+    print(f"\ntemper train: interrupted; {advice}", file=sys.stderr)
     return 130
 
 
 def _remove_if_only_config(run_dir: pathlib.Path) -> None:
-    """Remove a run directory that a failed start left empty or holding only config.json."""
-    if run_dir.is_dir() and {path.name for path in run_dir.iterdir()} <= {"config.json"}:
-        (run_dir / "config.json").unlink(missing_ok=True)
-        run_dir.rmdir()
+    """Remove a run directory that a failed start left with nothing trained in it: empty, or
+    holding only config.json and the run records (`checkpoints/<run>/run.json`) its training
+    clients claimed before the error."""
+    if not run_dir.is_dir():
+        return
+    files = [path.relative_to(run_dir) for path in run_dir.rglob("*") if not path.is_dir()]
+    started = [
+        path
+        for path in files
+        if path != pathlib.Path("config.json")
+        and not (
+            len(path.parts) == 3 and path.parts[0] == "checkpoints" and path.name == "run.json"
+        )
+    ]
+    if not started:
+        shutil.rmtree(run_dir)
 
 
 def _check_runs_on_ranks(invocation: config_cli.TrainInvocation) -> None:
@@ -167,7 +190,7 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
 
         def prepare() -> None:
             if not invocation.resume:
-                config_cli.prepare_run_dir(run_dir)
+                config_cli.prepare_run_dir(run_dir, resumable=has_run_state(run_dir))
                 config_path = run_dir / "config.json"
                 serialize.save_config(config_path, invocation.config, recipe=invocation.recipe)
 

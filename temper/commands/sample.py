@@ -5,7 +5,8 @@ into it. The sampler is sized to this one call: one KV-cache slot per completion
 prompt + max_tokens positions, so a large model does not reserve its whole context.
 Completions are shown with their special tokens (an EOS that ended one is visible).
 `--model` also takes a sampler checkpoint directory (`save_weights_for_sampler`, e.g. a
-run's final weights): a full model, or LoRA adapters merged into the base model it names.
+run's final weights): a full model, or LoRA adapters merged into the base model it names; and
+a run directory (`temper train --run-dir`), which stands for its newest final sampler weights.
 """
 
 from __future__ import annotations
@@ -30,11 +31,45 @@ from temper.tokenizer import Tokenizer
 
 _NUM_ALTERNATIVES = 3
 """Most likely tokens shown beside each sampled token with --logprobs."""
+RUN_FINAL_WEIGHTS = "checkpoints/*/sampler_weights/final"
+"""Where a run directory keeps its final sampler weights (one per process that trained it)."""
+
+
+def model_directory(model: str) -> Path:
+    """The directory `--model` names: as given, or for a run directory its newest final
+    sampler weights (a resumed run has one per process; the last written is the run's end)."""
+    if model.startswith("tinker://"):
+        raise ValueError(
+            f"--model {model}: a tinker:// path names a checkpoint inside a storage directory; "
+            "give the run directory (temper sample --model RUN_DIR) or the checkpoint's own "
+            "directory (RUN_DIR/checkpoints/<run>/sampler_weights/<name>)"
+        )
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"--model {model!r} is not a directory")
+    is_run = (path / "config.json").is_file() and (path / "checkpoints").is_dir()
+    if not is_run or (path / SAMPLER_FILE).is_file():
+        return path
+    finals = sorted(
+        (
+            candidate
+            for candidate in path.glob(RUN_FINAL_WEIGHTS)
+            if (candidate / SAMPLER_FILE).is_file()
+        ),
+        key=lambda candidate: (candidate / SAMPLER_FILE).stat().st_mtime,
+    )
+    if not finals:
+        raise FileNotFoundError(
+            f"--model {model!r} is a run directory without final sampler weights "
+            f"({RUN_FINAL_WEIGHTS}): the run has not finished; give a model directory instead"
+        )
+    print(f"model: {finals[-1]}", file=sys.stderr)
+    return finals[-1]
 
 
 def sample(
     *,
-    model: Path,
+    model: str,
     prompt: str,
     n: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 4,
     max_tokens: int = 32,
@@ -50,7 +85,8 @@ def sample(
     """Sample completions of a text prompt from a model directory and print them.
 
     Args:
-        model: HF model directory, or a run's checkpoints/<run>/sampler_weights/<name> (LoRA too).
+        model: HF model directory, a run directory (its final weights), or a run's
+            checkpoints/<run>/sampler_weights/<name> (LoRA too).
         prompt: Prompt text, encoded as is (no chat template is applied).
         n: Number of completions.
         max_tokens: Most tokens per completion.
@@ -74,13 +110,12 @@ def sample(
         seed=seed,
         stop=list(stop) or None,
     )
-    if not model.is_dir():
-        raise FileNotFoundError(f"--model {str(model)!r} is not a directory")
-    if (model / SAMPLER_FILE).is_file():
+    directory = model_directory(model)
+    if (directory / SAMPLER_FILE).is_file():
         # A run's sampler weights: a HF model, or LoRA adapters over a base model.
-        base = load_sampler_directory(model, name=str(model), device=device, dtype=dtype)
+        base = load_sampler_directory(directory, name=str(directory), device=device, dtype=dtype)
     else:
-        base = ModelSource.Config(path=str(model), dtype=dtype, device=device).build()
+        base = ModelSource.Config(path=str(directory), dtype=dtype, device=device).build()
     prompt_tokens = base.tokenizer.encode(prompt)
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")

@@ -300,14 +300,20 @@ def default_run_dir(recipe: str | None, *, now: datetime.datetime | None = None)
     return pathlib.Path("runs") / f"{stem}-{stamp}"
 
 
-def prepare_run_dir(run_dir: pathlib.Path) -> None:
-    """Create `run_dir`; an existing non-empty one is refused (continue one with --resume)."""
+def prepare_run_dir(run_dir: pathlib.Path, *, resumable: bool) -> None:
+    """Create `run_dir`; an existing non-empty one is refused (continue it with --resume when
+    it is `resumable`: it holds a checkpoint)."""
     if run_dir.exists():
         if not run_dir.is_dir():
             raise ValueError(f"--run-dir {run_dir} exists and is not a directory")
         if any(run_dir.iterdir()):
+            advice = (
+                f"or continue that run with --resume {run_dir}"
+                if resumable
+                else "it holds no checkpoint to resume; delete it to reuse the name"
+            )
             raise ValueError(
                 f"--run-dir {run_dir} already exists and is not empty; choose a new directory "
-                f"(or continue that run with --resume {run_dir})"
+                f"({advice})"
             )
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from temper.checkpoint.run_state import LoopState, RunState, save_run_state
+from temper.checkpoint.run_state import LoopState, RunState, load_run_state, save_run_state
 from temper.client.training_client import TrainingClient
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, plot_metrics
+
+
+def state_to_resume(run_dir: Path, *, total_steps: int) -> RunState:
+    """The run state `--resume` continues from; a run that did all `total_steps` steps is an
+    error (before anything is built or written: a finished run stays as it is)."""
+    saved = load_run_state(run_dir)
+    if saved.step >= total_steps:
+        raise ValueError(
+            f"--resume {run_dir}: the run already finished all {total_steps} steps; nothing to "
+            "resume (its outputs are in place: see its plots/ and checkpoints/)"
+        )
+    return saved
 
 
 class RunCheckpoints:
@@ -80,4 +92,8 @@ class RunCheckpoints:
         plots = self.ranks.on_writer(functools.partial(plot_metrics, self.run_dir))
         logger.summary(summary, title=title)
         # plot_metrics returns the figures, then the index.html that shows them all.
-        logger.console.print(f"plots: {plots[-1]}\nsampler weights: {sampler_path}")
+        _, weights_dir = self.training.service.storage.existing(sampler_path)
+        logger.console.print(
+            f"plots: {plots[-1]}\nsampler weights: {weights_dir} ({sampler_path})\n"
+            f"sample them: temper sample --model {self.run_dir} --prompt ..."
+        )

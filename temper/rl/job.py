@@ -32,13 +32,13 @@ from typing import IO, Any, ClassVar
 
 from rich.console import Console
 
-from temper.checkpoint.run_state import load_run_state, rng_from_json, rng_to_json, truncate_jsonl
+from temper.checkpoint.run_state import rng_from_json, rng_to_json, truncate_jsonl
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.job import ModelChoice, RunCheckpoints
+from temper.job import ModelChoice, RunCheckpoints, state_to_resume
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
@@ -154,7 +154,7 @@ class _RLRun:
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
         model = config.model.build()
         self.service = _service_client(config, model=model, run_dir=run_dir, ranks=ranks)
-        saved = load_run_state(run_dir) if resume else None
+        saved = state_to_resume(run_dir, total_steps=config.total_steps) if resume else None
         self.training = model.training_client(
             self.service,
             train_state=None if saved is None else saved.train_state,

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from temper.api.types import AdamParams
-from temper.checkpoint.run_state import load_run_state, truncate_jsonl
+from temper.checkpoint.run_state import truncate_jsonl
 from temper.client.sampler_weights import SAMPLER_FILE
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.job import ModelChoice, RunCheckpoints
+from temper.job import ModelChoice, RunCheckpoints, state_to_resume
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
@@ -171,7 +171,7 @@ class SFTJob(Configurable):
     def run(self, *, run_dir: Path, resume: bool = False) -> SFTResult:
         """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
         config, run_dir = self.config, Path(run_dir)
-        saved = load_run_state(run_dir) if resume else None
+        saved = state_to_resume(run_dir, total_steps=config.steps) if resume else None
         # Load and validate the dataset first: a bad file fails before any model is built.
         dataset = config.conversations.build() if config.source == "conversations" else None
         model = config.model.build()
@@ -189,10 +189,6 @@ class SFTJob(Configurable):
                 step=0, data=source.position, initial_loss=self._heldout_loss(training, source)
             )
         else:
-            if saved.step >= config.steps:
-                raise ValueError(
-                    f"--resume {run_dir}: the run already finished all {config.steps} steps"
-                )
             state = SFTState.from_json(saved.loop, step=saved.step)
             source.position = state.data
             truncate_jsonl(run_dir / METRICS_FILE_NAME, before_step=saved.step)

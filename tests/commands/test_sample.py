@@ -129,3 +129,36 @@ def test_samples_from_a_runs_lora_sampler_weights(tmp_path, capsys):
     assert main([*argv, "--max-tokens", "6", "--temperature", "0"]) == 0
     expected = tokenizer.decode(response.sequences[0].tokens)
     assert _completions(capsys.readouterr().out) == [expected]
+
+
+def test_a_run_directory_stands_for_its_newest_final_weights(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text("{}")
+    service = ServiceClient(storage_dir=run_dir / "checkpoints")
+    first = service.create_training_client("tiny")
+    first.save_weights_for_sampler("final").result()
+    resumed = service.create_training_client("tiny")  # a resumed run's process: a new run id
+    tokenizer = resumed.get_tokenizer()
+    tokens = tokenizer.encode("12=3")
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    resumed.forward_backward([datum], "cross_entropy").result()
+    resumed.optim_step(AdamParams(learning_rate=1e-2)).result()
+    _, newest = service.storage.existing(resumed.save_weights_for_sampler("final").result().path)
+    argv = ["sample", "--prompt", "12=", "-n", "1", "--max-tokens", "6", "--temperature", "0"]
+    assert main([*argv, "--model", str(run_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert f"model: {newest}" in err
+    assert main([*argv, "--model", str(newest)]) == 0
+    assert _completions(capsys.readouterr().out) == _completions(out)
+
+
+def test_a_tinker_path_is_refused_with_what_to_give_instead(capsys):
+    argv = ["sample", "--model", "tinker://run-1/sampler_weights/final", "--prompt", "1="]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "a tinker:// path names a checkpoint inside a storage directory" in err
+    assert "temper sample --model RUN_DIR" in err

@@ -20,6 +20,7 @@ from typing import Literal
 
 import pytest
 
+from temper.checkpoint.run_state import RunState, save_run_state
 from temper.cli import function_command, main
 from temper.config import Configurable, config_to_dict, load_config
 
@@ -99,13 +100,40 @@ class InterruptedJob(Configurable):
     class Config(Configurable.Config):
         num_steps: int = 3
         """Number of dummy steps."""
+        checkpointed: bool = True
+        """Save a run state (what --resume needs) before the interrupt."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
 
     def run(self, *, run_dir: pathlib.Path, resume: bool = False) -> None:
         (run_dir / "started").write_text("")
+        if self.config.checkpointed:
+            save_run_state(run_dir, RunState(step=1, train_state="tinker://r/weights/s", loop={}))
         raise KeyboardInterrupt
+
+
+class FailingStartJob(Configurable):
+    """A job whose training client claimed a run (run.json) before bad input stopped it."""
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        num_steps: int = 3
+        """Number of dummy steps."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def run(self, *, run_dir: pathlib.Path, resume: bool = False) -> None:
+        claimed = run_dir / "checkpoints" / "run-1"
+        claimed.mkdir(parents=True)
+        (claimed / "run.json").write_text("{}")
+        raise ValueError("task.path: no such file")
+
+
+def failing_start_recipe() -> FailingStartJob.Config:
+    """A run that fails at startup."""
+    return FailingStartJob.Config()
 
 
 def interrupted_recipe() -> InterruptedJob.Config:
@@ -243,6 +271,21 @@ def test_ctrl_c_says_how_to_resume_instead_of_a_traceback(
     assert f"--resume {run_dir}" in capsys.readouterr().err
 
 
+def test_ctrl_c_before_any_checkpoint_says_there_is_nothing_to_resume(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["train", f"{__name__}:interrupted_recipe", "--run-dir", str(run_dir)]
+    assert main([*argv, "--checkpointed", "False"]) == 130
+    err = capsys.readouterr().err
+    assert "no full-state checkpoint was saved yet, so there is nothing to resume" in err
+    assert "--resume" not in err
+    # Rerunning into that directory says it cannot be resumed (instead of suggesting it).
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "it holds no checkpoint to resume" in err and "--resume" not in err
+
+
 def test_config_file_reproduces_run_and_accepts_overrides(tmp_path: pathlib.Path) -> None:
     first, second, third = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert main(["train", SPEC, "--run-dir", str(first), "--model.width", "64"]) == 0
@@ -358,3 +401,13 @@ def test_python_dash_m_temper_recipes() -> None:
     assert result.returncode == 0, result.stderr
     assert "name" in result.stdout
     assert "description" in result.stdout
+
+
+def test_a_run_that_fails_at_startup_leaves_no_directory_behind(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = ["train", f"{__name__}:failing_start_recipe", "--run-dir", str(run_dir)]
+    assert main(argv) == 1
+    assert "task.path: no such file" in capsys.readouterr().err
+    assert not run_dir.exists()  # so the same command works once the input is fixed

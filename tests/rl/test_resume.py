@@ -82,3 +82,15 @@ def test_resume_needs_a_checkpoint_and_no_other_options(tmp_path, capsys):
     assert "takes no other options" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
     assert "no run there" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys, no_plots):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = tiny_rl_config(checkpoint_every=0)
+    serialize.save_config(run_dir / "config.json", config, recipe=None)
+    RLJob(config).run(run_dir=run_dir)
+    before = sorted(path.relative_to(run_dir) for path in run_dir.rglob("*"))
+    assert main(["train", "--resume", str(run_dir)]) == 1
+    assert "the run already finished all 14 steps; nothing to resume" in capsys.readouterr().err
+    assert sorted(path.relative_to(run_dir) for path in run_dir.rglob("*")) == before
