@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Spinning OpenMP threads make small ops 30-190x slower on a busy 2-core machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test lint format clean-venv
+.PHONY: demo test docs-check lint format clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ demo: $(VENV)/.installed-core
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
+
+# README.md and docs/*.md run as printed (tests/test_docs.py; also part of `make test`).
+docs-check: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q tests/test_docs.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/lint-imports
