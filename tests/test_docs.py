@@ -271,20 +271,22 @@ def _failure(where: str, what: str, result: subprocess.CompletedProcess | None, 
     return message
 
 
-def _run(command: str, *, cwd: Path, env: dict[str, str], where: str) -> None:
+def _run_checked(
+    args: list[str], *, cwd: Path, env: dict[str, str], where: str, what: str, note: str = ""
+) -> None:
+    """Run `args`; fail naming `where` and `what` on a timeout or a nonzero exit status."""
     try:
         result = subprocess.run(
-            ["bash", "-c", command],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
+            args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
-        _fail(f"{where}: `{command}` took more than {TIMEOUT_S} s")
+        _fail(f"{where}: {what} took more than {TIMEOUT_S} s")
     if result.returncode != 0:
-        _fail(_failure(where, f"`{command}`", result, f"exit status {result.returncode}"))
+        _fail(_failure(where, what, result, f"exit status {result.returncode}{note}"))
+
+
+def _run(command: str, *, cwd: Path, env: dict[str, str], where: str) -> None:
+    _run_checked(["bash", "-c", command], cwd=cwd, env=env, where=where, what=f"`{command}`")
 
 
 def _stopped_run(command: str, *, cwd: Path, env: dict[str, str], where: str) -> None:
@@ -349,22 +351,14 @@ def run_block(block: Block, workdir: Path) -> list[str]:
     if block.kind == "python":
         script = workdir / (Path(block.doc).name + ".py")
         script.write_text(_python_script(chain))
-        try:
-            result = subprocess.run(
-                [sys.executable, script.name],
-                cwd=workdir,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=TIMEOUT_S,
-            )
-        except subprocess.TimeoutExpired:
-            _fail(f"{block.where}: the python block took more than {TIMEOUT_S} s")
-        if result.returncode != 0:
-            note = (
-                f"exit status {result.returncode}; traceback line numbers are lines of {block.doc}"
-            )
-            _fail(_failure(block.where, "python block", result, note))
+        _run_checked(
+            [sys.executable, script.name],
+            cwd=workdir,
+            env=env,
+            where=block.where,
+            what="the python block",
+            note=f"; traceback line numbers are lines of {block.doc}",
+        )
         return []
     skipped: list[str] = []
     for part in chain:

@@ -18,17 +18,27 @@ class _State:
         return {"step": self.step}
 
 
+def _checkpoints(tmp_path, training, *, every, total_steps, previous=None) -> RunCheckpoints:
+    return RunCheckpoints(
+        run_dir=tmp_path,
+        training=training,
+        every=every,
+        total_steps=total_steps,
+        previous=previous,
+        ranks=Ranks.current(),
+    )
+
+
+def _saved_weights(tmp_path, training) -> list[str]:
+    return sorted(
+        p.name for p in (tmp_path / "checkpoints" / training.model_id / "weights").iterdir()
+    )
+
+
 def test_saves_when_due_names_the_newest_and_keeps_only_it(tmp_path):
     service = ServiceClient(storage_dir=tmp_path / "checkpoints")
     training = service.create_training_client("tiny")
-    checkpoints = RunCheckpoints(
-        run_dir=tmp_path,
-        training=training,
-        every=2,
-        total_steps=5,
-        previous=None,
-        ranks=Ranks.current(),
-    )
+    checkpoints = _checkpoints(tmp_path, training, every=2, total_steps=5)
     assert [step for step in range(1, 6) if checkpoints.due(step)] == [2, 4, 5]
     saved = []
     for step in range(1, 6):
@@ -37,35 +47,19 @@ def test_saves_when_due_names_the_newest_and_keeps_only_it(tmp_path):
             saved.append(load_run_state(tmp_path))
     assert [state.step for state in saved] == [2, 4, 5]
     assert [state.loop for state in saved] == [{"step": 2}, {"step": 4}, {"step": 5}]
-    weights = sorted(
-        p.name for p in (tmp_path / "checkpoints" / training.model_id / "weights").iterdir()
-    )
-    assert weights == ["step-000005"]
+    assert _saved_weights(tmp_path, training) == ["step-000005"]
     assert saved[-1].train_state.endswith("/weights/step-000005")
 
 
 def test_a_resumed_run_replaces_the_checkpoint_it_resumed_from(tmp_path):
     service = ServiceClient(storage_dir=tmp_path / "checkpoints")
     training = service.create_training_client("tiny")
-    first = RunCheckpoints(
-        run_dir=tmp_path,
-        training=training,
-        every=0,
-        total_steps=1,
-        previous=None,
-        ranks=Ranks.current(),
-    )
+    first = _checkpoints(tmp_path, training, every=0, total_steps=1)
     first.step_done(1, _State(1))
-    resumed = RunCheckpoints(
-        run_dir=tmp_path,
-        training=training,
-        every=0,
-        total_steps=2,
-        previous=load_run_state(tmp_path),
-        ranks=Ranks.current(),
+    resumed = _checkpoints(
+        tmp_path, training, every=0, total_steps=2, previous=load_run_state(tmp_path)
     )
     resumed.step_done(2, _State(2))
-    weights = sorted(
-        p.name for p in (tmp_path / "checkpoints" / training.model_id / "weights").iterdir()
+    assert (
+        _saved_weights(tmp_path, training) == ["step-000002"] and load_run_state(tmp_path).step == 2
     )
-    assert weights == ["step-000002"] and load_run_state(tmp_path).step == 2
