@@ -1,7 +1,7 @@
 """Small built-in vocabularies for toy tasks, saved as real HF tokenizer directories.
 
-Each vocabulary is a `tokenizers` WordLevel model whose Split pre-tokenizer cuts text into
-vocabulary pieces and whose Fuse decoder joins them back with nothing in between, so
+Each vocabulary is a `tokenizers` model whose Split pre-tokenizer cuts text into vocabulary
+pieces and whose Fuse decoder joins them back with nothing in between, so
 `decode(encode(text)) == text` exactly (spaces and newlines included) for text the vocabulary
 covers. The ids start with the ChatML special tokens, the same in each vocabulary:
 
@@ -12,6 +12,12 @@ covers. The ids start with the ChatML special tokens, the same in each vocabular
 - "letters": one token per printable ASCII character and newline; no <unk>.
 - "words": a few hundred simple English words (lower case and capitalized), one token per other
   printable ASCII character; a letter run that is not a word, and any other character, is <unk>.
+
+"words" is a WordLevel model with its <unk>. "digits" and "letters" have no <unk>, and a
+WordLevel model must name one, so they are Unigram models over single characters (every piece
+scored alike, so each character is its own token) with the role names as added tokens: they
+declare no unknown token, and text they cannot cover fails to encode (Tokenizer names the
+pieces).
 
 `tokenizer_config.json` names the special tokens and carries a Qwen3-style ChatML template, so
 `transformers.AutoTokenizer.from_pretrained(dir)` loads a saved directory with the same ids.
@@ -115,11 +121,20 @@ def _words() -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
 def _word_level(
     pieces: list[str], *, split_pattern: str, unk_token: str | None
 ) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
-    """A WordLevel tokenizer over the special tokens then `pieces`, and its tokenizer config."""
+    """A tokenizer over the special tokens then `pieces`, and its tokenizer config: WordLevel
+    with `unk_token`, else Unigram with no unknown token (see the module docstring)."""
     special_tokens = [*CHATML_SPECIAL_TOKENS, *([unk_token] if unk_token else [])]
-    vocab = {piece: token_id for token_id, piece in enumerate([*special_tokens, *pieces])}
-    assert len(vocab) == len(special_tokens) + len(pieces), "duplicate vocabulary pieces"
-    backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=unk_token))
+    entries = [*special_tokens, *pieces]
+    vocab = {piece: token_id for token_id, piece in enumerate(entries)}
+    assert len(vocab) == len(entries), "duplicate vocabulary pieces"
+    if unk_token is not None:
+        backend = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=unk_token))
+    else:
+        backend = tokenizers.Tokenizer(models.Unigram([(entry, 0.0) for entry in entries]))
+        # Unigram needs each character of a piece in the vocabulary; whole-word pieces (the
+        # role names of "digits") are matched as added tokens before the model sees the text.
+        words = [piece for piece in pieces if len(piece) > 1]
+        backend.add_tokens([tokenizers.AddedToken(w, normalized=False) for w in words])
     backend.pre_tokenizer = pre_tokenizers.Split(
         tokenizers.Regex(split_pattern), behavior="isolated"
     )

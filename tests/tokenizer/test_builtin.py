@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import string
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,14 @@ def test_words_unknown_word_is_unk() -> None:
 def test_characters_outside_alphabet_are_named(name: str, text: str) -> None:
     with pytest.raises(ValueError, match=r"pieces not in the vocabulary: \['(x|\u00e9)'\]"):
         build_builtin_tokenizer(name).encode(text)
+
+
+@pytest.mark.parametrize("name", ["digits", "letters"])
+def test_vocabularies_without_unk_declare_none(name: str, saved_dirs: dict[str, Path]) -> None:
+    """A declared but absent <unk> makes `tokenizers` fail inside and vLLM warn."""
+    saved = json.loads((saved_dirs[name] / "tokenizer.json").read_text())
+    assert "<unk>" not in json.dumps(saved["model"])
+    assert build_builtin_tokenizer(name).unk_token_id is None
 
 
 @pytest.mark.parametrize("name", ["digits", "letters", "words"])
