@@ -166,6 +166,7 @@ class _RLRun:
             self.start, self.state = saved.step, RLLoopState.from_json(saved.loop)
             ranks.on_writer(functools.partial(_truncate_logs, run_dir, before_step=saved.step))
         self.tokenizer, self.task = self.training.get_tokenizer(), config.task.build()
+        self.sft_warmup = config.warmup.build()
         self.evaluate = HeldoutAccuracy(
             training=self.training,
             task=self.task,
@@ -188,13 +189,14 @@ class _RLRun:
         )
 
     def warmup(self) -> None:
-        """The supervised warm-up steps not done yet; evaluates after the last."""
+        """The supervised warm-up steps not done yet, with held-out evaluations every
+        `warmup.eval_every` steps and after the last."""
         num_warmup = self.config.warmup.steps
         if self.start >= num_warmup:
             return
         self.logger.console.print(f"SFT warm-up: {num_warmup} steps")
         self.logger.begin_phase("SFT warm-up", first_step=0, num_steps=num_warmup)
-        self.config.warmup.build().run(
+        self.sft_warmup.run(
             self.training,
             task=self.task,
             tokenizer=self.tokenizer,
@@ -205,8 +207,9 @@ class _RLRun:
         )
 
     def _warmup_step_done(self, step: int, metrics: dict[str, float]) -> None:
-        if step == self.config.warmup.steps - 1:
+        if self.sft_warmup.evaluates_after(step):
             metrics = {**metrics, "eval/accuracy": self.evaluate()}
+        if step == self.config.warmup.steps - 1:
             self.state.warmup_accuracy = metrics["eval/accuracy"]
         self.logger.log(step, metrics)
         self.checkpoints.step_done(step + 1, self.state)

@@ -32,6 +32,9 @@ class SFTWarmup(Configurable):
         """Peak AdamW learning rate."""
         warmup_steps: int = 20
         """Steps of linear learning-rate warm-up."""
+        eval_every: int = 100
+        """Steps between held-out evaluations during the warm-up (plus one after its last
+        step); 0 = only after the last."""
 
         def __post_init__(self) -> None:
             if self.steps < 0 or self.batch_size < 1 or self.learning_rate <= 0:
@@ -40,6 +43,16 @@ class SFTWarmup(Configurable):
                     f"got steps={self.steps}, batch_size={self.batch_size}, "
                     f"learning_rate={self.learning_rate}"
                 )
+            if self.eval_every < 0:
+                raise ValueError(
+                    f"SFTWarmup.Config.eval_every must be >= 0 (0 = only after the last step), "
+                    f"got {self.eval_every}"
+                )
+
+    def evaluates_after(self, step: int) -> bool:
+        """Whether held-out accuracy is measured after warm-up step `step`."""
+        every = self.config.eval_every
+        return step == self.config.steps - 1 or (every > 0 and (step + 1) % every == 0)
 
     def __init__(self, config: Config) -> None:
         self.config = config
