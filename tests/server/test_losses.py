@@ -95,15 +95,27 @@ def test_gspo_in_an_rl_loop_style_step(service, model_dir):
         data = []
         for sequence, reward in zip(response.sequences, rewards, strict=True):
             ob_len, n = len(prompt) - 1, len(sequence.tokens)
+            item = types.Datum(
+                model_input=types.ModelInput.from_ints(prompt + sequence.tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": [0] * ob_len + sequence.tokens,
+                    "logprobs": [0.0] * ob_len + sequence.logprobs,
+                    "advantages": [0.0] * ob_len + [reward - mean] * n,
+                    "sequence_ratio_mask": [0.0] * ob_len + [1.0] * n,
+                },
+            )
+            # rl_loop attaches provenance (with_sampled_provenance); gspo does not read it.
+            sid = sequence.sequence_id
             data.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(prompt + sequence.tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": [0] * ob_len + sequence.tokens,
-                        "logprobs": [0.0] * ob_len + sequence.logprobs,
-                        "advantages": [0.0] * ob_len + [reward - mean] * n,
-                        "sequence_ratio_mask": [0.0] * ob_len + [1.0] * n,
-                    },
+                item.with_provenance(
+                    model_input=[
+                        types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=n - 1),
+                    ],
+                    loss_fn_inputs=[
+                        types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=ob_len),
+                        types.SampledProvenanceSpan(sequence_id=sid, length=n),
+                    ],
                 )
             )
         output = training.forward_backward(data, loss_fn="gspo").result()
