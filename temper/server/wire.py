@@ -6,8 +6,9 @@ rather than copied. Forward/backward requests and the results of forward/backwar
 are protobuf; every byte array is a raw little-endian numpy buffer.
 
 Conventions kept here (they are what the SDK and tinker-cookbook rely on): token ids are int32
-on the wire; 2-D loss inputs may arrive as sparse CSR; per-datum outputs travel as one
-`ArrayRecord` whose BatchedTensors hold the datums back to back with int64 byte offsets;
+on the wire; 2-D loss inputs ([T, K] top-K targets and weights) may arrive as sparse CSR;
+per-datum outputs travel as an `ArrayRecord` whose BatchedTensors hold the datums back to back
+with int64 byte offsets (one record per run of datums with the same trailing shape, e.g. K);
 metric keys are `name:reduction`; prompt logprobs are float32 with NaN where not scored; an
 empty top-k cell is token 0 with logprob -99999.
 """
@@ -45,7 +46,8 @@ MAX_BODY_BYTES = 1 << 30
 """Largest forward_backward body after zstd decompression (a small body may expand hugely)."""
 MAX_SPARSE_VALUES = 1 << 22
 """Most values a sparse CSR loss input may expand to: its shape is not bounded by the body's
-size, and no loss here takes more than one value per token ([T], T <= max_seq_len)."""
+size. Loss inputs hold one value per token ([T], T <= max_seq_len) or, for top-K
+cross_entropy, K per token ([T, K]; e.g. 32k tokens x K=20 is 640k values)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,24 +188,46 @@ def _frombuffer(data: bytes, dtype, *, where: str) -> np.ndarray:
 
 def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
     message = pb.ForwardBackwardOutput(loss_fn_output_type=output.loss_fn_output_type)
-    record = message.loss_fn_outputs.add(
-        type_tag=output.loss_fn_output_type, num_datums=len(output.loss_fn_outputs)
-    )
-    names = output.loss_fn_outputs[0].keys() if output.loss_fn_outputs else ()
-    for name in names:
-        tensors = [datum[name] for datum in output.loss_fn_outputs]
-        np_dtype, wire_dtype = _OUTPUT_DTYPES[tensors[0].dtype]
-        arrays = [np.asarray(tensor.data, dtype=np_dtype) for tensor in tensors]
-        offsets = np.cumsum([0, *(array.nbytes for array in arrays)], dtype=np.int64)
-        batched = record.fields[name]
-        batched.data = b"".join(array.tobytes() for array in arrays)
-        batched.offsets = offsets.tobytes()
-        batched.dtype = wire_dtype
-        batched.trailing_shape.extend(tensors[0].shape[1:])
+    if not output.loss_fn_outputs:
+        message.loss_fn_outputs.add(type_tag=output.loss_fn_output_type, num_datums=0)
+    for chunk in _same_trailing_shapes(output.loss_fn_outputs):
+        record = message.loss_fn_outputs.add(
+            type_tag=output.loss_fn_output_type, num_datums=len(chunk)
+        )
+        for name in chunk[0]:
+            _add_batched(record, name, [datum[name] for datum in chunk])
     for key, value in output.metrics.items():
         # The SDK splits every key on ':' when merging chunks; a bare name would crash it.
         message.metrics[key if ":" in key else f"{key}:mean"] = float(value)
     return message.SerializeToString()
+
+
+def _same_trailing_shapes(
+    outputs: list[dict[str, TensorData]],
+) -> list[list[dict[str, TensorData]]]:
+    """Runs of consecutive datums whose outputs have the same trailing shapes: a BatchedTensor
+    holds one trailing shape (K of [T, K] logprobs), so a call mixing K takes several
+    ArrayRecords, which the SDK concatenates in order."""
+    chunks: list[list[dict[str, TensorData]]] = []
+    previous = None
+    for datum in outputs:
+        key = {name: tensor.shape[1:] for name, tensor in datum.items()}
+        if key != previous:
+            chunks.append([])
+            previous = key
+        chunks[-1].append(datum)
+    return chunks
+
+
+def _add_batched(record: pb.ArrayRecord, name: str, tensors: list[TensorData]) -> None:
+    np_dtype, wire_dtype = _OUTPUT_DTYPES[tensors[0].dtype]
+    arrays = [np.asarray(tensor.data, dtype=np_dtype) for tensor in tensors]
+    offsets = np.cumsum([0, *(array.nbytes for array in arrays)], dtype=np.int64)
+    batched = record.fields[name]
+    batched.data = b"".join(array.tobytes() for array in arrays)
+    batched.offsets = offsets.tobytes()
+    batched.dtype = wire_dtype
+    batched.trailing_shape.extend(tensors[0].shape[1:])
 
 
 # -- sampling: JSON in, protobuf out ----------------------------------------------------------
