@@ -142,3 +142,14 @@ def test_in_process_sampling_client_takes_a_dense_table(tmp_path):
     torch.testing.assert_close(
         response.target_prompt_logprobs.to_torch(), expected, atol=1e-5, rtol=0
     )
+
+
+def test_a_tinker_sdk_sparse_table_is_taken_as_its_cells():
+    tinker_types = pytest.importorskip("tinker.types")
+    ids_RK = torch.full((6, 4), -1)
+    ids_RK[2, 1], ids_RK[4, 3] = 0, 9  # 0 is a real id, not the CSR's implicit value
+    sparse = tinker_types.TensorData.from_torch_sparse(ids_RK, pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    targets = PromptTargets.from_ids(sparse)
+    assert targets == PromptTargets.from_ids(ids_RK)
+    assert torch.equal(targets.to_torch(), ids_RK)
