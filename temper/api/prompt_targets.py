@@ -20,6 +20,7 @@ import torch
 
 PLACEHOLDER = -1
 """A cell naming no token id (Tinker's pad value)."""
+_NOT_INT = "target_prompt_logprobs must hold int64 token ids, got {}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +64,8 @@ class PromptTargets:
         CSR form (`TensorData.from_torch_sparse(ids, pad_value=-1)`; its cells are kept)."""
         crow = getattr(ids_RK, "sparse_crow_indices", None)
         if crow is not None:
-            _check_int_dtype(str(ids_RK.dtype))
+            if str(ids_RK.dtype) != "int64":
+                raise TypeError(_NOT_INT.format(ids_RK.dtype))
             return cls(
                 shape=tuple(ids_RK.shape),
                 crow_indices=tuple(crow),
@@ -111,8 +113,7 @@ class PromptTargets:
 
     def rows_N(self) -> torch.Tensor:
         """The row of each listed cell (row i scores prompt position i + 1)."""
-        counts_R = torch.tensor(self.crow_indices, dtype=torch.int64).diff()
-        return torch.arange(self.shape[0]).repeat_interleave(counts_R)
+        return _rows_N(self.crow_indices)
 
     def to_torch(self) -> torch.Tensor:
         """The dense [len(prompt) - 1, K] int64 table, -1 in the cells not listed."""
@@ -136,12 +137,9 @@ class PromptTargetLogprobs:
 
     def to_torch(self) -> torch.Tensor:
         """The dense [len(prompt) - 1, K] float32 table, 0.0 in the cells not listed."""
-        counts_R = torch.tensor(self.crow_indices, dtype=torch.int64).diff()
-        rows_N = torch.arange(self.shape[0]).repeat_interleave(counts_R)
         table_RK = torch.zeros(self.shape, dtype=torch.float32)
-        table_RK[rows_N, torch.tensor(self.col_indices, dtype=torch.int64)] = torch.tensor(
-            self.logprobs, dtype=torch.float32
-        )
+        cols_N = torch.tensor(self.col_indices, dtype=torch.int64)
+        table_RK[_rows_N(self.crow_indices), cols_N] = torch.tensor(self.logprobs)
         return table_RK
 
     def tolist(self) -> list[list[float]]:
@@ -160,7 +158,7 @@ def _int_table(ids_RK: object) -> torch.Tensor:
             )
         ids_RK = torch.as_tensor(ids_RK)
     if ids_RK.dtype.is_floating_point or ids_RK.dtype.is_complex or ids_RK.dtype == torch.bool:
-        _check_int_dtype(str(ids_RK.dtype).removeprefix("torch."))
+        raise TypeError(_NOT_INT.format(str(ids_RK.dtype).removeprefix("torch.")))
     if ids_RK.ndim != 2:
         raise ValueError(
             "target_prompt_logprobs must be 2-D, [len(prompt) - 1, K], got shape "
@@ -169,6 +167,7 @@ def _int_table(ids_RK: object) -> torch.Tensor:
     return ids_RK.to(torch.int64)
 
 
-def _check_int_dtype(dtype: str) -> None:
-    if dtype not in ("int64", "int32"):
-        raise TypeError(f"target_prompt_logprobs must hold int64 token ids, got {dtype}")
+def _rows_N(crow_indices: tuple[int, ...]) -> torch.Tensor:
+    """The row of each listed cell, from CSR row pointers."""
+    counts_R = torch.tensor(crow_indices, dtype=torch.int64).diff()
+    return torch.arange(len(crow_indices) - 1).repeat_interleave(counts_R)
