@@ -110,6 +110,13 @@ def check_sample(call: SampleCall, *, limits: ModelLimits) -> None:
         value = getattr(call, name)
         if not 0 <= value <= vocab_size:
             raise BadRequest(f"sample: {name} must be in 0..{vocab_size}, got {value}")
+    if call.target_prompt_logprobs is not None:
+        try:
+            call.target_prompt_logprobs.check(
+                prompt_length=call.prompt.length, vocab_size=vocab_size
+            )
+        except ValueError as error:
+            raise BadRequest(f"sample: {error}") from None
     bad = [token for token in call.params.stop_token_ids if token >= vocab_size]
     if bad:
         raise BadRequest(

@@ -22,6 +22,7 @@ import numpy as np
 from tinker import types as tinker_types
 from tinker.proto import tinker_public_pb2 as pb
 
+from temper.api.prompt_targets import PromptTargets
 from temper.api.types import (
     AdamParams,
     Datum,
@@ -34,6 +35,7 @@ from temper.api.types import (
     TopkLogprobs,
 )
 from temper.server.errors import BadRequest
+from temper.server.target_wire import decode_targets, encode_target_logprobs
 
 _TENSOR_DTYPES = {
     pb.DTYPE_FLOAT32: (np.dtype(np.float32), "float32"),
@@ -69,6 +71,9 @@ class SampleCall:
     topk_prompt_logprobs: int
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int | None
+    target_prompt_logprobs: PromptTargets | None = None
+    target_sparse: bool = False
+    """The targets came as sparse CSR, and their answer goes back in the same layout."""
 
 
 # -- forward_backward: protobuf in, protobuf out ----------------------------------------------
@@ -234,8 +239,6 @@ def _add_batched(record: pb.ArrayRecord, name: str, tensors: list[TensorData]) -
 
 
 def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
-    if request.target_prompt_logprobs is not None:
-        raise BadRequest("target_prompt_logprobs is not supported by this server")
     if request.prompt_alt_tokens_k:
         raise BadRequest("prompt_alt_tokens_k is not supported by this server; send 0")
     if request.record_stability_info:
@@ -256,6 +259,7 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         raise BadRequest(f"sampling_params: {error}") from None
     topk_prompt = request.topk_prompt_logprobs
     last_n = request.prompt_logprobs_last_n
+    targets = request.target_prompt_logprobs
     if last_n is not None and not 1 <= last_n <= prompt.length - 1:
         raise BadRequest(
             f"prompt_logprobs_last_n must be in [1, {prompt.length - 1}] (prompt length - 1), "
@@ -269,6 +273,8 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         topk_prompt_logprobs=topk_prompt,
         topk_sample_logprobs=request.topk_sample_logprobs,
         prompt_logprobs_last_n=last_n,
+        target_prompt_logprobs=None if targets is None else decode_targets(targets),
+        target_sparse=targets is not None and targets.sparse_crow_indices is not None,
     )
 
 
@@ -313,6 +319,10 @@ def encode_sample_response(
             for position, row in enumerate(response.topk_prompt_logprobs)
         ]
         message.topk_prompt_logprobs.CopyFrom(_topk(rows, k=call.topk_prompt_logprobs))
+    if call.target_prompt_logprobs is not None and response.target_prompt_logprobs is not None:
+        message.target_prompt_logprobs.CopyFrom(
+            encode_target_logprobs(response.target_prompt_logprobs, sparse=call.target_sparse)
+        )
     return message.SerializeToString()
 
 
