@@ -95,7 +95,8 @@ class SnapshotRetention:
                 return self._gone.get(snapshot_id)
             now = self._clock()
             if now - snapshot.last_used > self.idle_seconds:
-                return self._evict(snapshot_id, reason=self._age_reason())[1]
+                self._evict(snapshot_id, reason=self._age_reason())
+                return self._gone[snapshot_id]
             snapshot.last_used = now
             return None
 
@@ -113,16 +114,16 @@ class SnapshotRetention:
     def _evict_idle(self) -> list[str]:
         now = self._clock()
         idle = [sid for sid, snap in self._live.items() if now - snap.last_used > self.idle_seconds]
-        return [self._evict(sid, reason=self._age_reason())[0] for sid in idle]
+        return [self._evict(sid, reason=self._age_reason()) for sid in idle]
 
-    def _evict(self, snapshot_id: str, *, reason: str) -> tuple[str, str]:
+    def _evict(self, snapshot_id: str, *, reason: str) -> str:
         snapshot = self._live.pop(snapshot_id)
         if self._newest.get(snapshot.model_id) == snapshot_id:
             del self._newest[snapshot.model_id]
         self._gone[snapshot_id] = reason
         while len(self._gone) > _REMEMBERED:
             self._gone.popitem(last=False)
-        return snapshot_id, reason
+        return snapshot_id
 
     def _budget_reason(self) -> str:
         return (

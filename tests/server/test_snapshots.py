@@ -65,6 +65,9 @@ def test_a_snapshot_evicted_by_the_budget_answers_404_saying_why(tight_server, m
     assert "snapshot memory budget (--snapshot-memory-mb 0" in message
     assert "raise --snapshot-memory-mb to keep more" in message
     assert newer.sample(prompt, 1, GREEDY).result().sequences  # the newest always stays
+    # The server let go of the evicted one (its sampler copy with it).
+    session = tight_server.rest().get_session(training.model_id.split(":")[0]).result()
+    assert len(session.sampler_ids) == 1
     service.close("success").result()
 
 
