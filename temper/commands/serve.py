@@ -23,6 +23,7 @@ def serve(argv: Sequence[str]) -> int:
         import uvicorn
 
         from temper.server import TemperServer, create_app
+        from temper.server.request_log import configure_logging
         from temper.server.security import check_bind
     except ImportError as error:
         print(
@@ -67,6 +68,7 @@ def serve(argv: Sequence[str]) -> int:
             print(f"temper serve: error: {error}", file=sys.stderr)
             return 2
         return serve_ranks.start_ranks(argv, nproc=nproc)
+    configure_logging(config.log_level)
     try:
         check_bind(config.host, config.api_key)
         server = config.build()
@@ -78,5 +80,11 @@ def serve(argv: Sequence[str]) -> int:
         f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root})",
         flush=True,
     )
-    uvicorn.run(create_app(server), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(
+        create_app(server),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,  # the request log (temper.server.requests) has every request
+    )
     return 0

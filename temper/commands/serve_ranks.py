@@ -80,6 +80,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
     """One rank of `temper serve` under torchrun (every rank calls this)."""
     from temper.client.service_client import ServiceClient
     from temper.server.replicated import ReplicatedService, follow, replay_ranks
+    from temper.server.request_log import configure_logging
     from temper.server.security import check_bind
     from temper.trainer.sharding import Sharding
 
@@ -102,6 +103,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
                 sampler=config.sampler,
             )
             if ranks.is_writer:
+                configure_logging(config.log_level)
                 backend = ReplicatedService(service, ranks=ranks)
                 server = config.build(backend=backend)
         except (ValueError, FileNotFoundError) as caught:
@@ -142,7 +144,13 @@ def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) 
         flush=True,
     )
     uvicorn_server = uvicorn.Server(
-        uvicorn.Config(create_app(server), host=config.host, port=config.port, log_level="warning")
+        uvicorn.Config(
+            create_app(server),
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,  # the request log (temper.server.requests) has every request
+        )
     )
     if stop_on_stdin_eof:
         threading.Thread(target=_stop_on_eof, args=(uvicorn_server,), daemon=True).start()

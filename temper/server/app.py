@@ -8,7 +8,10 @@ does not need (JWT exchange, parallel forward/backward chunks, server-side custo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -17,9 +20,10 @@ from starlette.exceptions import HTTPException
 from tinker import types as tinker_types
 
 from temper.server.catalog import new_session_id
-from temper.server.errors import USER_ERRORS, RequestError, error_body
+from temper.server.errors import USER_ERRORS, BadRequest, RequestError, error_body
+from temper.server.request_log import RequestLog
 from temper.server.responses import json_response
-from temper.server.runs_routes import runs_router
+from temper.server.runs_routes import check_page, runs_router
 from temper.server.sampling_routes import hot_routes, sampling_router
 from temper.server.security import key_checker
 from temper.server.server import Session, TemperServer
@@ -43,8 +47,10 @@ def create_app(server: TemperServer) -> FastAPI:
     app = FastAPI(
         title="Temper (Tinker-compatible)",
         dependencies=[Depends(key_checker(server.config.api_key))],
+        lifespan=_sweeping(server),
     )
     app.state.server = server
+    app.add_middleware(RequestLog)
     _add_error_handlers(app)
     app.include_router(_session_router(server))
     app.include_router(training_router(server))
@@ -71,7 +77,12 @@ def _session_router(server: TemperServer):
     @router.post("/create_session")
     async def create_session(body: tinker_types.CreateSessionRequest) -> Response:
         session_id = new_session_id()
-        server.sessions[session_id] = Session(session_id=session_id)
+        metadata = body.user_metadata
+        server.sessions[session_id] = Session(
+            session_id=session_id,
+            user_metadata=None if metadata is None else {k: str(v) for k, v in metadata.items()},
+            display_name=body.display_name,
+        )
         log.info("session %s (sdk %s)", session_id, body.sdk_version)
         return json_response(
             tinker_types.CreateSessionResponse(
@@ -87,6 +98,35 @@ def _session_router(server: TemperServer):
             return JSONResponse(error_body("session is gone"), status_code=410)
         return json_response(tinker_types.SessionHeartbeatResponse())
 
+    @router.get("/sessions")
+    async def list_sessions(
+        limit: int = 20, offset: int = 0, access_scope: str = "owned"
+    ) -> Response:
+        # One user per server: "owned" and "accessible" list the same sessions.
+        if access_scope not in ("owned", "accessible"):
+            raise BadRequest(f"access_scope must be 'owned' or 'accessible', got {access_scope!r}")
+        check_page(limit=limit, offset=offset)
+        newest_first = list(reversed(server.sessions))
+        return json_response(
+            tinker_types.ListSessionsResponse(sessions=newest_first[offset : offset + limit])
+        )
+
+    @router.get("/sessions/{session_id}")
+    async def get_session(session_id: str, access_scope: str = "owned") -> Response:
+        session = server.session(session_id)
+        return json_response(
+            tinker_types.GetSessionResponse(
+                training_run_ids=list(session.model_ids),
+                sampler_ids=[
+                    sampler_id
+                    for sampler_id in session.sampling_session_ids
+                    if sampler_id in server.sampling_sessions
+                ],
+                user_metadata=session.user_metadata,
+                display_name=session.display_name,
+            )
+        )
+
     @router.post("/sessions/{session_id}/finish")
     async def finish(session_id: str) -> Response:
         server.finish_session(session_id)
@@ -101,6 +141,32 @@ def _session_router(server: TemperServer):
         return json_response(tinker_types.HealthResponse(status="ok"))
 
     return router
+
+
+def _sweeping(server: TemperServer):
+    """The app's lifespan: a task that runs `server.sweep()` (expired checkpoints, idle
+    snapshots) every `checkpoint_sweep_seconds` while the app serves."""
+
+    async def sweep_forever() -> None:
+        while True:
+            await asyncio.sleep(server.config.checkpoint_sweep_seconds)
+            try:
+                deleted = await asyncio.to_thread(server.sweep)
+            except Exception:
+                log.exception("checkpoint sweep failed")
+                continue
+            for path in deleted:
+                log.info("checkpoint %s expired (ttl_seconds) and was deleted", path)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(sweep_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return lifespan
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -19,6 +19,7 @@ from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
 from temper.server.errors import BadRequest, NotFound
+from temper.server.expiry import CheckpointExpiry
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -53,6 +54,7 @@ class CheckpointCatalog:
 
     def __init__(self, storage: CheckpointStorage) -> None:
         self.storage = storage
+        self.expiry = CheckpointExpiry(storage)
 
     def parse(self, path: str, *, kind: str | None = None) -> CheckpointPath:
         """A `tinker://` path to an existing checkpoint (of `kind`, when given)."""
@@ -93,6 +95,7 @@ class CheckpointCatalog:
             time=_mtime(directory),
             tinker_path=str(path),
             size_bytes=sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()),
+            expires_at=self.expiry.get(path),
         )
 
     def training_run(
@@ -164,6 +167,7 @@ class CheckpointCatalog:
     def delete(self, path: str) -> CheckpointPath:
         parsed = self.parse(path)
         self.storage.delete(parsed)
+        self.expiry.set(parsed, expires_at=None)
         return parsed
 
 

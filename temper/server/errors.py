@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from temper.server import request_log
+
 Category = Literal["user", "server", "unknown"]
 
 USER_ERRORS: tuple[type[Exception], ...] = (
@@ -48,4 +50,5 @@ def category_of(error: BaseException) -> Category:
 
 
 def error_body(message: str, *, category: Category = "user") -> dict[str, str]:
+    request_log.note_error(category, message)
     return {"detail": message, "category": category}

@@ -10,6 +10,7 @@ import pydantic
 from fastapi import Response
 from tinker import types as tinker_types
 
+from temper.server import request_log
 from temper.server.scheduler import JSON, PROTOBUF, Answer
 
 
@@ -30,6 +31,7 @@ def protobuf_answer(content: bytes) -> Answer:
 def future_response(
     request_id: str, *, model_id: str | None = None, sample_sequence_ids: list[str] | None = None
 ) -> Response:
+    request_log.note(request=request_id)
     return json_response(
         tinker_types.UntypedAPIFuture(
             request_id=request_id, model_id=model_id, sample_sequence_ids=sample_sequence_ids

@@ -1,5 +1,5 @@
 """Session-less REST routes: training runs (one, or a page of all), checkpoints (of a run, or a
-page of all), weights info, capabilities.
+page of all; a checkpoint's TTL), weights info, capabilities.
 
 These read the storage directory, so they answer for runs saved before a restart too.
 """
@@ -7,11 +7,13 @@ These read the storage directory, so they answer for runs saved before a restart
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from tinker import types as tinker_types
 
 from temper.server.catalog import checked
 from temper.server.errors import BadRequest
+from temper.server.expiry import check_ttl
 from temper.server.responses import json_response
 from temper.server.server import TemperServer
 
@@ -23,7 +25,12 @@ class WeightsInfoRequest(BaseModel):
     tinker_path: str
 
 
-def _check_page(*, limit: int, offset: int) -> None:
+class CheckpointTtlRequest(BaseModel):
+    ttl_seconds: int | None
+    """Seconds from now until the checkpoint expires (3600 .. 10 years), or null: never."""
+
+
+def check_page(*, limit: int, offset: int) -> None:
     if not 1 <= limit <= MAX_PAGE:
         raise BadRequest(f"limit must be in 1..{MAX_PAGE}, got {limit}")
     if offset < 0:
@@ -38,7 +45,7 @@ def runs_router(server: TemperServer) -> APIRouter:
     async def training_runs(
         limit: int = 20, offset: int = 0, project_id: str | None = None
     ) -> Response:
-        _check_page(limit=limit, offset=offset)
+        check_page(limit=limit, offset=offset)
         if project_id is not None:
             raise BadRequest("project_id: this server has no projects; list without it")
         times = {run_id: model.last_request_time for run_id, model in server.models.items()}
@@ -48,7 +55,7 @@ def runs_router(server: TemperServer) -> APIRouter:
 
     @router.get("/checkpoints")
     async def all_checkpoints(limit: int = 100, offset: int = 0) -> Response:
-        _check_page(limit=limit, offset=offset)
+        check_page(limit=limit, offset=offset)
         return json_response(catalog.all_checkpoints(limit=limit, offset=offset))
 
     @router.get("/training_runs/{training_run_id}")
@@ -65,6 +72,17 @@ def runs_router(server: TemperServer) -> APIRouter:
         return json_response(
             tinker_types.CheckpointsListResponse(checkpoints=catalog.checkpoints(training_run_id))
         )
+
+    # Declared before the DELETE below, whose {checkpoint_id:path} also matches ".../ttl".
+    @router.put("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(
+        training_run_id: str, checkpoint_id: str, body: CheckpointTtlRequest
+    ) -> Response:
+        run_id = checked(training_run_id, field="training run id")
+        ttl_seconds = check_ttl(body.ttl_seconds)
+        path = catalog.parse(f"tinker://{run_id}/{checkpoint_id}")
+        expires_at = catalog.expiry.set_ttl(path, ttl_seconds)
+        return JSONResponse({"expires_at": None if expires_at is None else expires_at.isoformat()})
 
     @router.delete("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}")
     async def delete_checkpoint(training_run_id: str, checkpoint_id: str) -> Response:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
-from temper.server import wire
+from temper.server import request_log, wire
 from temper.server.catalog import new_sampling_session_id
 from temper.server.coalescer import SampleCoalescer
 from temper.server.errors import BadRequest
@@ -133,6 +133,7 @@ def hot_routes(server: TemperServer) -> list[Route]:
         return future_response(request_id, sample_sequence_ids=sequence_ids)
 
     async def retrieve_future(body: tinker_types.FutureRetrieveRequest) -> Response:
+        request_log.note(request=body.request_id)
         answer = await server.scheduler.retrieve(
             body.request_id, timeout=server.config.poll_seconds
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +27,19 @@ from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
 from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
+from temper.server import request_log
 from temper.server.catalog import CheckpointCatalog
 from temper.server.errors import NotFound
 from temper.server.scheduler import Scheduler
+from temper.server.snapshots import (
+    MIB,
+    SnapshotRetention,
+    device_memory_bytes,
+    sampler_copy_bytes,
+)
 from temper.trainer.engine import TrainerEngine
+
+log = logging.getLogger("temper.server")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +59,6 @@ class ServedModel:
     lora_rank: int | None
     training: TrainingBackend | None = None
     """Set once the creating request has run on the model's queue."""
-    snapshots: list[str] = field(default_factory=list)
-    """Its live ephemeral sampling sessions (save_weights_and_get_sampling_client), oldest first."""
     last_request_time: datetime.datetime = field(default_factory=lambda: _now())
 
 
@@ -68,6 +76,8 @@ class SamplingSession:
 @dataclass
 class Session:
     session_id: str
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
     model_ids: list[str] = field(default_factory=list)
     sampling_session_ids: list[str] = field(default_factory=list)
 
@@ -107,11 +117,18 @@ class TemperServer(Configurable):
         sample_max_hold_s: float = 0.1
         """Longest a sample waits for more to batch with (a steady stream still starts); also
         the gap after which a client's next sample opens a new burst."""
-        snapshots_per_model: int = 1
-        """Ephemeral sampling sessions (save_weights_and_get_sampling_client) kept per training
-        model; making one more expires the oldest (sampling on it then answers 404). Tinker
-        has no call to release them, and each live one costs a sampler copy when the weights
-        change; raise this for loops that sample from older policies (async RL)."""
+        snapshot_memory_mb: float | None = None
+        """Memory budget for older sampling snapshots (save_weights_and_get_sampling_client):
+        each live one but its model's newest holds a sampler copy (weights + KV cache) once
+        the weights change; taking a snapshot first evicts the least recently sampled ones
+        until the copies fit (sampling on an evicted one answers 404 saying why). None: a
+        quarter of the device's memory (--device cuda: the GPU's; cpu: the machine's RAM)."""
+        snapshot_idle_seconds: float = 3600.0
+        """A sampling snapshot not sampled for this long expires (404 saying why)."""
+        checkpoint_sweep_seconds: float = 60.0
+        """How often expired checkpoints (ttl_seconds) are deleted and idle snapshots dropped."""
+        log_level: Literal["debug", "info", "warning", "error"] = "info"
+        """Server log level on stderr; 'info' logs one line per request."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
 
@@ -121,11 +138,16 @@ class TemperServer(Configurable):
                     f"TemperServer.Config.poll_seconds must be in (0, 40] (the SDK times a poll "
                     f"out at 45 s), got {self.poll_seconds}"
                 )
-            if self.snapshots_per_model < 1:
+            if self.snapshot_memory_mb is not None and self.snapshot_memory_mb < 0:
                 raise ValueError(
-                    "TemperServer.Config.snapshots_per_model must be >= 1, got "
-                    f"{self.snapshots_per_model}"
+                    "TemperServer.Config.snapshot_memory_mb must be >= 0 or None (a quarter of "
+                    f"the device's memory), got {self.snapshot_memory_mb}"
                 )
+            for name in ("snapshot_idle_seconds", "checkpoint_sweep_seconds"):
+                if not getattr(self, name) > 0:
+                    raise ValueError(
+                        f"TemperServer.Config.{name} must be > 0, got {getattr(self, name)}"
+                    )
             if not 0 <= self.sample_window_s <= self.sample_max_hold_s:
                 raise ValueError(
                     "TemperServer.Config.sample_window_s must be in [0, sample_max_hold_s "
@@ -175,17 +197,29 @@ class TemperServer(Configurable):
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
+        copy_bytes = sampler_copy_bytes(decoder, sampler=config.sampler, dtype=config.dtype)
+        budget_mb = config.snapshot_memory_mb
+        self.snapshots = SnapshotRetention(
+            copy_bytes=copy_bytes,
+            budget_bytes=int(budget_mb * MIB)
+            if budget_mb is not None
+            else device_memory_bytes(config.device) // 4,
+            idle_seconds=config.snapshot_idle_seconds,
+        )
+        _log_retention(self.snapshots)
         self._shared_samplers: dict[str, SamplingBackend] = {}
         self._shared_lock = threading.Lock()
 
     # -- lookups (each raises NotFound naming what is unknown) --------------------------------
 
     def session(self, session_id: str) -> Session:
+        request_log.note(session=session_id)
         if session_id not in self.sessions:
             raise NotFound(f"unknown session {session_id!r}; create one with create_session")
         return self.sessions[session_id]
 
     def model(self, model_id: str) -> ServedModel:
+        request_log.note(model=model_id)
         if model_id not in self.models:
             raise NotFound(f"unknown model id {model_id!r}")
         served = self.models[model_id]
@@ -199,6 +233,11 @@ class TemperServer(Configurable):
         return served.training
 
     def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+        request_log.note(sampler=sampling_session_id)
+        gone = self.snapshots.use(sampling_session_id)
+        if gone is not None:
+            self.sampling_sessions.pop(sampling_session_id, None)
+            raise NotFound(f"sampling session {sampling_session_id!r} is gone: {gone}")
         if sampling_session_id not in self.sampling_sessions:
             raise NotFound(f"unknown sampling session {sampling_session_id!r}")
         return self.sampling_sessions[sampling_session_id]
@@ -226,10 +265,31 @@ class TemperServer(Configurable):
         if session_id in self.sessions:
             self.sessions[session_id].sampling_session_ids.append(sampling.sampling_session_id)
 
-    def expire_snapshots(self, served: ServedModel, *, keep: int) -> None:
-        """Drop all but the newest `keep` ephemeral sampling sessions of a model."""
-        while len(served.snapshots) > keep:
-            self.sampling_sessions.pop(served.snapshots.pop(0), None)
+    def make_room_for_snapshot(self, served: ServedModel) -> None:
+        """Evict the snapshots the retention rules drop before `served` takes one (a live
+        one would make the backend copy its sampler at the next weight change)."""
+        for snapshot_id in self.snapshots.make_room(served.model_id):
+            self.sampling_sessions.pop(snapshot_id, None)
+
+    def add_snapshot(self, served: ServedModel, sampling: SamplingSession) -> None:
+        self.add_sampling_session(served.session_id, sampling)
+        self.snapshots.add(sampling.sampling_session_id, model_id=served.model_id)
+
+    def sweep(self, *, now: datetime.datetime | None = None) -> list[str]:
+        """Delete the checkpoints whose TTL ran out and drop idle snapshots; returns the
+        deleted checkpoint paths (the periodic sweep calls this)."""
+        for snapshot_id in self.snapshots.evict_idle():
+            self.sampling_sessions.pop(snapshot_id, None)
+        deleted = []
+        for path in self.catalog.expiry.expired(at=now or _now()):
+            try:
+                self.catalog.delete(str(path))
+            except NotFound:  # deleted by hand meanwhile
+                self.catalog.expiry.set(path, expires_at=None)
+                continue
+            self.forget_sampler(str(path))
+            deleted.append(str(path))
+        return deleted
 
     def shared_sampler(self, key: str, build: Any) -> SamplingBackend:
         """One backend sampling client per base model / sampler checkpoint (thread-safe)."""
@@ -248,6 +308,7 @@ class TemperServer(Configurable):
             return
         for model_id in session.model_ids:
             self.drop_model(model_id)
+            self.snapshots.drop_model(model_id)
         for sampling_session_id in session.sampling_session_ids:
             self.sampling_sessions.pop(sampling_session_id, None)
 
@@ -257,7 +318,28 @@ class TemperServer(Configurable):
             "fine_tuning": self.config.fine_tuning,
             "compute_threads": torch.get_num_threads(),
             "limits": dataclasses.asdict(self.limits),
+            "snapshot_copy_mib": round(self.snapshots.copy_bytes / MIB, 1),
+            "snapshot_memory_mib": round(self.snapshots.budget_bytes / MIB, 1),
         }
+
+
+def _log_retention(snapshots: SnapshotRetention) -> None:
+    copy_mib, budget_mib = snapshots.copy_bytes / MIB, snapshots.budget_bytes / MIB
+    if snapshots.num_copies_in_budget == 0:
+        log.warning(
+            "--snapshot-memory-mb %.0f holds no sampler copy (%.1f MiB each): only each "
+            "model's newest sampling snapshot stays valid (a DPO reference client does not)",
+            budget_mib,
+            copy_mib,
+        )
+    log.info(
+        "sampling snapshots: %.1f MiB per older snapshot, budget %.0f MiB (%d copies), "
+        "idle expiry %g s",
+        copy_mib,
+        budget_mib,
+        snapshots.num_copies_in_budget,
+        snapshots.idle_seconds,
+    )
 
 
 def _now() -> datetime.datetime:

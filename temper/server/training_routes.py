@@ -14,7 +14,9 @@ from temper.checkpoint.storage import CheckpointPath
 from temper.server import wire
 from temper.server.catalog import checked, model_id, new_sampling_session_id
 from temper.server.errors import BadRequest
+from temper.server.expiry import check_ttl
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
+from temper.server.scheduler import Answer
 from temper.server.server import SamplingSession, ServedModel, TemperServer
 from temper.server.validation import check_lora, check_training_data
 
@@ -137,10 +139,16 @@ def training_router(server: TemperServer) -> APIRouter:
         target = CheckpointPath(served.model_id, "weights", name)
         if server.catalog.exists(target) and not body.overwrite:
             raise BadRequest(f"checkpoint {target} exists already; pass overwrite=True")
+        ttl_seconds = check_ttl(body.ttl_seconds)
+
+        def saved(result) -> Answer:
+            server.catalog.expiry.set_ttl(target, ttl_seconds)
+            return json_answer(tinker_types.SaveWeightsResponse(path=result.path))
+
         request_id = queue(
             served,
             lambda: server.training(served).save_state(name, overwrite=body.overwrite),
-            encode=lambda result: json_answer(tinker_types.SaveWeightsResponse(path=result.path)),
+            encode=saved,
             seq_id=body.seq_id,
         )
         return future_response(request_id, model_id=served.model_id)
@@ -176,17 +184,24 @@ def training_router(server: TemperServer) -> APIRouter:
         body: tinker_types.SaveWeightsForSamplerRequest,
     ) -> Response:
         served = server.model(body.model_id)
+        # Snapshots follow the snapshot retention rules; a TTL applies to named checkpoints.
+        ttl_seconds = check_ttl(body.ttl_seconds)
         if body.path is not None:
             name = checked(body.path, field="checkpoint name")
             target = CheckpointPath(served.model_id, "sampler_weights", name)
             if server.catalog.exists(target):
                 raise BadRequest(f"sampler checkpoint {target} exists already; choose another name")
+
+            def saved(result) -> Answer:
+                server.catalog.expiry.set_ttl(target, ttl_seconds)
+                return json_answer(
+                    tinker_types.SaveWeightsForSamplerResponseInternal(path=result.path)
+                )
+
             request_id = queue(
                 served,
                 lambda: server.training(served).save_weights_for_sampler(name),
-                encode=lambda result: json_answer(
-                    tinker_types.SaveWeightsForSamplerResponseInternal(path=result.path)
-                ),
+                encode=saved,
                 seq_id=body.seq_id,
             )
             return future_response(request_id, model_id=served.model_id)
@@ -199,8 +214,7 @@ def training_router(server: TemperServer) -> APIRouter:
                 model_path=None,
                 lineage=served.model_id,
             )
-            server.add_sampling_session(served.session_id, sampling)
-            served.snapshots.append(sampling.sampling_session_id)
+            server.add_snapshot(served, sampling)
             return json_answer(
                 tinker_types.SaveWeightsForSamplerResponseInternal(
                     sampling_session_id=sampling.sampling_session_id
@@ -208,8 +222,7 @@ def training_router(server: TemperServer) -> APIRouter:
             )
 
         def make_snapshot():
-            # Expire old snapshots first: a live one would make the backend copy its sampler.
-            server.expire_snapshots(served, keep=server.config.snapshots_per_model - 1)
+            server.make_room_for_snapshot(served)
             return server.training(served).save_weights_and_get_sampling_client()
 
         request_id = queue(

@@ -1,0 +1,156 @@
+"""How long sampling snapshots (`save_weights_and_get_sampling_client`) stay valid.
+
+Tinker has no call that releases a snapshot, so the server decides. A live snapshot other
+than its model's newest holds a sampler copy of its own once the trainer's weights change
+(copy-on-write, temper/client/weight_sync.py); each such copy is counted at `copy_bytes` (the
+sampler's weights and KV cache). Two rules, both Temper's own (Tinker publishes none):
+
+- memory: taking a snapshot first evicts the least recently used snapshots until the copies
+  the server would then hold fit `budget_bytes`. A model's newest snapshot costs no copy (it
+  reads the trainer's sampler), so the memory rule never evicts it.
+- age: a snapshot not sampled for `idle_seconds` expires (checked when it is looked up, when
+  a snapshot is taken and by the server's periodic sweep).
+
+A reference client that is sampled every step (DPO) thus outlives any number of snapshots
+that are taken, used once and dropped (evaluators, an RL loop's previous policies). An evicted
+snapshot's id is remembered with the reason, so sampling on it answers 404 saying why and
+which setting keeps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from temper.models.build import materialize, parse_dtype
+from temper.models.common.decoder import DecoderConfig
+from temper.sampler.engine import SamplerEngine
+
+MIB = 2**20
+_REMEMBERED = 10_000
+"""Evicted ids whose reason is kept (oldest forgotten first)."""
+
+
+@dataclass
+class _Snapshot:
+    model_id: str
+    last_used: float
+
+
+class SnapshotRetention:
+    """Which snapshots are live; every method is thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        copy_bytes: int,
+        budget_bytes: int,
+        idle_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.copy_bytes = copy_bytes
+        self.budget_bytes = budget_bytes
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._live: dict[str, _Snapshot] = {}
+        self._newest: dict[str, str] = {}  # model id -> its newest snapshot
+        self._gone: OrderedDict[str, str] = OrderedDict()  # evicted id -> why
+
+    @property
+    def num_copies_in_budget(self) -> int:
+        return self.budget_bytes // max(self.copy_bytes, 1)
+
+    def make_room(self, model_id: str) -> list[str]:
+        """Before `model_id` takes a snapshot: evict idle snapshots, then the least recently
+        used ones until the copies held afterwards fit the budget; returns the evicted ids."""
+        with self._lock:
+            evicted = self._evict_idle()
+            # Once the new snapshot exists, the model's current newest one costs a copy too.
+            copies = [sid for sid in self._live if sid not in self._newest.values()]
+            copies += [self._newest[model_id]] if model_id in self._newest else []
+            copies.sort(key=lambda sid: self._live[sid].last_used)
+            while copies and len(copies) * self.copy_bytes > self.budget_bytes:
+                evicted.append(self._evict(copies.pop(0), reason=self._budget_reason()))
+            return evicted
+
+    def add(self, snapshot_id: str, *, model_id: str) -> None:
+        with self._lock:
+            self._live[snapshot_id] = _Snapshot(model_id=model_id, last_used=self._clock())
+            self._newest[model_id] = snapshot_id
+
+    def use(self, snapshot_id: str) -> str | None:
+        """Mark a snapshot used now; returns why it is gone if it is (else None). Ids that are
+        not snapshots (base model and checkpoint sessions) pass through as None."""
+        with self._lock:
+            snapshot = self._live.get(snapshot_id)
+            if snapshot is None:
+                return self._gone.get(snapshot_id)
+            now = self._clock()
+            if now - snapshot.last_used > self.idle_seconds:
+                self._evict(snapshot_id, reason=self._age_reason())
+                return self._gone[snapshot_id]
+            snapshot.last_used = now
+            return None
+
+    def evict_idle(self) -> list[str]:
+        with self._lock:
+            return self._evict_idle()
+
+    def drop_model(self, model_id: str) -> None:
+        """Forget a model's snapshots (its session finished)."""
+        with self._lock:
+            for snapshot_id in [s for s, snap in self._live.items() if snap.model_id == model_id]:
+                self._evict(snapshot_id, reason="its session finished")
+            self._newest.pop(model_id, None)
+
+    def _evict_idle(self) -> list[str]:
+        now = self._clock()
+        idle = [sid for sid, snap in self._live.items() if now - snap.last_used > self.idle_seconds]
+        return [self._evict(sid, reason=self._age_reason()) for sid in idle]
+
+    def _evict(self, snapshot_id: str, *, reason: str) -> str:
+        snapshot = self._live.pop(snapshot_id)
+        if self._newest.get(snapshot.model_id) == snapshot_id:
+            del self._newest[snapshot.model_id]
+        self._gone[snapshot_id] = reason
+        while len(self._gone) > _REMEMBERED:
+            self._gone.popitem(last=False)
+        return snapshot_id
+
+    def _budget_reason(self) -> str:
+        return (
+            f"evicted to fit the snapshot memory budget (--snapshot-memory-mb "
+            f"{self.budget_bytes / MIB:g}; each older snapshot holds a sampler copy of "
+            f"{self.copy_bytes / MIB:.1f} MiB; the least recently used goes first); raise "
+            "--snapshot-memory-mb to keep more"
+        )
+
+    def _age_reason(self) -> str:
+        return (
+            f"expired after {self.idle_seconds:g} s without a sample (--snapshot-idle-seconds); "
+            "raise --snapshot-idle-seconds to keep idle snapshots longer"
+        )
+
+
+def sampler_copy_bytes(decoder: DecoderConfig, *, sampler: SamplerEngine.Config, dtype: str) -> int:
+    """What one sampler copy of `decoder` holds: its weights and its KV cache."""
+    model = materialize(decoder, device="meta", dtype=dtype, init="empty")  # allocates nothing
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    max_seq_len = min(sampler.max_seq_len, decoder.max_seq_len)
+    sampler = dataclasses.replace(sampler, max_seq_len=max_seq_len)
+    return weight_bytes + sampler.kv_cache_bytes(decoder, dtype=parse_dtype(dtype))
+
+
+def device_memory_bytes(device: str) -> int:
+    """The device's total memory: the GPU's for a CUDA device, else the machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
