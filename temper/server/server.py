@@ -29,6 +29,7 @@ from temper.sampler.engine import SamplerEngine
 from temper.server.catalog import CheckpointCatalog
 from temper.server.errors import NotFound
 from temper.server.scheduler import Scheduler
+from temper.server.stability import StabilityStore
 from temper.trainer.engine import TrainerEngine
 
 
@@ -63,6 +64,8 @@ class SamplingSession:
     lineage: str
     """What its samples batch like: the training model of a snapshot, else the checkpoint
     path or base model (the coalescer expects each burst of a lineage to match the last)."""
+    session_id: str
+    """The session that created it: it owns the sequences recorded from it."""
 
 
 @dataclass
@@ -112,6 +115,8 @@ class TemperServer(Configurable):
         model; making one more expires the oldest (sampling on it then answers 404). Tinker
         has no call to release them, and each live one costs a sampler copy when the weights
         change; raise this for loops that sample from older policies (async RL)."""
+        stability: StabilityStore.Config = field(default_factory=StabilityStore.Config)
+        """Sequences sampled with record_stability_info, for stable_reinforce."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
 
@@ -172,6 +177,7 @@ class TemperServer(Configurable):
             )
         self.backend = backend
         self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)
+        self.stability = config.stability.build()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
@@ -250,6 +256,7 @@ class TemperServer(Configurable):
             self.drop_model(model_id)
         for sampling_session_id in session.sampling_session_ids:
             self.sampling_sessions.pop(sampling_session_id, None)
+        self.stability.drop_session(session_id)
 
     def describe(self) -> dict[str, Any]:
         return {
