@@ -45,3 +45,16 @@ def test_async_checkpoints_bound_the_pipeline(tmp_path, no_plots):
     metrics, _ = _run(tmp_path, "async", mode="async", max_staleness=2, checkpoint_every=11)
     staleness = [r["async/staleness"] for r in metrics if "reward/mean" in r]
     assert staleness == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_stable_reinforce_on_policy_trains_as_importance_sampling(tmp_path, no_plots):
+    # On policy the ratio is ~1, under stable_reinforce's cap (2.0), so both losses give
+    # -ratio * A per token: the same gradients, whatever their loss values.
+    is_metrics, is_weights = _run(tmp_path, "is", loss_fn="importance_sampling")
+    metrics, weights = _run(tmp_path, "stable", loss_fn="stable_reinforce")
+    rl = [r for r in metrics if "reward/mean" in r]
+    assert any(r["rollout/groups_kept"] > 0 for r in rl)
+    assert [r["reward/mean"] for r in rl] == [
+        r["reward/mean"] for r in is_metrics if "reward/mean" in r
+    ]
+    assert all(torch.equal(weights[k], is_weights[k]) for k in weights)
