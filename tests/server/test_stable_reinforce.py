@@ -118,6 +118,20 @@ def test_recorded_logprobs_are_the_behaviour_policy_not_the_clients(twins):
         np.testing.assert_allclose(logprobs, sequence.logprobs, atol=1e-4)
         expected -= float(logprobs.sum())
     assert outputs[0].metrics["loss:sum"] == pytest.approx(expected, rel=1e-4)
+    # kl_coeff's k3 term is ~0 where trainer and sampler agree, and off on prompt targets
+    # (whose client logprobs are placeholder zeros).
+    with_kl = model.forward(honest, "stable_reinforce", {"kl_coeff": 0.5}).result()
+    assert with_kl.metrics["loss:sum"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_one_token_completion_has_an_empty_sampled_input_span(twins):
+    _, (model, _), sampler = twins
+    prompt = model.get_tokenizer().encode("9=")
+    params = types.SamplingParams(max_tokens=1, temperature=1.0, seed=0, stop=[])
+    sequence = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    datum = rl_datum(prompt, sequence, 1.0)
+    assert datum.model_input_spans[1].length == 0
+    model.forward([datum], "stable_reinforce").result()
 
 
 def test_spans_are_accepted_on_every_loss_without_records(twins):
