@@ -3,6 +3,7 @@
 The in-process clients that implement it live in `temper.client`.
 """
 
+from temper.api.prompt_targets import PromptTargetLogprobs, PromptTargets
 from temper.api.types import (
     AdamParams,
     Datum,
@@ -26,6 +27,8 @@ __all__ = [
     "LoadWeightsResponse",
     "ModelInput",
     "OptimStepResponse",
+    "PromptTargetLogprobs",
+    "PromptTargets",
     "SampleResponse",
     "SampledSequence",
     "SamplingParams",

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from temper.api.futures import APIFuture
+from temper.api.prompt_targets import PromptTargets
 from temper.api.types import (
     AdamParams,
     Datum,
@@ -38,6 +39,7 @@ class SamplingBackend(Protocol):
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: PromptTargets | None = None,
     ) -> APIFuture[SampleResponse]: ...
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]: ...

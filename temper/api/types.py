@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import torch
 
+from temper.api.prompt_targets import PromptTargetLogprobs
+
 StopReason = Literal["stop", "length"]
 TopkLogprobs = list[tuple[int, float]]
 """The k most likely (token id, logprob) pairs at one position, most likely first."""
@@ -122,6 +124,9 @@ class SampleResponse:
     """Per prompt position (None at position 0), when requested."""
     topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
     """Per prompt position (None at position 0), when requested."""
+    target_prompt_logprobs: PromptTargetLogprobs | None = None
+    """The logprobs of the ids asked for by `target_prompt_logprobs`, when requested: the
+    request's [len(prompt) - 1, K] layout (`.to_torch()`), 0.0 in cells naming no id."""
 
 
 TensorDType = Literal["int64", "float32"]

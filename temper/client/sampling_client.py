@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from temper.api.futures import APIFuture, Worker
-from temper.api.types import ModelInput, SampleResponse, SamplingParams
+from temper.api.prompt_targets import PromptTargets
+from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from temper.client.weight_sync import Snapshot
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
@@ -38,7 +41,12 @@ class SamplingClient:
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: PromptTargets | TensorData | torch.Tensor | None = None,
     ) -> APIFuture[SampleResponse]:
+        """Completions of `prompt` (Tinker's `sample`). `target_prompt_logprobs`: token ids
+        to score at prompt positions, a [len(prompt) - 1, K] int table whose row i scores
+        position i + 1, -1 where nothing is asked (`PromptTargets`, or anything
+        `PromptTargets.from_ids` takes); the response's `target_prompt_logprobs` answers it."""
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
         counts = {
@@ -49,6 +57,9 @@ class SamplingClient:
         for name, value in counts.items():  # the engine checks their ranges
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
+        targets = target_prompt_logprobs
+        if targets is not None and not isinstance(targets, PromptTargets):
+            targets = PromptTargets.from_ids(targets)
         request = SampleRequest(
             prompt=prompt.to_ints(),
             params=sampling_params or SamplingParams(),
@@ -56,6 +67,7 @@ class SamplingClient:
             prompt_logprobs=include_prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=targets,
         )
         # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
         return self._worker.submit_batched(self, request, self._generate)

@@ -1,7 +1,8 @@
 """Built-in Tinker losses by name (`loss_fn` of forward_backward).
 
 Each is a `LossSpec` whose function maps the trainer's target logprobs and the flattened
-`loss_fn_inputs` to an elementwise loss that the engine sums. Losses computed by the client
+`loss_fn_inputs` (and, for a `segmented` loss, each position's datum) to an elementwise loss
+that the engine sums. Losses computed by the client
 (`forward_backward_custom`) need nothing here: they reach the server as `cross_entropy` with
 real-valued weights.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 
-from temper.losses.base import LossFn, LossSpec, resolve_config
+from temper.losses.base import LossFn, LossSpec, SegmentedLossFn, resolve_config
 from temper.losses.cispo import CISPO
 from temper.losses.cross_entropy import CROSS_ENTROPY
 from temper.losses.dro import DRO
+from temper.losses.gspo import GSPO
 from temper.losses.importance_sampling import IMPORTANCE_SAMPLING
 from temper.losses.ppo import PPO
 from temper.losses.stable_reinforce import STABLE_REINFORCE
@@ -22,7 +24,7 @@ from temper.losses.stable_reinforce import STABLE_REINFORCE
 LOSSES: Mapping[str, LossSpec] = types.MappingProxyType(
     {
         spec.name: spec
-        for spec in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, STABLE_REINFORCE)
+        for spec in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)
     }
 )
 
@@ -37,4 +39,4 @@ def get_loss(name: str) -> LossSpec:
     return LOSSES[name]
 
 
-__all__ = ["LOSSES", "LossFn", "LossSpec", "get_loss", "resolve_config"]
+__all__ = ["LOSSES", "LossFn", "LossSpec", "SegmentedLossFn", "get_loss", "resolve_config"]

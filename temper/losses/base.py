@@ -1,11 +1,14 @@
 """What a built-in loss is (`LossSpec`) and how a request's `loss_fn_config` is checked.
 
-Shapes: N = loss positions of a micro-batch, datums concatenated.
+Shapes: N = loss positions of a micro-batch, datums concatenated; K = target tokens scored
+per position (top-K cross-entropy).
 
 A loss is a plain function from the trainer's logprobs of the target tokens and the datums'
 `loss_fn_inputs` (flattened the same way) to an elementwise loss. The trainer engine sums it
 and back-propagates, so every loss here is a SUM over tokens and datums (Tinker semantics);
-normalization, if wanted, is the caller's job through `weights` or `advantages`.
+normalization, if wanted, is the caller's job through `weights` or `advantages`. A loss that
+couples a datum's positions (gspo's one ratio per sequence) says so (`segmented`) and is
+also given each position's datum.
 
 Checking input names and shapes is the engine's job (it has the datums); this file only
 resolves the scalar config.
@@ -31,16 +34,41 @@ class LossFn(Protocol):
     ) -> torch.Tensor: ...
 
 
+class SegmentedLossFn(Protocol):
+    def __call__(
+        self,
+        *,
+        logprobs_N: torch.Tensor,
+        inputs: Mapping[str, torch.Tensor],
+        config: Mapping[str, float],
+        segments_N: torch.Tensor,
+    ) -> torch.Tensor:
+        """`segments_N` (int64): the datum of each position, numbered 0, 1, ... in order
+        within the micro-batch (a datum's positions are contiguous and never split)."""
+        ...
+
+
+InputDefault = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+"""A missing loss input, computed from the datum's other (converted) inputs."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossSpec:
     """A built-in loss: its function and the inputs and config keys it accepts."""
 
     name: str
-    fn: LossFn
+    fn: LossFn | SegmentedLossFn
     required_inputs: tuple[str, ...]
     """`loss_fn_inputs` every datum must carry (`target_tokens` included)."""
     optional_inputs: tuple[str, ...] = ()
     """`loss_fn_inputs` the loss uses when present (per-token overrides of config values)."""
+    input_defaults: Mapping[str, InputDefault] = field(default_factory=dict)
+    """Optional inputs filled in for a datum that lacks them, so every datum has them."""
+    topk_inputs: tuple[str, ...] = ()
+    """Inputs that may be [T, K] instead of [T] (K target tokens scored per position); a
+    datum's are all one shape, and its logprobs and elementwise loss come back [T, K]."""
+    segmented: bool = False
+    """`fn` is a `SegmentedLossFn`: it is also given each position's datum."""
     config_defaults: Mapping[str, float] = field(default_factory=dict)
     """Config keys that may be omitted, with their values."""
     required_config: tuple[str, ...] = ()

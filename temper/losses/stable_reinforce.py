@@ -50,6 +50,11 @@ def check_config(config: Mapping[str, float]) -> None:
         )
 
 
+def every_position(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """`mask` of a datum without one: the KL term on all its positions."""
+    return torch.ones_like(inputs["advantages"])
+
+
 def stable_reinforce(
     *, logprobs_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> torch.Tensor:
@@ -59,9 +64,7 @@ def stable_reinforce(
     if config["kl_coeff"] > 0:
         log_ratio_N = behaviour_N - logprobs_N
         k3_N = torch.exp(log_ratio_N) - 1 - log_ratio_N
-        if "mask" in inputs:
-            k3_N = k3_N * inputs["mask"]
-        loss_N = loss_N + config["kl_coeff"] * k3_N
+        loss_N = loss_N + config["kl_coeff"] * inputs["mask"] * k3_N
     return loss_N
 
 
@@ -70,6 +73,7 @@ STABLE_REINFORCE = LossSpec(
     fn=stable_reinforce,
     required_inputs=POLICY_INPUTS,
     optional_inputs=("mask",),
+    input_defaults=types.MappingProxyType({"mask": every_position}),
     config_defaults=DEFAULTS,
     check_config=check_config,
 )

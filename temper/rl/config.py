@@ -53,7 +53,9 @@ class RLJobConfig(Configurable.Config):
     """Policy loss; the sampler's logprobs give the importance ratios (stable_reinforce:
     truncated-importance-weighted REINFORCE, docs/server.md)."""
     learning_rate: float = 2e-4
-    """AdamW learning rate of RL steps."""
+    """AdamW learning rate of RL steps (the peak, under a schedule)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant, or cosine decay from `learning_rate` to a tenth of it at the last RL step."""
     advantages: AdvantageMode = "grpo"
     """grpo (std-normalized), dr_grpo (mean baseline only) or rloo."""
     drop_uniform_groups: bool = True
@@ -140,6 +142,10 @@ def _check_config(config: RLJobConfig) -> None:
     if config.kl_coef < 0:
         raise ValueError(
             f"{name}.kl_coef must be >= 0 (0 turns the penalty off), got {config.kl_coef}"
+        )
+    if config.lr_schedule not in ("constant", "cosine"):
+        raise ValueError(
+            f"{name}.lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}"
         )
     if config.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")

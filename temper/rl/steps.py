@@ -43,6 +43,7 @@ from temper.rl.rollout import (
 from temper.rl.step_metrics import StepStats, mismatch_stats, rollout_stats
 from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer
+from temper.trainer.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,6 @@ class RLSteps:
             temperature=config.temperature,
             stop=[tokenizer.eos_token_id],
         )
-        self.adam = AdamParams(learning_rate=config.learning_rate, beta2=0.95, grad_clip_norm=1.0)
         self._started = time.perf_counter()
 
     def submit(self, rl_step: int, *, steps_done: int) -> SubmittedStep:
@@ -126,7 +126,7 @@ class RLSteps:
         rollout_stats(stats, groups)
         stats.values["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
         with timer.phase("train"):
-            self._train_on(groups, stats)
+            self._train_on(groups, stats, adam=self._adam(submitted.rl_step))
         rl_step = submitted.rl_step
         if (rl_step + 1) % config.eval_every == 0 or rl_step == config.steps - 1:
             with timer.phase("eval"):
@@ -143,8 +143,21 @@ class RLSteps:
         self._write_rollouts(step, groups)
         return metrics
 
-    def _train_on(self, groups: list[list[Trajectory]], stats: StepStats) -> None:
+    def _adam(self, rl_step: int) -> AdamParams:
+        """The optimizer settings of RL step `rl_step`, its learning rate per `lr_schedule`."""
         config = self.config
+        factor = 1.0
+        if config.lr_schedule == "cosine":
+            factor = warmup_cosine(rl_step, warmup_steps=0, total_steps=config.steps)
+        return AdamParams(
+            learning_rate=config.learning_rate * factor, beta2=0.95, grad_clip_norm=1.0
+        )
+
+    def _train_on(
+        self, groups: list[list[Trajectory]], stats: StepStats, *, adam: AdamParams
+    ) -> None:
+        config = self.config
+        stats.values["optim/lr"] = adam.learning_rate  # logged even when no group trains
         keep = [
             not (config.drop_uniform_groups and is_uniform([t.reward for t in g])) for g in groups
         ]
@@ -202,12 +215,11 @@ class RLSteps:
                 for i in indices
             ]
             output = self.training.forward_backward(data, config.loss_fn).result()
-            step = self.training.optim_step(self.adam).result()
+            step = self.training.optim_step(adam).result()
             trained.append(([flat[i] for i in indices], output))
             grad_norms.append(step.metrics["grad_norm:mean"])
         mismatch_stats(stats, trained)
         stats.values["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        stats.values["optim/lr"] = self.adam.learning_rate
 
     def _write_rollouts(self, step: int, groups: list[list[Trajectory]]) -> None:
         """A few of this rank's groups (rank 0's, on several ranks; the others pass None)."""

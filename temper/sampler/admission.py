@@ -20,7 +20,11 @@ import torch
 from torch import nn
 
 from temper.sampler.kv_cache import KVCache, PrefillAttention
-from temper.sampler.prompt_scoring import prompt_logprobs, topk_prompt_logprobs
+from temper.sampler.prompt_scoring import (
+    prompt_logprobs,
+    target_prompt_logprobs,
+    topk_prompt_logprobs,
+)
 from temper.sampler.requests import RequestState, SampleRequest
 from temper.sampler.slots import SlotOwner, SlotTable
 from temper.sampler.stopping import StopStringMatcher
@@ -123,6 +127,10 @@ class Admission:
             if request.topk_prompt_logprobs:
                 state.topk_prompt_logprobs = topk_prompt_logprobs(
                     model, hidden_TD, k=request.topk_prompt_logprobs
+                )
+            if request.target_prompt_logprobs is not None:
+                state.target_prompt_logprobs = target_prompt_logprobs(
+                    model, hidden_TD, request.target_prompt_logprobs
                 )
 
     def _place_prompts(

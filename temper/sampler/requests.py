@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from temper.api.prompt_targets import PromptTargetLogprobs, PromptTargets
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio); spreads sample indices
@@ -30,6 +31,8 @@ class SampleRequest:
     """Also return the k most likely tokens at each prompt position."""
     topk_sample_logprobs: int = 0
     """Also return the k most likely tokens at each generated position."""
+    target_prompt_logprobs: PromptTargets | None = None
+    """Also return the logprobs of these token ids at these prompt positions."""
 
 
 def sample_seed(request_seed: int, sample_index: int) -> int:
@@ -54,6 +57,7 @@ class OnePromptSampling:
         prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
         topk_sample_logprobs: int = 0,
+        target_prompt_logprobs: PromptTargets | None = None,
     ) -> SampleResponse:
         """Completions of one prompt (see `generate` for many requests at once)."""
         request = SampleRequest(
@@ -63,6 +67,7 @@ class OnePromptSampling:
             prompt_logprobs=prompt_logprobs,
             topk_prompt_logprobs=topk_prompt_logprobs,
             topk_sample_logprobs=topk_sample_logprobs,
+            target_prompt_logprobs=target_prompt_logprobs,
         )
         return self.generate([request])[0]
 
@@ -99,6 +104,7 @@ class RequestState:
         self.first_logits_V: torch.Tensor | None = None
         self.prompt_logprobs: list[float | None] | None = None
         self.topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
+        self.target_prompt_logprobs: PromptTargetLogprobs | None = None
         self.sequences: list[SampledSequence | None] = [None] * request.num_samples
 
     @property
@@ -115,6 +121,7 @@ class RequestState:
             sequences=list(self.sequences),
             prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
+            target_prompt_logprobs=self.target_prompt_logprobs,
         )
 
 
@@ -141,6 +148,16 @@ def _validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_le
         value = getattr(request, name)
         if not 0 <= value <= vocab_size:
             raise ValueError(f"{where}: {name} must be in 0..{vocab_size}, got {value}")
+    targets = request.target_prompt_logprobs
+    if targets is not None:
+        if not isinstance(targets, PromptTargets):
+            raise TypeError(
+                f"{where}: target_prompt_logprobs must be PromptTargets, got {type(targets)}"
+            )
+        try:
+            targets.check(prompt_length=len(request.prompt), vocab_size=vocab_size)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
     for token in request.params.stop_token_ids:
         if token >= vocab_size:
             raise ValueError(

@@ -109,6 +109,7 @@ def hot_routes(server: TemperServer) -> list[Route]:
                 include_prompt_logprobs=call.prompt_logprobs,
                 topk_prompt_logprobs=call.topk_prompt_logprobs,
                 topk_sample_logprobs=call.topk_sample_logprobs,
+                target_prompt_logprobs=call.target_prompt_logprobs,
             )
 
         key = None if body.seq_id is None else (sampling.sampling_session_id, body.seq_id)

@@ -15,7 +15,7 @@ from tinker import types as tinker_types
 
 from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
-from temper.losses import get_loss, resolve_config
+from temper.losses import LossSpec, get_loss, resolve_config
 from temper.server.errors import BadRequest
 from temper.server.provenance import behaviour_data, check_spans
 from temper.server.server import ModelLimits
@@ -38,11 +38,13 @@ def check_training_data(
     try:
         spec = get_loss(loss_fn)
         resolve_config(spec, loss_fn_config)
-        if not _looks_valid(data, spec.required_inputs, spec.optional_inputs, limits=limits):
+        if not _looks_valid(data, spec, limits=limits):
             prepare(
                 data,
                 required=spec.required_inputs,
                 optional=spec.optional_inputs,
+                defaults=spec.input_defaults,
+                topk=spec.topk_inputs,
                 vocab_size=limits.vocab_size,
                 max_seq_len=limits.max_seq_len,
             )
@@ -64,12 +66,10 @@ def resolve_provenance(
         raise BadRequest(f"forward_backward: {error}") from None
 
 
-def _looks_valid(
-    data: Sequence[Datum], required: Sequence[str], optional: Sequence[str], *, limits
-) -> bool:
+def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
     if not data:
         return False
-    allowed = set(required) | set(optional)
+    allowed = set(spec.required_inputs) | set(spec.optional_inputs)
     ids: list[int] = []
     values: list[float] = []
     for datum in data:
@@ -77,12 +77,18 @@ def _looks_valid(
         if not 0 < len(tokens) <= limits.max_seq_len:
             return False
         inputs = datum.loss_fn_inputs
-        if any(name not in inputs for name in required):
+        if any(name not in inputs for name in spec.required_inputs):
             return False
         ids += tokens
+        # [T], or for top-K inputs [T, K] with one K for all of the datum's.
+        topk_shapes = {tuple(inputs[n].shape) for n in spec.topk_inputs if n in inputs}
+        topk_shape = topk_shapes.pop() if len(topk_shapes) == 1 else (len(tokens),)
+        if topk_shape[0] != len(tokens) or len(topk_shape) > 2 or 0 in topk_shape:
+            return False
         for name in allowed & inputs.keys():
             tensor = inputs[name]
-            if tuple(tensor.shape) != (len(tokens),):
+            expected = topk_shape if name in spec.topk_inputs else (len(tokens),)
+            if tuple(tensor.shape) != expected:
                 return False
             (ids if name == "target_tokens" else values).extend(tensor.data)
     ids_array = np.asarray(ids)
@@ -120,6 +126,13 @@ def check_sample(call: SampleCall, *, limits: ModelLimits) -> None:
         value = getattr(call, name)
         if not 0 <= value <= vocab_size:
             raise BadRequest(f"sample: {name} must be in 0..{vocab_size}, got {value}")
+    if call.target_prompt_logprobs is not None:
+        try:
+            call.target_prompt_logprobs.check(
+                prompt_length=call.prompt.length, vocab_size=vocab_size
+            )
+        except ValueError as error:
+            raise BadRequest(f"sample: {error}") from None
     bad = [token for token in call.params.stop_token_ids if token >= vocab_size]
     if bad:
         raise BadRequest(

@@ -6,8 +6,9 @@ rather than copied. Forward/backward requests and the results of forward/backwar
 are protobuf; every byte array is a raw little-endian numpy buffer.
 
 Conventions kept here (they are what the SDK and tinker-cookbook rely on): token ids are int32
-on the wire; 2-D loss inputs may arrive as sparse CSR; per-datum outputs travel as one
-`ArrayRecord` whose BatchedTensors hold the datums back to back with int64 byte offsets;
+on the wire; 2-D loss inputs ([T, K] top-K targets and weights) may arrive as sparse CSR;
+per-datum outputs travel as an `ArrayRecord` whose BatchedTensors hold the datums back to back
+with int64 byte offsets (one record per run of datums with the same trailing shape, e.g. K);
 metric keys are `name:reduction`; prompt logprobs are float32 with NaN where not scored; an
 empty top-k cell is token 0 with logprob -99999.
 """
@@ -21,6 +22,7 @@ import numpy as np
 from tinker import types as tinker_types
 from tinker.proto import tinker_public_pb2 as pb
 
+from temper.api.prompt_targets import PromptTargets
 from temper.api.types import (
     AdamParams,
     Datum,
@@ -34,6 +36,7 @@ from temper.api.types import (
 )
 from temper.server.errors import BadRequest
 from temper.server.provenance import Provenance, Span
+from temper.server.target_wire import decode_targets, encode_target_logprobs
 
 _TENSOR_DTYPES = {
     pb.DTYPE_FLOAT32: (np.dtype(np.float32), "float32"),
@@ -46,7 +49,8 @@ MAX_BODY_BYTES = 1 << 30
 """Largest forward_backward body after zstd decompression (a small body may expand hugely)."""
 MAX_SPARSE_VALUES = 1 << 22
 """Most values a sparse CSR loss input may expand to: its shape is not bounded by the body's
-size, and no loss here takes more than one value per token ([T], T <= max_seq_len)."""
+size. Loss inputs hold one value per token ([T], T <= max_seq_len) or, for top-K
+cross_entropy, K per token ([T, K]; e.g. 32k tokens x K=20 is 640k values)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +75,9 @@ class SampleCall:
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int | None
     record_stability_info: bool
+    target_prompt_logprobs: PromptTargets | None = None
+    target_sparse: bool = False
+    """The targets came as sparse CSR, and their answer goes back in the same layout."""
 
 
 # -- forward_backward: protobuf in, protobuf out ----------------------------------------------
@@ -219,32 +226,52 @@ def _frombuffer(data: bytes, dtype, *, where: str) -> np.ndarray:
 
 def encode_forward_backward_output(output: ForwardBackwardOutput) -> bytes:
     message = pb.ForwardBackwardOutput(loss_fn_output_type=output.loss_fn_output_type)
-    record = message.loss_fn_outputs.add(
-        type_tag=output.loss_fn_output_type, num_datums=len(output.loss_fn_outputs)
-    )
-    names = output.loss_fn_outputs[0].keys() if output.loss_fn_outputs else ()
-    for name in names:
-        tensors = [datum[name] for datum in output.loss_fn_outputs]
-        np_dtype, wire_dtype = _OUTPUT_DTYPES[tensors[0].dtype]
-        arrays = [np.asarray(tensor.data, dtype=np_dtype) for tensor in tensors]
-        offsets = np.cumsum([0, *(array.nbytes for array in arrays)], dtype=np.int64)
-        batched = record.fields[name]
-        batched.data = b"".join(array.tobytes() for array in arrays)
-        batched.offsets = offsets.tobytes()
-        batched.dtype = wire_dtype
-        batched.trailing_shape.extend(tensors[0].shape[1:])
+    if not output.loss_fn_outputs:
+        message.loss_fn_outputs.add(type_tag=output.loss_fn_output_type, num_datums=0)
+    for chunk in _same_trailing_shapes(output.loss_fn_outputs):
+        record = message.loss_fn_outputs.add(
+            type_tag=output.loss_fn_output_type, num_datums=len(chunk)
+        )
+        for name in chunk[0]:
+            _add_batched(record, name, [datum[name] for datum in chunk])
     for key, value in output.metrics.items():
         # The SDK splits every key on ':' when merging chunks; a bare name would crash it.
         message.metrics[key if ":" in key else f"{key}:mean"] = float(value)
     return message.SerializeToString()
 
 
+def _same_trailing_shapes(
+    outputs: list[dict[str, TensorData]],
+) -> list[list[dict[str, TensorData]]]:
+    """Runs of consecutive datums whose outputs have the same trailing shapes: a BatchedTensor
+    holds one trailing shape (K of [T, K] logprobs), so a call mixing K takes several
+    ArrayRecords, which the SDK concatenates in order."""
+    chunks: list[list[dict[str, TensorData]]] = []
+    previous = None
+    for datum in outputs:
+        key = {name: tensor.shape[1:] for name, tensor in datum.items()}
+        if key != previous:
+            chunks.append([])
+            previous = key
+        chunks[-1].append(datum)
+    return chunks
+
+
+def _add_batched(record: pb.ArrayRecord, name: str, tensors: list[TensorData]) -> None:
+    np_dtype, wire_dtype = _OUTPUT_DTYPES[tensors[0].dtype]
+    arrays = [np.asarray(tensor.data, dtype=np_dtype) for tensor in tensors]
+    offsets = np.cumsum([0, *(array.nbytes for array in arrays)], dtype=np.int64)
+    batched = record.fields[name]
+    batched.data = b"".join(array.tobytes() for array in arrays)
+    batched.offsets = offsets.tobytes()
+    batched.dtype = wire_dtype
+    batched.trailing_shape.extend(tensors[0].shape[1:])
+
+
 # -- sampling: JSON in, protobuf out ----------------------------------------------------------
 
 
 def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
-    if request.target_prompt_logprobs is not None:
-        raise BadRequest("target_prompt_logprobs is not supported by this server")
     if request.prompt_alt_tokens_k:
         raise BadRequest("prompt_alt_tokens_k is not supported by this server; send 0")
     prompt = model_input(request.prompt, where="prompt")
@@ -263,6 +290,7 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         raise BadRequest(f"sampling_params: {error}") from None
     topk_prompt = request.topk_prompt_logprobs
     last_n = request.prompt_logprobs_last_n
+    targets = request.target_prompt_logprobs
     if last_n is not None and not 1 <= last_n <= prompt.length - 1:
         raise BadRequest(
             f"prompt_logprobs_last_n must be in [1, {prompt.length - 1}] (prompt length - 1), "
@@ -277,6 +305,8 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         topk_sample_logprobs=request.topk_sample_logprobs,
         prompt_logprobs_last_n=last_n,
         record_stability_info=bool(request.record_stability_info),
+        target_prompt_logprobs=None if targets is None else decode_targets(targets),
+        target_sparse=targets is not None and targets.sparse_crow_indices is not None,
     )
 
 
@@ -321,6 +351,10 @@ def encode_sample_response(
             for position, row in enumerate(response.topk_prompt_logprobs)
         ]
         message.topk_prompt_logprobs.CopyFrom(_topk(rows, k=call.topk_prompt_logprobs))
+    if call.target_prompt_logprobs is not None and response.target_prompt_logprobs is not None:
+        message.target_prompt_logprobs.CopyFrom(
+            encode_target_logprobs(response.target_prompt_logprobs, sparse=call.target_sparse)
+        )
     return message.SerializeToString()
 
 

@@ -19,6 +19,7 @@ and a request any rank rejects is rejected on every rank before the model runs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,7 @@ class TrainerEngine(Configurable):
         loss is differentiated with respect to them, and a second, micro-batched pass
         back-propagates sum(logprobs * dloss/dlogprobs), whose gradient equals the loss's.
         """
-        prepared = self._prepare(data, required=("target_tokens",))
+        prepared = self._prepare(data, required=("target_tokens",), topk=("target_tokens",))
         batches = self._batches(prepared)
         num_empty = self._num_empty_passes(len(batches))
         with torch.no_grad():
@@ -179,28 +180,26 @@ class TrainerEngine(Configurable):
 
     # -- internals -------------------------------------------------------------------------
 
-    def _prepare(self, data: Sequence[Datum], *, required, optional=()) -> list:
+    def _prepare(
+        self, data: Sequence[Datum], *, required, optional=(), defaults=None, topk=()
+    ) -> list:
         model_config = self.model.config
+        checks = dict(
+            required=required,
+            optional=optional,
+            defaults=defaults,
+            topk=topk,
+            vocab_size=model_config.vocab_size,
+            max_seq_len=model_config.max_seq_len,
+        )
         if self.sharding is None:
-            return prepare(
-                data,
-                required=required,
-                optional=optional,
-                vocab_size=model_config.vocab_size,
-                max_seq_len=model_config.max_seq_len,
-            )
+            return prepare(data, **checks)
         # Sharded: a rank may hold no datums this call (the others do); any rank's bad input
         # fails the call on every rank.
         prepared, error = [], None
         try:
             if len(data) > 0:
-                prepared = prepare(
-                    data,
-                    required=required,
-                    optional=optional,
-                    vocab_size=model_config.vocab_size,
-                    max_seq_len=model_config.max_seq_len,
-                )
+                prepared = prepare(data, **checks)
         except (ValueError, TypeError) as caught:
             error = caught
         self.sharding.agree_or_raise(error)
@@ -257,7 +256,13 @@ class TrainerEngine(Configurable):
     ) -> ForwardBackwardOutput:
         spec = get_loss(loss_fn)
         config = resolve_config(spec, loss_fn_config)
-        prepared = self._prepare(data, required=spec.required_inputs, optional=spec.optional_inputs)
+        prepared = self._prepare(
+            data,
+            required=spec.required_inputs,
+            optional=spec.optional_inputs,
+            defaults=spec.input_defaults,
+            topk=spec.topk_inputs,
+        )
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
         total_loss = 0.0
         batches = self._batches(prepared) if self.thread_shards is None else []
@@ -280,19 +285,27 @@ class TrainerEngine(Configurable):
     def _batch_loss(self, batch: MicroBatch, spec, config, outputs: list) -> torch.Tensor:
         """The batch's summed loss; its datums' outputs go into `outputs`."""
         per_datum = self._logprobs(batch)
-        logprobs_N = torch.cat(per_datum)
-        loss_N = spec.fn(
-            logprobs_N=logprobs_N, inputs=batch.flat_inputs(self.device), config=config
-        )
+        logprobs_N = torch.cat(per_datum)  # [N], or [N, K] with K targets per position
+        inputs = batch.flat_inputs(self.device)
+        if spec.segmented:
+            segments_N = batch.segments(self.device)
+            loss_N = spec.fn(
+                logprobs_N=logprobs_N, inputs=inputs, config=config, segments_N=segments_N
+            )
+        else:
+            loss_N = spec.fn(logprobs_N=logprobs_N, inputs=inputs, config=config)
         # Outputs leave as Python lists: one conversion per batch, sliced per datum.
-        logprobs = logprobs_N.detach().float().cpu().tolist()
-        losses = loss_N.detach().float().cpu().tolist()
+        per_position = logprobs_N.shape[1:]
+        width = math.prod(per_position)
+        logprobs = logprobs_N.detach().float().cpu().reshape(-1).tolist()
+        losses = loss_N.detach().float().cpu().reshape(-1).tolist()
         start = 0
         for datum in batch.datums:
-            end = start + len(datum.tokens)
+            end = start + len(datum.tokens) * width
+            shape = (len(datum.tokens), *per_position)
             outputs[datum.index] = {
-                "logprobs": _float32_data(logprobs[start:end]),
-                "elementwise_loss": _float32_data(losses[start:end]),
+                "logprobs": _float32_data(logprobs[start:end], shape=shape),
+                "elementwise_loss": _float32_data(losses[start:end], shape=shape),
             }
             start = end
         return loss_N.sum()
@@ -331,9 +344,9 @@ class TrainerEngine(Configurable):
         return _GradientStash(self.trainable)
 
 
-def _float32_data(values: list[float]) -> TensorData:
+def _float32_data(values: list[float], *, shape: tuple[int, ...]) -> TensorData:
     """TensorData of values read from a float32 tensor (exact in float32 already)."""
-    return TensorData(data=values, dtype="float32", shape=(len(values),))
+    return TensorData(data=values, dtype="float32", shape=shape)
 
 
 def _custom_loss_weights(

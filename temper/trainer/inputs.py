@@ -1,6 +1,7 @@
 """Datums -> validated per-datum tensors -> right-padded micro-batches within a token budget.
 
-Shapes: B datums in a micro-batch, T padded length, N loss positions of a micro-batch.
+Shapes: B datums in a micro-batch, T padded length, N loss positions of a micro-batch, K target
+tokens per position (top-K losses; inputs are [T] otherwise).
 
 Everything a call could reject is checked here, before the model runs, so a bad call changes
 nothing: every error names the datum index and the field.
@@ -8,12 +9,13 @@ nothing: every error names the datum index and the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from temper.api.types import Datum, TensorData
+from temper.losses.base import InputDefault
 from temper.trainer.shared_prefix import (
     Cluster,
     PackedLayout,
@@ -30,7 +32,13 @@ class PreparedDatum:
     tokens: list[int]
     tokens_T: torch.Tensor
     inputs: dict[str, torch.Tensor]
-    """Loss inputs, each [T] (int64 target_tokens, float32 otherwise)."""
+    """Loss inputs, each [T] or [T, K] (int64 target_tokens, float32 otherwise)."""
+
+    @property
+    def targets_per_position(self) -> tuple[int, ...]:
+        """() for [T] target tokens, (K,) for [T, K]: datums in a micro-batch agree on it."""
+        targets = self.inputs.get("target_tokens")
+        return () if targets is None else tuple(targets.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class MicroBatch:
     datums: list[PreparedDatum]
     tokens_BT: torch.Tensor
     targets_BT: torch.Tensor
+    """[B, T], or [B, T, K] when the datums score K targets per position."""
     mask_BT: torch.Tensor
     """True at real (non-padding) positions."""
     layout: PackedLayout | None = None
@@ -49,9 +58,14 @@ class MicroBatch:
         return torch.cat([d.inputs["target_tokens"] for d in self.datums]).to(device)
 
     def flat_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Each loss input concatenated over datums in order: [N]."""
+        """Each loss input concatenated over datums in order: [N] (or [N, K])."""
         names = self.datums[0].inputs.keys()
         return {name: torch.cat([d.inputs[name] for d in self.datums]).to(device) for name in names}
+
+    def segments(self, device: torch.device) -> torch.Tensor:
+        """The datum (0, 1, ... within this batch) of each position: [N] int64."""
+        lengths = torch.tensor([len(d.tokens) for d in self.datums])
+        return torch.repeat_interleave(torch.arange(len(self.datums)), lengths).to(device)
 
 
 def prepare(
@@ -59,9 +73,13 @@ def prepare(
     *,
     required: Sequence[str],
     optional: Sequence[str] = (),
+    defaults: Mapping[str, InputDefault] | None = None,
+    topk: Sequence[str] = (),
     vocab_size: int,
     max_seq_len: int,
 ) -> list[PreparedDatum]:
+    """Checked tensors of `data`'s inputs. Inputs named in `topk` may be [T, K] (all of a
+    datum's the same shape); `defaults` computes a missing optional input from the rest."""
     if len(data) == 0:
         raise ValueError("data is empty; pass at least one Datum")
     allowed = set(required) | set(optional)
@@ -85,14 +103,27 @@ def prepare(
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
+        topk_shape, topk_name = None, ""  # the first input named in `topk`, and its shape
         for name, value in datum.loss_fn_inputs.items():
             if name not in allowed:
                 continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
-            if tuple(value.shape) != (length,):
+            shape = tuple(value.shape)
+            if name in topk and len(shape) == 2 and shape[0] == length and shape[1] >= 1:
+                pass
+            elif shape != (length,):
+                expected = f"[{length}] or [{length}, K]" if name in topk else f"[{length}]"
                 raise ValueError(
-                    f"{where}: loss_fn_inputs[{name!r}] has shape {list(value.shape)}, but "
-                    f"model_input has {length} tokens; expected [{length}]"
+                    f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)}, but "
+                    f"model_input has {length} tokens; expected {expected}"
                 )
+            if name in topk:
+                if topk_shape is not None and shape != topk_shape:
+                    raise ValueError(
+                        f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)} but "
+                        f"loss_fn_inputs[{topk_name!r}] has shape {list(topk_shape)}; "
+                        f"{' and '.join(repr(n) for n in topk)} must have one shape"
+                    )
+                topk_shape, topk_name = shape, name
             columns.setdefault(name, []).append((index, value))
         token_lists.append(tokens)
     # Tensors are built per input name over all datums (one tensor each, split into per-datum
@@ -102,8 +133,12 @@ def prepare(
     tokens_N = torch.tensor([token for tokens in token_lists for token in tokens])
     inputs: list[dict[str, torch.Tensor]] = [{} for _ in data]
     for name, entries in columns.items():
-        for index, tensor_T in _converted_column(name, entries, lengths, vocab_size=vocab_size):
+        for index, tensor_T in _converted_column(name, entries, vocab_size=vocab_size):
             inputs[index][name] = tensor_T
+    for name, default in (defaults or {}).items():
+        for datum_inputs in inputs:
+            if name not in datum_inputs:
+                datum_inputs[name] = default(datum_inputs)
     return [
         PreparedDatum(index=index, tokens=tokens, tokens_T=tokens_T, inputs=inputs[index])
         for index, (tokens, tokens_T) in enumerate(
@@ -113,7 +148,7 @@ def prepare(
 
 
 def _converted_column(
-    name: str, entries: list[tuple[int, TensorData]], lengths: Sequence[int], *, vocab_size: int
+    name: str, entries: list[tuple[int, TensorData]], *, vocab_size: int
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(datum index, checked tensor) for every datum carrying input `name`."""
     if len({value.dtype for _, value in entries}) == 1:
@@ -123,8 +158,9 @@ def _converted_column(
         except ValueError:
             converted = None  # found and named datum by datum below
         if converted is not None and _valid(converted, name, vocab_size=vocab_size):
-            parts = converted.split([lengths[index] for index, _ in entries])
-            yield from zip((index for index, _ in entries), parts, strict=True)
+            parts = converted.split([len(value.data) for _, value in entries])
+            for (index, value), part in zip(entries, parts, strict=True):
+                yield index, part.view(value.shape)
             return
     for index, value in entries:
         where = f"datum {index}"
@@ -165,9 +201,9 @@ def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: 
     ids = torch.as_tensor(tokens)
     bad = (ids < 0) | (ids >= vocab_size)
     if bool(bad.any()):
-        position = int(bad.nonzero()[0, 0])
+        position = _first(bad)
         raise ValueError(
-            f"{where}: token {int(ids[position])} at position {position} is outside the "
+            f"{where}: token {int(ids[position])} at position {_named(position)} is outside the "
             f"vocabulary; valid ids are 0..{vocab_size - 1}"
         )
 
@@ -175,11 +211,21 @@ def _check_ids(tokens: Sequence[int] | torch.Tensor, *, where: str, vocab_size: 
 def _check_finite(tensor: torch.Tensor, *, name: str, where: str) -> None:
     bad = ~torch.isfinite(tensor)
     if bool(bad.any()):
-        position = int(bad.nonzero()[0, 0])
+        position = _first(bad)
         raise ValueError(
             f"{where}: loss_fn_inputs[{name!r}] has a non-finite value "
-            f"({tensor[position].item()}) at position {position}"
+            f"({tensor[position].item()}) at position {_named(position)}"
         )
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    """The index of the first True of a [T] or [T, K] mask."""
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def _named(position: tuple[int, ...]) -> str:
+    """2 for [T] inputs (as before), [2, 1] for [T, K] ones."""
+    return str(position[0]) if len(position) == 1 else str(list(position))
 
 
 def micro_batches(
@@ -195,8 +241,12 @@ def micro_batches(
     With `share_prefixes`, when consecutive datums share prefixes enough to save positions
     (GRPO groups), batches are packed layouts instead (see shared_prefix.py) and the budget
     counts packed positions.
+
+    A batch's datums score as many targets per position (K) as each other: a datum whose K
+    differs from the one before starts a new batch.
     """
-    if share_prefixes and datums and all("target_tokens" in d.inputs for d in datums):
+    uniform = len({d.targets_per_position for d in datums}) <= 1
+    if share_prefixes and uniform and datums and all("target_tokens" in d.inputs for d in datums):
         token_lists = [d.tokens for d in datums]
         lengths = [len(tokens) for tokens in token_lists]
         clusters = cluster_prefixes(token_lists)
@@ -209,7 +259,8 @@ def micro_batches(
     longest = 0
     for datum in datums:
         length = datum.tokens_T.shape[0]
-        if group and max(longest, length) * (len(group) + 1) > max_tokens:
+        over_budget = max(longest, length) * (len(group) + 1) > max_tokens
+        if group and (over_budget or datum.targets_per_position != group[0].targets_per_position):
             yield _collate(group, pad_token_id=pad_token_id)
             group, longest = [], 0
         group.append(datum)
@@ -221,7 +272,7 @@ def micro_batches(
 def _collate(group: list[PreparedDatum], *, pad_token_id: int) -> MicroBatch:
     width = max(d.tokens_T.shape[0] for d in group)
     tokens_BT = torch.full((len(group), width), pad_token_id, dtype=torch.long)
-    targets_BT = torch.zeros((len(group), width), dtype=torch.long)
+    targets_BT = torch.zeros((len(group), width, *group[0].targets_per_position), dtype=torch.long)
     mask_BT = torch.zeros((len(group), width), dtype=torch.bool)
     for row, datum in enumerate(group):
         length = datum.tokens_T.shape[0]

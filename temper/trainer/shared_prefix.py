@@ -229,8 +229,9 @@ class SharedPrefixAttention:
 def packed_logprobs(
     model: torch.nn.Module, layout: PackedLayout, targets_N: torch.Tensor
 ) -> torch.Tensor:
-    """Every datum's target logprobs, concatenated [N]: one forward of the packed sequence,
-    each datum's hidden states gathered back, then the trainer's one logprob function."""
+    """Every datum's target logprobs, concatenated [N] (or [N, K] for [N, K] targets): one
+    forward of the packed sequence, each datum's hidden states gathered back, then the
+    trainer's one logprob function."""
     device = targets_N.device
     hidden_1MD = model.hidden_states(
         layout.tokens_1M.to(device),

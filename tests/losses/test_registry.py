@@ -7,7 +7,15 @@ import torch
 
 from temper.losses import LOSSES, LossSpec, get_loss, resolve_config
 
-BUILT_INS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "stable_reinforce")
+BUILT_INS = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+)
 CONFIGS = {"dro": {"beta": 0.5}}
 
 
@@ -29,9 +37,20 @@ def test_unknown_loss_lists_valid_names_and_points_to_custom():
 def test_inputs_declared():
     for spec in LOSSES.values():
         assert spec.required_inputs[0] == "target_tokens"
-    assert get_loss("cross_entropy").required_inputs == ("target_tokens", "weights")
+    assert get_loss("cross_entropy").required_inputs == ("target_tokens",)
+    assert get_loss("cross_entropy").optional_inputs == ("weights",)
+    assert get_loss("cross_entropy").topk_inputs == ("target_tokens", "weights")
     for name in ("ppo", "cispo"):
         assert get_loss(name).optional_inputs == ("clip_low_threshold", "clip_high_threshold")
+    assert get_loss("gspo").optional_inputs == (
+        "sequence_ratio_mask",
+        "clip_low_threshold",
+        "clip_high_threshold",
+    )
+    # Every default fills an input the loss accepts but does not require.
+    for spec in LOSSES.values():
+        assert set(spec.input_defaults) <= set(spec.optional_inputs)
+    assert [spec.name for spec in LOSSES.values() if spec.segmented] == ["gspo"]
 
 
 @pytest.mark.parametrize("name", BUILT_INS)
@@ -47,8 +66,11 @@ def test_every_loss_is_elementwise_fp32_and_differentiable(name):
         "advantages": torch.randn(num_tokens, generator=generator),
     }
     inputs = {key: inputs[key] for key in spec.required_inputs}
+    inputs |= {key: default(inputs) for key, default in spec.input_defaults.items()}
     config = resolve_config(spec, CONFIGS.get(name))
-    loss_N = spec.fn(logprobs_N=logprobs_N, inputs=inputs, config=config)
+    # A segmented loss sees one datum here: a datum's positions in any order are one sequence.
+    segments = {"segments_N": torch.zeros(num_tokens, dtype=torch.int64)} if spec.segmented else {}
+    loss_N = spec.fn(logprobs_N=logprobs_N, inputs=inputs, config=config, **segments)
     assert loss_N.shape == (num_tokens,) and loss_N.dtype == torch.float32
     assert loss_N.requires_grad
     # Elementwise: a permutation of the tokens permutes the loss (datums can be concatenated).
@@ -57,5 +79,6 @@ def test_every_loss_is_elementwise_fp32_and_differentiable(name):
         logprobs_N=logprobs_N[order],
         inputs={key: value[order] for key, value in inputs.items()},
         config=config,
+        **segments,
     )
     torch.testing.assert_close(permuted, loss_N[order])

@@ -19,6 +19,7 @@ from temper.trainer.sharding import Sharding
         ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
         ({"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
         ({"mode": "eager"}, "mode must be 'sync' or 'async'"),
+        ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine'"),
         ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
         (
             {"trainer": TrainerEngine.Config(sharding=Sharding.Config())},

@@ -3,6 +3,9 @@ from the previous policy, still trains, and measures the lag."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from temper.rl.job import RLJob
@@ -45,6 +48,13 @@ def test_async_checkpoints_bound_the_pipeline(tmp_path, no_plots):
     metrics, _ = _run(tmp_path, "async", mode="async", max_staleness=2, checkpoint_every=11)
     staleness = [r["async/staleness"] for r in metrics if "reward/mean" in r]
     assert staleness == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_cosine_schedule_decays_the_rl_learning_rate_to_a_tenth(tmp_path, no_plots):
+    metrics, _ = _run(tmp_path, "cosine", lr_schedule="cosine", learning_rate=1e-3, steps=5)
+    rates = [r["optim/lr"] for r in metrics if "reward/mean" in r and "optim/lr" in r]
+    expected = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 5))) for k in range(5)]
+    assert rates == pytest.approx(expected)
 
 
 def test_stable_reinforce_on_policy_trains_as_importance_sampling(tmp_path, no_plots):

@@ -1,6 +1,7 @@
 """Log-probabilities of target tokens without materializing [tokens, vocab] fp32 logits.
 
-Shapes: N tokens (batch and time flattened), D model dim, V vocab, B batch, T time.
+Shapes: N tokens (batch and time flattened), D model dim, V vocab, B batch, T time, K target
+tokens scored per position (1 unless several candidates are given, as top-K distillation does).
 
 The trainer and the sampler's `score()` both call `target_logprobs`, so their logprobs are
 bitwise equal when given the same hidden states. Rows are processed in chunks sized so one
@@ -35,27 +36,27 @@ def _chunk_logits(
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_rows):
+    def forward(ctx, hidden_ND, weight_VD, targets_NK, temperature, chunk_rows):
         num_tokens = hidden_ND.shape[0]
-        logprobs_N = hidden_ND.new_empty(num_tokens, dtype=torch.float32)
+        logprobs_NK = hidden_ND.new_empty(targets_NK.shape, dtype=torch.float32)
         for start in range(0, num_tokens, chunk_rows):
             rows = slice(start, start + chunk_rows)
             # One fused row-wise kernel (max, sum of exps, subtract); 3-4x cheaper on CPU than
             # logsumexp followed by a subtraction.
             logprobs_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature).log_softmax(-1)
-            logprobs_N[rows] = logprobs_NV.gather(-1, targets_N[rows, None]).squeeze(-1)
+            logprobs_NK[rows] = logprobs_NV.gather(-1, targets_NK[rows])
         # A single chunk fits the memory budget by construction: keep its log-softmax for
         # backward (where it becomes the gradient in place) instead of recomputing it, which
         # saves a [N, D] x [D, V] matmul. Without a backward (no_grad), autograd drops ctx.
         ctx.saved_logprobs = logprobs_NV if 0 < num_tokens <= chunk_rows else None
-        ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_NK)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
-        return logprobs_N
+        return logprobs_NK
 
     @staticmethod
-    def backward(ctx, grad_logprobs_N):
-        hidden_ND, weight_VD, targets_N = ctx.saved_tensors
+    def backward(ctx, grad_logprobs_NK):
+        hidden_ND, weight_VD, targets_NK = ctx.saved_tensors
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         num_tokens = hidden_ND.shape[0]
@@ -69,10 +70,11 @@ class _TargetLogprobs(torch.autograd.Function):
             logprobs_NV = saved_logprobs_NV
             if logprobs_NV is None:
                 logprobs_NV = _chunk_logits(hidden_ND[rows], weight_VD, temperature).log_softmax(-1)
-            grad_N1 = grad_logprobs_N[rows, None].float()
-            # d logprob(target) / d logits = onehot(target) - softmax, times 1/temperature.
-            grad_logits_NV = logprobs_NV.exp_().mul_(-grad_N1)
-            grad_logits_NV.scatter_add_(-1, targets_N[rows, None], grad_N1)
+            grad_NK = grad_logprobs_NK[rows].float()
+            # d logprob(target) / d logits = onehot(target) - softmax, times 1/temperature;
+            # summed over a position's K targets (K = 1 sums one number: exact).
+            grad_logits_NV = logprobs_NV.exp_().mul_(-grad_NK.sum(-1, keepdim=True))
+            grad_logits_NV.scatter_add_(-1, targets_NK[rows], grad_NK)
             if temperature != 1.0:
                 grad_logits_NV.div_(temperature)
             if need_hidden:
@@ -101,22 +103,25 @@ def target_logprobs(
 ) -> torch.Tensor:
     """log softmax(hidden @ weight.T / temperature)[target] as fp32, shaped like `targets_BT`.
 
+    `targets_BT` is shaped like the hidden states without their last dim, or has one more
+    trailing dim K ([B, T, K]): K tokens scored at each position, from one softmax.
     Differentiable with respect to `hidden_BTD` and `weight_VD`.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to score tokens, got {temperature}")
-    if hidden_BTD.shape[:-1] != targets_BT.shape:
+    positions = hidden_BTD.shape[:-1]
+    if targets_BT.shape[: len(positions)] != positions or targets_BT.ndim > len(positions) + 1:
         raise ValueError(
             f"targets shape {tuple(targets_BT.shape)} does not match hidden states "
-            f"{tuple(hidden_BTD.shape[:-1])}"
+            f"{tuple(positions)} (one more trailing dim, K targets per position, is allowed)"
         )
     vocab_size = weight_VD.shape[0]
     rows = _chunk_rows(vocab_size=vocab_size, chunk_bytes=chunk_bytes)
     hidden_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
-    logprobs_N = _TargetLogprobs.apply(
-        hidden_ND, weight_VD, targets_BT.reshape(-1), float(temperature), rows
-    )
-    return logprobs_N.view(targets_BT.shape)
+    num_targets = targets_BT.shape[-1] if targets_BT.ndim > len(positions) else 1
+    targets_NK = targets_BT.reshape(hidden_ND.shape[0], num_targets)
+    logprobs_NK = _TargetLogprobs.apply(hidden_ND, weight_VD, targets_NK, float(temperature), rows)
+    return logprobs_NK.view(targets_BT.shape)
 
 
 def forward_logprobs(

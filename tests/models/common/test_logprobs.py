@@ -45,6 +45,31 @@ def test_values_and_gradients_match_log_softmax(chunk_bytes, temperature):
     torch.testing.assert_close(got[2], weight_VD.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 53 * 4 * 5, 2**30], ids=["row", "5-rows", "all"])
+def test_k_targets_per_position_match_gather_of_log_softmax(chunk_bytes):
+    # Top-K distillation scores K candidate tokens at each position from one softmax.
+    hidden_BTD, weight_VD, _ = _inputs(seed=7)
+    hidden_BTD.requires_grad_(True)
+    weight_VD.requires_grad_(True)
+    generator = torch.Generator().manual_seed(8)
+    targets_BTK = torch.randint(0, 53, (3, 7, 4), generator=generator)
+    grad_BTK = torch.randn(3, 7, 4, generator=generator)
+
+    logprobs_BTK = target_logprobs(hidden_BTD, weight_VD, targets_BTK, chunk_bytes=chunk_bytes)
+    (logprobs_BTK * grad_BTK).sum().backward()
+    got = (logprobs_BTK.detach(), hidden_BTD.grad.clone(), weight_VD.grad.clone())
+
+    hidden_BTD.grad = weight_VD.grad = None
+    logits_BTV = (hidden_BTD @ weight_VD.T).float()
+    expected_BTK = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BTK)
+    (expected_BTK * grad_BTK).sum().backward()
+
+    assert got[0].shape == (3, 7, 4)
+    torch.testing.assert_close(got[0], expected_BTK.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], hidden_BTD.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], weight_VD.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_same_inputs_and_chunking_are_deterministic():
     hidden_BTD, weight_VD, targets_BT = _inputs(seed=2)
     first = target_logprobs(hidden_BTD, weight_VD, targets_BT, chunk_bytes=200)
@@ -75,6 +100,8 @@ def test_bad_arguments_are_named():
         target_logprobs(hidden_BTD, weight_VD, targets_BT, temperature=0.0)
     with pytest.raises(ValueError, match="targets shape"):
         target_logprobs(hidden_BTD, weight_VD, targets_BT[:, :3])
+    with pytest.raises(ValueError, match="targets shape"):
+        target_logprobs(hidden_BTD, weight_VD, targets_BT[..., None, None])
 
 
 @pytest.mark.parametrize("chunk_bytes", [53 * 4 * 5, 2**30], ids=["5-rows", "all"])
