@@ -44,6 +44,11 @@ class SamplingBackend(Protocol):
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]: ...
 
+    @property
+    def version(self) -> int:
+        """The policy version of the weights it samples from."""
+        ...
+
 
 @runtime_checkable
 class TrainingBackend(Protocol):

@@ -19,9 +19,13 @@ from temper.losses.dro import DRO
 from temper.losses.gspo import GSPO
 from temper.losses.importance_sampling import IMPORTANCE_SAMPLING
 from temper.losses.ppo import PPO
+from temper.losses.stable_reinforce import STABLE_REINFORCE
 
 LOSSES: Mapping[str, LossSpec] = types.MappingProxyType(
-    {spec.name: spec for spec in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO)}
+    {
+        spec.name: spec
+        for spec in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)
+    }
 )
 
 

@@ -49,8 +49,9 @@ class RLJobConfig(Configurable.Config):
     """Most tokens per completion."""
     temperature: float = 1.0
     """Sampling temperature of rollouts."""
-    loss_fn: Literal["ppo", "importance_sampling"] = "ppo"
-    """Policy loss; the sampler's logprobs give the importance ratios."""
+    loss_fn: Literal["ppo", "importance_sampling", "stable_reinforce"] = "ppo"
+    """Policy loss; the sampler's logprobs give the importance ratios (stable_reinforce:
+    truncated-importance-weighted REINFORCE, docs/server.md)."""
     learning_rate: float = 2e-4
     """AdamW learning rate of RL steps (the peak, under a schedule)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"

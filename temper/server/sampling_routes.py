@@ -4,18 +4,22 @@ A sampling session is a handle on one backend sampling client. Sessions on the b
 share one client, as do sessions on the same sampler checkpoint; each
 `save_weights_and_get_sampling_client` makes its own (see training_routes). Samples on one
 client that arrive together are started together (coalescer.py), and the backend decodes
-them as one batch. `asample` and `retrieve_future` are plain routes (plain_routes.py).
+them as one batch. `asample` and `retrieve_future` are plain routes (plain_routes.py). With
+`record_stability_info`, each finished sequence is recorded under its `sample_sequence_ids`
+entry for stable_reinforce (stability.py) before its result can be retrieved.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 from fastapi import APIRouter, Response
 from starlette.routing import Route
 from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
+from temper.api.types import SampleResponse
 from temper.server import request_log, wire
 from temper.server.catalog import new_sampling_session_id
 from temper.server.coalescer import SampleCoalescer
@@ -23,6 +27,7 @@ from temper.server.errors import BadRequest
 from temper.server.plain_routes import plain_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
+from temper.server.stability import SequenceRecord, StabilityStore
 from temper.server.validation import check_sample
 
 
@@ -57,6 +62,7 @@ def sampling_router(server: TemperServer) -> APIRouter:
             base_model=base,
             model_path=model_path,
             lineage=model_path or base,
+            session_id=body.session_id,
         )
         server.add_sampling_session(body.session_id, sampling)
         return json_response(
@@ -119,17 +125,21 @@ def hot_routes(server: TemperServer) -> list[Route]:
             except Exception as error:  # becomes the request's failed future
                 started.set_exception(error)
 
+        # Filled right after submit; `encode` runs in a later turn of the event loop.
+        sequence_ids: list[str] = []
+
+        def encode(result: SampleResponse):
+            if call.record_stability_info:
+                record_samples(server.stability, result, sampling, call, sequence_ids)
+            return protobuf_answer(
+                wire.encode_sample_response(result, call=call, prompt_length=prompt_length)
+            )
+
         coalescer.add(
             sampling.client, start, lineage=sampling.lineage, num_sequences=call.num_samples
         )
-        request_id = server.scheduler.submit(
-            lambda: started,
-            encode=lambda result: protobuf_answer(
-                wire.encode_sample_response(result, call=call, prompt_length=prompt_length)
-            ),
-            key=key,
-        )
-        sequence_ids = [f"{request_id}-{index}" for index in range(call.num_samples)]
+        request_id = server.scheduler.submit(lambda: started, encode=encode, key=key)
+        sequence_ids += [f"{request_id}-{index}" for index in range(call.num_samples)]
         return future_response(request_id, sample_sequence_ids=sequence_ids)
 
     async def retrieve_future(body: tinker_types.FutureRetrieveRequest) -> Response:
@@ -151,3 +161,27 @@ def hot_routes(server: TemperServer) -> list[Route]:
             api_key=api_key,
         ),
     ]
+
+
+def record_samples(
+    store: StabilityStore,
+    result: SampleResponse,
+    sampling: SamplingSession,
+    call: wire.SampleCall,
+    sequence_ids: list[str],
+) -> None:
+    """Record each sequence of a finished sample for stable_reinforce (stability.py)."""
+    prompt_P = np.asarray(call.prompt.to_ints(), dtype=np.int32)
+    version = sampling.client.version
+    for sequence_id, sequence in zip(sequence_ids, result.sequences, strict=True):
+        store.record(
+            sequence_id,
+            SequenceRecord(
+                session_id=sampling.session_id,
+                prompt_P=prompt_P,
+                tokens_S=np.asarray(sequence.tokens, dtype=np.int32),
+                logprobs_S=np.asarray(sequence.logprobs, dtype=np.float32),
+                weights=sampling.lineage,
+                weights_version=version,
+            ),
+        )

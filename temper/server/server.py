@@ -37,6 +37,7 @@ from temper.server.snapshots import (
     device_memory_bytes,
     sampler_copy_bytes,
 )
+from temper.server.stability import StabilityStore
 from temper.trainer.engine import TrainerEngine
 
 log = logging.getLogger("temper.server")
@@ -71,6 +72,8 @@ class SamplingSession:
     lineage: str
     """What its samples batch like: the training model of a snapshot, else the checkpoint
     path or base model (the coalescer expects each burst of a lineage to match the last)."""
+    session_id: str
+    """The session that created it: it owns the sequences recorded from it."""
 
 
 @dataclass
@@ -129,6 +132,8 @@ class TemperServer(Configurable):
         """How often expired checkpoints (ttl_seconds) are deleted and idle snapshots dropped."""
         log_level: Literal["debug", "info", "warning", "error"] = "info"
         """Server log level on stderr; 'info' logs one line per request."""
+        stability: StabilityStore.Config = field(default_factory=StabilityStore.Config)
+        """Sequences sampled with record_stability_info, for stable_reinforce."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
 
@@ -194,6 +199,7 @@ class TemperServer(Configurable):
             )
         self.backend = backend
         self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)
+        self.stability = config.stability.build()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
@@ -311,6 +317,7 @@ class TemperServer(Configurable):
             self.snapshots.drop_model(model_id)
         for sampling_session_id in session.sampling_session_ids:
             self.sampling_sessions.pop(sampling_session_id, None)
+        self.stability.drop_session(session_id)
 
     def describe(self) -> dict[str, Any]:
         return {

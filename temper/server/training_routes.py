@@ -18,7 +18,7 @@ from temper.server.expiry import check_ttl
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
 from temper.server.scheduler import Answer
 from temper.server.server import SamplingSession, ServedModel, TemperServer
-from temper.server.validation import check_lora, check_training_data
+from temper.server.validation import check_lora, check_training_data, resolve_provenance
 
 
 def training_router(server: TemperServer) -> APIRouter:
@@ -109,11 +109,12 @@ def training_router(server: TemperServer) -> APIRouter:
             loss_fn_config=call.loss_fn_config,
             limits=server.limits,
         )
+        data = resolve_provenance(call, store=server.stability, session_id=served.session_id)
 
         def run():
             training = server.training(served)
             verb = training.forward if call.forward_only else training.forward_backward
-            return verb(call.data, call.loss_fn, call.loss_fn_config)
+            return verb(data, call.loss_fn, call.loss_fn_config)
 
         request_id = queue(served, run, encode=_encode_fwdbwd, seq_id=call.seq_id)
         return future_response(request_id, model_id=served.model_id)
@@ -213,6 +214,7 @@ def training_router(server: TemperServer) -> APIRouter:
                 base_model=server.model_name,
                 model_path=None,
                 lineage=served.model_id,
+                session_id=served.session_id,
             )
             server.add_snapshot(served, sampling)
             return json_answer(

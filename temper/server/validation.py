@@ -17,8 +17,10 @@ from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
 from temper.losses import LossSpec, get_loss, resolve_config
 from temper.server.errors import BadRequest
+from temper.server.provenance import behaviour_data, check_spans
 from temper.server.server import ModelLimits
-from temper.server.wire import SampleCall
+from temper.server.stability import StabilityStore
+from temper.server.wire import ForwardBackwardCall, SampleCall
 from temper.trainer.inputs import prepare
 
 MAX_NUM_SAMPLES = 4096
@@ -47,6 +49,20 @@ def check_training_data(
                 max_seq_len=limits.max_seq_len,
             )
     except (TypeError, ValueError) as error:
+        raise BadRequest(f"forward_backward: {error}") from None
+
+
+def resolve_provenance(
+    call: ForwardBackwardCall, *, store: StabilityStore, session_id: str
+) -> list[Datum]:
+    """The datums to train on: provenance spans checked on every loss, and for
+    stable_reinforce resolved against the recorded samples (provenance.py)."""
+    try:
+        check_spans(call.data, call.provenance)
+        if call.loss_fn != "stable_reinforce":
+            return call.data
+        return behaviour_data(call.data, call.provenance, store=store, session_id=session_id)
+    except ValueError as error:
         raise BadRequest(f"forward_backward: {error}") from None
 
 

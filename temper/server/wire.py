@@ -35,6 +35,7 @@ from temper.api.types import (
     TopkLogprobs,
 )
 from temper.server.errors import BadRequest
+from temper.server.provenance import Provenance, Span
 from temper.server.target_wire import decode_targets, encode_target_logprobs
 
 _TENSOR_DTYPES = {
@@ -60,6 +61,8 @@ class ForwardBackwardCall:
     loss_fn_config: dict[str, float | str]
     forward_only: bool
     data: list[Datum]
+    provenance: tuple[Provenance | None, ...]
+    """Per datum: its provenance spans, None where it has none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +74,7 @@ class SampleCall:
     topk_prompt_logprobs: int
     topk_sample_logprobs: int
     prompt_logprobs_last_n: int | None
+    record_stability_info: bool
     target_prompt_logprobs: PromptTargets | None = None
     target_sparse: bool = False
     """The targets came as sparse CSR, and their answer goes back in the same layout."""
@@ -98,6 +102,7 @@ def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> For
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
     data = [_datum(datum, index=index) for index, datum in enumerate(message.data)]
+    provenance = tuple(_provenance(datum, index=index) for index, datum in enumerate(message.data))
     return ForwardBackwardCall(
         model_id=message.model_id,
         seq_id=message.seq_id,
@@ -105,6 +110,7 @@ def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> For
         loss_fn_config=config,
         forward_only=message.forward_only,
         data=data,
+        provenance=provenance,
     )
 
 
@@ -142,6 +148,33 @@ def _datum(message: pb.Datum, *, index: int) -> Datum:
         for name, tensor in message.loss_fn_inputs.items()
     }
     return Datum(model_input=ModelInput(chunks=tuple(chunks)), loss_fn_inputs=inputs)
+
+
+def _provenance(message: pb.Datum, *, index: int) -> Provenance | None:
+    if not message.model_input_spans and not message.loss_fn_input_spans:
+        return None
+    return Provenance(
+        model_input=_spans(message.model_input_spans, where=f"datum {index}: model_input_spans"),
+        targets=_spans(message.loss_fn_input_spans, where=f"datum {index}: loss_fn_input_spans"),
+    )
+
+
+def _spans(messages, *, where: str) -> tuple[Span, ...]:
+    spans = []
+    for number, message in enumerate(messages):
+        kind = message.WhichOneof("span")
+        if kind is None:
+            raise BadRequest(f"{where}[{number}]: neither prompt_tokens nor sampled_tokens is set")
+        span = getattr(message, kind)
+        spans.append(
+            Span(
+                kind="prompt" if kind == "prompt_tokens" else "sampled",
+                sequence_id=span.sequence_id,
+                offset=span.offset,
+                length=span.length,
+            )
+        )
+    return tuple(spans)
 
 
 def _tensor(message: pb.Tensor, *, where: str) -> TensorData:
@@ -241,8 +274,6 @@ def _add_batched(record: pb.ArrayRecord, name: str, tensors: list[TensorData]) -
 def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
     if request.prompt_alt_tokens_k:
         raise BadRequest("prompt_alt_tokens_k is not supported by this server; send 0")
-    if request.record_stability_info:
-        raise BadRequest("record_stability_info (stable_reinforce) is not supported")
     prompt = model_input(request.prompt, where="prompt")
     params = request.sampling_params
     stop = params.stop
@@ -273,6 +304,7 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         topk_prompt_logprobs=topk_prompt,
         topk_sample_logprobs=request.topk_sample_logprobs,
         prompt_logprobs_last_n=last_n,
+        record_stability_info=bool(request.record_stability_info),
         target_prompt_logprobs=None if targets is None else decode_targets(targets),
         target_sparse=targets is not None and targets.sparse_crow_indices is not None,
     )

@@ -104,7 +104,8 @@ def prepare(
         if missing:
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
         topk_shape, topk_name = None, ""  # the first input named in `topk`, and its shape
-        for name, value in datum.loss_fn_inputs.items():
+        # In name order, so an error names the same input whatever order the wire gave.
+        for name, value in sorted(datum.loss_fn_inputs.items()):
             if name not in allowed:
                 continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
             shape = tuple(value.shape)

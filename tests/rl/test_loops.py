@@ -55,3 +55,16 @@ def test_cosine_schedule_decays_the_rl_learning_rate_to_a_tenth(tmp_path, no_plo
     rates = [r["optim/lr"] for r in metrics if "reward/mean" in r and "optim/lr" in r]
     expected = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 5))) for k in range(5)]
     assert rates == pytest.approx(expected)
+
+
+def test_stable_reinforce_on_policy_trains_as_importance_sampling(tmp_path, no_plots):
+    # On policy the ratio is ~1, under stable_reinforce's cap (2.0), so both losses give
+    # -ratio * A per token: the same gradients, whatever their loss values.
+    is_metrics, is_weights = _run(tmp_path, "is", loss_fn="importance_sampling")
+    metrics, weights = _run(tmp_path, "stable", loss_fn="stable_reinforce")
+    rl = [r for r in metrics if "reward/mean" in r]
+    assert any(r["rollout/groups_kept"] > 0 for r in rl)
+    assert [r["reward/mean"] for r in rl] == [
+        r["reward/mean"] for r in is_metrics if "reward/mean" in r
+    ]
+    assert all(torch.equal(weights[k], is_weights[k]) for k in weights)

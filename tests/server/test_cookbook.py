@@ -169,7 +169,7 @@ import asyncio, sys
 from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
 from tinker_cookbook.rl.train import Config, main
 
-model, base_url, log_path = sys.argv[1:]
+model, base_url, log_path, loss_fn = sys.argv[1:]
 dataset = ArithmeticDatasetBuilder(
     batch_size=4, group_size=4, n_batches=3, include_fewshot=True,
     model_name_for_tokenizer=model, renderer_name="role_colon",
@@ -177,18 +177,23 @@ dataset = ArithmeticDatasetBuilder(
 asyncio.run(main(Config(
     model_name=model, renderer_name="role_colon", recipe_name="math_rl_arithmetic",
     dataset_builder=dataset, base_url=base_url, log_path=log_path,
-    learning_rate=1e-3, lora_rank=8, max_tokens=5, loss_fn="importance_sampling",
+    learning_rate=1e-3, lora_rank=8, max_tokens=5, loss_fn=loss_fn,
     eval_every=0, save_every=2, max_steps=3,
 )))
 """
 
 
-def test_cookbook_rl_loop_on_arithmetic_runs_offline(chat_server, chat_model_dir, tmp_path):
+# stable_reinforce is the cookbook's default (math_rl, rl_loop, rubric, every async run): its
+# samplers record stability info and every datum carries provenance spans.
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])
+def test_cookbook_rl_loop_on_arithmetic_runs_offline(
+    chat_server, chat_model_dir, tmp_path, loss_fn
+):
     driver = tmp_path / "math_rl_arithmetic.py"
     driver.write_text(RL_DRIVER)
     log_path = tmp_path / "math_rl"
     run_cookbook(
-        [str(driver), str(chat_model_dir), chat_server.base_url, str(log_path)],
+        [str(driver), str(chat_model_dir), chat_server.base_url, str(log_path), loss_fn],
         server=chat_server,
         cwd=tmp_path,
     )
