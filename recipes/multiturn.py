@@ -45,15 +45,15 @@ def guess_number() -> RLJob.Config:
     )
 
 
-@recipe("Tool-use arithmetic: sums of three numbers with a calculator tool, SFT then GRPO (~2 min)")
+@recipe("Tool-use arithmetic: sums of three numbers with a calculator tool, SFT then GRPO (~1 min)")
 def tool_arithmetic() -> RLJob.Config:
     return _multiturn(
-        env=ToolArithmetic.Config(num_terms=3, min_digits=2, max_digits=3),
+        env=ToolArithmetic.Config(num_terms=3, min_digits=2, max_digits=2),
         episodes=EpisodeRunner.Config(max_turns=3, max_context=64),
-        warmup=SFTWarmup.Config(steps=60, batch_size=32, learning_rate=2e-3, eval_every=0),
-        steps=40,
-        max_tokens=14,
-        learning_rate=1e-4,
+        warmup=SFTWarmup.Config(steps=300, batch_size=32, learning_rate=2e-3, eval_every=0),
+        steps=20,
+        max_tokens=12,
+        learning_rate=3e-4,
         eval_every=10,
         eval_problems=64,
     )
