@@ -145,7 +145,7 @@ class ToolArithmetic(Configurable):
         answer = str(sum(env.terms))
         if rng.random() >= self.config.direct_share:
             call = self.format.call_tokens(tokenizer, env.expression)
-            result = self.format.result_tokens(tokenizer, calculate(env.expression))
+            result = self.format.result_tokens(tokenizer, answer)
             tokens += call + result
             weights += [1.0] * len(call) + [0.0] * len(result)
         final = [*tokenizer.encode(answer), eos]
