@@ -35,6 +35,11 @@ class APIFuture(Generic[T]):
     def done(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, fn: Callable[[APIFuture[T]], None]) -> None:
+        """Call `fn(self)` once the request has run (at once if it already has), on the
+        thread that finished it: keep `fn` short (e.g. put the future on a queue)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
     def __await__(self) -> Generator[Any, None, T]:
         return self.result_async().__await__()
 

@@ -98,6 +98,7 @@ def figure_specs(series: Mapping[str, Series]) -> list[FigureSpec]:
         _learning,
         _sampling,
         _rollouts,
+        _episodes,
         _optimizer,
         _time,
     ]
@@ -194,6 +195,38 @@ def _rollouts(shown: Mapping[str, Series], phases: tuple[RunPhase, ...]) -> Figu
         title="What do the samples look like?",
         caption="Per RL step: how many completions are correct, how rewards spread within "
         "groups, completion length and entropy, and how many groups carry a learning signal.",
+        panels=_present(panels),
+        phases=phases,
+    )
+
+
+def _episodes(shown: Mapping[str, Series], phases: tuple[RunPhase, ...]) -> FigureSpec:
+    end_keys = sorted(key for key in shown if key.startswith("episode/end/"))
+    panels = [
+        _panel(shown, "turns per episode", "turns", [LineSpec("episode/turns", "")]),
+        _panel(
+            shown,
+            "tool calls per episode",
+            "calls",
+            [
+                LineSpec("episode/tool_calls", "calls"),
+                LineSpec("episode/tool_failures", "failed or timed out"),
+            ],
+        ),
+        _panel(
+            shown,
+            "why episodes ended",
+            "fraction of episodes",
+            [LineSpec(key, key.removeprefix("episode/end/")) for key in end_keys],
+            unit_range=True,
+        ),
+        _panel(shown, "env time per episode", "seconds", [LineSpec("episode/env_seconds", "")]),
+    ]
+    return FigureSpec(
+        name="episodes",
+        title="How do multi-turn episodes go?",
+        caption="Per RL step: turns per episode, tool calls and failed calls, the share of "
+        "episodes ending for each reason, and seconds spent in env steps per episode.",
         panels=_present(panels),
         phases=phases,
     )

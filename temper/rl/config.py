@@ -17,6 +17,8 @@ from temper.config.configurable import Configurable
 from temper.job import ModelChoice
 from temper.observability import MetricsLogger
 from temper.rl.advantages import AdvantageMode
+from temper.rl.envs import EnvConfig
+from temper.rl.episodes import EpisodeRunner
 from temper.rl.kl import KLEstimator
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
@@ -33,7 +35,13 @@ class RLJobConfig(Configurable.Config):
     model: ModelChoice.Config = field(default_factory=ModelChoice.Config)
     """The model trained: base model, LoRA, device, dtype."""
     task: TaskConfig = field(default_factory=SumDigits.Config)
-    """The task problems and rewards come from."""
+    """The task problems and rewards come from (single-turn; unused when `env` is set)."""
+    env: EnvConfig | None = None
+    """A multi-turn environment source to roll out against instead of `task` (its episodes,
+    held-out envs and warm-up demonstrations); None: the single-turn `task`."""
+    episodes: EpisodeRunner.Config = field(default_factory=EpisodeRunner.Config)
+    """How multi-turn episodes run (turn and context limits, env step threads); only with
+    `env`."""
     warmup: SFTWarmup.Config = field(default_factory=SFTWarmup.Config)
     """Supervised warm-up before RL."""
     steps: int = 60
@@ -46,7 +54,7 @@ class RLJobConfig(Configurable.Config):
     """Optimizer steps per RL step: the step's problems split into this many equal
     minibatches (prompts_per_step must be divisible by it)."""
     max_tokens: int = 4
-    """Most tokens per completion."""
+    """Most tokens per completion (per action, in a multi-turn episode)."""
     temperature: float = 1.0
     """Sampling temperature of rollouts."""
     loss_fn: Literal["ppo", "importance_sampling", "stable_reinforce"] = "ppo"
@@ -149,6 +157,12 @@ def _check_config(config: RLJobConfig) -> None:
         )
     if config.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")
+    if config.env is not None and config.episodes.max_context > config.sampler.max_seq_len:
+        raise ValueError(
+            f"{name}.episodes.max_context ({config.episodes.max_context}) exceeds "
+            f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "
+            "must fit the sampler's cache"
+        )
     if config.mode == "sync" and config.max_staleness != 1:
         warnings.warn(
             f"{name}.max_staleness={config.max_staleness} is ignored in mode='sync' "

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -42,6 +43,8 @@ from temper.job import ModelChoice, RunCheckpoints, state_to_resume
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
+from temper.rl.env import Env, EnvSource
+from temper.rl.episodes import EpisodeRunner, heldout_success
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
 from temper.tasks.evaluation import greedy_accuracy, heldout_problems
@@ -146,6 +149,34 @@ class HeldoutAccuracy:
         return self.ranks.sum([total])[0] / len(self.problems)
 
 
+class HeldoutSuccess:
+    """Multi-turn: the share of fixed held-out episodes, played greedily, that succeed (the
+    env's `correct`), each rank playing its part."""
+
+    def __init__(
+        self,
+        *,
+        training: TrainingClient,
+        envs: list[Env],
+        episodes: EpisodeRunner,
+        max_tokens: int,
+        ranks: Ranks,
+    ) -> None:
+        if not envs:
+            raise ValueError("RLJob: the env source has no held-out environments to evaluate on")
+        self.training, self.envs, self.episodes = training, envs, episodes
+        self.max_tokens, self.ranks = max_tokens, ranks
+
+    def __call__(self) -> float:
+        sampler = self.training.save_weights_and_get_sampling_client()
+        mine = self.envs[self.ranks.split(len(self.envs))]
+        total = 0.0
+        if mine:
+            success = heldout_success(self.episodes, sampler, mine, max_tokens=self.max_tokens)
+            total = success * len(mine)
+        return self.ranks.sum([total])[0] / len(self.envs)
+
+
 class _RLRun:
     """One run of the job: set up (fresh, or resumed from the run's last checkpoint) when
     made, then its phases in order: `warmup`, `reinforce`, `finish`."""
@@ -167,14 +198,28 @@ class _RLRun:
             ranks.on_writer(functools.partial(_truncate_logs, run_dir, before_step=saved.step))
         self.tokenizer, self.task = self.training.get_tokenizer(), config.task.build()
         self.sft_warmup = config.warmup.build()
-        self.evaluate = HeldoutAccuracy(
-            training=self.training,
-            task=self.task,
-            tokenizer=self.tokenizer,
-            num_problems=config.eval_problems,
-            max_tokens=config.max_tokens,
-            ranks=ranks,
-        )
+        self.env_source: EnvSource | None = None
+        self.episodes: EpisodeRunner | None = None
+        self.evaluate: Callable[[], float]
+        if config.env is None:
+            self.evaluate = HeldoutAccuracy(
+                training=self.training,
+                task=self.task,
+                tokenizer=self.tokenizer,
+                num_problems=config.eval_problems,
+                max_tokens=config.max_tokens,
+                ranks=ranks,
+            )
+        else:
+            self.env_source = config.env.build(tokenizer=self.tokenizer)
+            self.episodes = config.episodes.build()
+            self.evaluate = HeldoutSuccess(
+                training=self.training,
+                envs=self.env_source.heldout_envs(config.eval_problems),
+                episodes=self.episodes,
+                max_tokens=config.max_tokens,
+                ranks=ranks,
+            )
         self.checkpoints = RunCheckpoints(
             run_dir=run_dir,
             training=self.training,
@@ -196,6 +241,16 @@ class _RLRun:
             return
         self.logger.console.print(f"SFT warm-up: {num_warmup} steps")
         self.logger.begin_phase("SFT warm-up", first_step=0, num_steps=num_warmup)
+        if self.env_source is not None:
+            self.sft_warmup.run_demonstrations(
+                self.training,
+                demonstrate=self.env_source.demonstration,
+                rng=self.state.rng,
+                on_step=self._warmup_step_done,
+                start_step=self.start,
+                ranks=self.ranks,
+            )
+            return
         self.sft_warmup.run(
             self.training,
             task=self.task,
@@ -234,6 +289,8 @@ class _RLRun:
                 rollouts_file=rollouts_file,
                 evaluate=self.evaluate,
                 ranks=self.ranks,
+                env_source=self.env_source,
+                episodes=self.episodes,
             )
             first = max(self.start - config.warmup.steps, 0)
             if config.mode == "sync":

@@ -75,9 +75,10 @@ def kl_penalty(
     ranks = ranks or Ranks.single()
     log_ratios_C = [torch.zeros(0, dtype=torch.float64)]
     for trajectory, future in zip(trajectories, reference_futures, strict=True):
-        reference = future.result()[len(trajectory.prompt) :]
+        # Sampled tokens only: a multi-turn episode's observation tokens carry no penalty.
+        reference = trajectory.action_values(future.result()[len(trajectory.prompt) :])
         log_ratios_C.append(
-            torch.tensor(trajectory.sampler_logprobs, dtype=torch.float64)
+            torch.tensor(trajectory.action_values(trajectory.sampler_logprobs), dtype=torch.float64)
             - torch.tensor(reference, dtype=torch.float64)
         )
     log_ratio_N = torch.cat(log_ratios_C)
@@ -93,7 +94,8 @@ def kl_penalty(
     count = max(sums[3], 1.0)
     mean = sums[0] / count
     penalties = [
-        (coef * (kl_estimate(d_C, estimator=estimator) - mean)).tolist() for d_C in log_ratios_C[1:]
+        _on_completion(trajectory, (coef * (kl_estimate(d_C, estimator=estimator) - mean)).tolist())
+        for trajectory, d_C in zip(trajectories, log_ratios_C[1:], strict=True)
     ]
     local_max = coef * (kl_N - mean).abs().max().item() if kl_N.numel() else 0.0
     metrics = {
@@ -102,3 +104,11 @@ def kl_penalty(
         "kl/penalty_max": max(ranks.all_gather(local_max)),
     }
     return KLPenalty(penalties=penalties, metrics=metrics)
+
+
+def _on_completion(trajectory: Trajectory, values: list[float]) -> list[float]:
+    """Per-sampled-token values spread over the completion, 0.0 on observation tokens."""
+    if trajectory.action_mask is None:
+        return values
+    sampled = iter(values)
+    return [next(sampled) if weight else 0.0 for weight in trajectory.action_mask]

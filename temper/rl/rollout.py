@@ -30,6 +30,23 @@ class Trajectory:
     reward: float
     stop_reason: str
     metrics: dict[str, float]
+    action_mask: list[float] | None = None
+    """Multi-turn episodes: 1.0 on each completion token the policy sampled, 0.0 on the
+    environment's observation tokens between turns (their `sampler_logprobs` are 0.0). None:
+    every completion token was sampled (single-turn)."""
+
+    @property
+    def num_action_tokens(self) -> int:
+        """Completion tokens the policy sampled (those the loss trains on)."""
+        if self.action_mask is None:
+            return len(self.completion)
+        return sum(1 for weight in self.action_mask if weight)
+
+    def action_values(self, values: Sequence[float]) -> list[float]:
+        """The entries of a per-completion-token list at the sampled tokens."""
+        if self.action_mask is None:
+            return list(values)
+        return [v for v, weight in zip(values, self.action_mask, strict=True) if weight]
 
 
 @dataclass(frozen=True)
@@ -116,7 +133,8 @@ def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) 
 
     `advantage` is one number for every completion token, or one per completion token (e.g.
     with a per-token KL penalty). The losses are sums over tokens; the caller folds any
-    normalization into `advantage`."""
+    normalization into `advantage`. Observation tokens of a multi-turn episode (its
+    `action_mask` is 0 there) get advantage 0 and logprob 0, like prompt tokens."""
     tokens = trajectory.prompt + trajectory.completion
     num_prompt_targets = len(trajectory.prompt) - 1
     num_completion = len(trajectory.completion)
@@ -129,6 +147,11 @@ def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) 
             )
     else:
         advantages_C = [advantage] * num_completion
+    if trajectory.action_mask is not None:
+        # Observation tokens of a multi-turn episode: the environment wrote them, nothing trains.
+        advantages_C = [
+            a if m else 0.0 for a, m in zip(advantages_C, trajectory.action_mask, strict=True)
+        ]
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from temper.api.types import ForwardBackwardOutput
+from temper.rl.episodes import END_REASONS
 from temper.rl.rollout import Trajectory
 
 
@@ -92,9 +93,9 @@ def rollout_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> N
     stats.mean("reward/mean", sum(rewards), len(flat))
     stats.spread("reward/std", rewards)
     stats.mean("rollout/accuracy", sum(t.metrics.get("correct", 0.0) for t in flat), len(flat))
-    stats.mean("rollout/response_length", sum(len(t.completion) for t in flat), len(flat))
+    stats.mean("rollout/response_length", sum(t.num_action_tokens for t in flat), len(flat))
     stats.mean("rollout/stopped", sum(t.stop_reason == "stop" for t in flat), len(flat))
-    sampler_lp = [lp for t in flat for lp in t.sampler_logprobs]
+    sampler_lp = [lp for t in flat for lp in t.action_values(t.sampler_logprobs)]
     stats.mean("rollout/entropy", -sum(sampler_lp), len(sampler_lp))
 
 
@@ -108,8 +109,24 @@ def mismatch_stats(
         for trajectory, record in zip(trajectories, output.loss_fn_outputs, strict=True):
             trainer_lp = record["logprobs"].to_torch()[len(trajectory.prompt) - 1 :]
             sampler_lp = torch.tensor(trajectory.sampler_logprobs)
+            if trajectory.action_mask is not None:  # the policy's tokens only
+                sampled_C = torch.tensor(trajectory.action_mask) > 0
+                trainer_lp, sampler_lp = trainer_lp[sampled_C], sampler_lp[sampled_C]
             deltas.append((trainer_lp - sampler_lp).double())
     delta_N = torch.cat(deltas)
     stats.mean("mismatch/kl", (delta_N.exp() - 1 - delta_N).sum().item(), delta_N.numel())
     if delta_N.numel():
         stats.maximum("mismatch/logprob_diff_max", delta_N.abs().max().item())
+
+
+def episode_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:
+    """Multi-turn episodes: turns, tool calls and failures, env seconds per episode, and the
+    share of episodes that ended for each reason (`episode/end/<reason>`)."""
+    flat = [t for group in groups for t in group]
+    for name in ("turns", "tool_calls", "tool_failures", "env_seconds"):
+        stats.mean(f"episode/{name}", sum(t.metrics.get(name, 0.0) for t in flat), len(flat))
+    reasons = dict.fromkeys(END_REASONS)
+    reasons.update(dict.fromkeys(k for t in flat for k in t.metrics if k.startswith("end/")))
+    for reason in reasons:
+        key = reason if reason.startswith("end/") else f"end/{reason}"
+        stats.mean(f"episode/{key}", sum(t.metrics.get(key, 0.0) for t in flat), len(flat))

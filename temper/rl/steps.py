@@ -31,7 +31,8 @@ from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.rl.advantages import group_advantages, is_uniform
 from temper.rl.config import RLJobConfig
-from temper.rl.env import make_groups
+from temper.rl.env import EnvSource, make_groups
+from temper.rl.episodes import EpisodeRunner, RunningEpisodes
 from temper.rl.kl import kl_penalty, submit_reference_logprobs
 from temper.rl.rollout import (
     PendingRollouts,
@@ -40,7 +41,7 @@ from temper.rl.rollout import (
     score_rollouts,
     submit_rollouts,
 )
-from temper.rl.step_metrics import StepStats, mismatch_stats, rollout_stats
+from temper.rl.step_metrics import StepStats, episode_stats, mismatch_stats, rollout_stats
 from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer
 from temper.trainer.schedule import warmup_cosine
@@ -52,7 +53,7 @@ class SubmittedStep:
     """The RL step that will train on this batch."""
     steps_done: int
     """RL steps trained when it was submitted; rl_step - steps_done is its staleness."""
-    rollouts: PendingRollouts
+    rollouts: PendingRollouts | RunningEpisodes
 
 
 class RLSteps:
@@ -71,6 +72,8 @@ class RLSteps:
         rollouts_file: IO[str] | None,
         evaluate: Callable[[], float],
         ranks: Ranks,
+        env_source: EnvSource | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.config = config
         self.training = training
@@ -82,6 +85,8 @@ class RLSteps:
         self.rollouts_file = rollouts_file
         self.evaluate = evaluate
         self.ranks = ranks
+        self.env_source, self.episodes = env_source, episodes
+        """Multi-turn: where episodes come from and what runs them (None: single-turn)."""
         self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
         """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
@@ -96,6 +101,10 @@ class RLSteps:
         config = self.config
         with self.timer.phase("sync"):
             sampler = self.training.save_weights_and_get_sampling_client()
+        if self.env_source is not None:
+            return SubmittedStep(
+                rl_step=rl_step, steps_done=steps_done, rollouts=self._start_episodes(sampler)
+            )
         groups = make_groups(
             self.task,
             tokenizer=self.tokenizer,
@@ -115,15 +124,40 @@ class RLSteps:
         # so the trainer copies weights only if they are still running when it steps.
         return SubmittedStep(rl_step=rl_step, steps_done=steps_done, rollouts=rollouts)
 
+    def _start_episodes(self, sampler: SamplingClient) -> RunningEpisodes:
+        """Every group's episodes, started on `sampler`; each rank runs its share."""
+        assert self.env_source is not None and self.episodes is not None
+        config = self.config
+        groups = [
+            self.env_source.make_group(self.rng, split="train", group_size=config.group_size)
+            for _ in range(config.prompts_per_step)
+        ]
+        # One seed per group from the run's RNG (as single-turn), then one per episode from it.
+        group_seeds = [self.rng.getrandbits(63) for _ in groups]
+        seeds = [
+            seed
+            for group_seed in group_seeds[self.share]
+            for seed in _member_seeds(group_seed, config.group_size)
+        ]
+        with self.timer.phase("sample"):
+            return self.episodes.start(sampler, groups[self.share], params=self.params, seeds=seeds)
+
     def finish(self, submitted: SubmittedStep) -> dict[str, float]:
         """Train on a submitted batch and log the step; returns its metrics (all ranks')."""
         config, timer = self.config, self.timer
-        with timer.phase("sample"):
-            responses = submitted.rollouts.wait()
-        with timer.phase("score"):
-            groups = score_rollouts(submitted.rollouts.groups, responses)
+        rollouts = submitted.rollouts
+        if isinstance(rollouts, RunningEpisodes):
+            with timer.phase("sample"):  # sampling and env steps, interleaved
+                groups = rollouts.wait()
+        else:
+            with timer.phase("sample"):
+                responses = rollouts.wait()
+            with timer.phase("score"):
+                groups = score_rollouts(rollouts.groups, responses)
         stats = StepStats()
         rollout_stats(stats, groups)
+        if isinstance(rollouts, RunningEpisodes):
+            episode_stats(stats, groups)
         stats.values["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
         with timer.phase("train"):
             self._train_on(groups, stats, adam=self._adam(submitted.rl_step))
@@ -132,7 +166,7 @@ class RLSteps:
             with timer.phase("eval"):
                 stats.values["eval/accuracy"] = self.evaluate()
         now = time.perf_counter()
-        num_tokens = sum(len(t.completion) for g in groups for t in g)
+        num_tokens = sum(t.num_action_tokens for g in groups for t in g)
         stats.rates["throughput/tokens_per_s"] = (num_tokens, now - self._started)
         self._started = now
         for name, seconds in timer.collect().items():
@@ -182,7 +216,7 @@ class RLSteps:
         # batch size.
         num_tokens = self.ranks.sum(
             [
-                sum(len(flat[i].completion) for i, s in enumerate(substep_of) if s == substep)
+                sum(flat[i].num_action_tokens for i, s in enumerate(substep_of) if s == substep)
                 for substep in range(config.num_substeps)
             ]
         )
@@ -235,3 +269,8 @@ class RLSteps:
             }
             self.rollouts_file.write(json.dumps(record) + "\n")
         self.rollouts_file.flush()
+
+
+def _member_seeds(group_seed: int, group_size: int) -> list[int]:
+    rng = random.Random(group_seed)
+    return [rng.getrandbits(63) for _ in range(group_size)]

@@ -11,10 +11,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from temper.api.types import AdamParams
+from temper.api.types import AdamParams, Datum, ModelInput
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
+from temper.rl.env import Demonstration
 from temper.rl.rollout import supervised_datum
 from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer
@@ -79,9 +80,8 @@ class SFTWarmup(Configurable):
         On several `ranks` every rank draws the whole batch (the RNG copies stay equal) and
         trains on its part; the loss is normalized by the whole batch's answer tokens, so the
         summed gradient is the one-process gradient of the batch."""
-        ranks = ranks or Ranks.single()
-        part = ranks.split(self.config.batch_size)
-        for step in range(start_step, self.config.steps):
+
+        def batch(part: slice) -> list[Datum]:
             problems = [task.sample(rng, split="train") for _ in range(self.config.batch_size)]
             pairs = [
                 (tokenizer.encode(p.prompt), [*tokenizer.encode(p.answer), tokenizer.eos_token_id])
@@ -90,7 +90,53 @@ class SFTWarmup(Configurable):
             # Losses are sums (Tinker); weighting each answer token by 1/count makes this the
             # mean loss per answer token.
             num_targets = sum(len(answer) for _, answer in pairs)
-            data = [supervised_datum(p, a, weight=1.0 / num_targets) for p, a in pairs[part]]
+            return [supervised_datum(p, a, weight=1.0 / num_targets) for p, a in pairs[part]]
+
+        self._train(training_client, batch, on_step=on_step, start_step=start_step, ranks=ranks)
+
+    def run_demonstrations(
+        self,
+        training_client: TrainingClient,
+        *,
+        demonstrate: Callable[[random.Random], Demonstration],
+        rng: random.Random,
+        on_step: Callable[[int, dict[str, float]], None],
+        start_step: int = 0,
+        ranks: Ranks | None = None,
+    ) -> None:
+        """`run` for multi-turn envs: each step trains on `batch_size` whole demonstrated
+        episodes (`demonstrate(rng)`), weighted per policy token as the demonstration says."""
+
+        def batch(part: slice) -> list[Datum]:
+            demos = [demonstrate(rng) for _ in range(self.config.batch_size)]
+            num_targets = sum(sum(1 for w in demo.weights[1:] if w) for demo in demos)
+            return [
+                Datum(
+                    model_input=ModelInput.from_ints(demo.tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": demo.tokens[1:],
+                        "weights": [w / num_targets for w in demo.weights[1:]],
+                    },
+                )
+                for demo in demos[part]
+            ]
+
+        self._train(training_client, batch, on_step=on_step, start_step=start_step, ranks=ranks)
+
+    def _train(
+        self,
+        training_client: TrainingClient,
+        batch: Callable[[slice], list[Datum]],
+        *,
+        on_step: Callable[[int, dict[str, float]], None],
+        start_step: int,
+        ranks: Ranks | None,
+    ) -> None:
+        """Steps `start_step`.. on `batch(this rank's part)` each."""
+        ranks = ranks or Ranks.single()
+        part = ranks.split(self.config.batch_size)
+        for step in range(start_step, self.config.steps):
+            data = batch(part)
             backward = training_client.forward_backward(data, "cross_entropy")
             learning_rate = self.learning_rate(step)
             optim = training_client.optim_step(

@@ -1,0 +1,59 @@
+"""Multi-turn recipes: a guessing game and tool-use arithmetic, tiny Qwen3 from scratch.
+
+Each starts with a short supervised warm-up on demonstrated episodes (temper/rl/warmup.py,
+`run_demonstrations`), then GRPO on whole episodes: the env's observation tokens carry no loss,
+every action token of an episode gets the episode's group-relative advantage.
+"""
+
+from __future__ import annotations
+
+from temper.config.recipes import recipe
+from temper.job import ModelChoice
+from temper.rl.envs import GuessNumber, ToolArithmetic
+from temper.rl.episodes import EpisodeRunner
+from temper.rl.job import RLJob
+from temper.rl.warmup import SFTWarmup
+from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.engine import SamplerEngine
+from temper.trainer import TrainerEngine
+
+
+def _multiturn(**fields) -> RLJob.Config:
+    return RLJob.Config(
+        model=ModelChoice.Config(base_model="tiny"),
+        prompts_per_step=16,
+        group_size=8,
+        sampler=SamplerEngine.Config(
+            max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1)
+        ),
+        trainer=TrainerEngine.Config(shard_threads=2),
+        **fields,
+    )
+
+
+@recipe("Guessing game (higher/lower) in few turns: SFT on binary search, then GRPO (CPU, ~2 min)")
+def guess_number() -> RLJob.Config:
+    return _multiturn(
+        env=GuessNumber.Config(low=1, high=100),
+        episodes=EpisodeRunner.Config(max_turns=8, max_context=64),
+        warmup=SFTWarmup.Config(steps=60, batch_size=32, learning_rate=2e-3, eval_every=0),
+        steps=40,
+        max_tokens=4,
+        learning_rate=1e-4,
+        eval_every=10,
+        eval_problems=256,
+    )
+
+
+@recipe("Tool-use arithmetic: sums of three numbers with a calculator tool, SFT then GRPO (~1 min)")
+def tool_arithmetic() -> RLJob.Config:
+    return _multiturn(
+        env=ToolArithmetic.Config(num_terms=3, min_digits=2, max_digits=2),
+        episodes=EpisodeRunner.Config(max_turns=3, max_context=64),
+        warmup=SFTWarmup.Config(steps=300, batch_size=32, learning_rate=2e-3, eval_every=0),
+        steps=20,
+        max_tokens=12,
+        learning_rate=3e-4,
+        eval_every=10,
+        eval_problems=64,
+    )

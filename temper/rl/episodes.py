@@ -1,0 +1,331 @@
+"""Multi-turn episodes: many in flight, each turn sampled as soon as the last step returned.
+
+Shapes: C completion tokens of an episode (every token after its initial observation: the
+policy's actions and the environment's observations between them).
+
+An episode starts from its env's initial observation. Each turn the runner asks the sampling
+client for one action (the env's stop tokens end it), hands the exact sampled tokens to
+`env.step` on a thread pool, appends the observation tokens it returns and asks for the next
+turn; the context is only ever extended, never re-tokenized, so the trainer scores exactly the
+sequence the sampler produced. An episode ends when the env says `done`, after `max_turns`
+actions, or when the context has no room for another action (`max_context` tokens); the reason
+is recorded. The last observation is appended only when another action follows it.
+
+Concurrency: one driver thread per batch of episodes sends every live episode's next request
+as soon as its env step returns. The sampling client coalesces the requests that arrive while
+it decodes into its next batch (temper/api/futures.py), so the next turns of all live episodes
+decode together; env steps run on the pool, so a slow step (I/O, a tool, a subprocess) holds up
+only its own episode. When the sampler is idle and steps that started together are still
+running, the driver waits up to `batch_window_s` for them, so a fast env's next turns are not
+split into a lone first request and the rest.
+
+Each episode's turns are seeded from one seed drawn by the caller, so a seeded run is
+reproducible whatever order the steps finish in (the engine's draws depend only on a row's
+seed and position, not on the batch). An env whose `step` raises stops the batch with an
+`EnvStepError` naming the env, the group, the episode and the turn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from temper.api.types import ModelInput, SamplingParams
+from temper.config.configurable import Configurable
+from temper.rl.env import Env, StepResult
+from temper.rl.rollout import Trajectory
+
+END_REASONS = ("done", "max_turns", "context")
+"""Why an episode ended, besides reasons an env gives itself (`StepResult.end_reason`)."""
+
+
+class EnvStepError(RuntimeError):
+    """An environment's `step` raised (or returned something other than a StepResult)."""
+
+
+class EpisodeRunner(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        max_turns: int = 8
+        """Most actions per episode; an episode still running after them ends ("max_turns")."""
+        max_context: int = 256
+        """Most tokens in an episode's context (prompt, actions, observations); an episode
+        without room for one more action token ends ("context"). At most the sampler's
+        `max_seq_len`."""
+        env_workers: int = 8
+        """Threads that run env steps (a slow step holds up only its own episode)."""
+        batch_window_s: float = 0.002
+        """How long an idle sampler waits for env steps started alongside the first one
+        to return, so their next turns decode in one batch."""
+
+        def __post_init__(self) -> None:
+            for name in ("max_turns", "max_context", "env_workers"):
+                if getattr(self, name) < 1:
+                    raise ValueError(
+                        f"EpisodeRunner.Config.{name} must be >= 1, got {getattr(self, name)}"
+                    )
+            if self.batch_window_s < 0:
+                raise ValueError(
+                    f"EpisodeRunner.Config.batch_window_s must be >= 0, got {self.batch_window_s}"
+                )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.env_workers, thread_name_prefix="env-step"
+        )
+
+    def start(
+        self,
+        sampling_client: Any,
+        groups: Sequence[Sequence[Env]],
+        *,
+        params: SamplingParams,
+        seeds: Sequence[int],
+    ) -> RunningEpisodes:
+        """Start every episode of `groups` (one seed per episode, in order) and return at once."""
+        num_episodes = sum(len(group) for group in groups)
+        if len(seeds) != num_episodes:
+            raise ValueError(f"EpisodeRunner.start: {len(seeds)} seeds for {num_episodes} episodes")
+        return RunningEpisodes(
+            self.config, sampling_client=sampling_client, groups=groups, params=params,
+            seeds=seeds, pool=self._pool,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(eq=False)
+class _Episode:
+    env: Env
+    group: int
+    index: int
+    prompt: list[int]
+    seeds: random.Random
+    """Draws each turn's sampling seed."""
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = "length"
+    end_reason: str | None = None
+    env_seconds: float = 0.0
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_rewards)
+
+    def name(self) -> str:
+        return f"{type(self.env).__name__} (group {self.group}, episode {self.index})"
+
+    def trajectory(self) -> Trajectory:
+        metrics = dict(self.metrics)
+        metrics["turns"] = float(self.num_turns)
+        metrics["env_seconds"] = self.env_seconds
+        metrics[f"end/{self.end_reason}"] = 1.0
+        return Trajectory(
+            prompt=self.prompt,
+            completion=self.completion,
+            sampler_logprobs=self.logprobs,
+            reward=sum(self.turn_rewards),
+            stop_reason=self.stop_reason,
+            metrics=metrics,
+            action_mask=self.mask,
+        )
+
+
+class RunningEpisodes:
+    """A batch of episodes in flight on one sampling client (its driver is a thread)."""
+
+    def __init__(
+        self,
+        config: EpisodeRunner.Config,
+        *,
+        sampling_client: Any,
+        groups: Sequence[Sequence[Env]],
+        params: SamplingParams,
+        seeds: Sequence[int],
+        pool: concurrent.futures.Executor,
+    ) -> None:
+        self.config, self.params, self._pool = config, params, pool
+        self.sampler_version: int = sampling_client.version
+        self._client = sampling_client
+        seed_iter = iter(seeds)
+        self._groups = [
+            [
+                _Episode(
+                    env=env,
+                    group=g,
+                    index=i,
+                    prompt=list(env.initial_observation()),
+                    seeds=random.Random(next(seed_iter)),
+                )
+                for i, env in enumerate(group)
+            ]
+            for g, group in enumerate(groups)
+        ]
+        self._events: queue.SimpleQueue[tuple[str, _Episode, Any]] = queue.SimpleQueue()
+        self._num_sampling = self._num_stepping = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drive, name="episodes", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> list[list[Trajectory]]:
+        """The episodes' trajectories, by group, once all have ended."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._client = None  # the version's snapshot may go (weight_sync copy-on-write)
+        return [[episode.trajectory() for episode in group] for group in self._groups]
+
+    # -- the driver thread -----------------------------------------------------------------
+
+    def _drive(self) -> None:
+        try:
+            for group in self._groups:
+                for episode in group:
+                    self._next_turn(episode)
+            while self._num_sampling or self._num_stepping:
+                ready = self._handle([self._events.get(), *self._drain()])
+                if ready and not self._num_sampling and self._num_stepping:
+                    ready += self._linger()
+                for episode in ready:
+                    self._next_turn(episode)
+        except BaseException as error:  # handed to wait(), on the caller's thread
+            self._error = error
+        finally:
+            self._client = None
+
+    def _drain(self) -> list[tuple[str, _Episode, Any]]:
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
+
+    def _linger(self) -> list[_Episode]:
+        """Episodes whose steps return within the batch window (the sampler is idle)."""
+        ready: list[_Episode] = []
+        deadline = time.perf_counter() + self.config.batch_window_s
+        while self._num_stepping and (left := deadline - time.perf_counter()) > 0:
+            try:
+                event = self._events.get(timeout=left)
+            except queue.Empty:
+                break
+            ready += self._handle([event, *self._drain()])
+        return ready
+
+    def _handle(self, events: list[tuple[str, _Episode, Any]]) -> list[_Episode]:
+        """Sampled actions go to their env; returned steps give the episodes to sample next."""
+        ready = []
+        for kind, episode, future in events:
+            if kind == "sample":
+                self._num_sampling -= 1
+                self._start_step(episode, future.result().sequences[0])
+            else:
+                self._num_stepping -= 1
+                if self._apply_step(episode, future):
+                    ready.append(episode)
+        return ready
+
+    def _next_turn(self, episode: _Episode) -> None:
+        room = self.config.max_context - len(episode.prompt) - len(episode.completion)
+        if room < 1:
+            episode.end_reason = "context"
+            return
+        params = dataclasses.replace(
+            self.params,
+            max_tokens=min(self.params.max_tokens, room),
+            stop=list(episode.env.stop_token_ids()),
+            seed=episode.seeds.getrandbits(63),
+        )
+        context = ModelInput.from_ints(episode.prompt + episode.completion)
+        future = self._client.sample(context, 1, params)
+        self._num_sampling += 1
+        future.add_done_callback(lambda done: self._events.put(("sample", episode, done)))
+
+    def _start_step(self, episode: _Episode, sequence: Any) -> None:
+        action = list(sequence.tokens)
+        episode.completion += action
+        episode.logprobs += list(sequence.logprobs)
+        episode.mask += [1.0] * len(action)
+        episode.stop_reason = sequence.stop_reason
+        future = self._pool.submit(_timed_step, episode.env, action)
+        self._num_stepping += 1
+        future.add_done_callback(lambda done: self._events.put(("step", episode, done)))
+
+    def _apply_step(self, episode: _Episode, future: concurrent.futures.Future) -> bool:
+        """Record a returned step; whether the episode goes on."""
+        turn = episode.num_turns + 1
+        try:
+            result, seconds = future.result()
+        except Exception as error:
+            raise EnvStepError(
+                f"environment {episode.name()} raised in turn {turn}: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(result, StepResult):
+            raise EnvStepError(
+                f"environment {episode.name()} returned {type(result).__name__} from step in "
+                f"turn {turn}; step must return a StepResult"
+            )
+        episode.env_seconds += seconds
+        episode.turn_rewards.append(float(result.reward))
+        for name, value in result.metrics.items():
+            episode.metrics[name] = episode.metrics.get(name, 0.0) + float(value)
+        if result.done:
+            episode.end_reason = result.end_reason or "done"
+            return False
+        if turn >= self.config.max_turns:
+            episode.end_reason = "max_turns"
+            return False
+        observation = list(result.next_observation or [])
+        if len(episode.prompt) + len(episode.completion) + len(observation) >= (
+            self.config.max_context
+        ):
+            episode.end_reason = "context"
+            return False
+        episode.completion += observation
+        episode.logprobs += [0.0] * len(observation)
+        episode.mask += [0.0] * len(observation)
+        return True
+
+
+def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:
+    start = time.perf_counter()
+    result = env.step(action)
+    return result, time.perf_counter() - start
+
+
+def run_episodes(
+    runner: EpisodeRunner,
+    sampling_client: Any,
+    groups: Sequence[Sequence[Env]],
+    *,
+    params: SamplingParams,
+    rng: random.Random,
+) -> list[list[Trajectory]]:
+    """Start and wait in one call, with every episode's seed drawn from `rng` in order."""
+    seeds = [rng.getrandbits(63) for group in groups for _ in group]
+    return runner.start(sampling_client, groups, params=params, seeds=seeds).wait()
+
+
+def heldout_success(
+    runner: EpisodeRunner, sampling_client: Any, envs: Sequence[Env], *, max_tokens: int
+) -> float:
+    """Share of held-out episodes, played greedily, whose env reported `correct`."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    groups = [[env] for env in envs]
+    trajectories = runner.start(sampling_client, groups, params=params, seeds=[0] * len(envs))
+    done = [group[0] for group in trajectories.wait()]
+    return sum(min(t.metrics.get("correct", 0.0), 1.0) for t in done) / len(done)
