@@ -1,4 +1,5 @@
-"""The GRPO recipe learns: a fixed-seed run through `temper train` lifts held-out accuracy."""
+"""The GRPO recipe learns: a fixed-seed run through `temper train` lifts held-out accuracy
+(about four minutes on two cores: RL does the learning, see docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ def test_grpo_after_a_short_warmup_improves_accuracy_and_reward(tmp_path):
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
     after_warmup = next(acc for step, acc in evals if step == warmup_steps - 1)
     final = evals[-1][1]
-    # Measured with this seed (runs are reproducible; rounding-level changes to kernels move
-    # the numbers): 0.31 after warm-up, 0.43 after 120 GRPO steps; rollout reward 0.22 over
-    # the first 15 steps, 0.27 over the last 15.
-    assert final >= after_warmup + 0.08, evals
+    # Measured with this seed on an AVX2 CPU (runs are reproducible; rounding-level changes
+    # to kernels move the numbers): 0.33 after warm-up, 0.90 after 1500 GRPO steps; rollout
+    # reward 0.23 over the first 100 steps, 0.63 over the last 100. Seeds 1 and 2: see docs/rl.md.
+    assert after_warmup < 0.5, evals  # RL, not the warm-up, does the learning
+    assert final >= after_warmup + 0.35, evals
 
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
-    assert len(rewards) == 120
-    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
-    assert last > first + 0.03, (first, last)
+    assert len(rewards) == 1500
+    first, last = sum(rewards[:100]) / 100, sum(rewards[-100:]) / 100
+    assert last > first + 0.2, (first, last)
 
     rl_record = next(r for r in records if "reward/mean" in r)
     for key in ("mismatch/logprob_diff_max", "mismatch/kl", "optim/grad_norm", "time/sample"):
