@@ -323,3 +323,14 @@ def test_over_budget_is_503_naming_budget_and_holder(model_dir, teacher_dir, tmp
         again.close("success").result()
     finally:
         server.stop()
+
+
+def test_several_ranks_refuse_several_models(model_dir, teacher_dir):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "temper", "serve", "--model", str(model_dir)]
+    command += ["--model", str(teacher_dir), "--nproc", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "several ranks (--nproc, torchrun) takes one model, got 2" in result.stderr
