@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -31,7 +30,6 @@ def serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from temper.checkpoint.hf import read_hf_config
     from temper.commands import serve_ranks
     from temper.config.cli import config_registry
     from temper.distributed import launch
@@ -63,7 +61,7 @@ def serve(argv: Sequence[str]) -> int:
     if nproc is not None:
         try:  # refuse what every rank would refuse before starting them
             check_bind(config.host, config.api_key)
-            read_hf_config(Path(config.model).expanduser())
+            serve_ranks.check_one_model(config)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
             return 2
@@ -76,7 +74,7 @@ def serve(argv: Sequence[str]) -> int:
         print(f"temper serve: error: {error}", file=sys.stderr)
         return 2
     print(
-        f"temper serve: {server.model_name} on http://{config.host}:{config.port} "
+        f"temper serve: {server.served_names()} on http://{config.host}:{config.port} "
         f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root})",
         flush=True,
     )

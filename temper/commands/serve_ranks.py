@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from temper.config.cli import without_option
@@ -76,6 +77,27 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
             process.stdin.close()
 
 
+def check_one_model(config: TemperServer.Config) -> None:
+    """Several ranks serve one base model: the ranks replay one backend's calls, and the
+    model memory rules (loading, releasing) run on rank 0 alone."""
+    from temper.server.base_models import model_dirs
+
+    dirs = model_dirs(
+        models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
+    )
+    if len(dirs) > 1:
+        served = ", ".join(path for path, _ in dirs)
+        raise ValueError(
+            f"serving on several ranks (--nproc, torchrun) takes one model, got {len(dirs)}: "
+            f"{served}; serve several models in one process (without --nproc)"
+        )
+    if not dirs[0][1]:
+        raise ValueError("serving on several ranks takes a trainable model (--model DIR)")
+    from temper.checkpoint.hf import read_hf_config
+
+    read_hf_config(Path(dirs[0][0]).expanduser())
+
+
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this)."""
     from temper.client.service_client import ServiceClient
@@ -95,6 +117,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
         error = None
         try:
             check_bind(config.host, config.api_key)
+            check_one_model(config)
             service = ServiceClient(
                 storage_dir=config.storage,
                 device=str(rank.device) if on_cuda else config.device,
@@ -138,7 +161,7 @@ def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) 
 
     config = server.config
     print(
-        f"temper serve: {server.model_name} on http://{config.host}:{config.port} "
+        f"temper serve: {server.served_names()} on http://{config.host}:{config.port} "
         f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root}, "
         f"{ranks.world_size} ranks)",
         flush=True,

@@ -20,7 +20,13 @@ from starlette.exceptions import HTTPException
 from tinker import types as tinker_types
 
 from temper.server.catalog import new_session_id
-from temper.server.errors import USER_ERRORS, BadRequest, RequestError, error_body
+from temper.server.errors import (
+    USER_ERRORS,
+    BadRequest,
+    RequestError,
+    Unavailable,
+    error_body,
+)
 from temper.server.request_log import RequestLog
 from temper.server.responses import json_response
 from temper.server.runs_routes import check_page, runs_router
@@ -87,7 +93,7 @@ def _session_router(server: TemperServer):
         return json_response(
             tinker_types.CreateSessionResponse(
                 session_id=session_id,
-                info_message=f"Temper serving {server.model_name}",
+                info_message=f"Temper serving {server.served_names()}",
             )
         )
 
@@ -172,6 +178,12 @@ def _sweeping(server: TemperServer):
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_: Request, error: RequestError) -> JSONResponse:
+        if isinstance(error, Unavailable):  # the server's state, not the request, is at fault
+            return JSONResponse(
+                error_body(error.message, category="server"),
+                status_code=error.status_code,
+                headers={"x-should-retry": "false"},
+            )
         return JSONResponse(error_body(error.message), status_code=error.status_code)
 
     @app.exception_handler(HTTPException)

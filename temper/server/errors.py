@@ -45,6 +45,14 @@ class Unauthorized(RequestError):
     status_code = 401
 
 
+class Unavailable(RequestError):
+    """The server cannot take this request now (503, e.g. no memory for the model it
+    needs). Answered with `x-should-retry: false`, so the SDK raises it at once instead of
+    retrying for minutes."""
+
+    status_code = 503
+
+
 def category_of(error: BaseException) -> Category:
     return "user" if isinstance(error, (*USER_ERRORS, RequestError)) else "server"
 

@@ -97,12 +97,15 @@ def runs_router(server: TemperServer) -> APIRouter:
 
     @router.get("/get_server_capabilities")
     async def capabilities() -> Response:
-        model = tinker_types.SupportedModel(
-            model_name=server.model_name,
-            max_context_length=server.limits.max_seq_len,
-            trainable=True,
-            sampleable=True,
-        )
-        return json_response(tinker_types.GetServerCapabilitiesResponse(supported_models=[model]))
+        models = [
+            tinker_types.SupportedModel(
+                model_name=model.name,
+                max_context_length=model.limits.max_seq_len,
+                trainable=model.trainable,
+                sampleable=model.sampleable,
+            )
+            for model in server.base_models
+        ]
+        return json_response(tinker_types.GetServerCapabilitiesResponse(supported_models=models))
 
     return router

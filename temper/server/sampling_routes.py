@@ -1,7 +1,8 @@
 """Sampling routes (create_sampling_session, samplers/{id}, asample) and retrieve_future.
 
-A sampling session is a handle on one backend sampling client. Sessions on the base model
-share one client, as do sessions on the same sampler checkpoint; each
+A sampling session is a handle on one backend sampling client. Sessions on a base model
+share one client, as do sessions on the same sampler checkpoint (released when idle and
+loaded again on the next sample, server.py); each
 `save_weights_and_get_sampling_client` makes its own (see training_routes). Samples on one
 client that arrive together are started together (coalescer.py), and the backend decodes
 them as one batch. `asample` and `retrieve_future` are plain routes (plain_routes.py). With
@@ -19,11 +20,13 @@ from starlette.routing import Route
 from tinker import types as tinker_types
 from tinker.types.try_again_response import TryAgainResponse
 
+from temper.api.backend import SamplingBackend
 from temper.api.types import SampleResponse
 from temper.server import request_log, wire
 from temper.server.catalog import new_sampling_session_id
 from temper.server.coalescer import SampleCoalescer
 from temper.server.errors import BadRequest
+from temper.server.model_memory import OverBudget
 from temper.server.plain_routes import plain_post
 from temper.server.responses import future_response, json_response, protobuf_answer
 from temper.server.server import SamplingSession, TemperServer
@@ -39,31 +42,24 @@ def sampling_router(server: TemperServer) -> APIRouter:
         body: tinker_types.CreateSamplingSessionRequest,
     ) -> Response:
         server.session(body.session_id)
-        backend = server.backend
         if body.model_path is not None:
             path = server.catalog.parse(body.model_path, kind="sampler_weights")
             base = server.base_model(server.catalog.run(path.run_id)["base_model"])
             model_path = str(path)
-            client = await asyncio.to_thread(
-                server.shared_sampler,
-                model_path,
-                lambda: backend.create_sampling_client(model_path=model_path),
-            )
         elif body.base_model is not None:
             base, model_path = server.base_model(body.base_model), None
-            client = await asyncio.to_thread(
-                server.shared_sampler, base, lambda: backend.create_sampling_client(base_model=base)
-            )
         else:
             raise BadRequest("create_sampling_session needs model_path or base_model")
         sampling = SamplingSession(
             sampling_session_id=new_sampling_session_id(),
-            client=client,
-            base_model=base,
+            client=None,
+            base_model=base.name,
             model_path=model_path,
-            lineage=model_path or base,
+            lineage=model_path or base.name,
             session_id=body.session_id,
         )
+        # Loads the sampler now (503 if it cannot fit), so a bad checkpoint fails here.
+        await asyncio.to_thread(server.load_client, sampling)
         server.add_sampling_session(body.session_id, sampling)
         return json_response(
             tinker_types.CreateSamplingSessionResponse(
@@ -98,11 +94,11 @@ def hot_routes(server: TemperServer) -> list[Route]:
             raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
         sampling = server.sampling_session(body.sampling_session_id)
         call = wire.decode_sample(body)
-        check_sample(call, limits=server.limits)
+        check_sample(call, limits=server.base_model(sampling.base_model).limits)
         prompt_length = call.prompt.length
 
         def run():
-            return sampling.client.sample(
+            return client.sample(
                 call.prompt,
                 call.num_samples,
                 call.params,
@@ -130,14 +126,22 @@ def hot_routes(server: TemperServer) -> list[Route]:
 
         def encode(result: SampleResponse):
             if call.record_stability_info:
-                record_samples(server.stability, result, sampling, call, sequence_ids)
+                record_samples(server.stability, result, sampling, client, call, sequence_ids)
             return protobuf_answer(
                 wire.encode_sample_response(result, call=call, prompt_length=prompt_length)
             )
 
-        coalescer.add(
-            sampling.client, start, lineage=sampling.lineage, num_sequences=call.num_samples
-        )
+        client = server.loaded_client(sampling)
+        if client is None:  # released after --model-idle-seconds: load it again
+            try:
+                client = await asyncio.to_thread(server.load_client, sampling)
+            except OverBudget as error:
+                # The SDK's sampler retries a 503 without end: fail the request's future.
+                started.set_exception(error)
+                request_id = server.scheduler.submit(lambda: started, encode=encode, key=key)
+                sequence_ids += [f"{request_id}-{index}" for index in range(call.num_samples)]
+                return future_response(request_id, sample_sequence_ids=sequence_ids)
+        coalescer.add(client, start, lineage=sampling.lineage, num_sequences=call.num_samples)
         request_id = server.scheduler.submit(lambda: started, encode=encode, key=key)
         sequence_ids += [f"{request_id}-{index}" for index in range(call.num_samples)]
         return future_response(request_id, sample_sequence_ids=sequence_ids)
@@ -167,12 +171,13 @@ def record_samples(
     store: StabilityStore,
     result: SampleResponse,
     sampling: SamplingSession,
+    client: SamplingBackend,
     call: wire.SampleCall,
     sequence_ids: list[str],
 ) -> None:
     """Record each sequence of a finished sample for stable_reinforce (stability.py)."""
     prompt_P = np.asarray(call.prompt.to_ints(), dtype=np.int32)
-    version = sampling.client.version
+    version = client.version
     for sequence_id, sequence in zip(sequence_ids, result.sequences, strict=True):
         store.record(
             sequence_id,

@@ -1,6 +1,8 @@
 """The server's state: its config, the backend, and who holds which model and sampler.
 
-One `ServiceBackend` (by default the in-process `temper.ServiceClient`) serves every client.
+One `ServiceBackend` (by default the in-process `temper.ServiceClient`) serves every client,
+on every served base model (base_models.py; loaded on first use within a memory budget,
+model_memory.py).
 Each Tinker training model is one backend `TrainingClient` (its own LoRA adapters or, with
 `fine_tuning="full"`, its own full copy, and its own optimizer state), named by the Tinker
 model id, which is also its run id on disk. Sampling sessions map onto backend sampling
@@ -11,51 +13,47 @@ finishing a session releases them.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
+import tyro
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
-from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
-from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
 from temper.server import request_log
-from temper.server.catalog import CheckpointCatalog
-from temper.server.errors import NotFound
-from temper.server.scheduler import Scheduler
-from temper.server.snapshots import (
-    MIB,
-    SnapshotRetention,
-    device_memory_bytes,
-    sampler_copy_bytes,
+from temper.server.base_models import (
+    BaseModel,
+    BaseModels,
+    ModelLimits,
+    describe,
+    load_base_model,
+    model_dirs,
 )
+from temper.server.catalog import CheckpointCatalog
+from temper.server.errors import BadRequest, NotFound
+from temper.server.model_memory import ModelMemory
+from temper.server.scheduler import Scheduler
+from temper.server.snapshots import MIB, SnapshotRetention, device_memory_bytes
 from temper.server.stability import StabilityStore
 from temper.trainer.engine import TrainerEngine
 
+__all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperServer"]
+
 log = logging.getLogger("temper.server")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelLimits:
-    vocab_size: int
-    max_seq_len: int
-    """Longest training sequence."""
-    max_sample_len: int
-    """Longest prompt + completion a sampler holds."""
+Repeated = tyro.conf.UseAppendAction
 
 
 @dataclass
 class ServedModel:
     model_id: str
     session_id: str
+    base: BaseModel
     is_lora: bool
     lora_rank: int | None
     training: TrainingBackend | None = None
@@ -66,7 +64,9 @@ class ServedModel:
 @dataclass(frozen=True)
 class SamplingSession:
     sampling_session_id: str
-    client: SamplingBackend
+    client: SamplingBackend | None
+    """A snapshot's own client; None for a session on a base model or sampler checkpoint,
+    which samples on the shared sampler of its `lineage` (loaded again after a release)."""
     base_model: str
     model_path: str | None
     lineage: str
@@ -88,8 +88,25 @@ class Session:
 class TemperServer(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        model: str
-        """HF model directory to serve (`temper init-model DIR` writes a small one)."""
+        model: Annotated[list[str], Repeated] = field(default_factory=list)
+        """HF model directory to serve, trainable and sampleable (`temper init-model DIR`
+        writes a small one). Repeat to serve several; each loads on first use."""
+        sample_only_model: Annotated[list[str], Repeated] = field(default_factory=list)
+        """HF model directory served for sampling and prompt logprobs only (a teacher, grader
+        or answerer); create_model on it is refused. Repeatable."""
+        models_dir: str | None = None
+        """Also serve every HF model directory (one with a config.json) inside this one,
+        trainable (unless also given as --sample-only-model)."""
+        model_memory_mb: float | None = None
+        """Memory budget for loaded base models: each training model counts its trainer's
+        weights (x4 with --fine-tuning full) and a sampler, each shared sampler (a base model's
+        or a sampler checkpoint's) its weights and KV cache. A request that cannot fit once
+        idle samplers are released answers 503 naming what holds the budget. None: half the
+        device's memory (--device cuda: the GPU's; cpu: the machine's RAM)."""
+        model_idle_seconds: float = 600.0
+        """A base model or checkpoint sampler not sampled for this long is released (its
+        sampling sessions stay valid and load it again); a base model with no training model
+        and no sampler left is unloaded."""
         host: str = "127.0.0.1"
         """Address to bind. Any address other than loopback requires --api-key."""
         port: int = 8000
@@ -138,6 +155,18 @@ class TemperServer(Configurable):
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
 
         def __post_init__(self) -> None:
+            if isinstance(self.model, str):  # Config(model="dir"), as before several models
+                self.model = [self.model]
+            if not (self.model or self.sample_only_model or self.models_dir):
+                raise ValueError(
+                    "TemperServer.Config: give a model to serve: --model DIR (repeatable), "
+                    "--sample-only-model DIR or --models-dir DIR"
+                )
+            if self.model_memory_mb is not None and self.model_memory_mb < 0:
+                raise ValueError(
+                    "TemperServer.Config.model_memory_mb must be >= 0 or None (half the "
+                    f"device's memory), got {self.model_memory_mb}"
+                )
             if not 0 < self.poll_seconds <= 40:
                 raise ValueError(
                     f"TemperServer.Config.poll_seconds must be in (0, 40] (the SDK times a poll "
@@ -148,7 +177,7 @@ class TemperServer(Configurable):
                     "TemperServer.Config.snapshot_memory_mb must be >= 0 or None (a quarter of "
                     f"the device's memory), got {self.snapshot_memory_mb}"
                 )
-            for name in ("snapshot_idle_seconds", "checkpoint_sweep_seconds"):
+            for name in ("snapshot_idle_seconds", "checkpoint_sweep_seconds", "model_idle_seconds"):
                 if not getattr(self, name) > 0:
                     raise ValueError(
                         f"TemperServer.Config.{name} must be > 0, got {getattr(self, name)}"
@@ -168,18 +197,23 @@ class TemperServer(Configurable):
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
         self.config = config
-        model_dir = Path(config.model).expanduser()
-        hf_config = read_hf_config(model_dir)
-        decoder = family(hf_config.get("model_type", "qwen3")).config_from_hf(hf_config)
-        self.model_name = str(model_dir.resolve())
-        """The served model's canonical name (its absolute path): get_info's model_name and
-        tokenizer_id, so `get_tokenizer()` loads it offline."""
-        self.model_names = {config.model, self.model_name, model_dir.name, str(model_dir)}
-        self.arch = str(hf_config.get("model_type", "qwen3"))
-        self.limits = ModelLimits(
-            vocab_size=decoder.vocab_size,
-            max_seq_len=decoder.max_seq_len,
-            max_sample_len=min(decoder.max_seq_len, config.sampler.max_seq_len),
+        dirs = model_dirs(
+            models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
+        )
+        self.base_models = BaseModels(
+            [
+                load_base_model(
+                    path, trainable=trainable, sampler=config.sampler, dtype=config.dtype
+                )
+                for path, trainable in dirs
+            ]
+        )
+        budget_mb = config.model_memory_mb
+        self.memory = ModelMemory(
+            budget_bytes=int(budget_mb * MIB)
+            if budget_mb is not None
+            else device_memory_bytes(config.device) // 2,
+            idle_seconds=config.model_idle_seconds,
         )
         storage = CheckpointStorage(config.storage)
         self.catalog = CheckpointCatalog(storage)
@@ -203,7 +237,10 @@ class TemperServer(Configurable):
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
-        copy_bytes = sampler_copy_bytes(decoder, sampler=config.sampler, dtype=config.dtype)
+        # One budget for every model's snapshots: each counts as the largest model's copy.
+        copy_bytes = max(
+            (model.sampler_bytes for model in self.base_models if model.trainable), default=0
+        )
         budget_mb = config.snapshot_memory_mb
         self.snapshots = SnapshotRetention(
             copy_bytes=copy_bytes,
@@ -248,23 +285,43 @@ class TemperServer(Configurable):
             raise NotFound(f"unknown sampling session {sampling_session_id!r}")
         return self.sampling_sessions[sampling_session_id]
 
-    def base_model(self, name: str) -> str:
-        """The canonical name of `name` if this server serves it."""
-        if name not in self.model_names:
-            raise NotFound(
-                f"base model {name!r} is not served here; this server serves {self.model_name!r}"
-            )
-        return self.model_name
+    def base_model(self, name: str) -> BaseModel:
+        """The served base model `name` names (404 naming the served ones otherwise)."""
+        return self.base_models.resolve(name)
+
+    def served_names(self) -> str:
+        return ", ".join(model.name for model in self.base_models)
 
     # -- registration -----------------------------------------------------------------------
 
     def add_model(self, served: ServedModel) -> None:
+        """Register a training model, counting its memory (503 if it cannot fit)."""
+        full = not served.is_lora
+        released = self.memory.admit(
+            served.model_id,
+            base_model=served.base.name,
+            what=f"training model {served.model_id}",
+            num_bytes=served.base.training_bytes(full=full),
+            pinned=True,
+        )
+        self._forget_released(released)
         self.models[served.model_id] = served
         self.sessions[served.session_id].model_ids.append(served.model_id)
 
     def drop_model(self, model_id: str) -> None:
         self.models.pop(model_id, None)
         self.scheduler.close_queue(model_id)
+        self.memory.release(model_id)
+
+    def check_checkpoint_base(self, served: ServedModel, run: dict) -> None:
+        """400 if a checkpoint's run trained another base model than `served`."""
+        base = self.base_model(run["base_model"])
+        if base is not served.base:
+            raise BadRequest(
+                f"the checkpoint was trained on base model {base.name!r}, but model "
+                f"{served.model_id!r} trains {served.base.name!r}; load it with "
+                "create_training_client_from_state instead"
+            )
 
     def add_sampling_session(self, session_id: str | None, sampling: SamplingSession) -> None:
         self.sampling_sessions[sampling.sampling_session_id] = sampling
@@ -286,6 +343,7 @@ class TemperServer(Configurable):
         deleted checkpoint paths (the periodic sweep calls this)."""
         for snapshot_id in self.snapshots.evict_idle():
             self.sampling_sessions.pop(snapshot_id, None)
+        self._forget_released(self.memory.release_idle())
         deleted = []
         for path in self.catalog.expiry.expired(at=now or _now()):
             try:
@@ -297,16 +355,65 @@ class TemperServer(Configurable):
             deleted.append(str(path))
         return deleted
 
-    def shared_sampler(self, key: str, build: Any) -> SamplingBackend:
-        """One backend sampling client per base model / sampler checkpoint (thread-safe)."""
+    def loaded_client(self, sampling: SamplingSession) -> SamplingBackend | None:
+        """The session's backend client if it is loaded (a snapshot's always is)."""
+        if sampling.client is not None:
+            return sampling.client
         with self._shared_lock:
-            if key not in self._shared_samplers:
-                self._shared_samplers[key] = build()
-            return self._shared_samplers[key]
+            client = self._shared_samplers.get(sampling.lineage)
+        if client is not None:
+            self.memory.use(sampling.lineage)
+        return client
+
+    def load_client(self, sampling: SamplingSession) -> SamplingBackend:
+        """The session's backend client, loading its shared sampler if it was released
+        (blocks while it loads; 503 if it cannot fit)."""
+        if sampling.client is not None:
+            return sampling.client
+        if sampling.model_path is not None:
+            return self.shared_sampler(
+                sampling.model_path,
+                base=self.base_model(sampling.base_model),
+                model_path=sampling.model_path,
+            )
+        return self.shared_sampler(sampling.base_model, base=self.base_model(sampling.base_model))
+
+    def shared_sampler(
+        self, key: str, *, base: BaseModel, model_path: str | None = None
+    ) -> SamplingBackend:
+        """One backend sampling client per base model / sampler checkpoint (thread-safe),
+        built on first use within the model memory budget (503 if it cannot fit)."""
+        with self._shared_lock:
+            if key in self._shared_samplers:
+                self.memory.use(key)
+                return self._shared_samplers[key]
+            what = f"sampler of {model_path or 'the base model'}"
+            released = self.memory.admit(
+                key, base_model=base.name, what=what, num_bytes=base.sampler_bytes, pinned=False
+            )
+            for released_key in released:
+                self._shared_samplers.pop(released_key, None)
+            try:
+                if model_path is not None:
+                    client = self.backend.create_sampling_client(model_path=model_path)
+                else:
+                    client = self.backend.create_sampling_client(base_model=base.name)
+            except BaseException:
+                self.memory.release(key)
+                raise
+            self._shared_samplers[key] = client
+            return client
 
     def forget_sampler(self, key: str) -> None:
         with self._shared_lock:
             self._shared_samplers.pop(key, None)
+        self.memory.release(key)
+
+    def _forget_released(self, keys: list[str]) -> None:
+        """Drop the shared samplers the memory budget released."""
+        with self._shared_lock:
+            for key in keys:
+                self._shared_samplers.pop(key, None)
 
     def finish_session(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
@@ -321,10 +428,11 @@ class TemperServer(Configurable):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "model": self.model_name,
+            "models": [describe(model) for model in self.base_models],
+            "loaded_mib": {name: round(n / MIB, 1) for name, n in self.memory.loaded().items()},
+            "model_memory_mib": round(self.memory.budget_bytes / MIB, 1),
             "fine_tuning": self.config.fine_tuning,
             "compute_threads": torch.get_num_threads(),
-            "limits": dataclasses.asdict(self.limits),
             "snapshot_copy_mib": round(self.snapshots.copy_bytes / MIB, 1),
             "snapshot_memory_mib": round(self.snapshots.budget_bytes / MIB, 1),
         }

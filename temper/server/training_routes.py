@@ -32,7 +32,7 @@ def training_router(server: TemperServer) -> APIRouter:
     @router.post("/create_model")
     async def create_model(body: tinker_types.CreateModelRequest) -> Response:
         server.session(body.session_id)
-        base = server.base_model(body.base_model)
+        base = server.base_models.trainable(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise BadRequest(
                 f"optimizer {body.optimizer_config.type!r} is not supported; use adamw"
@@ -47,10 +47,10 @@ def training_router(server: TemperServer) -> APIRouter:
         def create() -> tinker_types.CreateModelResponse:
             backend = server.backend
             if full:
-                training = backend.create_training_client(base, metadata, run_id=new_id)
+                training = backend.create_training_client(base.name, metadata, run_id=new_id)
             else:
                 training = backend.create_lora_training_client(
-                    base,
+                    base.name,
                     rank=lora.rank,
                     seed=lora.seed,
                     train_mlp=lora.train_mlp,
@@ -70,6 +70,7 @@ def training_router(server: TemperServer) -> APIRouter:
         served = ServedModel(
             model_id=new_id,
             session_id=body.session_id,
+            base=base,
             is_lora=not full,
             lora_rank=None if full else lora.rank,
         )
@@ -85,15 +86,16 @@ def training_router(server: TemperServer) -> APIRouter:
     @router.post("/get_info")
     async def get_info(body: tinker_types.GetInfoRequest) -> Response:
         served = server.model(body.model_id)
+        base = served.base
         return json_response(
             tinker_types.GetInfoResponse(
                 model_id=served.model_id,
                 model_data=tinker_types.ModelData(
-                    arch=server.arch, model_name=server.model_name, tokenizer_id=server.model_name
+                    arch=base.arch, model_name=base.name, tokenizer_id=base.name
                 ),
                 is_lora=served.is_lora,
                 lora_rank=served.lora_rank,
-                model_name=server.model_name,
+                model_name=base.name,
             )
         )
 
@@ -107,7 +109,7 @@ def training_router(server: TemperServer) -> APIRouter:
             call.data,
             loss_fn=call.loss_fn,
             loss_fn_config=call.loss_fn_config,
-            limits=server.limits,
+            limits=served.base.limits,
         )
         data = resolve_provenance(call, store=server.stability, session_id=served.session_id)
 
@@ -164,6 +166,7 @@ def training_router(server: TemperServer) -> APIRouter:
         if body.model_id is None:
             raise BadRequest("load_weights needs model_id (load in place) or session_id")
         served = server.model(body.model_id)
+        server.check_checkpoint_base(served, run)
 
         def load():
             training = server.training(served)
@@ -211,7 +214,7 @@ def training_router(server: TemperServer) -> APIRouter:
             sampling = SamplingSession(
                 sampling_session_id=new_sampling_session_id(),
                 client=client,
-                base_model=server.model_name,
+                base_model=served.base.name,
                 model_path=None,
                 lineage=served.model_id,
                 session_id=served.session_id,
@@ -259,6 +262,7 @@ def _create_from_state(
     served = ServedModel(
         model_id=new_id,
         session_id=body.session_id,
+        base=server.base_models.trainable(path_run["base_model"]),
         is_lora=lora is not None,
         lora_rank=None if lora is None else lora["rank"],
     )

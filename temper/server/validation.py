@@ -16,9 +16,9 @@ from tinker import types as tinker_types
 from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
 from temper.losses import LossSpec, get_loss, resolve_config
+from temper.server.base_models import ModelLimits
 from temper.server.errors import BadRequest
 from temper.server.provenance import behaviour_data, check_spans
-from temper.server.server import ModelLimits
 from temper.server.stability import StabilityStore
 from temper.server.wire import ForwardBackwardCall, SampleCall
 from temper.trainer.inputs import prepare

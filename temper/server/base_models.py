@@ -1,0 +1,179 @@
+"""The base models one server serves: their names, shapes, capabilities and memory estimates.
+
+Each served model is a HF model directory, given with `--model DIR` (trainable and
+sampleable), `--sample-only-model DIR` (sampling and prompt logprobs only: a teacher, grader
+or answerer) or found in `--models-dir DIR` (every directory inside with a config.json,
+trainable). A directory given as sample-only is sample-only wherever else it is listed.
+Reading a model's config.json is all that happens at startup; weights load on first use
+(model_memory.py).
+
+A client may name a model by its canonical name (the directory's absolute path, which
+get_info and the capabilities answer with), the string it was given as, or the directory's
+name; a name two models share is refused at startup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from temper.checkpoint.hf import read_hf_config
+from temper.models.build import materialize
+from temper.models.registry import family
+from temper.sampler.engine import SamplerEngine
+from temper.server.errors import BadRequest, NotFound
+from temper.server.snapshots import sampler_copy_bytes
+
+FULL_FINE_TUNING_FACTOR = 4
+"""A full fine-tuning trainer holds weights, gradients and AdamW's two moments."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLimits:
+    vocab_size: int
+    max_seq_len: int
+    """Longest training sequence."""
+    max_sample_len: int
+    """Longest prompt + completion a sampler holds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseModel:
+    name: str
+    """Canonical name: the directory's absolute path (get_info's model_name and tokenizer_id,
+    so the SDK's `get_tokenizer()` loads it offline)."""
+    names: frozenset[str]
+    """Every name a client may use for it."""
+    arch: str
+    limits: ModelLimits
+    trainable: bool
+    sampleable: bool
+    weights_bytes: int
+    """Its parameters in the served dtype."""
+    sampler_bytes: int
+    """One sampler on it: weights and KV cache (--sampler.max-batch x --sampler.max-seq-len)."""
+
+    def training_bytes(self, *, full: bool) -> int:
+        """Estimate for one training model: its trainer's weights (x4 for full fine-tuning:
+        gradients and AdamW moments; LoRA's adapters and their moments are left out) and
+        the sampler its snapshots read."""
+        factor = FULL_FINE_TUNING_FACTOR if full else 1
+        return factor * self.weights_bytes + self.sampler_bytes
+
+
+class BaseModels:
+    """The served base models, looked up by any of their names."""
+
+    def __init__(self, models: list[BaseModel]) -> None:
+        assert models, "a server serves at least one model"
+        self.models = models
+        self._by_name: dict[str, BaseModel] = {}
+        for model in models:
+            for name in model.names:
+                other = self._by_name.setdefault(name, model)
+                if other is not model:
+                    raise ValueError(
+                        f"two served models answer to the name {name!r}: {other.name} and "
+                        f"{model.name}; serve directories with distinct names"
+                    )
+
+    def __iter__(self):
+        return iter(self.models)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    @property
+    def first(self) -> BaseModel:
+        return self.models[0]
+
+    def resolve(self, name: str) -> BaseModel:
+        """The served model called `name`; 404 naming the served ones otherwise."""
+        model = self._by_name.get(name)
+        if model is None:
+            raise NotFound(f"base model {name!r} is not served here; {self.summary()}")
+        return model
+
+    def trainable(self, name: str) -> BaseModel:
+        """The served model called `name` if it can be trained; 400 saying why otherwise."""
+        model = self.resolve(name)
+        if not model.trainable:
+            trainable = [m.name for m in self.models if m.trainable]
+            raise BadRequest(
+                f"base model {name!r} is served for sampling only (--sample-only-model), so "
+                f"it cannot be trained; trainable models here: {trainable}"
+            )
+        return model
+
+    def summary(self) -> str:
+        described = [
+            f"{model.name!r}" + ("" if model.trainable else " (sample-only)")
+            for model in self.models
+        ]
+        return f"this server serves {', '.join(described)}"
+
+
+def model_dirs(
+    *, models: list[str], sample_only: list[str], models_dir: str | None
+) -> list[tuple[str, bool]]:
+    """(directory as given, trainable) for each served model, in order: --model, then
+    --models-dir, then --sample-only-model; one entry per directory."""
+    given = [(path, True) for path in models]
+    if models_dir is not None:
+        root = Path(models_dir).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"--models-dir {models_dir}: no such directory")
+        found = sorted(child for child in root.iterdir() if (child / "config.json").is_file())
+        if not found:
+            raise FileNotFoundError(
+                f"--models-dir {models_dir} holds no HF model directory (one with config.json)"
+            )
+        given += [(str(child), True) for child in found]
+    given += [(path, False) for path in sample_only]
+    sample_only_dirs = {_canonical(path) for path in sample_only}
+    entries: dict[str, tuple[str, bool]] = {}
+    for path, trainable in given:
+        canonical = _canonical(path)
+        if canonical not in entries:
+            entries[canonical] = (path, trainable and canonical not in sample_only_dirs)
+    return list(entries.values())
+
+
+def load_base_model(
+    path: str, *, trainable: bool, sampler: SamplerEngine.Config, dtype: str
+) -> BaseModel:
+    """Read a model directory's config (not its weights)."""
+    model_dir = Path(path).expanduser()
+    hf_config = read_hf_config(model_dir)
+    arch = str(hf_config.get("model_type", "qwen3"))
+    decoder = family(arch).config_from_hf(hf_config)
+    meta = materialize(decoder, device="meta", dtype=dtype, init="empty")  # allocates nothing
+    name = str(model_dir.resolve())
+    return BaseModel(
+        name=name,
+        names=frozenset({path, name, model_dir.name, str(model_dir)}),
+        arch=arch,
+        limits=ModelLimits(
+            vocab_size=decoder.vocab_size,
+            max_seq_len=decoder.max_seq_len,
+            max_sample_len=min(decoder.max_seq_len, sampler.max_seq_len),
+        ),
+        trainable=trainable,
+        sampleable=True,
+        weights_bytes=sum(p.numel() * p.element_size() for p in meta.parameters()),
+        sampler_bytes=sampler_copy_bytes(decoder, sampler=sampler, dtype=dtype),
+    )
+
+
+def describe(model: BaseModel) -> dict:
+    return {
+        "name": model.name,
+        "trainable": model.trainable,
+        "limits": dataclasses.asdict(model.limits),
+        "weights_mib": round(model.weights_bytes / 2**20, 1),
+    }
+
+
+def _canonical(path: str) -> str:
+    return str(Path(path).expanduser().resolve())

@@ -1,0 +1,48 @@
+"""ModelMemory on a fake clock: pinned training models, releasable samplers, the 503."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.server.model_memory import MIB, ModelMemory, OverBudget
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def memory(clock: Clock, *, budget_mib: int = 100) -> ModelMemory:
+    return ModelMemory(budget_bytes=budget_mib * MIB, idle_seconds=10, clock=clock)
+
+
+def test_least_recently_used_sampler_makes_room_and_pinned_models_never_do():
+    clock = Clock()
+    ledger = memory(clock)
+    assert ledger.admit("a", base_model="A", what="sampler", num_bytes=40 * MIB, pinned=False) == []
+    clock.now = 1
+    ledger.admit("b", base_model="B", what="sampler", num_bytes=40 * MIB, pinned=False)
+    clock.now = 2
+    ledger.use("a")  # b is now the least recently used
+    released = ledger.admit("t", base_model="A", what="training", num_bytes=50 * MIB, pinned=True)
+    assert released == ["b"]
+    assert ledger.loaded() == {"A": 90 * MIB}
+    with pytest.raises(OverBudget, match=r"--model-memory-mb 100\).*training on A \(50.0 MiB\)"):
+        ledger.admit("c", base_model="C", what="sampler", num_bytes=60 * MIB, pinned=False)
+    ledger.release("t")
+    assert ledger.admit("c", base_model="C", what="sampler", num_bytes=60 * MIB, pinned=False) == []
+
+
+def test_idle_samplers_are_released_and_training_models_are_not():
+    clock = Clock()
+    ledger = memory(clock)
+    ledger.admit("s", base_model="B", what="sampler", num_bytes=10 * MIB, pinned=False)
+    ledger.admit("t", base_model="A", what="training", num_bytes=10 * MIB, pinned=True)
+    clock.now = 9
+    assert ledger.release_idle() == []
+    clock.now = 10.5
+    assert ledger.release_idle() == ["s"]
+    assert ledger.loaded() == {"A": 10 * MIB}
