@@ -26,7 +26,7 @@ import torch
 
 from temper.losses.base import LossSpec
 from temper.losses.importance_sampling import POLICY_INPUTS
-from temper.losses.ppo import CLIP_DEFAULTS, CLIP_KEYS, check_clip_config, clip_ratio
+from temper.losses.ppo import CLIP_DEFAULTS, CLIP_KEYS, check_clip_config, clipped_surrogate
 
 
 def nonzero_advantages(inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -58,10 +58,7 @@ def gspo(
         logprobs_N.detach() - inputs["logprobs"], in_ratio_N, segments_N=segments_N
     )
     ratio_N = torch.exp(log_ratio_N + logprobs_N - logprobs_N.detach())
-    advantages_N = inputs["advantages"]
-    unclipped_N = ratio_N * advantages_N
-    clipped_N = clip_ratio(ratio_N, inputs=inputs, config=config) * advantages_N
-    return -torch.minimum(unclipped_N, clipped_N)
+    return clipped_surrogate(ratio_N, inputs=inputs, config=config)
 
 
 GSPO = LossSpec(

@@ -43,6 +43,13 @@ def ppo(
     *, logprobs_N: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
 ) -> torch.Tensor:
     ratio_N = importance_ratio(logprobs_N, inputs=inputs)
+    return clipped_surrogate(ratio_N, inputs=inputs, config=config)
+
+
+def clipped_surrogate(
+    ratio_N: torch.Tensor, *, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]
+) -> torch.Tensor:
+    """-min(ratio * A, clip(ratio, lo, hi) * A), per token (PPO's, and GSPO's on its ratio)."""
     advantages_N = inputs["advantages"]
     unclipped_N = ratio_N * advantages_N
     clipped_N = clip_ratio(ratio_N, inputs=inputs, config=config) * advantages_N

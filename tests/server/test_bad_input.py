@@ -255,15 +255,7 @@ def sample_body(session_id, tokens=(1, 2), *, params=None, **fields) -> dict:
 def test_bad_sample_requests_are_4xx_and_the_sampler_keeps_serving(server, model_dir, twins):
     _, (_, twin) = twins
     sampler = twin.save_weights_and_get_sampling_client().result()
-    session = post(
-        server,
-        "create_sampling_session",
-        json={
-            "session_id": raw_session(server),
-            "sampling_session_seq_id": 0,
-            "base_model": str(model_dir),
-        },
-    ).json()["sampling_session_id"]
+    session = raw_sampling_session(server, model_dir)
     vocab = len(twin.get_tokenizer().get_vocab())
     prompt = types.ModelInput.from_ints([1, 2])
     greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
@@ -310,6 +302,16 @@ def raw_session(server) -> str:
     return post(server, "create_session", json=body).json()["session_id"]
 
 
+def raw_sampling_session(server, model_dir, *, session_id: str | None = None) -> str:
+    """A sampling session on the base model, made over raw HTTP (in a new session if none)."""
+    body = {
+        "session_id": session_id or raw_session(server),
+        "sampling_session_seq_id": 0,
+        "base_model": str(model_dir),
+    }
+    return post(server, "create_sampling_session", json=body).json()["sampling_session_id"]
+
+
 def create_model_body(session_id: str, model_dir, seq_id: int, **lora) -> dict:
     return {
         "session_id": session_id,
@@ -343,11 +345,7 @@ def test_requests_after_the_session_closed_are_404(server, model_dir):
     session = raw_session(server)
     created = post(server, "create_model", json=create_model_body(session, model_dir, 0))
     model_id = created.json()["model_id"]
-    sampling = post(
-        server,
-        "create_sampling_session",
-        json={"session_id": session, "sampling_session_seq_id": 0, "base_model": str(model_dir)},
-    ).json()["sampling_session_id"]
+    sampling = raw_sampling_session(server, model_dir, session_id=session)
     assert post(server, f"sessions/{session}/finish").status_code == 204
 
     adam = {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}

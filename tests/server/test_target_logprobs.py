@@ -14,7 +14,12 @@ from tinker import types
 
 import temper
 from tests.sampler.test_prompt_scoring import expected_table, full_forward_logprobs
-from tests.server.test_bad_input import assert_user_error, post, raw_session, sample_body
+from tests.server.test_bad_input import (
+    assert_user_error,
+    post,
+    raw_sampling_session,
+    sample_body,
+)
 
 ONE_TOKEN = types.SamplingParams(max_tokens=1, temperature=0.0)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -99,15 +104,7 @@ def test_bad_targets_are_400s_naming_the_field_and_the_sampler_keeps_serving(
     server, model_dir, sampler, model
 ):
     vocab = model.config.vocab_size
-    session = post(
-        server,
-        "create_sampling_session",
-        json={
-            "session_id": raw_session(server),
-            "sampling_session_seq_id": 0,
-            "base_model": str(model_dir),
-        },
-    ).json()["sampling_session_id"]
+    session = raw_sampling_session(server, model_dir)
     tokens = [1, 2, 3, 4]
     good_RK = torch.tensor([[-1], [5], [-1]])
 
