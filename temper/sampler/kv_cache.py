@@ -7,10 +7,11 @@ The cache is allocated once, at its full size, when the engine is built (its byt
 known and reported up front); weight updates and requests never reallocate it. On CPU its
 zeros are the kernel's: pages of an anonymous mapping, zero-filled when first touched, so
 building an engine costs what its requests will touch, not a memset of the whole cache (a
-server builds one per sampling snapshot; the tiny model's 512 MiB cache took 0.4 s to zero). Decoding works
-on a prefix of the slots: the engine keeps active sequences in slots 0..B-1 (it moves a
-sequence down when one below it finishes), so a decode step reads `k[layer, :B]`, a view, and
-never gathers.
+server builds one per sampling snapshot; the tiny model's 512 MiB cache took 0.4 s to zero).
+
+Decoding works on a prefix of the slots: the engine keeps active sequences in slots 0..B-1
+(it moves a sequence down when one below it finishes), so a decode step reads `k[layer, :B]`,
+a view, and never gathers.
 """
 
 from __future__ import annotations
