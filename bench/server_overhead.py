@@ -15,7 +15,8 @@ counts in 10 ms ticks, hence means over all steps):
 - `cpu_server_s`: the server process alone during a server step, without the SDK client's
   CPU (on a deployment the SDK runs on another machine), and `cpu_server_over_in_process`,
   its ratio to `cpu_in_process_s`: what serving costs beyond the compute;
-- `cpu_sdk_s`: this process during a server step (the SDK's HTTP work);
+- `cpu_sdk_s`: this process during a server step (the SDK's HTTP work; the server, a child
+  of this process, is not counted);
 - `cpu_server_idle_s`: the server process during an in-process step (its idle event loop).
 Temporary directories (model, storage of both sides) are removed at exit.
 
@@ -120,14 +121,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def process_tree_cpu_s(pid: int) -> float:
+def process_tree_cpu_s(pid: int, *, excluding: int | None = None) -> float:
     """CPU seconds so far of process `pid` and its live descendants (helper processes, e.g. a
-    sampler's `cpu.processes`), from /proc."""
-    return process_cpu_s(pid) + sum(process_cpu_s(child) for child in descendants(pid))
+    sampler's `cpu.processes`), without process `excluding` and its own, from /proc."""
+    tree = [pid, *descendants(pid, excluding=excluding)]
+    return sum(process_cpu_s(member) for member in tree)
 
 
-def descendants(pid: int) -> list[int]:
-    """The live descendants of `pid` (Linux: /proc/<pid>/task/<tid>/children)."""
+def descendants(pid: int, *, excluding: int | None = None) -> list[int]:
+    """The live descendants of `pid` (Linux: /proc/<pid>/task/<tid>/children), without
+    `excluding` and its descendants."""
     found, pending = [], [pid]
     while pending:
         parent = pending.pop()
@@ -136,6 +139,7 @@ def descendants(pid: int) -> list[int]:
                 children = [int(c) for c in (task / "children").read_text().split()]
             except OSError:
                 continue
+            children = [child for child in children if child != excluding]
             found += children
             pending += children
     return found
@@ -203,7 +207,7 @@ def main() -> None:
         cpu: dict[str, list[float]] = {"in_process": [], "server": [], "sdk": [], "server_idle": []}
         for step in range(args.steps + 1):  # step 0 warms up both sides
             for name, (training, types) in sides.items():
-                own_cpu = process_tree_cpu_s(os.getpid())
+                own_cpu = process_tree_cpu_s(os.getpid(), excluding=process.pid)
                 server_cpu = process_tree_cpu_s(process.pid)
                 start = time.perf_counter()
                 _, step_phases = rl_step(
@@ -218,7 +222,7 @@ def main() -> None:
                     continue
                 times[name].append(time.perf_counter() - start)
                 phases[name].append(step_phases)
-                own_cpu = process_tree_cpu_s(os.getpid()) - own_cpu
+                own_cpu = process_tree_cpu_s(os.getpid(), excluding=process.pid) - own_cpu
                 server_cpu = process_tree_cpu_s(process.pid) - server_cpu
                 if name == "server":
                     cpu["server"].append(server_cpu)  # the server process alone
