@@ -6,21 +6,33 @@ the built-in digits vocabulary), then one PPO-loss forward_backward + AdamW opti
 is exactly 8 tokens on both sides. Both load the same model directory (one random checkpoint
 saved once), and TRL runs without a reference model (beta 0), as Temper's loop does.
 
+TRL runs on Temper's configuration, not its own GPU defaults: fp32 weights and compute
+(`bf16=False`), no gradient checkpointing, the same AdamW (torch's multi-tensor kernel, betas
+0.9/0.95, eps 1e-12, no weight decay, gradient norm clipped to 1) at a constant learning rate,
+the same clip range (0.2) and token-mean loss (`dapo`: one completion length, so equal to
+Temper's advantage / tokens), sampling at temperature 1 with no top-k/top-p. The JSON line
+prints both sides' configuration as read back from the live objects (`temper_config`,
+`trl_config`), so a mismatch shows.
+
 Temper's step is the RL loop's: `save_weights_and_get_sampling_client`, `make_groups` and
 `rollout_groups` (the "sample" phase), then group advantages, `policy_datum`,
-`forward_backward("ppo")` and `optim_step` ("train"). TRL's "sample" phase is its
-`_generate_and_score_completions` (generate, decode, reward, advantages). Medians over
-`--steps` steps after `--warmup` steps, in `--rounds` rounds that alternate which side runs
-first; the speedup is the median of the rounds' ratios. Prints one JSON line. Without `trl`
-installed (the `bench` extra), only Temper's numbers are printed, with the reason.
+`forward_backward("ppo")` and `optim_step` ("train"), on the default recipe's engines (what
+`RLJob.Config()` runs: helper sampler processes, two trainer thread shards). TRL's "sample"
+phase is its `_generate_and_score_completions` (generate, decode, reward, advantages). Each
+side is timed over `--steps` steps after `--warmup` steps, in `--rounds` rounds (default 6)
+that alternate which side runs first; the speedup is the median of the rounds' ratios. The
+load average before and after is printed (the machine may be shared). Prints one JSON line.
+Without `trl` installed (the `bench` extra), only Temper's numbers are printed, with the
+reason in `trl_skipped`.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 10 --rounds 3]
+    OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 10 --rounds 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -43,10 +55,38 @@ PROMPTS = 16
 GROUP_SIZE = 8
 NEW_TOKENS = 8
 LEARNING_RATE = 2e-4
+ADAM = AdamParams(learning_rate=LEARNING_RATE, beta2=0.95, grad_clip_norm=1.0)
+"""Temper's AdamParams for the step; TRL gets the same AdamW (betas, eps, weight decay, clip)."""
 
 
-def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds of the sample and train phases and of whole steps, per timed step."""
+Times = dict[str, list[float]]
+
+
+def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, object]:
+    """The AdamW settings a torch optimizer steps with (its first param group)."""
+    group = optimizer.param_groups[0]
+    return {
+        "optimizer": type(optimizer).__name__,
+        "foreach": group.get("foreach"),
+        "fused": group.get("fused"),
+        "betas": list(group["betas"]),
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+    }
+
+
+def checkpointing(model) -> bool:
+    """Whether a transformers model recomputes activations in backward (the property's name
+    changed in transformers 5)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    raise AttributeError(f"{type(model).__name__} says nothing of activation checkpointing")
+
+
+def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[str, object]]:
+    """Seconds of the sample and train phases and of whole steps, per timed step, and the
+    configuration the step ran with."""
     with tempfile.TemporaryDirectory() as storage:
         # The default recipe's engines (sampler, trainer), as `make demo` runs them.
         job = default_recipe().fn()
@@ -55,8 +95,7 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[
         tokenizer, task = training.get_tokenizer(), SumDigits.Config().build()
         rng = random.Random(0)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
-        adam = AdamParams(learning_rate=LEARNING_RATE, beta2=0.95, grad_clip_norm=1.0)
-        times: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
+        times: Times = {"sample": [], "train": [], "total": []}
         for step in range(warmup + steps):
             started = time.perf_counter()
             sampler = training.save_weights_and_get_sampling_client()
@@ -83,17 +122,36 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[
                 )
             ]
             training.forward_backward(data, "ppo").result()
-            training.optim_step(adam).result()
+            training.optim_step(ADAM).result()
             done = time.perf_counter()
             if step >= warmup:
                 times["sample"].append(sampled - started)
                 times["train"].append(done - sampled)
                 times["total"].append(done - started)
-    return times
+        engine = training.engine
+        config = {
+            "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+            "gradient_checkpointing": False,  # the one-process trainer has none
+            **optimizer_config(engine.optimizer.torch_optimizer),
+            "grad_clip_norm": ADAM.grad_clip_norm,
+            "learning_rate": ADAM.learning_rate,
+            "lr_schedule": "constant",
+            "loss": "ppo, clip 0.8-1.2, advantage / tokens (token mean)",
+            "advantages": "grpo: (r - mean) / (population std + 1e-6)",
+            "reference_model": None,
+            "prompts": PROMPTS,
+            "group_size": GROUP_SIZE,
+            "new_tokens": NEW_TOKENS,
+            "temperature": params.temperature,
+            "sampler": repr(job.sampler),
+            "trainer": repr(job.trainer),
+        }
+    return times, config
 
 
-def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[float]]:
-    """The same measurement for TRL's GRPOTrainer (transformers generate on CPU)."""
+def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[str, object]]:
+    """The same measurement for TRL's GRPOTrainer (transformers generate on CPU), on Temper's
+    configuration."""
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
@@ -126,9 +184,21 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[flo
             max_completion_length=NEW_TOKENS,
             generation_kwargs={"min_new_tokens": NEW_TOKENS},
             temperature=1.0,
-            learning_rate=LEARNING_RATE,
-            adam_beta2=0.95,
-            max_grad_norm=1.0,
+            top_k=0,
+            top_p=1.0,
+            # Temper's configuration, not TRL's GPU defaults (bf16, gradient checkpointing,
+            # betas 0.9/0.999, eps 1e-8, linearly decaying learning rate).
+            bf16=False,
+            gradient_checkpointing=False,
+            learning_rate=ADAM.learning_rate,
+            adam_beta1=ADAM.beta1,
+            adam_beta2=ADAM.beta2,
+            adam_epsilon=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+            max_grad_norm=ADAM.grad_clip_norm,
+            lr_scheduler_type="constant",
+            loss_type="dapo",
+            epsilon=0.2,
             beta=0.0,
             max_steps=warmup + steps,
             use_cpu=True,
@@ -138,13 +208,26 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[flo
             disable_tqdm=True,
             seed=0,
         )
+        model = transformers.Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # The same AdamW as Temper's trainer (temper/trainer/optim.py): torch's multi-tensor
+        # kernel, which transformers' `adamw_torch` does not pick on CPU.
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=ADAM.learning_rate,
+            betas=(ADAM.beta1, ADAM.beta2),
+            eps=ADAM.eps,
+            weight_decay=ADAM.weight_decay,
+            foreach=True,
+        )
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         trainer = GRPOTrainer(
-            model=transformers.Qwen3ForCausalLM.from_pretrained(model_dir),
+            model=model,
             processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
             reward_funcs=exact_match,
             args=config,
             train_dataset=dataset,
             callbacks=[StepTimer()],
+            optimizers=(optimizer, schedule),
         )
         trainer.remove_callback(transformers.PrinterCallback)  # stdout is one JSON line
         generate_and_score = trainer._generate_and_score_completions
@@ -158,13 +241,35 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> dict[str, list[flo
 
         trainer._generate_and_score_completions = timed_generate_and_score
         trainer.train()
+        trained = trainer.model
+        used = {
+            "dtype": str(next(trained.parameters()).dtype).removeprefix("torch."),
+            "bf16": config.bf16,
+            "gradient_checkpointing": checkpointing(trained),
+            **optimizer_config(optimizer),
+            "grad_clip_norm": config.max_grad_norm,
+            "learning_rate": optimizer.param_groups[0]["lr"],
+            "lr_schedule": "constant",
+            "loss": f"{config.loss_type}, clip {config.epsilon} (token mean)",
+            "advantages": f"scale_rewards={config.scale_rewards}: (r - mean) / (std + 1e-4)",
+            "reference_model": None if config.beta == 0 else "beta",
+            "prompts": config.per_device_train_batch_size // config.num_generations,
+            "group_size": config.num_generations,
+            "new_tokens": config.max_completion_length,
+            "temperature": config.temperature,
+            "top_k": config.top_k,
+            "top_p": config.top_p,
+            "num_iterations": config.num_iterations,
+            "threads": torch.get_num_threads(),
+        }
     assert len(step_times) == len(sample_times) == warmup + steps
     step_s, sample_s = step_times[warmup:], sample_times[warmup:]
-    return {
+    times = {
         "sample": sample_s,
         "train": [t - s for t, s in zip(step_s, sample_s, strict=True)],
         "total": step_s,
     }
+    return times, used
 
 
 def medians(times: dict[str, list[float]]) -> dict[str, float]:
@@ -175,8 +280,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds; sides alternate first")
     args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
     report: dict[str, object] = {
         "bench": "grpo_step",
         "model": "tiny",
@@ -185,14 +292,20 @@ def main() -> None:
         "new_tokens": NEW_TOKENS,
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
+        "steps": args.steps,
+        "load_average_before": round(os.getloadavg()[0], 2),
     }
     try:
         import trl
     except ImportError as error:
         trl = None
-        report["trl_skipped"] = f"{error}; pip install -e '.[bench]' to compare with TRL"
-    temper: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
-    baseline: dict[str, list[float]] = {"sample": [], "train": [], "total": []}
+        report["trl_skipped"] = (
+            f"TRL not compared ({error}); pip install -e '.[bench]' (or put trl on PYTHONPATH, "
+            "docs/rl.md) to run it on the same configuration"
+        )
+    temper: Times = {"sample": [], "train": [], "total": []}
+    baseline: Times = {"sample": [], "train": [], "total": []}
+    configs: dict[str, dict[str, object]] = {}
     ratios = []
     with tempfile.TemporaryDirectory() as directory:
         base = ModelSource.Config(size="tiny", tokenizer="digits", seed=0).build()
@@ -207,7 +320,9 @@ def main() -> None:
                 runners.reverse()
             this_round = {}
             for name, run in runners:
-                this_round[name] = run(model_dir, steps=args.steps, warmup=args.warmup)
+                this_round[name], configs[name] = run(
+                    model_dir, steps=args.steps, warmup=args.warmup
+                )
             for phase, values in this_round["temper"].items():
                 temper[phase] += values
             if trl is not None:
@@ -217,10 +332,13 @@ def main() -> None:
                     statistics.median(this_round["trl"]["total"])
                     / statistics.median(this_round["temper"]["total"])
                 )
+    report["load_average_after"] = round(os.getloadavg()[0], 2)
     report["temper"] = medians(temper)
+    report["temper_config"] = configs["temper"]
     if trl is not None:
         report["trl_version"] = trl.__version__
         report["trl"] = medians(baseline)
+        report["trl_config"] = configs["trl"]
         report["speedup_per_round"] = [round(r, 2) for r in ratios]
         report["speedup_vs_trl"] = round(statistics.median(ratios), 2)
     else:

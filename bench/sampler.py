@@ -14,29 +14,37 @@ oneDNN-prepacked weights (what the engine uses for bf16 on CPU): the ceiling for
 built on that kernel, printed as `kernel_ceiling_fraction_of_bound` (that rate over the copy
 bandwidth).
 
-Each case builds one random model, loads the same weights into HF, warms both up, then times
-`repeats` interleaved runs of each and keeps the medians. Prints one JSON line.
+Each case builds one random model, loads the same weights into HF, warms each side up, then
+times `repeats` rounds that run each side once (the order alternating between rounds) and
+keeps the medians. Prints one JSON line, with the load average before and after.
 
-Temper runs the tiny model with the engine's defaults unless told otherwise (what a user
-gets: the process's threads, decode steps unsplit); `--tiny-threads 1` is the fastest setting
-on a 2-core VM, `--decode-shards auto` splits decode steps over the threads.
+Every CPU case runs Temper at two settings, side by side with HF in the same rounds:
+- `temper_*` (the headline, `speedup_vs_hf`): the engine's defaults (`SamplerEngine.Config()
+  .cpu`: the process's threads, one process, decode steps unsplit), unless the flags say
+  otherwise: `--tiny-threads 1` is the fastest one-process setting on a 2-core VM,
+  `--decode-shards auto` splits decode steps over the threads, `--cpu-processes N` splits
+  calls over helper processes;
+- `rl_job_*`: what an RL job samples with (`RLJobConfig().sampler.cpu`: one process per core,
+  each on one thread), at the same batch.
 
-    OMP_WAIT_POLICY=PASSIVE python bench/sampler.py [--quick] [--vocab 1024]
+    OMP_WAIT_POLICY=PASSIVE python bench/sampler.py [--quick] [--vocab 1024] [--batches 1,64]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 import torch
-from timing import median_seconds
+from timing import interleaved_median_seconds, median_seconds
 
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
+from temper.rl.config import RLJobConfig
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.packed_linear import PackedLinear
 from temper.sampler.engine import SamplerEngine, SampleRequest
@@ -86,10 +94,6 @@ def linear_bandwidth(
     return len(weights) * matrix_bytes / seconds
 
 
-def _median_tokens_per_s(fn, *, num_tokens: int, repeats: int, device: torch.device) -> float:
-    return num_tokens / median_seconds(fn, repeats=repeats, device=device)
-
-
 def _compare(
     *,
     ours,
@@ -98,18 +102,17 @@ def _compare(
     batch: int,
     device: torch.device,
     repeats: int,
-    num_threads: int | None,
-    decode_shards: int | str | None = None,
-    cpu_processes: int | str | None = None,
-) -> dict[str, float | bool]:
-    """Tokens/s of Temper and of HF (at the process's threads, and on one thread) for a batch."""
-    engine = SamplerEngine.Config(
-        max_batch=batch,
-        max_seq_len=PROMPT_LEN + NEW_TOKENS,
-        cpu=cpu_config(
-            num_threads=num_threads, decode_shards=decode_shards, processes=cpu_processes
-        ),
-    ).build(model=ours)
+    cpus: dict[str, CpuDecoding.Config],
+    hf_threads: int | None = None,
+) -> dict[str, dict[str, float | bool]]:
+    """Tokens/s of Temper at each CPU configuration in `cpus` and of HF, interleaved; with
+    `hf_threads`, HF again on that many threads."""
+    engines = {
+        name: SamplerEngine.Config(
+            max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, cpu=cpu
+        ).build(model=ours)
+        for name, cpu in cpus.items()
+    }
     generator = torch.Generator().manual_seed(0)
     prompts_BT = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=generator)
     requests = [
@@ -118,18 +121,11 @@ def _compare(
         )
         for i, row in enumerate(prompts_BT)
     ]
-    hf_inputs = prompts_BT.to(device)
-
     first_token_only = [
         SampleRequest(prompt=r.prompt, params=SamplingParams(max_tokens=1, stop=[], seed=i))
         for i, r in enumerate(requests)
     ]
-
-    def temper_generate() -> None:
-        engine.generate(requests)
-
-    def temper_prefill() -> None:
-        engine.generate(first_token_only)
+    hf_inputs = prompts_BT.to(device)
 
     def hf_generate() -> None:
         with torch.no_grad():
@@ -143,28 +139,45 @@ def _compare(
                 pad_token_id=0,
             )
 
-    timing = {"num_tokens": batch * NEW_TOKENS, "repeats": repeats, "device": device}
-    result = {
-        "temper": _median_tokens_per_s(temper_generate, **timing),
-        "hf": _median_tokens_per_s(hf_generate, **timing),
-    }
-    # Decode alone (what a bandwidth bound describes): the whole run minus prefill + 1 token.
-    prefill_s = batch / _median_tokens_per_s(
-        temper_prefill, num_tokens=batch, repeats=repeats, device=device
-    )
-    total_s = batch * NEW_TOKENS / result["temper"]
-    result["temper_decode"] = batch * (NEW_TOKENS - 1) / max(total_s - prefill_s, 1e-9)
-    # On CPU the engine's decode path (chosen at build) says whether it decodes on packed
-    # weights; the plain path (CUDA) has no twin.
-    result["packed"] = getattr(_local_engine(engine).decoding, "twin", None) == "packed"
-    if num_threads is not None and device.type == "cpu":
+    def generate(engine, batch_requests):
+        return lambda: engine.generate(batch_requests)
+
+    try:
+        runs = {name: generate(engine, requests) for name, engine in engines.items()}
+        seconds = interleaved_median_seconds(
+            {**runs, "hf": hf_generate}, repeats=repeats, device=device
+        )
+        # Decode alone (what a bandwidth bound describes): the run minus prefill + 1 token.
+        prefill = interleaved_median_seconds(
+            {name: generate(engine, first_token_only) for name, engine in engines.items()},
+            repeats=repeats,
+            device=device,
+        )
+        results: dict[str, dict[str, float | bool]] = {}
+        for name, engine in engines.items():
+            results[name] = {
+                "tokens_per_s": batch * NEW_TOKENS / seconds[name],
+                "decode_tokens_per_s": batch
+                * (NEW_TOKENS - 1)
+                / max(seconds[name] - prefill[name], 1e-9),
+                # On CPU the engine's decode path (chosen at build) says whether it decodes
+                # on packed weights; the plain path (CUDA) has no twin.
+                "packed": getattr(_local_engine(engine).decoding, "twin", None) == "packed",
+            }
+    finally:
+        for engine in engines.values():
+            engine.close()
+    results["hf"] = {"tokens_per_s": batch * NEW_TOKENS / seconds["hf"]}
+    if hf_threads is not None and device.type == "cpu":
         threads = torch.get_num_threads()
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(hf_threads)
         try:
-            result["hf_same_threads"] = _median_tokens_per_s(hf_generate, **timing)
+            results["hf_same_threads"] = {
+                "tokens_per_s": batch * NEW_TOKENS / median_seconds(hf_generate, repeats=repeats)
+            }
         finally:
             torch.set_num_threads(threads)
-    return result
+    return results
 
 
 def cpu_config(**settings: int | str | None) -> CpuDecoding.Config:
@@ -172,14 +185,15 @@ def cpu_config(**settings: int | str | None) -> CpuDecoding.Config:
     return CpuDecoding.Config(**{name: v for name, v in settings.items() if v is not None})
 
 
+def rl_job_cpu() -> CpuDecoding.Config:
+    """The CPU settings an RL job samples with (`RLJobConfig().sampler.cpu`: one process per
+    core, each on one thread), which differ from the engine's defaults."""
+    return RLJobConfig().sampler.cpu
+
+
 def _local_engine(sampler) -> SamplerEngine:
     """The engine itself (a split sampler holds one for its own part)."""
     return getattr(sampler, "engine", sampler)
-
-
-def engine_config_value(name: str, value: int | str | None) -> int | str:
-    """The value a run used for a CPU engine setting: `value`, else the engine's default."""
-    return getattr(SamplerEngine.Config().cpu, name) if value is None else value
 
 
 def auto_or_int(value: str) -> int | str:
@@ -195,10 +209,11 @@ def run_case(
     device: torch.device,
     repeats: int,
     bandwidth: float | None,
-    num_threads: int | None,
-    decode_shards: int | str | None = None,
-    cpu_processes: int | str | None = None,
+    cpu: CpuDecoding.Config,
+    rl_job: bool,
 ) -> list[dict]:
+    """Each batch at the CPU settings `cpu` (the headline, `temper_*`) and, with `rl_job`,
+    also at the RL job's (`rl_job_*`), against HF."""
     from transformers import AutoModelForCausalLM
 
     config = qwen3_size(size, vocab_size=vocab)
@@ -208,6 +223,9 @@ def run_case(
         ours = load_pretrained(path, dtype=dtype, device=device).eval()
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+    cpus = {"temper": cpu}
+    if rl_job and device.type == "cpu":
+        cpus["rl_job"] = rl_job_cpu()
     results = []
     for batch in batches:
         measured = _compare(
@@ -217,42 +235,52 @@ def run_case(
             batch=batch,
             device=device,
             repeats=repeats,
-            num_threads=num_threads,
-            decode_shards=decode_shards,
-            cpu_processes=cpu_processes,
+            cpus=cpus,
+            hf_threads=cpu.num_threads,
         )
-        ours_tps = measured["temper"]
+        hf_tps = measured["hf"]["tokens_per_s"]
         result = {
             "model": size,
             "vocab": vocab,
             "dtype": str(dtype).removeprefix("torch."),
             "device": device.type,
             "batch": batch,
-            "temper_threads": num_threads or torch.get_num_threads(),
-            "temper_decode_shards": engine_config_value("decode_shards", decode_shards),
-            "temper_cpu_processes": engine_config_value("processes", cpu_processes),
-            "temper_packed_linear": measured["packed"],
-            "temper_tokens_per_s": round(ours_tps, 1),
-            "hf_tokens_per_s": round(measured["hf"], 1),
-            "speedup_vs_hf": round(ours_tps / measured["hf"], 2),
+            "hf_tokens_per_s": round(hf_tps, 1),
         }
+        for name, settings in cpus.items():
+            ours_tps = measured[name]["tokens_per_s"]
+            result.update(
+                {
+                    f"{name}_threads": settings.num_threads or torch.get_num_threads(),
+                    f"{name}_decode_shards": settings.decode_shards,
+                    f"{name}_cpu_processes": settings.num_processes(),
+                    f"{name}_packed_linear": measured[name]["packed"],
+                    f"{name}_tokens_per_s": round(ours_tps, 1),
+                    f"{name}_decode_tokens_per_s": round(measured[name]["decode_tokens_per_s"], 1),
+                    f"{name}_speedup_vs_hf": round(ours_tps / hf_tps, 2),
+                }
+            )
+        result["speedup_vs_hf"] = result["temper_speedup_vs_hf"]
         if "hf_same_threads" in measured:
-            result["hf_same_threads_tokens_per_s"] = round(measured["hf_same_threads"], 1)
-            result["speedup_vs_hf_same_threads"] = round(ours_tps / measured["hf_same_threads"], 2)
-        result["temper_decode_tokens_per_s"] = round(measured["temper_decode"], 1)
+            same = measured["hf_same_threads"]["tokens_per_s"]
+            result["hf_same_threads_tokens_per_s"] = round(same, 1)
+            result["speedup_vs_hf_same_threads"] = round(
+                measured["temper"]["tokens_per_s"] / same, 2
+            )
         if bandwidth is not None:
             # Every decode step reads all weights once; a step makes `batch` tokens.
             bound = batch * bandwidth / weight_bytes
+            decode = measured["temper"]["decode_tokens_per_s"]
             result.update(
                 weight_bytes=weight_bytes,
                 bandwidth_bound_tokens_per_s=round(bound, 1),
-                decode_fraction_of_bound=round(measured["temper_decode"] / bound, 3),
+                decode_fraction_of_bound=round(decode / bound, 3),
                 linear_kernel_gb_per_s=round(
                     linear_bandwidth(config, batch=batch, dtype=dtype, device=device) / 1e9, 1
                 ),
             )
             kernel_rate = result["linear_kernel_gb_per_s"] * 1e9
-            if measured["packed"]:
+            if measured["temper"]["packed"]:
                 kernel_rate = linear_bandwidth(
                     config, batch=batch, dtype=dtype, device=device, packed=True
                 )
@@ -289,21 +317,43 @@ def main() -> None:
         help="SamplerEngine.Config.cpu.processes for the CPU cases ('auto' or an int; default: "
         "the engine's default, 1)",
     )
+    parser.add_argument(
+        "--batches",
+        default="1,16,64,128",
+        type=lambda text: [int(b) for b in text.split(",")],
+        help="batches of the tiny model, comma-separated",
+    )
     args = parser.parse_args()
     cpu = torch.device("cpu")
+    rl_job = rl_job_cpu()
+    report: dict = {
+        "bench": "sampler",
+        "threads": torch.get_num_threads(),
+        "load_average_before": round(os.getloadavg()[0], 2),
+        "temper_cpu_config": repr(
+            cpu_config(
+                num_threads=args.tiny_threads,
+                decode_shards=args.decode_shards,
+                processes=args.cpu_processes,
+            )
+        ),
+        "rl_job_cpu_config": repr(rl_job),
+    }
     cases = run_case(
         size="tiny",
         vocab=args.vocab,
         dtype=torch.float32,
-        batches=[1, 16, 64, 128],
+        batches=args.batches,
         device=cpu,
         repeats=args.repeats,
         bandwidth=None,
-        num_threads=args.tiny_threads,
-        decode_shards=args.decode_shards,
-        cpu_processes=args.cpu_processes,
+        cpu=cpu_config(
+            num_threads=args.tiny_threads,
+            decode_shards=args.decode_shards,
+            processes=args.cpu_processes,
+        ),
+        rl_job=True,
     )
-    report: dict = {"bench": "sampler", "threads": torch.get_num_threads()}
     if not args.quick:
         bandwidth = copy_bandwidth(device=cpu)
         report["cpu_copy_bandwidth_gb_per_s"] = round(bandwidth / 1e9, 2)
@@ -315,8 +365,8 @@ def main() -> None:
             device=cpu,
             repeats=max(2, args.repeats // 2),
             bandwidth=bandwidth,
-            num_threads=None,
-            cpu_processes=args.cpu_processes,
+            cpu=cpu_config(processes=args.cpu_processes),
+            rl_job=True,
         )
         if torch.cuda.is_available():
             cuda = torch.device("cuda")
@@ -330,8 +380,10 @@ def main() -> None:
                 device=cuda,
                 repeats=args.repeats,
                 bandwidth=hbm,
-                num_threads=None,
+                cpu=cpu_config(),
+                rl_job=False,
             )
+    report["load_average_after"] = round(os.getloadavg()[0], 2)
     report["cases"] = cases
     print(json.dumps(report))
 

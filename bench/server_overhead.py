@@ -9,9 +9,16 @@ model directory (LoRA rank 16) and run in this one invocation, alternating step 
 that machine noise hits both alike; the server runs in a subprocess on a free port.
 Prints one JSON line: median seconds per step on each side, and server / in-process; the
 median seconds of each phase of the step on each side (where the overhead sits); also
-the mean CPU seconds per step: of this process on the in-process side (the compute), and of
-the server process and of this process (the SDK's HTTP work) on the server side (Linux only;
-/proc counts in 10 ms ticks, hence means over all steps).
+the mean CPU seconds per step (Linux /proc, a process with its live helper processes; /proc
+counts in 10 ms ticks, hence means over all steps):
+- `cpu_in_process_s`: this process during an in-process step (the compute);
+- `cpu_server_s`: the server process alone during a server step, without the SDK client's
+  CPU (on a deployment the SDK runs on another machine), and `cpu_server_over_in_process`,
+  its ratio to `cpu_in_process_s`: what serving costs beyond the compute;
+- `cpu_sdk_s`: this process during a server step (the SDK's HTTP work; the server, a child
+  of this process, is not counted);
+- `cpu_server_idle_s`: the server process during an in-process step (its idle event loop).
+Temporary directories (model, storage of both sides) are removed at exit.
 
 Each side runs at its default torch threads: the server computes on one core fewer than
 torch's default (`TemperServer.Config.compute_threads`), leaving one for its event loop and
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -113,6 +121,30 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree_cpu_s(pid: int, *, excluding: int | None = None) -> float:
+    """CPU seconds so far of process `pid` and its live descendants (helper processes, e.g. a
+    sampler's `cpu.processes`), without process `excluding` and its own, from /proc."""
+    tree = [pid, *descendants(pid, excluding=excluding)]
+    return sum(process_cpu_s(member) for member in tree)
+
+
+def descendants(pid: int, *, excluding: int | None = None) -> list[int]:
+    """The live descendants of `pid` (Linux: /proc/<pid>/task/<tid>/children), without
+    `excluding` and its descendants."""
+    found, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            children = [child for child in children if child != excluding]
+            found += children
+            pending += children
+    return found
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -157,6 +189,7 @@ def main() -> None:
     from temper.checkpoint.model_source import init_model_dir
     from temper.client.service_client import ServiceClient
 
+    load_before = round(os.getloadavg()[0], 2)
     root = Path(tempfile.mkdtemp(prefix="temper-bench-"))
     model_dir = root / "models" / "tiny-digits"
     tokenizer = init_model_dir(model_dir, size="tiny", tokenizer="digits", seed=0)
@@ -171,10 +204,11 @@ def main() -> None:
         sides = {"in_process": (local, temper_types), "server": (remote, tinker_types)}
         times: dict[str, list[float]] = {name: [] for name in sides}
         phases: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-        cpu: dict[str, list[float]] = {"in_process": [], "server": [], "sdk": []}
+        cpu: dict[str, list[float]] = {"in_process": [], "server": [], "sdk": [], "server_idle": []}
         for step in range(args.steps + 1):  # step 0 warms up both sides
             for name, (training, types) in sides.items():
-                own_cpu, server_cpu = time.process_time(), process_cpu_s(process.pid)
+                own_cpu = process_tree_cpu_s(os.getpid(), excluding=process.pid)
+                server_cpu = process_tree_cpu_s(process.pid)
                 start = time.perf_counter()
                 _, step_phases = rl_step(
                     training,
@@ -188,15 +222,19 @@ def main() -> None:
                     continue
                 times[name].append(time.perf_counter() - start)
                 phases[name].append(step_phases)
+                own_cpu = process_tree_cpu_s(os.getpid(), excluding=process.pid) - own_cpu
+                server_cpu = process_tree_cpu_s(process.pid) - server_cpu
                 if name == "server":
-                    cpu["server"].append(process_cpu_s(process.pid) - server_cpu)
-                    cpu["sdk"].append(time.process_time() - own_cpu)
+                    cpu["server"].append(server_cpu)  # the server process alone
+                    cpu["sdk"].append(own_cpu)  # the SDK client's HTTP work, in this process
                 else:
-                    cpu["in_process"].append(time.process_time() - own_cpu)
+                    cpu["in_process"].append(own_cpu)
+                    cpu["server_idle"].append(server_cpu)  # the server's event loop, idle
         service.close("success").result()
     finally:
         process.terminate()
         process.wait()
+        shutil.rmtree(root, ignore_errors=True)
     in_process, server = (statistics.median(times[name]) for name in ("in_process", "server"))
     print(
         json.dumps(
@@ -207,11 +245,17 @@ def main() -> None:
                 "steps": args.steps,
                 "in_process_threads": torch.get_num_threads(),
                 "load_average": round(os.getloadavg()[0], 2),
+                "load_average_before": load_before,
                 "in_process_s": round(in_process, 4),
                 "server_s": round(server, 4),
                 "ratio": round(server / in_process, 3),
                 "overhead_pct": round(100 * (server / in_process - 1), 1),
                 **{f"cpu_{name}_s": round(statistics.mean(v), 4) for name, v in cpu.items()},
+                # What the server itself costs per step (its SDK client runs elsewhere in a
+                # deployment) against the in-process client's compute.
+                "cpu_server_over_in_process": round(
+                    statistics.mean(cpu["server"]) / statistics.mean(cpu["in_process"]), 3
+                ),
                 **{f"phases_{name}_s": median_phases(steps) for name, steps in phases.items()},
             }
         )

@@ -1,4 +1,4 @@
-"""Timing shared by the benchmarks: the median of repeated calls after one warm-up."""
+"""Timing shared by the benchmarks: medians of repeated calls after one warm-up."""
 
 from __future__ import annotations
 
@@ -27,3 +27,23 @@ def median_seconds(
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_median_seconds(
+    fns: dict[str, Callable[[], object]], *, repeats: int, device: torch.device | None = None
+) -> dict[str, float]:
+    """Median seconds of each function, timed in `repeats` rounds that call each once, in
+    an order that alternates between rounds, so a shared machine's drift hits all alike."""
+    device = device or torch.device("cpu")
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(repeats):
+        names = list(fns) if round_index % 2 == 0 else list(reversed(fns))
+        for name in names:
+            synchronize(device)
+            start = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}

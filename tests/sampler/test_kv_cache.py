@@ -48,3 +48,24 @@ def test_decode_attention_matches_sdpa_over_each_rows_prefix(dtype, rtol):
         )[0]
         torch.testing.assert_close(out_BN1H[row].float(), expected_N1H, rtol=rtol, atol=1e-5)
     assert torch.equal(cache.k_LSKCH[0], layer_0_keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_starts_as_zeros_of_its_own(dtype):
+    """The lazily zero-filled CPU cache is torch.zeros: same values, shape, strides; each
+    tensor its own memory."""
+    shape = KVCacheShape(num_layers=2, num_slots=3, num_kv_heads=2, max_seq_len=40, head_dim=8)
+    cache = KVCache(shape, dtype=dtype, device=torch.device("cpu"))
+    expected = torch.zeros(shape.dims, dtype=dtype)
+    for tensor in (cache.k_LSKCH, cache.v_LSKCH):
+        assert tensor.dtype == dtype and tensor.stride() == expected.stride()
+        assert torch.equal(tensor, expected)
+    cache.k_LSKCH[1, 2, :, 5:9] = 3.0
+    assert cache.k_LSKCH.count_nonzero() == 2 * 4 * 8 and not cache.v_LSKCH.any()
+    assert cache.nbytes == shape.nbytes(dtype)
+    empty = KVCache(
+        KVCacheShape(num_layers=1, num_slots=0, num_kv_heads=1, max_seq_len=4, head_dim=2),
+        dtype=dtype,
+        device=torch.device("cpu"),
+    )
+    assert empty.k_LSKCH.shape == (1, 0, 1, 4, 2)

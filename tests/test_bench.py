@@ -1,0 +1,84 @@
+"""Each benchmark's flags and its one JSON line, on the smallest setting (not its numbers).
+
+bench/ is never asserted on speed; these runs only check that a benchmark starts, finishes,
+prints the fields the docs quote, and cleans up after itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def run_bench(script: str, *flags: str, tmp_path: Path) -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    environment = {**os.environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "PASSIVE"}
+    environment["TMPDIR"] = str(tmp_path)  # what the benchmark leaves behind shows here
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *flags],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def left_behind(directory: Path) -> list[str]:
+    """What a run left in its TMPDIR, but torch's own compile cache (kept across runs)."""
+    return [p.name for p in directory.iterdir() if not p.name.startswith("torchinductor_")]
+
+
+@pytest.mark.slow
+def test_grpo_step_prints_both_configs_or_why_trl_is_skipped(tmp_path):
+    report = run_bench(
+        "grpo_step.py", "--steps", "1", "--warmup", "0", "--rounds", "1", tmp_path=tmp_path
+    )
+    assert report["bench"] == "grpo_step" and report["temper"]["total_s"] > 0
+    config = report["temper_config"]
+    assert config["dtype"] == "float32" and config["gradient_checkpointing"] is False
+    assert config["betas"] == [0.9, 0.95] and config["learning_rate"] == 2e-4
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        assert report["trl"] is None and "TRL not compared" in report["trl_skipped"]
+    else:
+        shared = ("dtype", "gradient_checkpointing", "betas", "eps", "weight_decay", "foreach")
+        assert {k: report["trl_config"][k] for k in shared} == {k: config[k] for k in shared}
+        assert len(report["speedup_per_round"]) == 1
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_server_overhead_reports_the_server_process_cpu_and_cleans_up(tmp_path):
+    flags = ["--steps", "2", "--prompts", "2", "--group-size", "2", "--max-tokens", "2"]
+    report = run_bench("server_overhead.py", *flags, tmp_path=tmp_path)
+    assert report["bench"] == "server_overhead" and report["server_s"] > 0
+    for name in ("in_process", "server", "sdk", "server_idle"):
+        assert report[f"cpu_{name}_s"] >= 0
+    assert report["cpu_server_over_in_process"] > 0
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
+    flags = ["--quick", "--repeats", "1", "--batches", "1"]
+    report = run_bench("sampler.py", *flags, tmp_path=tmp_path)
+    (case,) = report["cases"]
+    assert case["batch"] == 1 and case["hf_tokens_per_s"] > 0
+    assert case["temper_cpu_processes"] == 1  # the engine's default
+    assert case["rl_job_threads"] == 1  # RLJobConfig().sampler.cpu
+    assert case["speedup_vs_hf"] == case["temper_speedup_vs_hf"] > 0
+    assert case["rl_job_speedup_vs_hf"] > 0
+    assert "processes='auto'" in report["rl_job_cpu_config"]
+    assert left_behind(tmp_path) == []
