@@ -13,6 +13,8 @@ from temper.cli import main
 from temper.client.sampling_client import SamplingClient
 from temper.config import serialize
 from temper.job import RunCheckpoints
+from temper.rl.envs import GuessNumber
+from temper.rl.episodes import EpisodeRunner
 from temper.rl.job import RLJob
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
@@ -70,6 +72,27 @@ def test_resumed_run_equals_uninterrupted(
     config = tiny_rl_config(
         mode=mode, checkpoint_every=every, kl_coef=0.05, lr_schedule=lr_schedule
     )
+    _check_resume(tmp_path, monkeypatch, config, crash_at=crash_at)
+
+
+def test_resumed_multiturn_run_equals_uninterrupted(tmp_path, monkeypatch, no_plots):
+    # Episodes in lockstep (turn_batching="by_turn"): each turn decodes as one batch, so the
+    # logprobs do not depend on when env steps return.
+    config = tiny_rl_config(
+        env=GuessNumber.Config(low=1, high=16),
+        episodes=EpisodeRunner.Config(max_turns=4, max_context=32, turn_batching="by_turn"),
+        max_tokens=4,
+        eval_problems=8,
+        mode="async",
+        checkpoint_every=5,
+        kl_coef=0.05,
+        lr_schedule="cosine",
+    )
+    _check_resume(tmp_path, monkeypatch, config, crash_at=12)
+
+
+def _check_resume(tmp_path, monkeypatch, config, *, crash_at: int) -> None:
+    """A run stopped after `crash_at` steps and resumed equals one that never stopped."""
     straight = tmp_path / "straight"
     RLJob(config).run(run_dir=straight)
 
@@ -80,6 +103,7 @@ def test_resumed_run_equals_uninterrupted(
         _crash_after(patch, crash_at)
         with pytest.raises(Crash):
             RLJob(config).run(run_dir=stopped)
+    every = config.checkpoint_every
     last_checkpoint = crash_at // every * every
     assert load_run_state(stopped).step == last_checkpoint
     logged = [r["step"] for r in comparable_metrics(stopped)]
