@@ -10,8 +10,8 @@ step is never answered with the weights from before it.
 
 Where one batch ends is a matter of timing: a batch runs as soon as the worker thread is free,
 so of several requests sent one after another, the first may run alone while the others are
-still being sent. The engine's results for a request depend on its batch at rounding level (a
-CPU matmul rounds a row differently with 1-7 rows than with 8 or more), so a caller that needs
+still being sent. The engine's results for a request depend on its batch at rounding level (on
+CPU a matmul may round a row differently with 1-7 rows than with 8 or more), so a caller that needs
 reproducible results (a seeded RL step, a resumed run that must equal an uninterrupted one)
 sends its requests inside `Worker.batch()`: they are held until the block ends and then run as
 one batch per key, however the threads are scheduled.
@@ -84,7 +84,8 @@ class Worker:
     def batch(self) -> Iterator[None]:
         """Items `submit_batched` inside the block run as one batch per key once it ends,
         whatever the timing (not a first item alone because the worker was free). Blocks
-        nest (the outermost one's end releases), and an ordinary `submit` inside one releases
+        nest, also across threads (the last open block's end releases: keep blocks short, as
+        items other threads send meanwhile wait too), and an ordinary `submit` releases
         what was sent before it, to keep the order. Do not wait for a held item's result
         inside the block: it runs only after the block. Items sent just before or after the
         block never join its batches."""
