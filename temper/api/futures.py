@@ -7,14 +7,23 @@ Requests that batch well (sampling) can be coalesced: everything submitted with 
 between two ordinary calls runs as one batch, at the position of the first of them. An
 ordinary call (a training step) starts a new epoch, so a sample submitted after an optimizer
 step is never answered with the weights from before it.
+
+Where one batch ends is a matter of timing: a batch runs as soon as the worker thread is free,
+so of several requests sent one after another, the first may run alone while the others are
+still being sent. The engine's results for a request depend on its batch at rounding level (on
+CPU a matmul may round a row differently with 1-7 rows than with 8 or more), so a caller that needs
+reproducible results (a seeded RL step, a resumed run that must equal an uninterrupted one)
+sends its requests inside `Worker.batch()`: they are held until the block ends and then run as
+one batch per key, however the threads are scheduled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -61,11 +70,37 @@ class Worker:
         self._lock = threading.Lock()
         self._epoch = 0
         self._pending: dict[tuple[Hashable, int], list[tuple[Any, concurrent.futures.Future]]] = {}
+        self._num_holds = 0
+        self._held: list[tuple[tuple[Hashable, int], Callable]] = []
+        """Batches sent inside `batch()` blocks, in order; they run when the last block ends."""
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> APIFuture[T]:
         with self._lock:
+            self._release_held()  # batches sent before this call run before it
             self._epoch += 1
             return APIFuture(self._executor.submit(fn, *args, **kwargs))
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Items `submit_batched` inside the block run as one batch per key once it ends,
+        whatever the timing (not a first item alone because the worker was free). Blocks
+        nest, also across threads (the last open block's end releases: keep blocks short, as
+        items other threads send meanwhile wait too), and an ordinary `submit` releases
+        what was sent before it, to keep the order. Do not wait for a held item's result
+        inside the block: it runs only after the block. Items sent just before or after the
+        block never join its batches."""
+        with self._lock:
+            if self._num_holds == 0:
+                self._epoch += 1
+            self._num_holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._num_holds -= 1
+                if self._num_holds == 0:
+                    self._release_held()
+                    self._epoch += 1
 
     def submit_batched(
         self, key: Hashable, item: Any, run_batch: Callable[[Sequence[Any]], list[Any]]
@@ -77,8 +112,17 @@ class Worker:
             batch = self._pending.setdefault(slot, [])
             batch.append((item, future))
             if len(batch) == 1:
-                self._executor.submit(self._flush, slot, run_batch)
+                if self._num_holds:
+                    self._held.append((slot, run_batch))
+                else:
+                    self._executor.submit(self._flush, slot, run_batch)
         return APIFuture(future)
+
+    def _release_held(self) -> None:
+        """Queue the held batches (the caller holds the lock)."""
+        for slot, run_batch in self._held:
+            self._executor.submit(self._flush, slot, run_batch)
+        self._held.clear()
 
     def _flush(self, slot: tuple[Hashable, int], run_batch: Callable) -> None:
         with self._lock:

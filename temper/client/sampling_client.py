@@ -4,11 +4,17 @@ A sampling client reads through a `Snapshot` (weight_sync.py). One made by a tra
 may read the trainer's own weights: the snapshot holds them against changes while it decodes,
 and gets a private copy just before they change (copy-on-write). A client made from a
 checkpoint or a base model owns its engine outright.
+
+Concurrent `sample` calls decode together: the requests that arrive while the worker decodes
+form its next batch (temper/api/futures.py). Since an engine's results depend on the batch at
+rounding level, a caller that must reproduce them sends its requests inside `batch()`, which
+makes them one batch whatever the timing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +77,14 @@ class SamplingClient:
         )
         # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
         return self._worker.submit_batched(self, request, self._generate)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """`sample` calls inside the block decode as one batch, sent when the block ends
+        (without it, the first may start alone while the rest are still being sent, and its
+        logprobs then round differently). Read no result inside the block."""
+        with self._worker.batch():
+            yield
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         """Logprob of each prompt token given the ones before it (None for the first)."""

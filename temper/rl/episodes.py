@@ -19,10 +19,17 @@ only its own episode. When the sampler is idle and steps that started together a
 running, the driver waits up to `batch_window_s` for them, so a fast env's next turns are not
 split into a lone first request and the rest.
 
-Each episode's turns are seeded from one seed drawn by the caller, so a seeded run is
-reproducible whatever order the steps finish in (the engine's draws depend only on a row's
-seed and position, not on the batch). An env whose `step` raises stops the batch with an
-`EnvStepError` naming the env, the group, the episode and the turn.
+Each episode's turns are seeded from one seed drawn by the caller, so a seeded run's tokens
+are reproducible whatever order the steps finish in (the engine's draws depend only on a row's
+seed and position, not on the batch). Its logprobs are not: the engine's results depend on the
+batch at rounding level, and which turns share a batch depends on when env steps return.
+`turn_batching="by_turn"` makes them reproducible too (a resumed run then equals an
+uninterrupted one bitwise): episodes advance in lockstep, every live episode's next turn is
+sent, in episode order, inside one `SamplingClient.batch()` once all steps of the turn have
+returned, so a slow step holds up every episode of the batch.
+
+An env whose `step` raises stops the batch with an `EnvStepError` naming the env, the group,
+the episode and the turn.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from temper.api.types import ModelInput, SamplingParams
 from temper.config.configurable import Configurable
@@ -63,7 +70,12 @@ class EpisodeRunner(Configurable):
         """Threads that run env steps (a slow step holds up only its own episode)."""
         batch_window_s: float = 0.002
         """How long an idle sampler waits for env steps started alongside the first one
-        to return, so their next turns decode in one batch."""
+        to return, so their next turns decode in one batch ("as_ready" only)."""
+        turn_batching: Literal["as_ready", "by_turn"] = "as_ready"
+        """'as_ready': an episode's next turn is sent as soon as its env step returns (a slow
+        step holds up only its own episode; logprobs vary at rounding level with the timing).
+        'by_turn': every episode's turn k decodes in one batch once all turn k-1 steps are
+        back (reproducible logprobs, bitwise resume; the slowest step sets the pace)."""
 
         def __post_init__(self) -> None:
             for name in ("max_turns", "max_context", "env_workers"):
@@ -71,6 +83,11 @@ class EpisodeRunner(Configurable):
                     raise ValueError(
                         f"EpisodeRunner.Config.{name} must be >= 1, got {getattr(self, name)}"
                     )
+            if self.turn_batching not in ("as_ready", "by_turn"):
+                raise ValueError(
+                    "EpisodeRunner.Config.turn_batching must be 'as_ready' or 'by_turn', "
+                    f"got {self.turn_batching!r}"
+                )
             if self.batch_window_s < 0:
                 raise ValueError(
                     f"EpisodeRunner.Config.batch_window_s must be >= 0, got {self.batch_window_s}"
@@ -191,15 +208,19 @@ class RunningEpisodes:
 
     def _drive(self) -> None:
         try:
-            for group in self._groups:
-                for episode in group:
-                    self._next_turn(episode)
+            self._next_turns([episode for group in self._groups for episode in group])
+            by_turn = self.config.turn_batching == "by_turn"
+            waiting: list[_Episode] = []  # by_turn: episodes whose turn's step is back
             while self._num_sampling or self._num_stepping:
                 ready = self._handle([self._events.get(), *self._drain()])
-                if ready and not self._num_sampling and self._num_stepping:
+                if by_turn:
+                    waiting += ready
+                    if self._num_sampling or self._num_stepping:
+                        continue
+                    ready, waiting = sorted(waiting, key=lambda e: (e.group, e.index)), []
+                elif ready and not self._num_sampling and self._num_stepping:
                     ready += self._linger()
-                for episode in ready:
-                    self._next_turn(episode)
+                self._next_turns(ready)
         except BaseException as error:  # handed to wait(), on the caller's thread
             self._error = error
         finally:
@@ -237,6 +258,12 @@ class RunningEpisodes:
                 if self._apply_step(episode, future):
                     ready.append(episode)
         return ready
+
+    def _next_turns(self, episodes: list[_Episode]) -> None:
+        """The next turn of each, sent as one batch (in this order)."""
+        with self._client.batch():
+            for episode in episodes:
+                self._next_turn(episode)
 
     def _next_turn(self, episode: _Episode) -> None:
         room = self.config.max_context - len(episode.prompt) - len(episode.completion)

@@ -3,8 +3,10 @@
 Shapes: P prompt tokens, C completion tokens; a datum has P + C - 1 positions.
 
 A rollout is submitted, then collected: `submit_rollouts` draws every request's seed and sends
-all groups of a step before any result is read (so the sampler decodes them as one batch, and
-an asynchronous loop can go on training meanwhile); `PendingRollouts.wait()` blocks for the
+all groups of a step before any result is read, inside `SamplingClient.batch()`, so the sampler
+decodes them as one batch whatever the timing (its logprobs depend on the batch at rounding
+level, and a seeded or resumed run must reproduce them), and an asynchronous loop can go on
+training meanwhile; `PendingRollouts.wait()` blocks for the
 completions and `score_rollouts` asks the environments for rewards. A datum's loss inputs
 cover every position; prompt positions get advantage 0 and logprob 0, so they contribute
 nothing to the importance-sampling and PPO losses.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 from temper.api.futures import APIFuture
 from temper.api.types import Datum, ModelInput, SampleResponse, SamplingParams
+from temper.client.sampling_client import SamplingClient
 from temper.rl.env import ProblemEnv
 
 
@@ -63,7 +66,7 @@ class PendingRollouts:
 
 
 def submit_rollouts(
-    sampling_client,
+    sampling_client: SamplingClient,
     groups: Sequence[Sequence[ProblemEnv]],
     *,
     params: SamplingParams,
@@ -78,14 +81,15 @@ def submit_rollouts(
     if seeds is not None and len(seeds) != len(groups):
         raise ValueError(f"submit_rollouts: {len(seeds)} seeds for {len(groups)} groups")
     futures = []
-    for index, group in enumerate(groups):
-        request_params = params
-        if rng is not None:
-            request_params = dataclasses.replace(params, seed=rng.getrandbits(63))
-        elif seeds is not None:
-            request_params = dataclasses.replace(params, seed=seeds[index])
-        prompt = ModelInput.from_ints(group[0].initial_observation())
-        futures.append(sampling_client.sample(prompt, len(group), request_params))
+    with sampling_client.batch():
+        for index, group in enumerate(groups):
+            request_params = params
+            if rng is not None:
+                request_params = dataclasses.replace(params, seed=rng.getrandbits(63))
+            elif seeds is not None:
+                request_params = dataclasses.replace(params, seed=seeds[index])
+            prompt = ModelInput.from_ints(group[0].initial_observation())
+            futures.append(sampling_client.sample(prompt, len(group), request_params))
     return PendingRollouts(
         groups=[list(group) for group in groups],
         futures=futures,
@@ -117,7 +121,7 @@ def score_rollouts(
 
 
 def rollout_groups(
-    sampling_client,
+    sampling_client: SamplingClient,
     groups: Sequence[Sequence[ProblemEnv]],
     *,
     params: SamplingParams,

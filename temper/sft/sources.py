@@ -101,12 +101,13 @@ class ConversationSource:
         conversations = self.heldout_conversations[:limit]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=self.renderer.stop)
         futures, references = [], []
-        for conversation in conversations:
-            messages = list(conversation.messages)
-            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-            prompt = self.renderer.generation_prompt(messages[:last])
-            futures.append(sampling_client.sample(ModelInput.from_ints(prompt), 1, params))
-            references.append((messages[:last], messages[last]["content"]))
+        with sampling_client.batch():  # one batch whatever the timing (tasks/evaluation.py)
+            for conversation in conversations:
+                messages = list(conversation.messages)
+                last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                prompt = self.renderer.generation_prompt(messages[:last])
+                futures.append(sampling_client.sample(ModelInput.from_ints(prompt), 1, params))
+                references.append((messages[:last], messages[last]["content"]))
         examples = []
         for future, (history, reference) in zip(futures, references, strict=True):
             reply = self.renderer.parse_response(future.result().sequences[0].tokens)

@@ -13,7 +13,7 @@ from temper.sampler.engine import SamplerEngine
 from temper.tasks import SumDigits
 
 # Keys that measure wall-clock time and so differ between otherwise identical runs.
-TIMING_PREFIXES = ("time/", "throughput/")
+TIMING_PREFIXES = ("time/", "throughput/", "episode/env_seconds")
 
 
 def tiny_rl_config(**overrides) -> RLJob.Config:

@@ -133,3 +133,8 @@ def test_seeded_episodes_repeat_whatever_order_steps_finish_in(training):
     first = _run(training, [ScriptedEnv(tokenizer) for _ in range(4)], env_workers=1)
     second = _run(training, [ScriptedEnv(tokenizer) for _ in range(4)], env_workers=4)
     assert [[t.completion for t in g] for g in first] == [[t.completion for t in g] for g in second]
+
+
+def test_turn_batching_must_be_a_known_mode():
+    with pytest.raises(ValueError, match=r"turn_batching must be 'as_ready' or 'by_turn'"):
+        EpisodeRunner.Config(turn_batching="lockstep")
