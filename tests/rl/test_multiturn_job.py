@@ -45,7 +45,7 @@ def test_guess_number_recipe_learns_binary_search(tmp_path):
     after_warmup, final = _evals(records, warmup_steps=250)
     # Measured with this seed: 0.47 held-out success after the warm-up (it plays the slower
     # quarter-point search most demonstrations show), 1.0 after 20 and 40 GRPO steps (seeds
-    # 1 and 2: see docs/rl.md).
+    # 1 and 2: 0.47 -> 1.0 and 0.47 -> 0.95).
     assert final >= after_warmup + 0.3, (after_warmup, final)
     rl = [r for r in records if "reward/mean" in r]
     assert rl[-1]["rollout/accuracy"] > rl[0]["rollout/accuracy"] + 0.1
