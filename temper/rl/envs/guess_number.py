@@ -6,8 +6,11 @@ The initial observation names the range; each action is a guess (digits, then EO
 observation is one character, "+" (the secret is higher) or "-" (lower). A right guess ends the
 episode with reward `1 - turn_penalty * (turns - 1)` (at least 0), so fewer turns pay more; a
 guess that is not a number ends it with reward 0 ("invalid"). The turn limit is the episode
-runner's `max_turns`. Demonstrations play binary search. Held-out secrets are a fixed hash
-split of the range, so evaluation plays numbers the policy never searched for in training.
+runner's `max_turns`. Demonstrations play binary search, or for a configured share of them a
+slower quarter-point search (RL then has a better strategy to find). Held-out secrets are a
+fixed hash split of the range, so evaluation plays numbers the policy never searched for in
+training; optionally only those that binary search guesses on its way to some training secret
+(a model trained from scratch does not name a number no training episode names).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from temper.config.configurable import Configurable
 from temper.rl.env import Demonstration, StepResult
@@ -58,9 +62,18 @@ class GuessNumber(Configurable):
         high: int = 100
         """Largest secret."""
         heldout_percent: int = 20
-        """Share of the secrets (by hash) kept for held-out evaluation, in percent."""
+        """Share of the secrets (by hash) kept out of training, in percent."""
+        heldout_secrets: Literal["all", "on_search_paths"] = "all"
+        """Which of the kept-out secrets held-out evaluation plays: all, or only those that
+        binary search for some training secret guesses on its way (the others are leaves of
+        the search tree: no training episode ever names them, and a model trained from scratch
+        does not name a number it was never shown, so no policy finds them)."""
         turn_penalty: float = 0.1
         """Reward lost per guess before the right one."""
+        binary_demonstrations: float = 1.0
+        """Share of warm-up demonstrations that play binary search (guess the middle of the
+        numbers still possible); the others guess at the first quarter of them, a valid but
+        slower search (up to 14 guesses in 1..100 against 7), which RL must then unlearn."""
 
         def __post_init__(self) -> None:
             if not 0 <= self.low < self.high:
@@ -69,6 +82,16 @@ class GuessNumber(Configurable):
                     f"high={self.high}"
                 )
             check_heldout_percent("GuessNumber.Config", self.heldout_percent)
+            if not 0.0 <= self.binary_demonstrations <= 1.0:
+                raise ValueError(
+                    "GuessNumber.Config.binary_demonstrations must be in [0, 1], "
+                    f"got {self.binary_demonstrations}"
+                )
+            if self.heldout_secrets not in ("all", "on_search_paths"):
+                raise ValueError(
+                    "GuessNumber.Config.heldout_secrets must be 'all' or 'on_search_paths', "
+                    f"got {self.heldout_secrets!r}"
+                )
             if self.turn_penalty < 0:
                 raise ValueError(
                     f"GuessNumber.Config.turn_penalty must be >= 0, got {self.turn_penalty}"
@@ -82,6 +105,9 @@ class GuessNumber(Configurable):
                     == split]
             for split in ("train", "heldout")
         }  # fmt: skip
+        if config.heldout_secrets == "on_search_paths":
+            on_paths = _search_path_numbers(config.low, config.high, self.secrets["train"])
+            self.secrets["heldout"] = [n for n in self.secrets["heldout"] if n in on_paths]
         for split, secrets in self.secrets.items():
             if not secrets:
                 raise ValueError(f"GuessNumber: no {split!r} secret in {config.low}..{config.high}")
@@ -100,13 +126,15 @@ class GuessNumber(Configurable):
         return [GuessNumberEnv(secret, source=self) for secret in self.secrets["heldout"][:count]]
 
     def demonstration(self, rng: random.Random) -> Demonstration:
-        """Binary search for a training secret."""
+        """Binary (or, for a share of them, quarter-point) search for a training secret."""
         secret = rng.choice(self.secrets["train"])
+        share = self.config.binary_demonstrations
+        binary = share >= 1.0 or rng.random() < share
         tokens = self.prompt_tokens()
         weights = [0.0] * len(tokens)
         low, high = self.config.low, self.config.high
         while True:
-            guess = (low + high) // 2
+            guess = (low + high) // 2 if binary else low + (high - low) // 4
             action = [*self.tokenizer.encode(str(guess)), self.tokenizer.eos_token_id]
             tokens += action
             weights += [1.0] * len(action)
@@ -116,3 +144,17 @@ class GuessNumber(Configurable):
             hint = self.tokenizer.encode("+" if secret > guess else "-")
             tokens += hint
             weights += [0.0] * len(hint)
+
+
+def _search_path_numbers(low: int, high: int, secrets: Sequence[int]) -> set[int]:
+    """Every number binary search over low..high guesses while looking for one of `secrets`."""
+    guessed: set[int] = set()
+    for secret in secrets:
+        lo, hi = low, high
+        while True:
+            guess = (lo + hi) // 2
+            guessed.add(guess)
+            if guess == secret:
+                break
+            lo, hi = (guess + 1, hi) if secret > guess else (lo, guess - 1)
+    return guessed
