@@ -5,6 +5,8 @@ Each starts with a short supervised warm-up on demonstrated episodes (temper/rl/
 every action token of an episode gets the episode's group-relative advantage. The guessing
 game's warm-up mostly demonstrates a slower search than binary search, so what GRPO adds is
 measurable: picking the strategy that finds the number within the turn limit (docs/rl.md).
+Both decode turn by turn (`turn_batching="by_turn"`), so a run is reproducible and resumes
+bitwise.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def guess_number() -> RLJob.Config:
             heldout_secrets="on_search_paths",
             binary_demonstrations=0.3,
         ),
-        episodes=EpisodeRunner.Config(max_turns=7, max_context=64),
+        episodes=EpisodeRunner.Config(max_turns=7, max_context=64, turn_batching="by_turn"),
         warmup=SFTWarmup.Config(steps=250, batch_size=32, learning_rate=2e-3, eval_every=0),
         steps=40,
         max_tokens=4,
@@ -61,7 +63,7 @@ def guess_number() -> RLJob.Config:
 def tool_arithmetic() -> RLJob.Config:
     return _multiturn(
         env=ToolArithmetic.Config(num_terms=3, min_digits=2, max_digits=2),
-        episodes=EpisodeRunner.Config(max_turns=3, max_context=64),
+        episodes=EpisodeRunner.Config(max_turns=3, max_context=64, turn_batching="by_turn"),
         warmup=SFTWarmup.Config(steps=300, batch_size=32, learning_rate=2e-3, eval_every=0),
         steps=20,
         max_tokens=12,
