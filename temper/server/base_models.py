@@ -60,13 +60,18 @@ class BaseModel:
     """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
     served dtype; rank R takes R times this."""
 
-    def training_bytes(self, *, lora_rank: int | None) -> int:
+    def training_bytes(self, *, lora_rank: int | None, shared_base: bool = True) -> int:
         """Estimate for one training model: what it trains (every weight for full
         fine-tuning, else its adapters at most) x4 (gradients and AdamW moments), and the
         sampler its snapshots read. A LoRA model's frozen base weights are shared by every
-        LoRA model on this base and counted once, as `weights_bytes` (server.py)."""
-        trained = self.weights_bytes if lora_rank is None else lora_rank * self.lora_bytes_per_rank
-        return TRAINING_FACTOR * trained + self.sampler_bytes
+        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless
+        not `shared_base` (a sharded trainer: each model has its own)."""
+        if lora_rank is None:
+            return TRAINING_FACTOR * self.weights_bytes + self.sampler_bytes
+        own_base = 0 if shared_base else self.weights_bytes
+        return (
+            TRAINING_FACTOR * lora_rank * self.lora_bytes_per_rank + own_base + self.sampler_bytes
+        )
 
 
 class BaseModels:

@@ -300,11 +300,13 @@ class TemperServer(Configurable):
         """Register a training model, counting its memory (503 if it cannot fit): its own
         part, and for the first LoRA model on a base, the base weights they all share."""
         base = served.base
+        # A sharded trainer (--nproc) gives every model its own base (client/shared_base.py).
+        shares_base = served.is_lora and self.config.trainer.sharding is None
         released = []
         with self._shared_lock:
             users = self._shared_base_users.setdefault(base.name, set())
             try:
-                if served.is_lora and not users:
+                if shares_base and not users:
                     released += self.memory.admit(
                         _shared_base_key(base.name),
                         base_model=base.name,
@@ -316,7 +318,9 @@ class TemperServer(Configurable):
                     served.model_id,
                     base_model=base.name,
                     what=f"training model {served.model_id}",
-                    num_bytes=base.training_bytes(lora_rank=served.lora_rank),
+                    num_bytes=base.training_bytes(
+                        lora_rank=served.lora_rank, shared_base=shares_base
+                    ),
                     pinned=True,
                 )
             except BaseException:
@@ -326,7 +330,7 @@ class TemperServer(Configurable):
             finally:
                 for key in released:
                     self._shared_samplers.pop(key, None)
-            if served.is_lora:
+            if shares_base:
                 users.add(served.model_id)
         self.models[served.model_id] = served
         self.sessions[served.session_id].model_ids.append(served.model_id)
@@ -335,12 +339,13 @@ class TemperServer(Configurable):
         served = self.models.pop(model_id, None)
         self.scheduler.close_queue(model_id)
         self.memory.release(model_id)
-        if served is not None and served.is_lora:
+        if served is not None:
             with self._shared_lock:
                 users = self._shared_base_users.get(served.base.name, set())
-                users.discard(model_id)
-                if not users:
-                    self.memory.release(_shared_base_key(served.base.name))
+                if model_id in users:
+                    users.discard(model_id)
+                    if not users:
+                        self.memory.release(_shared_base_key(served.base.name))
 
     def check_checkpoint_base(self, served: ServedModel, run: dict) -> None:
         """400 if a checkpoint's run trained another base model than `served`."""

@@ -155,3 +155,50 @@ def test_the_guard_sees_a_write_through_any_client(tmp_path):
         parameter.mul_(1.0)  # same values, but written
     with pytest.raises(AssertionError, match="was replaced or written"):
         client.shared_base.check_unchanged(fingerprint)
+
+
+def _submit_all(client, who):
+    """A few steps' futures, submitted without waiting (the client's worker runs them)."""
+    data = _data(client.get_tokenizer(), offset=who)
+    futures = []
+    for _ in range(3):
+        futures.append(client.forward_backward(data, "cross_entropy"))
+        futures.append(client.optim_step(ADAM))
+    futures.append(client.forward(data, "cross_entropy"))
+    return futures
+
+
+def _outcome(futures):
+    results = [future.result() for future in futures]
+    return [
+        (r.metrics, [o["logprobs"].data for o in getattr(r, "loss_fn_outputs", [])])
+        for r in results
+    ]
+
+
+def test_concurrent_clients_on_one_base_match_each_alone(tmp_path):
+    configs = [dict(rank=2, seed=1), dict(rank=4, seed=2), dict(rank=8, seed=3), dict(rank=2)]
+    shared = ServiceClient(storage_dir=tmp_path / "shared")
+    clients = [shared.create_lora_training_client("tiny", **kw) for kw in configs]
+    fingerprint = clients[0].shared_base.fingerprint()
+    # Every client's worker thread runs at once, on the same base tensors.
+    pending = [_submit_all(client, who) for who, client in enumerate(clients)]
+    outcomes = [_outcome(futures) for futures in pending]
+    clients[0].shared_base.check_unchanged(fingerprint)
+    for who, kw in enumerate(configs):
+        alone = ServiceClient(storage_dir=tmp_path / f"alone{who}")
+        client = alone.create_lora_training_client("tiny", **kw)
+        assert _outcome(_submit_all(client, who)) == outcomes[who], f"client {who}"
+
+
+def test_a_bfloat16_shared_base_is_left_alone_by_merges_and_samples(tmp_path):
+    service = ServiceClient(storage_dir=tmp_path / "storage", dtype="bfloat16")
+    clients = [service.create_lora_training_client("tiny", rank=4, seed=s) for s in (1, 2)]
+    fingerprint = clients[0].shared_base.fingerprint()
+    for who, client in enumerate(clients):
+        client.forward_backward(_data(client.get_tokenizer(), who), "cross_entropy")
+        client.optim_step(ADAM).result()
+        _sample(client)
+        client.save_weights_for_sampler(f"w{who}").result()
+    clients[0].shared_base.check_unchanged(fingerprint)
+    assert next(clients[1].engine.model.parameters()).dtype == torch.bfloat16

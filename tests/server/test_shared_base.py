@@ -14,6 +14,8 @@ from tinker import types
 
 from temper.server.base_models import load_base_model
 from temper.server.server import ServedModel, Session, TemperServer
+from temper.trainer.engine import TrainerEngine
+from temper.trainer.sharding import Sharding
 from tests.server.conftest import start_server
 from tests.server.test_sdk import datum
 
@@ -105,3 +107,21 @@ def test_the_budget_counts_the_shared_base_once(model_dir, tmp_path):
     assert server.memory.loaded()[base.name] == base.weights_bytes + one
     server.drop_model("lora-b")
     assert base.name not in server.memory.loaded()
+
+
+def test_a_sharded_trainer_counts_a_base_per_lora_model(model_dir, tmp_path):
+    trainer = TrainerEngine.Config(sharding=Sharding.Config())  # --nproc: no sharing
+    config = TemperServer.Config(
+        model=[str(model_dir)], storage=str(tmp_path / "storage"), trainer=trainer
+    )
+    server = TemperServer(config, backend=object())
+    server.sessions["s"] = Session(session_id="s")
+    base = server.base_models.first
+    for model_id in ("a", "b"):
+        served = ServedModel(
+            model_id=model_id, session_id="s", base=base, is_lora=True, lora_rank=4
+        )
+        server.add_model(served)
+    one = base.training_bytes(lora_rank=4, shared_base=False)
+    assert one == base.training_bytes(lora_rank=4) + base.weights_bytes
+    assert server.memory.loaded()[base.name] == 2 * one
