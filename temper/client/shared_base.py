@@ -47,10 +47,6 @@ class SharedBase:
         """The shared parameters and buffers by name."""
         return dict(self._template.state_dict(keep_vars=True))
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._template.parameters())
-
     def model(self) -> nn.Module:
         """A new module tree on the shared tensors: frozen parameters of its own (so no
         client's flags or `.grad` reach another's) viewing the same storage."""
