@@ -23,6 +23,7 @@ from temper.client.sampler_weights import (
     resolve_base_model,
 )
 from temper.client.sampling_client import SamplingClient
+from temper.client.shared_base import SharedBases
 from temper.client.training_client import TrainingClient
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
@@ -59,6 +60,8 @@ class ServiceClient:
         self.dtype = dtype
         self.trainer_config = trainer or TrainerEngine.Config()
         self.sampler_config = sampler or SamplerEngine.Config()
+        # LoRA training clients on one base model share its frozen weights (shared_base.py).
+        self.shared_bases = SharedBases()
 
     def create_lora_training_client(
         self,
@@ -142,8 +145,17 @@ class ServiceClient:
         user_metadata: Mapping[str, str] | None,
         run_id: str | None = None,
     ) -> TrainingClient:
-        base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
-        engine = self.trainer_config.build(model=base.model, lora=lora)
+        source = resolve_base_model(base_model, device=self.device, dtype=self.dtype)
+        shared = None
+        if lora is not None and self.trainer_config.sharding is None:
+            # Adapters only train: the base weights are read, never written, so one copy
+            # serves every LoRA client (a sharded trainer replaces them by its shards).
+            shared = self.shared_bases.get(source)
+            model, tokenizer = shared.model(), shared.tokenizer
+        else:
+            base = source.build()
+            model, tokenizer = base.model, base.tokenizer
+        engine = self.trainer_config.build(model=model, lora=lora)
         run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
         info = {
             "base_model": base_model,
@@ -165,7 +177,8 @@ class ServiceClient:
             run_id=run_id,
             base_model=base_model,
             engine=engine,
-            tokenizer=base.tokenizer,
+            tokenizer=tokenizer,
+            shared_base=shared,
         )
 
     def _claim_run(self, run_id: str, info: dict[str, Any]) -> None:

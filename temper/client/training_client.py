@@ -32,6 +32,7 @@ from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
 from temper.client.sampler_weights import save_sampler_weights
 from temper.client.sampling_client import SamplingClient
+from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import WeightSync
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import Tokenizer
@@ -77,8 +78,13 @@ class TrainingClient:
         base_model: str,
         engine: TrainerEngine,
         tokenizer: Tokenizer,
+        shared_base: SharedBase | None = None,
     ) -> None:
         self.service = service
+        # The frozen base weights this LoRA client shares with the service's other LoRA
+        # clients (shared_base.py), held so they live as long as a client on them; None:
+        # the engine's model is the client's own.
+        self.shared_base = shared_base
         self.model_id = run_id
         self.base_model = base_model
         self.engine = engine

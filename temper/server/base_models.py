@@ -18,15 +18,18 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch import nn
+
 from temper.checkpoint.hf import read_hf_config
 from temper.models.build import materialize
+from temper.models.lora import LoraConfig, apply_lora
 from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
 from temper.server.errors import BadRequest, NotFound
 from temper.server.snapshots import sampler_copy_bytes
 
-FULL_FINE_TUNING_FACTOR = 4
-"""A full fine-tuning trainer holds weights, gradients and AdamW's two moments."""
+TRAINING_FACTOR = 4
+"""A trainer holds its trained weights, their gradients and AdamW's two moments."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,16 +53,25 @@ class BaseModel:
     trainable: bool
     sampleable: bool
     weights_bytes: int
-    """Its parameters in the served dtype."""
+    """Its parameters in the served dtype (a full copy; LoRA clients share one)."""
     sampler_bytes: int
     """One sampler on it: weights and KV cache (--sampler.max-batch x --sampler.max-seq-len)."""
+    lora_bytes_per_rank: int
+    """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
+    served dtype; rank R takes R times this."""
 
-    def training_bytes(self, *, full: bool) -> int:
-        """Estimate for one training model: its trainer's weights (x4 for full fine-tuning:
-        gradients and AdamW moments; LoRA's adapters and their moments are left out) and
-        the sampler its snapshots read."""
-        factor = FULL_FINE_TUNING_FACTOR if full else 1
-        return factor * self.weights_bytes + self.sampler_bytes
+    def training_bytes(self, *, lora_rank: int | None, shared_base: bool = True) -> int:
+        """Estimate for one training model: what it trains (every weight for full
+        fine-tuning, else its adapters at most) x4 (gradients and AdamW moments), and the
+        sampler its snapshots read. A LoRA model's frozen base weights are shared by every
+        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless
+        not `shared_base` (a sharded trainer: each model has its own)."""
+        if lora_rank is None:
+            return TRAINING_FACTOR * self.weights_bytes + self.sampler_bytes
+        own_base = 0 if shared_base else self.weights_bytes
+        return (
+            TRAINING_FACTOR * lora_rank * self.lora_bytes_per_rank + own_base + self.sampler_bytes
+        )
 
 
 class BaseModels:
@@ -162,8 +174,15 @@ def load_base_model(
         trainable=trainable,
         sampleable=True,
         weights_bytes=sum(p.numel() * p.element_size() for p in meta.parameters()),
+        lora_bytes_per_rank=_lora_bytes_per_rank(meta),
         sampler_bytes=sampler_copy_bytes(decoder, sampler=sampler, dtype=dtype),
     )
+
+
+def _lora_bytes_per_rank(meta: nn.Module) -> int:
+    """Bytes of rank-1 adapters on every target of a meta model (allocates nothing)."""
+    apply_lora(meta, LoraConfig(rank=1))
+    return sum(p.numel() * p.element_size() for p in meta.parameters() if p.requires_grad)
 
 
 def describe(model: BaseModel) -> dict:

@@ -4,7 +4,11 @@ The server builds backend objects on a base model only when a request needs them
 each at an estimate of what it holds (base_models.py):
 
 - a training model (create_model, create-from-state) is *pinned*: it holds its memory until
-  its session finishes (or its creation fails);
+  its session finishes (or its creation fails). A LoRA model counts its adapters, their
+  gradients and moments, and its sampler; the frozen base weights that every LoRA model on
+  one base shares (client/shared_base.py) are one more pinned holder, held from the first
+  LoRA model on that base until the last is dropped (server.py). A full fine-tuning model
+  counts its own copy of the weights x4 and its sampler;
 - a shared sampler (the sampler of a base model or of a sampler checkpoint, which every
   sampling session on it uses) is *releasable*: one not sampled for `idle_seconds` is
   released, and the least recently used ones are released to make room for another. A

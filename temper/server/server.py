@@ -251,6 +251,8 @@ class TemperServer(Configurable):
         )
         _log_retention(self.snapshots)
         self._shared_samplers: dict[str, SamplingBackend] = {}
+        # The LoRA training models on each base model, which share its weights (counted once).
+        self._shared_base_users: dict[str, set[str]] = {}
         self._shared_lock = threading.Lock()
 
     # -- lookups (each raises NotFound naming what is unknown) --------------------------------
@@ -295,23 +297,55 @@ class TemperServer(Configurable):
     # -- registration -----------------------------------------------------------------------
 
     def add_model(self, served: ServedModel) -> None:
-        """Register a training model, counting its memory (503 if it cannot fit)."""
-        full = not served.is_lora
-        released = self.memory.admit(
-            served.model_id,
-            base_model=served.base.name,
-            what=f"training model {served.model_id}",
-            num_bytes=served.base.training_bytes(full=full),
-            pinned=True,
-        )
-        self._forget_released(released)
+        """Register a training model, counting its memory (503 if it cannot fit): its own
+        part, and for the first LoRA model on a base, the base weights they all share."""
+        base = served.base
+        # A sharded trainer (--nproc) gives every model its own base (client/shared_base.py).
+        shares_base = served.is_lora and self.config.trainer.sharding is None
+        released = []
+        with self._shared_lock:
+            users = self._shared_base_users.setdefault(base.name, set())
+            try:
+                if shares_base and not users:
+                    released += self.memory.admit(
+                        _shared_base_key(base.name),
+                        base_model=base.name,
+                        what="base weights its LoRA models share",
+                        num_bytes=base.weights_bytes,
+                        pinned=True,
+                    )
+                released += self.memory.admit(
+                    served.model_id,
+                    base_model=base.name,
+                    what=f"training model {served.model_id}",
+                    num_bytes=base.training_bytes(
+                        lora_rank=served.lora_rank, shared_base=shares_base
+                    ),
+                    pinned=True,
+                )
+            except BaseException:
+                if not users:
+                    self.memory.release(_shared_base_key(base.name))
+                raise
+            finally:
+                for key in released:
+                    self._shared_samplers.pop(key, None)
+            if shares_base:
+                users.add(served.model_id)
         self.models[served.model_id] = served
         self.sessions[served.session_id].model_ids.append(served.model_id)
 
     def drop_model(self, model_id: str) -> None:
-        self.models.pop(model_id, None)
+        served = self.models.pop(model_id, None)
         self.scheduler.close_queue(model_id)
         self.memory.release(model_id)
+        if served is not None:
+            with self._shared_lock:
+                users = self._shared_base_users.get(served.base.name, set())
+                if model_id in users:
+                    users.discard(model_id)
+                    if not users:
+                        self.memory.release(_shared_base_key(served.base.name))
 
     def check_checkpoint_base(self, served: ServedModel, run: dict) -> None:
         """400 if a checkpoint's run trained another base model than `served`."""
@@ -455,6 +489,11 @@ def _log_retention(snapshots: SnapshotRetention) -> None:
         snapshots.num_copies_in_budget,
         snapshots.idle_seconds,
     )
+
+
+def _shared_base_key(base_model: str) -> str:
+    """The memory budget's key for the base weights LoRA models on `base_model` share."""
+    return f"shared base weights of {base_model}"
 
 
 def _now() -> datetime.datetime:

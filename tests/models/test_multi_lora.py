@@ -1,0 +1,120 @@
+"""Several adapters in one batch (models/multi_lora.py) against each adapter's merged model:
+logprobs within fp32 rounding (1e-5 absolute + 1e-5 relative: a merged weight and the
+low-rank path round differently, as a single adapter's LoRA model does against its merge),
+greedy tokens equal to the merged-weights sampler's."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from temper.api import SamplingParams
+from temper.models import materialize, qwen3_size
+from temper.models.lora import (
+    LoraConfig,
+    apply_lora,
+    lora_modules,
+    lora_state_dict,
+    merged_config,
+    merged_state_dict,
+)
+from temper.models.multi_lora import apply_multi_lora, set_rows
+from temper.sampler.engine import SamplerEngine, SampleRequest
+
+CONFIGS = [
+    LoraConfig(rank=2, seed=1),
+    LoraConfig(rank=4, seed=2, train_unembed=False),
+    LoraConfig(rank=8, seed=3, train_mlp=False, alpha=8.0),
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(the frozen base, [(config, adapter tensors)], [each adapter's merged plain model])."""
+    # Logits of order 2 (as tests/sampler/test_engine.py), so greedy outputs vary.
+    config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
+    base = materialize(config, seed=5, dtype="float32").eval().requires_grad_(False)
+    adapters, merged = [], []
+    generator = torch.Generator().manual_seed(0)
+    for lora in CONFIGS:
+        trained = copy.deepcopy(base)
+        apply_lora(trained, lora)
+        with torch.no_grad():  # a trained adapter: B away from zero
+            for module in lora_modules(trained).values():
+                module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=generator) * 0.05)
+        adapters.append((lora, lora_state_dict(trained)))
+        plain = materialize(merged_config(trained), dtype="float32", init="empty").eval()
+        plain.load_state_dict(merged_state_dict(trained))
+        merged.append(plain)
+    return base, adapters, merged
+
+
+def _multi(base, adapters):
+    multi = copy.deepcopy(base)
+    apply_multi_lora(multi, adapters)
+    return multi
+
+
+def test_a_mixed_batch_equals_each_adapter_merged(models):
+    base, adapters, merged = models
+    multi = _multi(base, adapters)
+    tokens_BT = torch.randint(0, 31, (6, 9), generator=torch.Generator().manual_seed(1))
+    index_B = torch.tensor([0, 1, 2, 1, 0, 2])
+    set_rows(multi, index_B)
+    with torch.no_grad():
+        logprobs_BTV = multi(tokens_BT).log_softmax(-1)
+        for row, adapter in enumerate(index_B.tolist()):
+            expected_TV = merged[adapter](tokens_BT[row : row + 1])[0].log_softmax(-1)
+            torch.testing.assert_close(logprobs_BTV[row], expected_TV, atol=1e-5, rtol=1e-5)
+    # The adapters matter: another row's adapter gives other logprobs.
+    set_rows(multi, torch.tensor([1, 0, 0, 2, 2, 1]))
+    with torch.no_grad():
+        assert not torch.allclose(multi(tokens_BT).log_softmax(-1), logprobs_BTV, atol=1e-3)
+
+
+def test_greedy_mixed_batch_equals_the_merged_sampler(models):
+    base, adapters, merged = models
+    multi = _multi(base, adapters)
+    prompts = [[3, 4, 5], [7], [1, 2, 3, 4], [9, 9], [2, 2, 2], [5, 6]]
+    index_B = torch.tensor([0, 1, 2, 2, 1, 0])
+    steps = 8
+    # The multi-adapter model, full forward per step, all rows in one batch.
+    sequences = [list(prompt) for prompt in prompts]
+    logprobs = [[] for _ in prompts]
+    set_rows(multi, index_B)
+    with torch.no_grad():
+        for _ in range(steps):
+            for row, sequence in enumerate(sequences):  # rows differ in length: one at a time
+                set_rows(multi, index_B[row : row + 1])
+                last_V = multi(torch.tensor([sequence]))[0, -1].log_softmax(-1)
+                token = int(last_V.argmax())
+                logprobs[row].append(float(last_V[token]))
+                sequence.append(token)
+    # Each adapter's merged sampler (KV cache, continuous batching) on its rows.
+    params = SamplingParams(max_tokens=steps, temperature=0)
+    for adapter, model in enumerate(merged):
+        rows = [row for row, k in enumerate(index_B.tolist()) if k == adapter]
+        engine = SamplerEngine.Config(max_batch=4, max_seq_len=64).build(model=model)
+        responses = engine.generate([SampleRequest(prompt=prompts[r], params=params) for r in rows])
+        for row, response in zip(rows, responses, strict=True):
+            (sequence,) = response.sequences
+            assert sequence.tokens == sequences[row][len(prompts[row]) :], (adapter, row)
+            torch.testing.assert_close(
+                torch.tensor(sequence.logprobs), torch.tensor(logprobs[row]), atol=1e-5, rtol=1e-5
+            )
+
+
+def test_the_base_weights_are_only_read(models):
+    base, adapters, _ = models
+    multi = _multi(base, adapters)
+    key = "blocks.0.attention.wq.weight"
+    assert multi.get_parameter(key) is not None
+    before = {name: t.clone() for name, t in base.state_dict().items()}
+    set_rows(multi, torch.tensor([2]))
+    with torch.no_grad():
+        multi(torch.tensor([[1, 2, 3]]))
+    after = base.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
