@@ -9,7 +9,7 @@ nothing: every error names the datum index and the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,12 +140,25 @@ def prepare(
         for datum_inputs in inputs:
             if name not in datum_inputs:
                 datum_inputs[name] = default(datum_inputs)
+    _check_carried_alike(inputs, names=columns)
     return [
         PreparedDatum(index=index, tokens=tokens, tokens_T=tokens_T, inputs=inputs[index])
         for index, (tokens, tokens_T) in enumerate(
             zip(token_lists, tokens_N.split(lengths), strict=True)
         )
     ]
+
+
+def _check_carried_alike(inputs: list[dict[str, torch.Tensor]], *, names: Iterable[str]) -> None:
+    """An optional input without a default goes on every datum of a call or on none: a loss
+    reads it for all positions at once, so a datum without it has no value to use."""
+    for name in names:
+        lacking = [index for index, datum_inputs in enumerate(inputs) if name not in datum_inputs]
+        if lacking:
+            raise ValueError(
+                f"datum {lacking[0]}: loss_fn_inputs lacks {name!r}, which other datums of this "
+                "call carry; give it to every datum of the call or to none"
+            )
 
 
 def _converted_column(

@@ -42,7 +42,7 @@ def _batch(seed: int = 0, count: int = 6):
     return data
 
 
-def _rl_datum(tokens, *, seed):
+def _rl_datum(tokens, *, seed, **extra):
     generator = torch.Generator().manual_seed(seed)
     n = len(tokens) - 1
     return Datum(
@@ -51,6 +51,7 @@ def _rl_datum(tokens, *, seed):
             "target_tokens": tokens[1:],
             "logprobs": (-torch.rand(n, generator=generator) * 3).tolist(),
             "advantages": torch.randn(n, generator=generator).tolist(),
+            **extra,
         },
     )
 
@@ -244,6 +245,15 @@ def test_lora_trains_only_adapters():
         ),
         (lambda: [_datum([1, 99, 3])], "cross_entropy", r"datum 0: model_input: token 99"),
         (lambda: [], "cross_entropy", "data is empty"),
+        (
+            lambda: [
+                _rl_datum([1, 2, 3], seed=0),
+                _rl_datum([1, 2, 3], seed=1, clip_low_threshold=[0.5, 0.5]),
+            ],
+            "ppo",
+            r"datum 0: loss_fn_inputs lacks 'clip_low_threshold', which other datums of this "
+            r"call carry",
+        ),
     ],
     ids=[
         "lengths",
@@ -253,6 +263,7 @@ def test_lora_trains_only_adapters():
         "target-vocab",
         "input-vocab",
         "empty",
+        "optional-on-some",
     ],
 )
 def test_bad_calls_name_the_datum_and_field_and_change_nothing(make_data, loss_fn, message):
