@@ -19,12 +19,15 @@ rest queue behind it. So a client's samples are held, then started back to back:
 
 A burst is a client's samples that arrive less than `max_hold_s` apart; its size counts all of
 them, however many starts it took, so a burst split by a slow moment still teaches the whole
-size.
+size. A start runs inside the client's `batch()` block where it has one (the in-process
+`SamplingClient`), so the requests started together reach the engine as one batch whatever
+the worker thread is doing, and their logprobs round the same way every time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -45,6 +48,8 @@ class _Burst:
     held_since: float = 0.0
     """Arrival of the oldest held request."""
     timer: asyncio.TimerHandle | None = None
+    batch: Callable[[], contextlib.AbstractContextManager] | None = None
+    """The client's `batch` while requests are held (it holds the client, as they do)."""
     recorded: bool = False
     """In its lineage's history (from its first start on)."""
 
@@ -80,6 +85,7 @@ class SampleCoalescer:
             self._start_held(burst)  # a full wave: this request opens the next one
         if not burst.held:
             burst.held_since = now
+            burst.batch = getattr(client, "batch", None)
         burst.held.append(start)
         burst.num_held_sequences += num_sequences
         burst.num_requests += 1
@@ -126,5 +132,7 @@ class SampleCoalescer:
             burst.recorded = True
             self._history.setdefault(burst.lineage, deque(maxlen=HISTORY)).append(burst)
         starts, burst.held, burst.num_held_sequences = burst.held, [], 0
-        for start in starts:
-            start()
+        batch, burst.batch = burst.batch, None
+        with batch() if batch is not None else contextlib.nullcontext():
+            for start in starts:
+                start()

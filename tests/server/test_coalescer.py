@@ -123,3 +123,51 @@ def test_compute_threads_below_one_is_rejected(tmp_path):
 def test_window_longer_than_the_hold_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="sample_window_s"):
         TemperServer.Config(model=str(tmp_path), sample_window_s=0.1, sample_max_hold_s=0.05)
+
+
+class BatchingClient(Client):
+    """A client with `batch()`, like the in-process SamplingClient: records which starts ran
+    inside one block."""
+
+    def __init__(self) -> None:
+        self.blocks: list[list[str]] = []
+        self.open: list[str] | None = None
+
+    def batch(self):
+        client = self
+
+        class Block:
+            def __enter__(self):
+                client.open = []
+
+            def __exit__(self, *exc):
+                client.blocks.append(client.open)
+                client.open = None
+
+        return Block()
+
+
+def test_a_start_runs_inside_the_clients_batch_block():
+    client = BatchingClient()
+    coalescer = SampleCoalescer(0.01, max_hold_s=1.0)
+    names = []
+
+    async def main() -> None:
+        started = asyncio.Event()
+
+        def start(name: str):
+            def run() -> None:
+                assert client.open is not None, "started outside the client's batch block"
+                client.open.append(name)
+                names.append(name)
+                if len(names) == 3:
+                    started.set()
+
+            return run
+
+        for name in "abc":
+            coalescer.add(client, start(name), lineage="policy")
+        await asyncio.wait_for(started.wait(), timeout=30)
+
+    asyncio.run(main())
+    assert client.blocks == [["a", "b", "c"]]
