@@ -19,9 +19,9 @@ def serve(argv: Sequence[str]) -> int:
     """Serve a model over the Tinker HTTP API (tinker SDK and tinker-cookbook compatible)."""
     try:
         import tyro
-        import uvicorn
+        import uvicorn  # noqa: F401  (the server extra: missing -> the install hint below)
 
-        from temper.server import TemperServer, create_app
+        from temper.server import TemperServer
         from temper.server.request_log import configure_logging
         from temper.server.security import check_bind
     except ImportError as error:
@@ -73,16 +73,5 @@ def serve(argv: Sequence[str]) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"temper serve: error: {error}", file=sys.stderr)
         return 2
-    print(
-        f"temper serve: {server.served_names()} on http://{config.host}:{config.port} "
-        f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root})",
-        flush=True,
-    )
-    uvicorn.run(
-        create_app(server),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=False,  # the request log (temper.server.requests) has every request
-    )
+    serve_ranks.http_server(server).run()
     return 0

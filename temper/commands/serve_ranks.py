@@ -153,20 +153,21 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
         launch.shutdown()
 
 
-def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) -> None:
-    """Rank 0: the HTTP server, until SIGINT/SIGTERM (or stdin closes, if asked)."""
+def http_server(server: TemperServer, *, detail: str = "") -> Any:
+    """The uvicorn server of `server`'s app (a `uvicorn.Server`), after printing where it
+    listens; one process or rank 0 of several."""
     import uvicorn
 
     from temper.server import create_app
 
     config = server.config
+    extra = f", {detail}" if detail else ""
     print(
         f"temper serve: {server.served_names()} on http://{config.host}:{config.port} "
-        f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root}, "
-        f"{ranks.world_size} ranks)",
+        f"(fine-tuning: {config.fine_tuning}, storage: {server.catalog.storage.root}{extra})",
         flush=True,
     )
-    uvicorn_server = uvicorn.Server(
+    return uvicorn.Server(
         uvicorn.Config(
             create_app(server),
             host=config.host,
@@ -175,6 +176,11 @@ def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) 
             access_log=False,  # the request log (temper.server.requests) has every request
         )
     )
+
+
+def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) -> None:
+    """Rank 0: the HTTP server, until SIGINT/SIGTERM (or stdin closes, if asked)."""
+    uvicorn_server = http_server(server, detail=f"{ranks.world_size} ranks")
     if stop_on_stdin_eof:
         threading.Thread(target=_stop_on_eof, args=(uvicorn_server,), daemon=True).start()
     # uvicorn re-raises the signal that stopped it once it has shut down; with the default
