@@ -23,7 +23,7 @@ from temper.api.futures import APIFuture, Worker
 from temper.api.prompt_targets import PromptTargets
 from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from temper.client.weight_sync import Snapshot
-from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import Generator
 from temper.sampler.requests import SampleRequest
 from temper.tokenizer import Tokenizer
 
@@ -35,8 +35,9 @@ class SamplingClient:
         self._worker = worker
 
     @property
-    def engine(self) -> SamplerEngine:
-        """The engine that serves this client's version now (copy-on-write may replace it)."""
+    def engine(self) -> Generator:
+        """The generator that serves this client's version now (copy-on-write may replace
+        it)."""
         return self._snapshot.engine
 
     def sample(
@@ -75,6 +76,7 @@ class SamplingClient:
             topk_sample_logprobs=topk_sample_logprobs,
             target_prompt_logprobs=targets,
         )
+        self._snapshot.submitted(request)
         # Concurrent samples (e.g. one per prompt of an RL batch) decode together.
         return self._worker.submit_batched(self, request, self._generate)
 
@@ -91,6 +93,7 @@ class SamplingClient:
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
         tokens = prompt.to_ints()
+        self._snapshot.check_usable()
         if not tokens:
             raise ValueError("compute_logprobs: prompt is empty; it needs at least one token")
         # One token needs no forward pass, so the engine never sees it: check it here.
@@ -118,7 +121,7 @@ class SamplingClient:
         return self.compute_logprobs(*args, **kwargs)
 
     def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        with self._snapshot.reading() as engine:
+        with self._snapshot.reading(requests=requests) as engine:
             return engine.generate(requests)
 
     def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:

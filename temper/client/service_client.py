@@ -2,7 +2,8 @@
 
 `base_model` is a HF model directory, or a named size with random weights and a built-in
 vocabulary. Training clients get their run id, their run.json under the checkpoint storage and
-a trainer built from `trainer`; their sampling clients use `sampler` (see training_client.py).
+a trainer built from `trainer`; their sampling clients use a generator of the backend
+`generator` chooses (Temper's engine, set up by `sampler`, or vLLM; see training_client.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import Generator, GeneratorChoice
+from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 
 DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
@@ -49,6 +52,7 @@ class ServiceClient:
         dtype: str = "float32",
         trainer: TrainerEngine.Config | None = None,
         sampler: SamplerEngine.Config | None = None,
+        generator: GeneratorChoice.Config | None = None,
     ) -> None:
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -60,6 +64,7 @@ class ServiceClient:
         self.dtype = dtype
         self.trainer_config = trainer or TrainerEngine.Config()
         self.sampler_config = sampler or SamplerEngine.Config()
+        self.generator_choice = GeneratorChoice(generator or GeneratorChoice.Config())
         # LoRA training clients on one base model share its frozen weights (shared_base.py).
         self.shared_bases = SharedBases()
 
@@ -124,11 +129,18 @@ class ServiceClient:
         else:
             base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
             weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
-        engine = self.sampler_config.build(model=weights.model, tokenizer=weights.tokenizer)
+        engine = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
         return SamplingClient(
             snapshot=Snapshot(engine=engine, version=engine.version),
             worker=Worker("temper-sampler"),
             tokenizer=weights.tokenizer,
+        )
+
+    def new_generator(self, *, model: torch.nn.Module, tokenizer: Tokenizer) -> Generator:
+        """A generator of the chosen backend (`generator`) on `model`'s weights; Temper's
+        engine is set up by `sampler`."""
+        return self.generator_choice.generator(
+            engine=self.sampler_config, model=model, tokenizer=tokenizer
         )
 
     async def create_lora_training_client_async(self, *args: Any, **kwargs: Any) -> TrainingClient:

@@ -19,6 +19,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from torch import nn
+
 from temper.api.futures import APIFuture, Worker
 from temper.api.types import (
     AdamParams,
@@ -34,7 +36,7 @@ from temper.client.sampler_weights import save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import WeightSync
-from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import Generator
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 
@@ -43,7 +45,8 @@ class Service(Protocol):
     """What a training client uses of the ServiceClient that made it (service_client.py)."""
 
     storage: CheckpointStorage
-    sampler_config: SamplerEngine.Config
+
+    def new_generator(self, *, model: nn.Module, tokenizer: Tokenizer) -> Generator: ...
 
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None
@@ -95,7 +98,7 @@ class TrainingClient:
         self._sampler_worker = Worker(f"temper-{run_id}-sampler")
         self._sampler_worker.submit(lambda: None).result()
         self._weight_sync = WeightSync(
-            trainer=engine, sampler_config=service.sampler_config, tokenizer=tokenizer
+            trainer=engine, new_generator=service.new_generator, tokenizer=tokenizer
         )
 
     @property

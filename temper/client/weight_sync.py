@@ -1,16 +1,21 @@
 """WeightSync: one object owns a trainer's weight versions, the lock on them and its snapshots.
 
 A sampling client made by a training client is a `Snapshot` of one version of the trainer's
-weights for as long as it lives. With full fine-tuning the trainer's sampler reads the
-trainer's own parameters (no copy); with LoRA the adapters are merged into the sampler's own
-copy in memory (so is a sharded trainer's gathered weights, or another dtype's).
+weights for as long as it lives. With full fine-tuning Temper's engine reads the trainer's own
+parameters (no copy); with LoRA the adapters are merged into the generator's own copy in
+memory (so is a sharded trainer's gathered weights, or another dtype's, or any vLLM engine's).
 
 Copy-on-write keeps older snapshots valid. The lock keeps the trainer from changing weights
-while a sampler reads them, and just before the weights change the snapshot of the current
-weights, if one is still alive, gets them for itself: when the sampler reads the trainer's own
-tensors, one private copy made before optim_step / load_state; when it has its own copy, that
-copy, while the next snapshot builds a new one. A loop that drops its sampling client before
-the next optimizer step never copies.
+while a generator reads them, and just before the weights change the snapshot of the current
+weights, if one is still alive, gets them for itself: when the generator reads the trainer's
+own tensors, one private copy made before optim_step / load_state; when it has its own copy,
+that copy, while the next snapshot builds a new one. A loop that drops its sampling client
+before the next optimizer step never copies.
+
+A generator that holds one version only (vLLM: a second copy would be a second engine) is
+updated in place instead: the next snapshot waits until the requests already submitted on the
+old one have run, then retires it, and a request made later on a retired snapshot is a
+ValueError that says so (never a silent sample from newer weights).
 
 This module knows nothing of clients: SamplingClient reads through its Snapshot, and
 TrainingClient wraps its weight changes in `changing()` and asks `snapshot()` for new clients.
@@ -21,73 +26,105 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+
+from torch import nn
 
 from temper.client.sampler_weights import sampler_model, sampler_update
 from temper.models.build import materialize
-from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import Generator
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
+
+NewGenerator = Callable[..., Generator]
+"""Builds a generator: `new_generator(model=..., tokenizer=...)` (the service's backend)."""
 
 
 class Snapshot:
     """One policy version as its sampling clients see it; every client taken of one version
     of a trainer's weights shares it.
 
-    While it is the trainer's current snapshot its engine is the trainer's sampler (perhaps
-    on the trainer's own tensors), read under the WeightSync's lock; before that sampler or
-    those tensors change, the WeightSync gives it an engine of its own (`keep`). A snapshot
-    without a WeightSync (a client made from a checkpoint or a base model) owns its engine.
+    While it is the trainer's current snapshot its engine is the trainer's generator (perhaps
+    on the trainer's own tensors), read under the WeightSync's lock; before that generator or
+    those tensors change, the WeightSync gives it an engine of its own (`keep`), or, for a
+    generator that holds one version, retires it (`retire`). A snapshot without a WeightSync
+    (a client made from a checkpoint or a base model) owns its engine.
     """
 
-    def __init__(
-        self, *, engine: SamplerEngine, version: int, sync: WeightSync | None = None
-    ) -> None:
+    def __init__(self, *, engine: Generator, version: int, sync: WeightSync | None = None) -> None:
         self.version = version
         self._engine = engine
         self._sync = sync  # None once the engine is this snapshot's own
+        self._retired: str | None = None  # why requests on it are refused
+        self.pending: set[int] = set()
+        """Ids of the requests submitted and not yet run (under the WeightSync's lock)."""
 
     @property
-    def engine(self) -> SamplerEngine:
+    def engine(self) -> Generator:
         return self._engine
 
+    def check_usable(self) -> None:
+        """A ValueError if this version was retired (see the module docstring)."""
+        if self._retired is not None:
+            raise ValueError(self._retired)
+
+    def submitted(self, request: object) -> None:
+        """`request` will read this snapshot (the WeightSync lets submitted requests run
+        before it retires a snapshot)."""
+        self.check_usable()
+        if self._sync is not None:
+            self._sync.count_pending(self, add=[request])
+
     @contextlib.contextmanager
-    def reading(self) -> Iterator[SamplerEngine]:
-        """The engine to use; weights shared with a trainer are held against changes."""
+    def reading(self, *, requests: Sequence[object] = ()) -> Iterator[Generator]:
+        """The engine to use; weights shared with a trainer are held against changes.
+        `requests`: the submitted requests this read runs (no longer pending after it)."""
         sync = self._sync
         if sync is None:  # an engine of its own never becomes shared again
             yield self._engine
             return
         with sync.holding():
-            yield self._engine  # read under the lock: `keep` may have swapped it meanwhile
+            try:
+                self.check_usable()
+                yield self._engine  # read under the lock: `keep` may have swapped it meanwhile
+            finally:
+                sync.count_pending(self, remove=requests, locked=True)
 
-    def keep(self, engine: SamplerEngine) -> None:
+    def keep(self, engine: Generator) -> None:
         """Serve this version from `engine`, which no change of the trainer's weights
         touches, from now on (the WeightSync calls it under its lock, before the change)."""
         self._engine, self._sync = engine, None
 
+    def retire(self, *, newer: int) -> None:
+        """Refuse requests from now on: the generator moved to version `newer`."""
+        self._retired = (
+            f"this sampling client samples policy version {self.version}, which its generator "
+            f"no longer holds: a {type(self._engine).__name__} keeps one version per training "
+            f"model and now holds version {newer}; take a new sampling client "
+            "(save_weights_and_get_sampling_client) for the new weights"
+        )
+
 
 class WeightSync:
-    """The weight versions of one trainer, the lock on them, its sampler and its live snapshot.
+    """The weight versions of one trainer, the lock on them, its generator and its live
+    snapshot.
 
-    Every call but `holding()` runs on the training client's worker, so calls that change the
-    weights and calls that take snapshots come in order.
+    Every call but `holding()` and the request counts runs on the training client's worker,
+    so calls that change the weights and calls that take snapshots come in order.
     """
 
     def __init__(
-        self,
-        *,
-        trainer: TrainerEngine,
-        sampler_config: SamplerEngine.Config,
-        tokenizer: Tokenizer,
+        self, *, trainer: TrainerEngine, new_generator: NewGenerator, tokenizer: Tokenizer
     ) -> None:
         self._trainer = trainer
-        self._sampler_config = sampler_config
+        self._new_generator = new_generator
         self._tokenizer = tokenizer
-        # Held while the trainer changes weights and while a sampler reads shared weights.
+        # Held while the trainer changes weights and while a generator reads shared weights;
+        # `_idle` waits on it for the requests pending on a snapshot about to be retired.
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._generation = 0  # bumped by every change of the trainer's weights
-        self._sampler: SamplerEngine | None = None  # built by the first snapshot
+        self._sampler: Generator | None = None  # built by the first snapshot
         self._synced_generation = -1  # the generation self._sampler holds
         # The snapshot that reads self._sampler; weak, so a snapshot nobody holds costs nothing.
         self._current: weakref.ref[Snapshot] | None = None
@@ -100,16 +137,32 @@ class WeightSync:
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
-        """No change of the trainer's weights while inside (a sampler reads them)."""
+        """No change of the trainer's weights while inside (a generator reads them)."""
         with self._lock:
             yield
+
+    def count_pending(
+        self,
+        snapshot: Snapshot,
+        *,
+        add: Sequence[object] = (),
+        remove: Sequence[object] = (),
+        locked: bool = False,
+    ) -> None:
+        """Track the requests submitted on `snapshot` and not yet run (by identity: a batch
+        that fails runs again request by request)."""
+        with contextlib.nullcontext() if locked else self._lock:
+            snapshot.pending.update(id(request) for request in add)
+            snapshot.pending.difference_update(id(request) for request in remove)
+            if remove and not snapshot.pending:
+                self._idle.notify_all()
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[None]:
         """Around every change of the trainer's weights (optim_step, load_state)."""
         with self._lock:
             if self._sampler is not None and self._sampler.model is self._trainer.model:
-                # The sampler reads these very tensors: a live snapshot copies them first.
+                # The generator reads these very tensors: a live snapshot copies them first.
                 self._detach(self._private_copy)
             try:
                 yield
@@ -117,7 +170,7 @@ class WeightSync:
                 self._generation += 1
 
     def snapshot(self) -> Snapshot:
-        """The trainer's current weights, brought into its sampler if they changed."""
+        """The trainer's current weights, brought into its generator if they changed."""
         with self._lock:
             current = None if self._current is None else self._current()
             if current is not None and self._synced_generation == self._generation:
@@ -130,18 +183,20 @@ class WeightSync:
             return current
 
     def _sync_sampler(self) -> None:
-        """Build or update the trainer's sampler to the current weights (under the lock)."""
+        """Build or update the trainer's generator to the current weights (under the lock)."""
         trainer = self._trainer
         if self._sampler is not None and self._synced_generation == self._generation:
             return
-        if self._sampler is not None and self._sampler.model is not trainer.model:
-            # The update below rewrites the sampler's own copy (LoRA merge, gathered shards,
-            # another dtype): a live snapshot keeps the old copy.
+        if self._sampler is not None and self._sampler.holds_one_version:
+            self._retire_current()
+        elif self._sampler is not None and self._sampler.model is not trainer.model:
+            # The update below rewrites the generator's own copy (LoRA merge, gathered
+            # shards, another dtype): a live snapshot keeps the old copy.
             old_sampler = self._sampler
             if self._detach(lambda: old_sampler):
                 self._sampler = None
         if self._sampler is None:
-            self._sampler = self._sampler_config.build(
+            self._sampler = self._new_generator(
                 model=sampler_model(trainer.model, lora=trainer.lora), tokenizer=self._tokenizer
             )
         self._sampler.update_weights(
@@ -149,8 +204,18 @@ class WeightSync:
         )
         self._synced_generation = self._generation
 
-    def _detach(self, make_engine: Callable[[], SamplerEngine]) -> bool:
-        """Give the live snapshot that reads the trainer's sampler an engine of its own
+    def _retire_current(self) -> None:
+        """Let the requests submitted on the live snapshot run, then retire it (under the
+        lock, which the wait gives up meanwhile)."""
+        current = None if self._current is None else self._current()
+        self._current = None
+        if current is None:
+            return
+        self._idle.wait_for(lambda: not current.pending)
+        current.retire(newer=self._trainer.policy_version)
+
+    def _detach(self, make_engine: Callable[[], Generator]) -> bool:
+        """Give the live snapshot that reads the trainer's generator an engine of its own
         (`make_engine()`, called only if there is one); returns whether there was."""
         current = None if self._current is None else self._current()
         self._current = None
@@ -160,13 +225,13 @@ class WeightSync:
         self._num_snapshots += 1
         return True
 
-    def _private_copy(self) -> SamplerEngine:
-        """A sampler on a private copy of the trainer's current (plain, unsharded) weights."""
-        model = self._trainer.model
+    def _private_copy(self) -> Generator:
+        """A generator on a private copy of the trainer's current (plain, unsharded) weights."""
+        model: nn.Module = self._trainer.model
         parameter = next(model.parameters())
         copy = materialize(
             model.config, device=parameter.device, dtype=parameter.dtype, init="empty"
         )
-        engine = self._sampler_config.build(model=copy, tokenizer=self._tokenizer)
+        engine = self._new_generator(model=copy, tokenizer=self._tokenizer)
         engine.update_weights(model.state_dict(), version=self._trainer.policy_version)
         return engine

@@ -101,6 +101,7 @@ def check_one_model(config: TemperServer.Config) -> None:
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this)."""
     from temper.client.service_client import ServiceClient
+    from temper.job import check_generator_ranks
     from temper.server.replicated import ReplicatedService, follow, replay_ranks
     from temper.server.request_log import configure_logging
     from temper.server.security import check_bind
@@ -118,6 +119,9 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
         try:
             check_bind(config.host, config.api_key)
             check_one_model(config)
+            check_generator_ranks(
+                config.generator, ranks=ranks, field="TemperServer.Config.generator"
+            )
             service = ServiceClient(
                 storage_dir=config.storage,
                 device=str(rank.device) if on_cuda else config.device,

@@ -3,8 +3,8 @@
 A job's config holds it as `model: ModelChoice.Config` (flags `--model.base_model`,
 `--model.lora_rank`, ...), and the job asks it for the in-process `ServiceClient` and the
 training client, new or restored from a full-state checkpoint. The engines behind the clients
-(`sampler`, `trainer`) stay in the job's config: their defaults differ per job, and the RL job
-adapts them to the number of ranks.
+(`sampler`, `generator`, `trainer`) stay in the job's config: their defaults differ per job,
+and the RL job adapts them to the number of ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from temper.checkpoint.model_source import DType
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
+from temper.distributed.ranks import Ranks
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import GeneratorChoice
 from temper.trainer.engine import TrainerEngine
 
 
@@ -50,6 +52,7 @@ class ModelChoice(Configurable):
         storage_dir: Path,
         sampler: SamplerEngine.Config,
         trainer: TrainerEngine.Config,
+        generator: GeneratorChoice.Config | None = None,
     ) -> ServiceClient:
         """The in-process service on this model's device and dtype, storing under
         `storage_dir`, with the job's engine configs."""
@@ -60,6 +63,7 @@ class ModelChoice(Configurable):
             dtype=config.dtype,
             sampler=sampler,
             trainer=trainer,
+            generator=generator,
         )
 
     def training_client(
@@ -77,4 +81,14 @@ class ModelChoice(Configurable):
             config.base_model,
             rank=config.lora_rank,
             seed=job_seed if config.lora_seed is None else config.lora_seed,
+        )
+
+
+def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:
+    """The vLLM backend runs in one process for now: a job on several ranks would start one
+    vLLM engine per rank inside an initialized process group, which vLLM does not support."""
+    if generator.backend == "vllm" and ranks.world_size > 1:
+        raise ValueError(
+            f"{field}.backend='vllm' needs a job on one process, but this one runs on "
+            f"{ranks.world_size} ranks; use backend 'temper' with --nproc, or drop --nproc"
         )

@@ -23,6 +23,7 @@ from temper.rl.kl import KLEstimator
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import GeneratorChoice
 from temper.tasks import SumDigits, TaskConfig
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
@@ -96,8 +97,12 @@ class RLJobConfig(Configurable.Config):
             max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1, processes="auto")
         )
     )
-    """The sampling engine behind the sampling clients. On CPU each rollout batch is split
-    over one process per core (`cpu.processes`), each decoding on one thread."""
+    """Temper's sampling engine behind the sampling clients (generator backend 'temper').
+    On CPU each rollout batch is split over one process per core (`cpu.processes`), each
+    decoding on one thread."""
+    generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
+    """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
+    `generator.vllm`)."""
     metrics: MetricsLogger.Config = field(
         default_factory=lambda: MetricsLogger.Config(
             progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"), table_every=100

@@ -39,7 +39,7 @@ from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.job import ModelChoice, RunCheckpoints, state_to_resume
+from temper.job import ModelChoice, RunCheckpoints, check_generator_ranks, state_to_resume
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
@@ -363,11 +363,15 @@ def _service_client(
     """The service with the config's engines; on several ranks the trainer is sharded over
     them and neither engine spreads over the cores (the ranks already use them)."""
     trainer, sampler = config.trainer, config.sampler
+    check_generator_ranks(config.generator, ranks=ranks, field="RLJob.Config.generator")
     if ranks.world_size > 1:
         trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
         sampler = dataclasses.replace(sampler, cpu=dataclasses.replace(sampler.cpu, processes=1))
     return model.service_client(
-        storage_dir=run_dir / "checkpoints", sampler=sampler, trainer=trainer
+        storage_dir=run_dir / "checkpoints",
+        sampler=sampler,
+        trainer=trainer,
+        generator=config.generator,
     )
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,11 +46,13 @@ from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
 from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
-from temper.sampler.weight_source import WeightSource
+from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
 class SamplerEngine(Configurable, Admission, OnePromptSampling):
+    holds_one_version = False  # a private copy keeps an old version (client/weight_sync.py)
+
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         max_batch: int = 64
@@ -156,9 +158,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             f"positions, {str(self.dtype).removeprefix('torch.')}"
         )
 
-    def update_weights(
-        self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int
-    ) -> None:
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Sample from new weights from now on; the cache is kept, and a module of matching
         dtype and device is used in place, without a copy.
 
@@ -168,6 +168,16 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self.weights.update(source, version=version)
         if self._static_decoder is not None and self._static_decoder.model is not self.model:
             self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
+
+    def sleep(self) -> None:
+        """Release the KV cache until `wake_up` (the weights stay: they may be the trainer's)."""
+        self.cache.release()
+        self._static_decoder = None  # CUDA graphs hold the cache's pointers
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (zeros, as when built)."""
+        self.cache.reacquire()
+        self._static_decoder = self._build_static_decoder()
 
     def close(self) -> None:
         """Stop the decode threads (the engine stays usable: they start again if needed)."""
@@ -186,6 +196,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Run requests to completion with continuous batching; responses in request order.
         On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
+        if not self.cache.allocated:
+            raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
         waiting = deque(states)
         decoder = self.decoding.decoder(self.weights)
         try:

@@ -67,10 +67,27 @@ def zeros(dims: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> t
 
 class KVCache:
     def __init__(self, shape: KVCacheShape, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
         self.k_LSKCH = zeros(shape.dims, dtype=dtype, device=device)
         self.v_LSKCH = zeros(shape.dims, dtype=dtype, device=device)
         self.num_slots = shape.num_slots
         self.max_seq_len = shape.max_seq_len
+
+    @property
+    def allocated(self) -> bool:
+        return self.k_LSKCH.numel() > 0
+
+    def release(self) -> None:
+        """Free the memory (a generator's sleep); `reacquire` allocates it again."""
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.k_LSKCH, self.v_LSKCH = empty, empty.clone()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def reacquire(self) -> None:
+        if not self.allocated:
+            self.k_LSKCH = zeros(self.shape.dims, dtype=self.dtype, device=self.device)
+            self.v_LSKCH = zeros(self.shape.dims, dtype=self.dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:

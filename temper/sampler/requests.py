@@ -88,7 +88,7 @@ class RequestState:
         self.request = request
         self.index = index
         self.params = request.params
-        _validate(request, index=index, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        validate(request, index=index, vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.prompt = [int(token) for token in request.prompt]
         room = max_seq_len - len(self.prompt)
         self.max_new_tokens = min(self.params.max_tokens or room, room)
@@ -125,7 +125,8 @@ class RequestState:
         )
 
 
-def _validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_len: int) -> None:
+def validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_len: int) -> None:
+    """A ValueError naming request `index` and the parameter if it cannot run."""
     where = f"request {index}"
     if not isinstance(request.params, SamplingParams):
         raise TypeError(f"{where}: params must be SamplingParams, got {type(request.params)}")

@@ -27,7 +27,7 @@ def score_sequences(
     """Logprob of tokens[1:] of each sequence given the ones before it (fp32 tensors)."""
     vocab_size, device = model.config.vocab_size, next(model.parameters()).device
     for index, sequence in enumerate(sequences):
-        _check_tokens(
+        check_tokens(
             sequence,
             where=f"sequence {index}",
             vocab_size=vocab_size,
@@ -47,7 +47,7 @@ def score_sequences(
     return results
 
 
-def _check_tokens(
+def check_tokens(
     tokens: Sequence[int], *, where: str, vocab_size: int, max_seq_len: int, min_len: int = 2
 ) -> None:
     if len(tokens) < min_len:

@@ -15,12 +15,16 @@ sample.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from temper.models.build import materialize
+
+WeightUpdate = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""New weights for a generator's `update_weights`: a module, a state dict, or a stream of
+(name, tensor) pairs in Temper's parameter names (a stream is checked as it passes)."""
 
 
 class WeightSource:
@@ -34,14 +38,14 @@ class WeightSource:
         parameter = next(model.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
 
-    def update(self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int) -> None:
+    def update(self, source: WeightUpdate, *, version: int) -> None:
         try:
             self._update(source)
         finally:  # even a failed update may have written some tensors
             self.generation += 1
         self.version = version
 
-    def _update(self, source: nn.Module | Mapping[str, torch.Tensor]) -> None:
+    def _update(self, source: WeightUpdate) -> None:
         if isinstance(source, nn.Module):
             self._check_compatible(source)
             parameter = next(source.parameters())
@@ -51,9 +55,12 @@ class WeightSource:
                 self._private_model().load_state_dict(source.state_dict())
         elif isinstance(source, Mapping):
             self._load_state_dict(source)
+        elif isinstance(source, Iterable) and not isinstance(source, str | bytes):
+            self._load_stream(iter(source))
         else:
             raise TypeError(
-                f"update_weights takes an nn.Module or a state dict, got {type(source).__name__}"
+                "update_weights takes an nn.Module, a state dict or (name, tensor) pairs, got "
+                f"{type(source).__name__}"
             )
 
     def _private_model(self) -> nn.Module:
@@ -82,6 +89,34 @@ class WeightSource:
         with torch.no_grad():
             for name, value in state_dict.items():
                 expected[name].copy_(value)
+
+    @torch.no_grad()
+    def _load_stream(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each tensor as it arrives (no whole dict); every parameter must come once."""
+        expected = self._private_model().state_dict()
+        seen: set[str] = set()
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise TypeError(
+                    "update_weights takes an nn.Module, a state dict or (name, tensor) pairs; "
+                    f"the stream held a {type(pair).__name__}"
+                )
+            name, value = pair
+            target = expected.get(name)
+            if target is None:
+                raise ValueError(f"update_weights: {name!r} is not a parameter of the model")
+            if name in seen:
+                raise ValueError(f"update_weights: {name!r} arrived twice in the stream")
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"update_weights: tensor {name!r} has shape {tuple(value.shape)}, the model "
+                    f"expects {tuple(target.shape)}"
+                )
+            target.copy_(value)
+            seen.add(name)
+        missing = sorted(expected.keys() - seen)
+        if missing:
+            raise ValueError(f"update_weights: the stream ended without {missing}")
 
     def _check_compatible(self, source: nn.Module) -> None:
         ours, theirs = self.model.config, getattr(source, "config", None)

@@ -26,6 +26,7 @@ from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import GeneratorChoice
 from temper.server import request_log
 from temper.server.base_models import (
     BaseModel,
@@ -153,6 +154,10 @@ class TemperServer(Configurable):
         """Sequences sampled with record_stability_info, for stable_reinforce."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
+        """Temper's sampling engine (generator backend 'temper')."""
+        generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
+        """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
+        `generator.vllm`; one process only, not with --nproc)."""
 
         def __post_init__(self) -> None:
             if isinstance(self.model, str):  # Config(model="dir"), as before several models
@@ -230,6 +235,7 @@ class TemperServer(Configurable):
                 dtype=config.dtype,
                 trainer=config.trainer,
                 sampler=config.sampler,
+                generator=config.generator,
             )
         self.backend = backend
         self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)

@@ -37,6 +37,7 @@ from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
 from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.generator import GeneratorChoice
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
@@ -126,7 +127,11 @@ class SFTJob(Configurable):
                 max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1)
             )
         )
-        """The engine behind the sampling clients (greedy held-out replies)."""
+        """Temper's engine behind the sampling clients (greedy held-out replies; generator
+        backend 'temper')."""
+        generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
+        """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
+        `generator.vllm`)."""
         trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
         """The engine behind the training client (micro-batch budget, CPU thread shards)."""
         seed: int = 0
@@ -176,7 +181,10 @@ class SFTJob(Configurable):
         dataset = config.conversations.build() if config.source == "conversations" else None
         model = config.model.build()
         service = model.service_client(
-            storage_dir=run_dir / "checkpoints", sampler=config.sampler, trainer=config.trainer
+            storage_dir=run_dir / "checkpoints",
+            sampler=config.sampler,
+            trainer=config.trainer,
+            generator=config.generator,
         )
         training = model.training_client(
             service,

@@ -25,7 +25,7 @@ def _sync(*, lora: bool) -> tuple[WeightSync, TrainerEngine]:
         model=base.model, lora=LoraConfig(rank=4, seed=1) if lora else None
     )
     sync = WeightSync(
-        trainer=trainer, sampler_config=SamplerEngine.Config(), tokenizer=base.tokenizer
+        trainer=trainer, new_generator=SamplerEngine.Config().build, tokenizer=base.tokenizer
     )
     return sync, trainer
 

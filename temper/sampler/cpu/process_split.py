@@ -15,7 +15,7 @@ needs of one in `LocalEngine`.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ from torch import nn
 from temper.api.types import SampleResponse
 from temper.sampler.cpu.helper_processes import EngineConfig, HelperProcesses
 from temper.sampler.requests import OnePromptSampling, SampleRequest
-from temper.sampler.weight_source import WeightSource
+from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
@@ -46,9 +46,11 @@ class LocalEngine(Protocol):
 
     def describe(self) -> str: ...
 
-    def update_weights(
-        self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int
-    ) -> None: ...
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
     def seeded(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]: ...
 
@@ -66,6 +68,8 @@ class LocalEngine(Protocol):
 class ProcessSplitSampler(OnePromptSampling):
     """`engine`, with generate calls split over up to `processes` processes (its own and
     helpers started on first use)."""
+
+    holds_one_version = False
 
     def __init__(self, engine: LocalEngine, *, processes: int) -> None:
         assert processes >= 2 and engine.device.type == "cpu", "nothing to split"
@@ -113,11 +117,18 @@ class ProcessSplitSampler(OnePromptSampling):
             f"{self.helpers.max_helpers + 1} processes"
         )
 
-    def update_weights(
-        self, source: nn.Module | Mapping[str, torch.Tensor], *, version: int
-    ) -> None:
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """The engine's `update_weights`; the helpers follow on the next split call."""
         self.engine.update_weights(source, version=version)
+
+    def sleep(self) -> None:
+        """Stop the helpers (their memory goes with them) and release the engine's KV cache;
+        `wake_up` re-allocates it, and helpers start again on the next split call."""
+        self.helpers.close()
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0

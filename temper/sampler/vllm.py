@@ -1,0 +1,373 @@
+"""The vLLM generator backend: Temper's sampling semantics on a vLLM `LLM` (extra `vllm`).
+
+The engine is built from a HF directory that Temper writes from the model it is given (a
+temporary directory, removed on `close`), so a trainer's weights, a checkpoint and a named
+size all start the same way; new weights then arrive by name through vLLM's in-place
+`reload_weights`, without a restart.
+
+How Temper's semantics map onto vLLM's, exactly or not at all:
+- Each sample of a request is its own vLLM request, seeded with `sample_seed(request seed,
+  index)` as in Temper's engine, so sample i of a seeded request does not depend on
+  `num_samples` or on what shares the batch. The draws are vLLM's (its own random streams),
+  so seeded tokens are reproducible within this backend but not equal to Temper's engine.
+- Logprobs are vLLM's `processed_logprobs`: the distribution after temperature, top-k and
+  top-p, the one the token was drawn from; greedy tokens report the raw model logprob. Prompt
+  logprobs are raw (temperature 1), as in Temper.
+- Stop token ids, stop strings (the tokens completing one are returned), EOS and `stop=[]`
+  (never stop) map one to one; `max_tokens=None` runs to the context, as in Temper.
+- Not mapped, so refused with a ValueError: `target_prompt_logprobs`; temperatures in
+  (0, 1e-5), which vLLM would decode greedily; `score()` at a temperature other than 1.
+
+vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
+(`_refresh_output_layer` rebuilds it; tests/sampler/test_vllm.py fails without it). vLLM's
+CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
+original is put back after the engine is built, since the trainer in this process sets its
+own thread counts.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
+from temper.checkpoint.hf import save_pretrained
+from temper.config.configurable import Configurable
+from temper.models.build import dtype_name
+from temper.models.registry import family_of_model
+from temper.sampler.requests import OnePromptSampling, SampleRequest, sample_seed, validate
+from temper.sampler.sequence_scoring import check_tokens
+from temper.sampler.weight_source import WeightUpdate
+from temper.tokenizer import Tokenizer
+
+# vLLM decodes greedily below this temperature (vllm.sampling_params._SAMPLING_EPS).
+_VLLM_GREEDY_BELOW = 1e-5
+_INSTALL_HINT = "install it with `make vllm` (or pip install -e '.[vllm]'; see README.md)"
+
+
+class VllmGenerator(Configurable, OnePromptSampling):
+    holds_one_version = True
+    model = None  # vLLM holds its own copy of the weights
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+        """Weights and activations in vLLM; 'auto': the dtype of the model it is built on."""
+        tensor_parallel_size: int = 1
+        """GPUs one engine spans (vLLM's tensor parallelism; > 1 runs separate processes)."""
+        kv_cache_mib: int = 256
+        """KV-cache memory vLLM reserves, in MiB."""
+        max_model_len: int | None = None
+        """Longest prompt + completion; None: the model's max_seq_len."""
+        max_num_seqs: int = 256
+        """Sequences vLLM decodes at once."""
+        execution: Literal["eager", "compiled"] = "eager"
+        """'eager' starts in seconds; 'compiled' lets vLLM compile the model (and capture
+        CUDA graphs on a GPU): minutes to start, faster decoding."""
+        engine_process: Literal["inline", "separate"] = "inline"
+        """'inline': vLLM runs in this process and takes new weights as tensors; 'separate':
+        vLLM's own engine process, new weights pass through a safetensors file (forced when
+        tensor_parallel_size > 1)."""
+
+        def __post_init__(self) -> None:
+            for name in ("tensor_parallel_size", "kv_cache_mib", "max_num_seqs"):
+                if getattr(self, name) < 1:
+                    raise ValueError(
+                        f"VllmGenerator.Config.{name} must be >= 1, got {getattr(self, name)}"
+                    )
+            if self.max_model_len is not None and self.max_model_len < 2:
+                raise ValueError(
+                    f"VllmGenerator.Config.max_model_len must be >= 2 or None, got "
+                    f"{self.max_model_len}"
+                )
+
+    def __init__(
+        self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None
+    ) -> None:
+        vllm = _import_vllm()
+        self.config = config
+        model_config = model.config
+        self.vocab_size = model_config.vocab_size
+        self.max_seq_len = config.max_model_len or model_config.max_seq_len
+        if self.max_seq_len > model_config.max_seq_len:
+            raise ValueError(
+                f"VllmGenerator.Config.max_model_len={self.max_seq_len} exceeds the model's "
+                f"max_seq_len={model_config.max_seq_len}"
+            )
+        self.tokenizer = tokenizer
+        self._family = family_of_model(model)
+        self._tied = bool(getattr(model_config, "tie_embeddings", False))
+        self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+        self._version = 0
+        self._entropy = random.Random()
+        self._directory = tempfile.TemporaryDirectory(prefix="temper-vllm-")
+        model_dir = Path(self._directory.name) / "model"
+        save_pretrained(model, model_dir, tokenizer=tokenizer)
+        self._inline = config.engine_process == "inline" and config.tensor_parallel_size == 1
+        self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
+        # vLLM reads this when the engine starts: in one process, weights pass as tensors.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
+        set_num_threads = torch.set_num_threads
+        try:
+            self._llm = vllm.LLM(
+                model=str(model_dir),
+                skip_tokenizer_init=tokenizer is None,
+                dtype=self.dtype,
+                max_model_len=self.max_seq_len,
+                tensor_parallel_size=config.tensor_parallel_size,
+                kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
+                max_num_seqs=config.max_num_seqs,
+                enforce_eager=config.execution == "eager",
+                logprobs_mode="processed_logprobs",
+                max_logprobs=-1,
+                enable_prefix_caching=True,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads  # see the module docstring
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def describe(self) -> str:
+        mode = "in this process" if self._inline else "in its own processes"
+        return (
+            f"vLLM {_import_vllm().__version__} {mode} ({self.config.execution}), {self.dtype}, "
+            f"KV cache {self.config.kv_cache_mib} MiB, max_model_len {self.max_seq_len}"
+        )
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        for index, request in enumerate(requests):
+            self._check(request, index=index)
+        vllm = _import_vllm()
+        prompts, params = [], []
+        for request in requests:
+            base_seed = request.params.seed
+            if base_seed is None:
+                base_seed = self._entropy.getrandbits(63)
+            for sample_index in range(request.num_samples):
+                prompts.append(vllm.inputs.TokensPrompt(prompt_token_ids=list(request.prompt)))
+                params.append(
+                    self._params(
+                        request,
+                        seed=sample_seed(base_seed, sample_index) % 2**63,
+                        with_prompt=sample_index == 0,
+                    )
+                )
+        outputs = iter(self._llm.generate(prompts, params, use_tqdm=False))
+        return [self._response(request, outputs) for request in requests]
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Logprob of tokens[1:] of each sequence (vLLM's prompt logprobs, temperature 1)."""
+        if temperature != 1.0:
+            raise ValueError(
+                f"score: temperature={temperature} is not available from the vllm backend "
+                "(vLLM's prompt logprobs are at temperature 1); use backend 'temper'"
+            )
+        for index, sequence in enumerate(sequences):
+            check_tokens(
+                sequence,
+                where=f"sequence {index}",
+                vocab_size=self.vocab_size,
+                max_seq_len=self.max_seq_len,
+            )
+        vllm = _import_vllm()
+        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
+        params = vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
+        )
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        return [
+            torch.tensor(_actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
+            for out in outputs
+        ]
+
+    def _check(self, request: SampleRequest, *, index: int) -> None:
+        validate(request, index=index, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        where = f"request {index}"
+        if request.target_prompt_logprobs is not None:
+            raise ValueError(
+                f"{where}: target_prompt_logprobs is not available from the vllm backend; "
+                "use backend 'temper'"
+            )
+        temperature = request.params.temperature
+        if 0 < temperature < _VLLM_GREEDY_BELOW:
+            raise ValueError(
+                f"{where}: temperature={temperature} is in (0, {_VLLM_GREEDY_BELOW}), which "
+                "vLLM decodes greedily; use 0 for greedy or a larger temperature"
+            )
+        if request.params.stop_strings and self.tokenizer is None:
+            raise ValueError(
+                f"{where}: stop strings need a tokenizer; this vllm generator was built without one"
+            )
+
+    def _params(self, request: SampleRequest, *, seed: int, with_prompt: bool) -> Any:
+        sampling = request.params
+        room = self.max_seq_len - len(request.prompt)
+        wants_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        return _import_vllm().SamplingParams(
+            n=1,
+            max_tokens=min(sampling.max_tokens or room, room),
+            temperature=sampling.temperature,
+            top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
+            top_p=sampling.top_p,
+            seed=seed,
+            stop=list(sampling.stop_strings) or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            ignore_eos=not sampling.stops_at_eos,
+            logprobs=request.topk_sample_logprobs,
+            prompt_logprobs=request.topk_prompt_logprobs if with_prompt and wants_prompt else None,
+            detokenize=bool(sampling.stop_strings),
+            skip_special_tokens=False,
+        )
+
+    def _response(self, request: SampleRequest, outputs: Iterator[Any]) -> SampleResponse:
+        sequences: list[SampledSequence | None] = []
+        prompt_logprobs = topk_prompt = None
+        for sample_index in range(request.num_samples):
+            output = next(outputs)
+            if sample_index == 0 and output.prompt_logprobs is not None:
+                if request.prompt_logprobs:
+                    prompt_logprobs = _actual_logprobs(output.prompt_logprobs, request.prompt)
+                if request.topk_prompt_logprobs:
+                    topk_prompt = [
+                        None if entry is None else _topk(entry, request.topk_prompt_logprobs)
+                        for entry in output.prompt_logprobs
+                    ]
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            k = request.topk_sample_logprobs
+            sequences.append(
+                SampledSequence(
+                    tokens=tokens,
+                    logprobs=[
+                        entry[token].logprob
+                        for entry, token in zip(completion.logprobs, tokens, strict=True)
+                    ],
+                    stop_reason="stop" if completion.finish_reason == "stop" else "length",
+                    topk_logprobs=[_topk(e, k) for e in completion.logprobs] if k else None,
+                )
+            )
+        return SampleResponse(
+            sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt
+        )
+
+    # -- weights and memory ---------------------------------------------------------------
+
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """Load new weights into the running engine (Temper parameter names). A module or a
+        state dict is checked whole first (a bad one changes nothing); a stream of (name,
+        tensor) pairs is checked as it passes, so a bad name raises part-way through."""
+        if isinstance(source, nn.Module):
+            source = source.state_dict()
+        if isinstance(source, Mapping):
+            self._check_complete(source)
+            source = source.items()
+        named = self._hf_named(iter(source))
+        if self._inline:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        else:
+            self._reload_through_file(named)
+        if self._tied:
+            self._llm.collective_rpc(_refresh_output_layer)
+        # Cached prefixes hold keys and values computed with the old weights.
+        self._llm.reset_prefix_cache()
+        self._version = version
+
+    def _check_complete(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        missing = sorted(self._shapes.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - self._shapes.keys())
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights: state dict does not match the model: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    def _hf_named(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in pairs:
+            expected = self._shapes.get(name)
+            if expected is None:
+                raise ValueError(f"update_weights: {name!r} is not a parameter of the model")
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, the "
+                    f"model expects {expected}"
+                )
+            yield self._family.key_to_hf(name), tensor.detach()
+
+    def _reload_through_file(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in named}
+        with tempfile.TemporaryDirectory(dir=self._directory.name) as directory:
+            save_file(tensors, os.path.join(directory, "model.safetensors"))
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
+
+    def sleep(self) -> None:
+        self._check_can_sleep()
+        self._llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self._check_can_sleep()
+        self._llm.wake_up()
+
+    def _check_can_sleep(self) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "the vllm backend cannot release memory on CPU (vLLM's sleep mode needs "
+                "CUDA); use backend 'temper', whose engine releases its KV cache on CPU too"
+            )
+
+    def close(self) -> None:
+        """Shut the engine down and remove its model directory."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del self._llm
+        self._directory.cleanup()
+
+
+def _refresh_output_layer(worker: Any) -> None:
+    """Rebuild the CPU backend's packed copy of a tied output layer from its (reloaded)
+    weight; on other backends this is the same no-op-like post-processing vLLM ran at load."""
+    head = worker.model_runner.model.lm_head
+    head.quant_method.process_weights_after_loading(head)
+
+
+def _actual_logprobs(entries: Sequence[Any], tokens: Sequence[int]) -> list[float | None]:
+    """Each position's logprob of the token actually there (None at position 0)."""
+    pairs = zip(entries[1:], tokens[1:], strict=True)
+    return [None, *(entry[token].logprob for entry, token in pairs)]
+
+
+def _topk(entry: Mapping[int, Any], k: int) -> TopkLogprobs:
+    """The k most likely tokens of one position, most likely first (vLLM's dict also holds
+    the sampled token, which may rank lower)."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [(token, logprob.logprob) for token, logprob in ranked if logprob.rank <= k][:k]
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+        import vllm.inputs
+    except ImportError as error:
+        raise ImportError(f"generator backend 'vllm' needs vLLM: {_INSTALL_HINT}") from error
+    return vllm
