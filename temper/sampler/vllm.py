@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +54,32 @@ _VLLM_GREEDY_BELOW = 1e-5
 _INSTALL_HINT = "install it with `make vllm` (or pip install -e '.[vllm]'; see README.md)"
 
 
+class _InlineEngines:
+    """The vLLM engines running in this process. vLLM keeps one process-wide distributed
+    state for all of them, and shutting one down (also when it is garbage collected) tears
+    that state down under the others. So an engine closed while others run stays held here,
+    and the last one to close shuts them all down."""
+
+    def __init__(self) -> None:
+        self.running: list[Any] = []
+        self.closed: list[Any] = []
+
+    def add(self, llm: Any) -> None:
+        self.running.append(llm)
+
+    def close(self, llm: Any) -> None:
+        self.running = [other for other in self.running if other is not llm]
+        self.closed.append(llm)
+        if not self.running:
+            for engine in self.closed:
+                engine.llm_engine.engine_core.shutdown()
+            self.closed.clear()
+
+
 class VllmGenerator(Configurable, OnePromptSampling):
     holds_one_version = True
     model = None  # vLLM holds its own copy of the weights
+    _inline_engines = _InlineEngines()  # process-wide, as vLLM's own state is
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -107,6 +131,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._tied = bool(getattr(model_config, "tie_embeddings", False))
         self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         self._version = 0
+        self._broken: str | None = None  # why the engine lost its weights
         self._entropy = random.Random()
         self._directory = tempfile.TemporaryDirectory(prefix="temper-vllm-")
         model_dir = Path(self._directory.name) / "model"
@@ -132,6 +157,15 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
         finally:
             torch.set_num_threads = set_num_threads  # see the module docstring
+        if self._inline:
+            self._inline_engines.add(self._llm)
+        # Shut down by `close`, or when this generator is garbage collected.
+        self._release = weakref.finalize(
+            self,
+            _shut_down,
+            self._llm,
+            inline_engines=self._inline_engines if self._inline else None,
+        )
 
     @property
     def version(self) -> int:
@@ -147,6 +181,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
     # -- sampling -------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        self._check_weights()
         for index, request in enumerate(requests):
             self._check(request, index=index)
         vllm = _import_vllm()
@@ -171,6 +206,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
     ) -> list[torch.Tensor]:
         """Logprob of tokens[1:] of each sequence (vLLM's prompt logprobs, temperature 1)."""
+        self._check_weights()
         if temperature != 1.0:
             raise ValueError(
                 f"score: temperature={temperature} is not available from the vllm backend "
@@ -193,6 +229,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
             torch.tensor(_actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
             for out in outputs
         ]
+
+    def _check_weights(self) -> None:
+        if self._broken is not None:
+            raise ValueError(
+                f"{self._broken}, so this vLLM engine has no complete weights; close it and "
+                "build a new generator"
+            )
 
     def _check(self, request: SampleRequest, *, index: int) -> None:
         validate(request, index=index, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
@@ -270,17 +313,27 @@ class VllmGenerator(Configurable, OnePromptSampling):
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Load new weights into the running engine (Temper parameter names). A module or a
         state dict is checked whole first (a bad one changes nothing); a stream of (name,
-        tensor) pairs is checked as it passes, so a bad name raises part-way through."""
+        tensor) pairs is checked as it passes: a bad one fails part-way, and vLLM, which
+        reloads in place, is then left without weights (the generator refuses all calls)."""
+        self._check_weights()
         if isinstance(source, nn.Module):
             source = source.state_dict()
         if isinstance(source, Mapping):
             self._check_complete(source)
+            for _ in self._hf_named(iter(source.items())):  # shapes, before vLLM sees any
+                pass
             source = source.items()
         named = self._hf_named(iter(source))
-        if self._inline:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-        else:
-            self._reload_through_file(named)
+        try:
+            if self._inline:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            else:
+                self._reload_through_file(named)
+        except Exception as error:
+            # vLLM reloads in place: weights it had not reached are gone, and its reload
+            # machinery cannot run again on this engine.
+            self._broken = f"an update_weights failed part-way ({error})"
+            raise
         if self._tied:
             self._llm.collective_rpc(_refresh_output_layer)
         # Cached prefixes hold keys and values computed with the old weights.
@@ -332,12 +385,17 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
 
     def close(self) -> None:
-        """Shut the engine down and remove its model directory."""
-        llm = getattr(self, "_llm", None)
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-            del self._llm
+        """Shut the engine down (in this process: once no other engine runs here) and remove
+        its model directory."""
+        self._release()
         self._directory.cleanup()
+
+
+def _shut_down(llm: Any, *, inline_engines: _InlineEngines | None) -> None:
+    if inline_engines is not None:
+        inline_engines.close(llm)
+    else:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def _refresh_output_layer(worker: Any) -> None:
