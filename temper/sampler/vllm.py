@@ -6,10 +6,12 @@ size all start the same way; new weights then arrive by name through vLLM's in-p
 `reload_weights`, without a restart.
 
 How Temper's semantics map onto vLLM's, exactly or not at all:
-- Each sample of a request is its own vLLM request, seeded with `sample_seed(request seed,
-  index)` as in Temper's engine, so sample i of a seeded request does not depend on
-  `num_samples` or on what shares the batch. The draws are vLLM's (its own random streams),
-  so seeded tokens are reproducible within this backend but not equal to Temper's engine.
+- A request's samples are vLLM's `n` samples of one request (one prefill), which vLLM seeds
+  with seed + index; Temper passes `sample_seed(request seed, 0)`, so sample i of a seeded
+  request depends on the request seed and i alone, not on `num_samples` or the batch. The
+  draws are vLLM's own random streams, so seeded tokens are reproducible within this backend
+  but not equal to Temper's engine's. vLLM takes n = 1 only for greedy requests: their one
+  sample is returned `num_samples` times (greedy samples are equal in Temper too).
 - Logprobs are vLLM's `processed_logprobs`: the distribution after temperature, top-k and
   top-p, the one the token was drawn from; greedy tokens report the raw model logprob. Prompt
   logprobs are raw (temperature 1), as in Temper.
@@ -185,22 +187,10 @@ class VllmGenerator(Configurable, OnePromptSampling):
         for index, request in enumerate(requests):
             self._check(request, index=index)
         vllm = _import_vllm()
-        prompts, params = [], []
-        for request in requests:
-            base_seed = request.params.seed
-            if base_seed is None:
-                base_seed = self._entropy.getrandbits(63)
-            for sample_index in range(request.num_samples):
-                prompts.append(vllm.inputs.TokensPrompt(prompt_token_ids=list(request.prompt)))
-                params.append(
-                    self._params(
-                        request,
-                        seed=sample_seed(base_seed, sample_index) % 2**63,
-                        with_prompt=sample_index == 0,
-                    )
-                )
-        outputs = iter(self._llm.generate(prompts, params, use_tqdm=False))
-        return [self._response(request, outputs) for request in requests]
+        prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
+        params = [self._params(request) for request in requests]
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        return [self._response(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
@@ -256,43 +246,43 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 f"{where}: stop strings need a tokenizer; this vllm generator was built without one"
             )
 
-    def _params(self, request: SampleRequest, *, seed: int, with_prompt: bool) -> Any:
+    def _params(self, request: SampleRequest) -> Any:
         sampling = request.params
         room = self.max_seq_len - len(request.prompt)
         wants_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        base_seed = sampling.seed if sampling.seed is not None else self._entropy.getrandbits(63)
         return _import_vllm().SamplingParams(
-            n=1,
+            n=1 if sampling.temperature == 0 else request.num_samples,
             max_tokens=min(sampling.max_tokens or room, room),
             temperature=sampling.temperature,
             top_k=0 if sampling.top_k in (-1, 0) else sampling.top_k,
             top_p=sampling.top_p,
-            seed=seed,
+            # vLLM seeds sample i with seed + i: a function of (request seed, i) alone.
+            seed=sample_seed(base_seed, 0) % 2**63,
             stop=list(sampling.stop_strings) or None,
             include_stop_str_in_output=True,
             stop_token_ids=list(sampling.stop_token_ids) or None,
             ignore_eos=not sampling.stops_at_eos,
             logprobs=request.topk_sample_logprobs,
-            prompt_logprobs=request.topk_prompt_logprobs if with_prompt and wants_prompt else None,
+            prompt_logprobs=request.topk_prompt_logprobs if wants_prompt else None,
             detokenize=bool(sampling.stop_strings),
             skip_special_tokens=False,
         )
 
-    def _response(self, request: SampleRequest, outputs: Iterator[Any]) -> SampleResponse:
-        sequences: list[SampledSequence | None] = []
+    def _response(self, request: SampleRequest, output: Any) -> SampleResponse:
         prompt_logprobs = topk_prompt = None
-        for sample_index in range(request.num_samples):
-            output = next(outputs)
-            if sample_index == 0 and output.prompt_logprobs is not None:
-                if request.prompt_logprobs:
-                    prompt_logprobs = _actual_logprobs(output.prompt_logprobs, request.prompt)
-                if request.topk_prompt_logprobs:
-                    topk_prompt = [
-                        None if entry is None else _topk(entry, request.topk_prompt_logprobs)
-                        for entry in output.prompt_logprobs
-                    ]
-            completion = output.outputs[0]
+        if request.prompt_logprobs:
+            prompt_logprobs = _actual_logprobs(output.prompt_logprobs, request.prompt)
+        if request.topk_prompt_logprobs:
+            topk_prompt = [
+                None if entry is None else _topk(entry, request.topk_prompt_logprobs)
+                for entry in output.prompt_logprobs
+            ]
+        k = request.topk_sample_logprobs
+        sequences = []
+        # vLLM returns a request's samples in completion order; their index is their order.
+        for completion in sorted(output.outputs, key=lambda completion: completion.index):
             tokens = list(completion.token_ids)
-            k = request.topk_sample_logprobs
             sequences.append(
                 SampledSequence(
                     tokens=tokens,
@@ -304,6 +294,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
                     topk_logprobs=[_topk(e, k) for e in completion.logprobs] if k else None,
                 )
             )
+        if len(sequences) < request.num_samples:  # greedy: one sample, see the docstring
+            sequences = sequences * request.num_samples
         return SampleResponse(
             sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt
         )

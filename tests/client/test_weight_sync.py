@@ -110,3 +110,60 @@ def test_a_snapshot_of_its_own_engine_never_touches_a_sync():
     own = Snapshot(engine=engine, version=7)
     with sync.holding(), own.reading() as reading:  # would deadlock if it took the lock
         assert reading is engine and own.version == 7
+
+
+class _OneVersionEngine:
+    """Temper's engine standing in for a generator that holds one version (as vLLM does):
+    its own copy of the weights, updated in place."""
+
+    holds_one_version = True
+
+    def __init__(self, *, model, tokenizer) -> None:
+        self.engine = SamplerEngine.Config().build(model=model, tokenizer=tokenizer)
+        self.model = None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _one_version_sync(*, lora: bool) -> tuple[WeightSync, TrainerEngine]:
+    base = resolve_base_model("tiny", device="cpu", dtype="float32").build()
+    trainer = TrainerEngine.Config().build(
+        model=base.model, lora=LoraConfig(rank=4, seed=1) if lora else None
+    )
+    sync = WeightSync(trainer=trainer, new_generator=_OneVersionEngine, tokenizer=base.tokenizer)
+    return sync, trainer
+
+
+def test_a_one_version_generator_is_updated_in_place_and_the_old_snapshot_retired(lora):
+    torch.manual_seed(0)
+    sync, trainer = _one_version_sync(lora=lora)
+    old = sync.snapshot()
+    before = _scores(old)
+    _change(sync, trainer)
+    new = sync.snapshot()
+    assert new.engine is old.engine and not torch.equal(_scores(new), before)
+    assert sync.num_snapshots == 0  # nothing copied
+    with pytest.raises(ValueError, match="policy version 0, which its generator no longer"):
+        _scores(old)
+    with pytest.raises(ValueError, match="take a new sampling client"):
+        old.submitted(object())
+
+
+def test_requests_submitted_on_a_one_version_snapshot_run_before_it_is_retired():
+    sync, trainer = _one_version_sync(lora=False)
+    old = sync.snapshot()
+    request = object()
+    old.submitted(request)  # submitted, not yet run (queued on a sampling worker)
+    _change(sync, trainer)
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(sync.snapshot()))
+    thread.start()
+    thread.join(timeout=0.3)
+    assert thread.is_alive()  # the new snapshot waits for the pending request
+    with old.reading(requests=[request]) as engine:
+        assert engine.version == 0  # still the old weights
+    thread.join(timeout=5)
+    assert taken and taken[0].version == 1
+    with pytest.raises(ValueError, match="no longer holds"):
+        _scores(old)
