@@ -24,11 +24,12 @@ vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weight
 (`_refresh_output_layer` rebuilds it; tests/sampler/test_vllm.py fails without it). vLLM's
 CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
 original is put back after the engine is built, since the trainer in this process sets its
-own thread counts.
+own thread counts; so are the global random generators vLLM seeds.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tempfile
@@ -142,23 +143,25 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
         # vLLM reads this when the engine starts: in one process, weights pass as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
-        set_num_threads = torch.set_num_threads
+        set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
-            self._llm = vllm.LLM(
-                model=str(model_dir),
-                skip_tokenizer_init=tokenizer is None,
-                dtype=self.dtype,
-                max_model_len=self.max_seq_len,
-                tensor_parallel_size=config.tensor_parallel_size,
-                kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
-                max_num_seqs=config.max_num_seqs,
-                enforce_eager=config.execution == "eager",
-                logprobs_mode="processed_logprobs",
-                max_logprobs=-1,
-                enable_prefix_caching=True,
-            )
+            with torch.random.fork_rng(devices=[]):
+                self._llm = vllm.LLM(
+                    model=str(model_dir),
+                    skip_tokenizer_init=tokenizer is None,
+                    dtype=self.dtype,
+                    max_model_len=self.max_seq_len,
+                    tensor_parallel_size=config.tensor_parallel_size,
+                    kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
+                    max_num_seqs=config.max_num_seqs,
+                    enforce_eager=config.execution == "eager",
+                    logprobs_mode="processed_logprobs",
+                    max_logprobs=-1,
+                    enable_prefix_caching=True,
+                )
         finally:
             torch.set_num_threads = set_num_threads  # see the module docstring
+            random.setstate(python_random)  # vLLM seeds the process's global generators
         if self._inline:
             self._inline_engines.add(self._llm)
         # Shut down by `close`, or when this generator is garbage collected.
@@ -415,9 +418,33 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
 
 
 def _import_vllm() -> Any:
+    # vLLM logs every weight reload at INFO; VLLM_LOGGING_LEVEL=INFO brings that back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
         import vllm.inputs
     except ImportError as error:
         raise ImportError(f"generator backend 'vllm' needs vLLM: {_INSTALL_HINT}") from error
+    for name, expected in _EXPECTED_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) for f in logger.filters):
+            logger.addFilter(_DropMessage(expected))
     return vllm
+
+
+# Warnings vLLM gives for what Temper does on purpose: a built-in vocabulary has no chat
+# template to warm up, and a tied output layer has no weight of its own to reload (it is
+# rebuilt by `_refresh_output_layer`).
+_EXPECTED_WARNINGS = {
+    "vllm.renderers.base": "Chat template warmup failed",
+    "vllm.model_executor.model_loader.reload.layerwise": "ParallelLMHead: Failed to load",
+}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import random
 
 import pytest
 import torch
@@ -341,5 +342,25 @@ def test_a_bad_stream_leaves_a_generator_that_says_so():
         ):
             with pytest.raises(ValueError, match=r"failed part-way.*build a new generator"):
                 call()
+    finally:
+        vllm.close()
+
+
+def test_building_leaves_the_process_threads_and_random_state_alone():
+    """vLLM's in-process engine seeds the global generators and disables
+    torch.set_num_threads; the trainer beside it relies on both."""
+    model, tokenizer = _model(tied=True)
+    torch.manual_seed(123)
+    random.seed(5)
+    expected = (torch.rand(3).tolist(), random.random())
+    torch.manual_seed(123)
+    random.seed(5)
+    vllm = VllmGenerator.Config(kv_cache_mib=32).build(model=model, tokenizer=tokenizer)
+    try:
+        assert (torch.rand(3).tolist(), random.random()) == expected
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(threads)
     finally:
         vllm.close()
