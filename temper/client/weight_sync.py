@@ -73,7 +73,7 @@ class Snapshot:
         before it retires a snapshot)."""
         self.check_usable()
         if self._sync is not None:
-            self._sync.count_pending(self, add=[request])
+            self._sync.submitted(self, request)
 
     @contextlib.contextmanager
     def reading(self, *, requests: Sequence[object] = ()) -> Iterator[Generator]:
@@ -88,7 +88,7 @@ class Snapshot:
                 self.check_usable()
                 yield self._engine  # read under the lock: `keep` may have swapped it meanwhile
             finally:
-                sync.count_pending(self, remove=requests, locked=True)
+                sync.ran(self, requests)
 
     def keep(self, engine: Generator) -> None:
         """Serve this version from `engine`, which no change of the trainer's weights
@@ -141,21 +141,17 @@ class WeightSync:
         with self._lock:
             yield
 
-    def count_pending(
-        self,
-        snapshot: Snapshot,
-        *,
-        add: Sequence[object] = (),
-        remove: Sequence[object] = (),
-        locked: bool = False,
-    ) -> None:
-        """Track the requests submitted on `snapshot` and not yet run (by identity: a batch
+    def submitted(self, snapshot: Snapshot, request: object) -> None:
+        """Track the requests submitted on `snapshot` and not yet run, by identity (a batch
         that fails runs again request by request)."""
-        with contextlib.nullcontext() if locked else self._lock:
-            snapshot.pending.update(id(request) for request in add)
-            snapshot.pending.difference_update(id(request) for request in remove)
-            if remove and not snapshot.pending:
-                self._idle.notify_all()
+        with self._lock:
+            snapshot.pending.add(id(request))
+
+    def ran(self, snapshot: Snapshot, requests: Sequence[object]) -> None:
+        """`requests` of `snapshot` have run (called under the lock, inside `holding`)."""
+        snapshot.pending.difference_update(id(request) for request in requests)
+        if requests and not snapshot.pending:
+            self._idle.notify_all()
 
     @contextlib.contextmanager
     def changing(self) -> Iterator[None]:

@@ -18,7 +18,7 @@ What differs between them, and what the callers rely on:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -30,11 +30,8 @@ from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
 from temper.sampler.vllm import VllmGenerator  # imports vLLM itself only when built
+from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
-
-WeightUpdate = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-"""New weights for `update_weights`: a module, a state dict, or a stream of (name, tensor)
-pairs (Temper parameter names)."""
 
 Backend = Literal["temper", "vllm"]
 

@@ -9,12 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import save_pretrained
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
 from temper.tokenizer import build_builtin_tokenizer
+from tests.client.test_sampling_snapshots import _data
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
 pytestmark = pytest.mark.vllm
@@ -33,19 +34,6 @@ def _untied_model_dir(path):
         qwen3_size("tiny", vocab_size=tokenizer.vocab_size), tie_embeddings=False
     )
     return str(save_pretrained(materialize(config, seed=3), path, tokenizer=tokenizer))
-
-
-def _data(tokenizer):
-    data = []
-    for index in range(4):
-        tokens = [*tokenizer.encode(f"{index}{index}={2 * index}"), tokenizer.eos_token_id]
-        data.append(
-            Datum(
-                model_input=ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-            )
-        )
-    return data
 
 
 def _trainer_scores(client, tokens) -> torch.Tensor:
