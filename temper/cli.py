@@ -27,6 +27,7 @@ from temper.checkpoint.run_state import has_run_state
 from temper.commands import model_dir, plot
 from temper.commands import sample as sample_command
 from temper.commands import serve as serve_command
+from temper.commands import users as users_command
 from temper.config import cli as config_cli
 from temper.config import recipes, serialize
 from temper.distributed import launch
@@ -60,6 +61,7 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
             description="Serve a model over the Tinker HTTP API (needs the server extra).",
             run=serve_command.serve,
         ),
+        "users": function_command(users_command.users, name="users"),
     }
 
 

@@ -137,8 +137,10 @@ class Worker:
         for (_, future), result in zip(batch, results, strict=True):
             future.set_result(result)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def close(self, *, wait: bool = True, cancel_pending: bool = False) -> None:
+        """Stop taking calls; with `cancel_pending`, calls not started yet are cancelled
+        (their futures raise CancelledError); with `wait`, block until the rest have run."""
+        self._executor.shutdown(wait=wait, cancel_futures=cancel_pending)
 
 
 def _settle(future: concurrent.futures.Future, run_batch: Callable, item: Any) -> None:

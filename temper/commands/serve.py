@@ -60,7 +60,7 @@ def serve(argv: Sequence[str]) -> int:
         return serve_ranks.serve_on_ranks(config, stop_on_stdin_eof=stop_on_stdin_eof)
     if nproc is not None:
         try:  # refuse what every rank would refuse before starting them
-            check_bind(config.host, config.api_key)
+            check_bind(config.host, config.api_key, key_file=config.key_file)
             serve_ranks.check_one_model(config)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
@@ -68,7 +68,7 @@ def serve(argv: Sequence[str]) -> int:
         return serve_ranks.start_ranks(argv, nproc=nproc)
     configure_logging(config.log_level)
     try:
-        check_bind(config.host, config.api_key)
+        check_bind(config.host, config.api_key, key_file=config.key_file)
         server = config.build()
     except (ValueError, FileNotFoundError) as error:
         print(f"temper serve: error: {error}", file=sys.stderr)

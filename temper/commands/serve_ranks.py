@@ -117,7 +117,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
     try:
         error = None
         try:
-            check_bind(config.host, config.api_key)
+            check_bind(config.host, config.api_key, key_file=config.key_file)
             check_one_model(config)
             check_generator_ranks(
                 config.generator, ranks=ranks, field="TemperServer.Config.generator"

@@ -5,6 +5,10 @@ the backend writes to): `<root>/<run>/{run.json, weights/<name>, sampler_weights
 A training run id is the Tinker model id, `<session>:train:<n>`, so `tinker://` paths name
 directories directly and survive a server restart. Every id and name that reaches the disk
 goes through `check_name`, so no request can address a path outside the root.
+
+Each run records its owner (the user whose session created it) in run.json; every lookup
+takes the asking user, and a run, checkpoint or path of another user's answers the same 404
+as one that does not exist. Runs saved before owners were recorded belong to `default`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tinker import types as tinker_types
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
 from temper.server.errors import BadRequest, NotFound
 from temper.server.expiry import CheckpointExpiry
+from temper.server.users import DEFAULT_USER, User
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 
@@ -56,14 +61,15 @@ class CheckpointCatalog:
         self.storage = storage
         self.expiry = CheckpointExpiry(storage)
 
-    def parse(self, path: str, *, kind: str | None = None) -> CheckpointPath:
-        """A `tinker://` path to an existing checkpoint (of `kind`, when given)."""
+    def parse(self, path: str, *, user: User, kind: str | None = None) -> CheckpointPath:
+        """A `tinker://` path to an existing checkpoint of `user`'s (of `kind`, when given)."""
         try:
-            parsed, _ = self.storage.existing(path)
+            parsed = CheckpointPath.parse(path)
         except ValueError as error:
             raise BadRequest(str(error)) from None
-        except FileNotFoundError as error:
-            raise NotFound(str(error)) from None
+        self.run(parsed.run_id, user=user)  # another user's run: 404 before any other check
+        if not self.exists(parsed):
+            raise NotFound(f"no checkpoint at {parsed}")
         if kind is not None and parsed.kind != kind:
             hint = {
                 "weights": "training state comes from save_state (tinker://<run>/weights/<name>)",
@@ -76,14 +82,39 @@ class CheckpointCatalog:
     def exists(self, path: CheckpointPath) -> bool:
         return self.storage.directory(path).is_dir()
 
-    def run(self, run_id: str) -> dict[str, Any]:
+    def run(self, run_id: str, *, user: User) -> dict[str, Any]:
+        """The run's run.json (404 if it does not exist or `user` does not own it)."""
         try:
-            return self.storage.read_run(checked(run_id, field="training run id"))
-        except FileNotFoundError as error:
-            raise NotFound(str(error)) from None
+            run = self.storage.read_run(checked(run_id, field="training run id"))
+        except FileNotFoundError:
+            run = None
+        if run is None or not user.owns(owner_of(run)):
+            raise NotFound(f"unknown training run {run_id!r}")
+        return run
 
-    def checkpoints(self, run_id: str) -> list[tinker_types.Checkpoint]:
-        self.run(run_id)
+    def set_owner(self, run_id: str, owner: str) -> None:
+        """Record `owner` in a run's run.json (after the backend wrote it)."""
+        run = self.storage.read_run(run_id)
+        if run.get("owner") != owner:
+            self.storage.write_run(run_id, {**run, "owner": owner})
+
+    def run_ids(self, *, user: User) -> list[str]:
+        """The runs in storage `user` owns (all of them for an admin)."""
+        run_ids = self.storage.run_ids()
+        if user.admin:
+            return run_ids
+        owned = []
+        for run_id in run_ids:
+            try:
+                run = self.storage.read_run(run_id)
+            except (FileNotFoundError, ValueError):  # deleted or being written meanwhile
+                continue
+            if owner_of(run) == user.name:
+                owned.append(run_id)
+        return owned
+
+    def checkpoints(self, run_id: str, *, user: User) -> list[tinker_types.Checkpoint]:
+        self.run(run_id, user=user)
         found = [self.checkpoint(path) for path in self.storage.list(run_id)]
         return sorted(found, key=lambda checkpoint: checkpoint.time)
 
@@ -99,10 +130,10 @@ class CheckpointCatalog:
         )
 
     def training_run(
-        self, run_id: str, *, last_request_time: datetime.datetime | None
+        self, run_id: str, *, user: User, last_request_time: datetime.datetime | None
     ) -> tinker_types.TrainingRun:
-        run = self.run(run_id)
-        checkpoints = self.checkpoints(run_id)
+        run = self.run(run_id, user=user)
+        checkpoints = self.checkpoints(run_id, user=user)
         by_type = {
             kind: [c for c in checkpoints if c.checkpoint_type == kind]
             for kind in ("training", "sampler")
@@ -111,7 +142,7 @@ class CheckpointCatalog:
         return tinker_types.TrainingRun(
             training_run_id=run_id,
             base_model=run["base_model"],
-            model_owner="local",
+            model_owner=owner_of(run),
             is_lora=lora is not None,
             lora_rank=None if lora is None else lora["rank"],
             last_request_time=last_request_time or _mtime(self.storage.root / run_id / "run.json"),
@@ -123,15 +154,17 @@ class CheckpointCatalog:
     def training_runs(
         self,
         *,
+        user: User,
         limit: int,
         offset: int,
         last_request_times: Mapping[str, datetime.datetime],
     ) -> tinker_types.TrainingRunsResponse:
-        """One page of every run in storage, the most recently used first (`last_request_times`:
-        the live models' last requests; other runs count from their run.json)."""
+        """One page of `user`'s runs in storage, the most recently used first
+        (`last_request_times`: the live models' last requests; other runs count from their
+        run.json)."""
         runs = [
-            self.training_run(run_id, last_request_time=last_request_times.get(run_id))
-            for run_id in self.storage.run_ids()
+            self.training_run(run_id, user=user, last_request_time=last_request_times.get(run_id))
+            for run_id in self.run_ids(user=user)
         ]
         runs.sort(key=lambda run: (run.last_request_time, run.training_run_id), reverse=True)
         return tinker_types.TrainingRunsResponse(
@@ -139,11 +172,13 @@ class CheckpointCatalog:
             cursor=tinker_types.Cursor(offset=offset, limit=limit, total_count=len(runs)),
         )
 
-    def all_checkpoints(self, *, limit: int, offset: int) -> tinker_types.CheckpointsListResponse:
-        """One page of the checkpoints of every run in storage, newest first."""
+    def all_checkpoints(
+        self, *, user: User, limit: int, offset: int
+    ) -> tinker_types.CheckpointsListResponse:
+        """One page of the checkpoints of `user`'s runs, newest first."""
         found = [
             self.checkpoint(path)
-            for run_id in self.storage.run_ids()
+            for run_id in self.run_ids(user=user)
             for path in self.storage.list(run_id)
         ]
         found.sort(key=lambda checkpoint: (checkpoint.time, checkpoint.tinker_path), reverse=True)
@@ -152,11 +187,12 @@ class CheckpointCatalog:
             cursor=tinker_types.Cursor(offset=offset, limit=limit, total_count=len(found)),
         )
 
-    def weights_info(self, path: str) -> tinker_types.WeightsInfoResponse:
-        parsed = self.parse(path)
-        lora = self.run(parsed.run_id).get("lora")
+    def weights_info(self, path: str, *, user: User) -> tinker_types.WeightsInfoResponse:
+        parsed = self.parse(path, user=user)
+        run = self.run(parsed.run_id, user=user)
+        lora = run.get("lora")
         return tinker_types.WeightsInfoResponse(
-            base_model=self.run(parsed.run_id)["base_model"],
+            base_model=run["base_model"],
             is_lora=lora is not None,
             lora_rank=None if lora is None else lora["rank"],
             train_unembed=None if lora is None else lora["train_unembed"],
@@ -164,11 +200,15 @@ class CheckpointCatalog:
             train_attn=None if lora is None else lora["train_attn"],
         )
 
-    def delete(self, path: str) -> CheckpointPath:
-        parsed = self.parse(path)
+    def delete(self, path: str, *, user: User) -> CheckpointPath:
+        parsed = self.parse(path, user=user)
         self.storage.delete(parsed)
         self.expiry.set(parsed, expires_at=None)
         return parsed
+
+
+def owner_of(run: dict[str, Any]) -> str:
+    return run.get("owner", DEFAULT_USER)
 
 
 def _mtime(path: Path) -> datetime.datetime:

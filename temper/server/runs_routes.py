@@ -15,6 +15,7 @@ from temper.server.catalog import checked
 from temper.server.errors import BadRequest
 from temper.server.expiry import check_ttl
 from temper.server.responses import json_response
+from temper.server.security import CurrentUser
 from temper.server.server import TemperServer
 
 MAX_PAGE = 1000
@@ -43,57 +44,63 @@ def runs_router(server: TemperServer) -> APIRouter:
 
     @router.get("/training_runs")
     async def training_runs(
-        limit: int = 20, offset: int = 0, project_id: str | None = None
+        user: CurrentUser, limit: int = 20, offset: int = 0, project_id: str | None = None
     ) -> Response:
         check_page(limit=limit, offset=offset)
         if project_id is not None:
             raise BadRequest("project_id: this server has no projects; list without it")
         times = {run_id: model.last_request_time for run_id, model in server.models.items()}
         return json_response(
-            catalog.training_runs(limit=limit, offset=offset, last_request_times=times)
+            catalog.training_runs(user=user, limit=limit, offset=offset, last_request_times=times)
         )
 
     @router.get("/checkpoints")
-    async def all_checkpoints(limit: int = 100, offset: int = 0) -> Response:
+    async def all_checkpoints(user: CurrentUser, limit: int = 100, offset: int = 0) -> Response:
         check_page(limit=limit, offset=offset)
-        return json_response(catalog.all_checkpoints(limit=limit, offset=offset))
+        return json_response(catalog.all_checkpoints(user=user, limit=limit, offset=offset))
 
     @router.get("/training_runs/{training_run_id}")
-    async def training_run(training_run_id: str) -> Response:
+    async def training_run(training_run_id: str, user: CurrentUser) -> Response:
         live = server.models.get(training_run_id)
         return json_response(
             catalog.training_run(
-                training_run_id, last_request_time=live.last_request_time if live else None
+                training_run_id,
+                user=user,
+                last_request_time=live.last_request_time if live else None,
             )
         )
 
     @router.get("/training_runs/{training_run_id}/checkpoints")
-    async def list_checkpoints(training_run_id: str) -> Response:
+    async def list_checkpoints(training_run_id: str, user: CurrentUser) -> Response:
         return json_response(
-            tinker_types.CheckpointsListResponse(checkpoints=catalog.checkpoints(training_run_id))
+            tinker_types.CheckpointsListResponse(
+                checkpoints=catalog.checkpoints(training_run_id, user=user)
+            )
         )
 
     # Declared before the DELETE below, whose {checkpoint_id:path} also matches ".../ttl".
     @router.put("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_checkpoint_ttl(
-        training_run_id: str, checkpoint_id: str, body: CheckpointTtlRequest
+        training_run_id: str, checkpoint_id: str, body: CheckpointTtlRequest, user: CurrentUser
     ) -> Response:
         run_id = checked(training_run_id, field="training run id")
         ttl_seconds = check_ttl(body.ttl_seconds)
-        path = catalog.parse(f"tinker://{run_id}/{checkpoint_id}")
+        path = catalog.parse(f"tinker://{run_id}/{checkpoint_id}", user=user)
         expires_at = catalog.expiry.set_ttl(path, ttl_seconds)
         return JSONResponse({"expires_at": None if expires_at is None else expires_at.isoformat()})
 
     @router.delete("/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}")
-    async def delete_checkpoint(training_run_id: str, checkpoint_id: str) -> Response:
+    async def delete_checkpoint(
+        training_run_id: str, checkpoint_id: str, user: CurrentUser
+    ) -> Response:
         run_id = checked(training_run_id, field="training run id")
-        deleted = catalog.delete(f"tinker://{run_id}/{checkpoint_id}")
+        deleted = catalog.delete(f"tinker://{run_id}/{checkpoint_id}", user=user)
         server.forget_sampler(str(deleted))
         return Response(status_code=204)
 
     @router.post("/weights_info")
-    async def weights_info(body: WeightsInfoRequest) -> Response:
-        return json_response(catalog.weights_info(body.tinker_path))
+    async def weights_info(body: WeightsInfoRequest, user: CurrentUser) -> Response:
+        return json_response(catalog.weights_info(body.tinker_path, user=user))
 
     @router.get("/get_server_capabilities")
     async def capabilities() -> Response:

@@ -29,8 +29,10 @@ from temper.server.errors import BadRequest
 from temper.server.model_memory import OverBudget
 from temper.server.plain_routes import plain_post
 from temper.server.responses import future_response, json_response, protobuf_answer
+from temper.server.security import CurrentUser
 from temper.server.server import SamplingSession, TemperServer
 from temper.server.stability import SequenceRecord, StabilityStore
+from temper.server.users import User
 from temper.server.validation import check_sample
 
 
@@ -39,12 +41,14 @@ def sampling_router(server: TemperServer) -> APIRouter:
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(
-        body: tinker_types.CreateSamplingSessionRequest,
+        body: tinker_types.CreateSamplingSessionRequest, user: CurrentUser
     ) -> Response:
-        server.session(body.session_id)
+        session = server.session(body.session_id, user=user)
+        server.check_room(user, kind="sampling sessions")
         if body.model_path is not None:
-            path = server.catalog.parse(body.model_path, kind="sampler_weights")
-            base = server.base_model(server.catalog.run(path.run_id)["base_model"])
+            path = server.catalog.parse(body.model_path, kind="sampler_weights", user=user)
+            run = server.catalog.run(path.run_id, user=user)
+            base = server.base_model(run["base_model"])
             model_path = str(path)
         elif body.base_model is not None:
             base, model_path = server.base_model(body.base_model), None
@@ -57,6 +61,7 @@ def sampling_router(server: TemperServer) -> APIRouter:
             model_path=model_path,
             lineage=model_path or base.name,
             session_id=body.session_id,
+            owner=session.user,
         )
         # Loads the sampler now (503 if it cannot fit), so a bad checkpoint fails here.
         await asyncio.to_thread(server.load_client, sampling)
@@ -68,8 +73,8 @@ def sampling_router(server: TemperServer) -> APIRouter:
         )
 
     @router.get("/samplers/{sampling_session_id}")
-    async def get_sampler(sampling_session_id: str) -> Response:
-        sampling = server.sampling_session(sampling_session_id)
+    async def get_sampler(sampling_session_id: str, user: CurrentUser) -> Response:
+        sampling = server.sampling_session(sampling_session_id, user=user)
         return json_response(
             tinker_types.GetSamplerResponse(
                 sampler_id=sampling.sampling_session_id,
@@ -89,10 +94,10 @@ def hot_routes(server: TemperServer) -> list[Route]:
         capacity=server.config.sampler.max_batch,
     )
 
-    async def asample(body: tinker_types.SampleRequest) -> Response:
+    async def asample(body: tinker_types.SampleRequest, user: User) -> Response:
         if body.sampling_session_id is None:
             raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
-        sampling = server.sampling_session(body.sampling_session_id)
+        sampling = server.sampling_session(body.sampling_session_id, user=user)
         call = wire.decode_sample(body)
         check_sample(call, limits=server.base_model(sampling.base_model).limits)
         prompt_length = call.prompt.length
@@ -113,6 +118,8 @@ def hot_routes(server: TemperServer) -> list[Route]:
             request_id = server.scheduler.known(key)
             sequence_ids = [f"{request_id}-{index}" for index in range(call.num_samples)]
             return future_response(request_id, sample_sequence_ids=sequence_ids)
+        server.check_queue_room(user)
+        owned = {"owner": sampling.owner, "scope": sampling.session_id, "key": key}
         started = asyncio.get_running_loop().create_future()
 
         def start() -> None:
@@ -138,31 +145,31 @@ def hot_routes(server: TemperServer) -> list[Route]:
             except OverBudget as error:
                 # The SDK's sampler retries a 503 without end: fail the request's future.
                 started.set_exception(error)
-                request_id = server.scheduler.submit(lambda: started, encode=encode, key=key)
+                request_id = server.scheduler.submit(lambda: started, encode=encode, **owned)
                 sequence_ids += [f"{request_id}-{index}" for index in range(call.num_samples)]
                 return future_response(request_id, sample_sequence_ids=sequence_ids)
         coalescer.add(client, start, lineage=sampling.lineage, num_sequences=call.num_samples)
-        request_id = server.scheduler.submit(lambda: started, encode=encode, key=key)
+        request_id = server.scheduler.submit(lambda: started, encode=encode, **owned)
         sequence_ids += [f"{request_id}-{index}" for index in range(call.num_samples)]
         return future_response(request_id, sample_sequence_ids=sequence_ids)
 
-    async def retrieve_future(body: tinker_types.FutureRetrieveRequest) -> Response:
+    async def retrieve_future(body: tinker_types.FutureRetrieveRequest, user: User) -> Response:
         request_log.note(request=body.request_id)
         answer = await server.scheduler.retrieve(
-            body.request_id, timeout=server.config.poll_seconds
+            body.request_id, user=user, timeout=server.config.poll_seconds
         )
         if answer is None:
             return json_response(TryAgainResponse(request_id=body.request_id, queue_state="active"))
         return Response(answer.content, media_type=answer.media_type)
 
-    api_key = server.config.api_key
+    users = server.users
     return [
-        plain_post("/api/v1/asample", tinker_types.SampleRequest, asample, api_key=api_key),
+        plain_post("/api/v1/asample", tinker_types.SampleRequest, asample, users=users),
         plain_post(
             "/api/v1/retrieve_future",
             tinker_types.FutureRetrieveRequest,
             retrieve_future,
-            api_key=api_key,
+            users=users,
         ),
     ]
 

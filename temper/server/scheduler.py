@@ -13,6 +13,10 @@ exactly once, so a result polled twice (the SDK re-polls after a lost response) 
 A repeated submission with the same key (`(model_id, seq_id)`, `(sampling session, seq_id)`)
 gets the same request id and does not run twice. Finished results are dropped `result_ttl_s`
 after they finished.
+
+Each request belongs to the user who sent it and to a session (its scope): other users'
+request ids answer 404, a user's unfinished requests are counted (`queued`, for the per-user
+limit), and when a session ends its requests are cancelled and forgotten (`drop_scope`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from typing import Any
 
 from temper.api.futures import APIFuture, Worker
 from temper.server.catalog import new_request_id
-from temper.server.errors import NotFound, category_of
+from temper.server.errors import NotFound, bounded, category_of
+from temper.server.users import User
 
 log = logging.getLogger("temper.server")
 
@@ -47,6 +52,8 @@ class Answer:
 class _Entry:
     task: asyncio.Task[Answer]
     key: Hashable | None
+    owner: str
+    scope: str
     finished_at: float | None = None
 
 
@@ -57,6 +64,8 @@ class Scheduler:
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _by_key: dict[Hashable, str] = field(default_factory=dict)
     _dispatchers: dict[str, Worker] = field(default_factory=dict)
+    _queued: dict[str, int] = field(default_factory=dict)
+    """Unfinished requests per owner."""
     _last_prune: float = 0.0
 
     def submit(
@@ -64,13 +73,16 @@ class Scheduler:
         call: Callable[[], Any],
         *,
         encode: Callable[[Any], Answer],
+        owner: str,
+        scope: str,
         queue: str | None = None,
         key: Hashable | None = None,
     ) -> str:
         """Run `call` (after earlier calls of `queue`, or right now) and return the request id.
 
         `call` returns a result or an `APIFuture` (or asyncio future) of one; `encode` turns
-        the result into the wire answer. Without a queue, an exception from `call` itself
+        the result into the wire answer. `owner` (a user name) may retrieve it; `scope` (a
+        session id) ending cancels it. Without a queue, an exception from `call` itself
         propagates to the route (the request is rejected); every later failure becomes a
         failed future.
         """
@@ -80,8 +92,9 @@ class Scheduler:
         started: Any = call() if queue is None else self._dispatcher(queue).submit(call)
         request_id = new_request_id()
         task = asyncio.get_running_loop().create_task(self._settle(started, encode, request_id))
-        entry = _Entry(task=task, key=key)
-        task.add_done_callback(lambda _: setattr(entry, "finished_at", time.monotonic()))
+        entry = _Entry(task=task, key=key, owner=owner, scope=scope)
+        self._queued[owner] = self._queued.get(owner, 0) + 1
+        task.add_done_callback(lambda _: self._finished(entry))
         self._entries[request_id] = entry
         if key is not None:
             self._by_key[key] = request_id
@@ -91,19 +104,46 @@ class Scheduler:
         """The request id already given to a submission with this key, if any."""
         return self._by_key.get(key)
 
-    async def retrieve(self, request_id: str, *, timeout: float) -> Answer | None:
+    def queued(self, owner: str) -> int:
+        """How many of `owner`'s requests have not finished."""
+        return self._queued.get(owner, 0)
+
+    async def retrieve(self, request_id: str, *, user: User, timeout: float) -> Answer | None:
         """The answer, or None if it is not ready within `timeout` seconds (long poll)."""
         entry = self._entries.get(request_id)
-        if entry is None:
-            raise NotFound(f"unknown or expired request id {request_id!r}")
+        if entry is None or not user.owns(entry.owner):
+            raise NotFound(
+                f"unknown or expired request id {request_id!r} (results are kept "
+                f"{self.result_ttl_s:g} s; a request of an ended session is dropped with it)"
+            )
         if entry.task.done():
             return entry.task.result()
         done, _ = await asyncio.wait({entry.task}, timeout=timeout)
         return entry.task.result() if done else None
 
     def close_queue(self, queue: str) -> None:
-        """Forget a model's dispatcher; its thread ends once queued calls have run."""
-        self._dispatchers.pop(queue, None)
+        """Forget a model's dispatcher; calls queued and not started are cancelled (their
+        requests then fail), and its thread ends after the one running, if any."""
+        dispatcher = self._dispatchers.pop(queue, None)
+        if dispatcher is not None:
+            dispatcher.close(wait=False, cancel_pending=True)
+
+    def drop_scope(self, scope: str) -> None:
+        """Cancel and forget the requests of an ended session."""
+        for request_id, entry in list(self._entries.items()):
+            if entry.scope == scope:
+                entry.task.cancel()
+                del self._entries[request_id]
+                if entry.key is not None:
+                    self._by_key.pop(entry.key, None)
+
+    def _finished(self, entry: _Entry) -> None:
+        entry.finished_at = time.monotonic()
+        left = self._queued[entry.owner] - 1
+        if left:
+            self._queued[entry.owner] = left
+        else:
+            del self._queued[entry.owner]
 
     def _dispatcher(self, queue: str) -> Worker:
         if queue not in self._dispatchers:
@@ -118,6 +158,12 @@ class Scheduler:
             while isinstance(value, APIFuture | asyncio.Future):
                 value = await value
             return encode(value)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this request is being dropped (its session ended)
+            # A queued call cancelled because its model was released.
+            return failure("request cancelled: its model was released", category="user")
         except Exception as error:
             category = category_of(error)
             if category == "server":
@@ -143,4 +189,4 @@ class Scheduler:
 
 
 def failure(message: str, *, category: str) -> Answer:
-    return Answer(json.dumps({"error": message, "category": category}).encode())
+    return Answer(json.dumps({"error": bounded(message), "category": category}).encode())

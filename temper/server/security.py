@@ -1,21 +1,20 @@
-"""Who may talk to the server: loopback by default; anywhere else only with an API key.
+"""Who may talk to the server: loopback by default; anywhere else only with API keys.
 
 The tinker SDK sends its key as `X-API-Key` on every request and refuses, client-side, keys
-that do not start with 'tml-'. With `api_key` set, every route requires exactly that key
-(compared in constant time) and answers 401 otherwise. Binding to a non-loopback address
-without a key is refused at startup: the server runs arbitrary training on this machine.
+that do not start with 'tml-'. With `--api-key` or `--key-file` set, every route requires a
+key some user holds (users.py) and answers 401 otherwise. Binding to a non-loopback address
+without keys is refused at startup: the server runs arbitrary training on this machine.
 """
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
+from typing import Annotated
 
+from fastapi import Depends
 from starlette.requests import Request
 
-from temper.server.errors import Unauthorized
-
-KEY_PREFIX = "tml-"
+from temper.server.users import KEY_PREFIX, User, Users
 
 
 def is_loopback(host: str) -> bool:
@@ -27,32 +26,29 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: assume it is reachable from elsewhere
 
 
-def check_bind(host: str, api_key: str | None) -> None:
+def check_bind(host: str, api_key: str | None, *, key_file: str | None = None) -> None:
     if api_key is not None and not (api_key.startswith(KEY_PREFIX) and len(api_key) > 8):
         raise ValueError(
             f"--api-key must start with {KEY_PREFIX!r} (the tinker SDK rejects other keys) and "
             "be longer than 8 characters"
         )
-    if api_key is None and not is_loopback(host):
+    if api_key is None and key_file is None and not is_loopback(host):
         raise ValueError(
-            f"--host {host} is not a loopback address; serving there requires --api-key "
-            "tml-... (clients send it as TINKER_API_KEY)"
+            f"--host {host} is not a loopback address; serving there requires --key-file FILE "
+            "(temper users add) or --api-key tml-... (clients send it as TINKER_API_KEY)"
         )
 
 
-def key_checker(api_key: str | None):
-    """A FastAPI dependency that rejects requests without the configured key."""
-
-    async def check(request: Request) -> None:
-        check_key(request, api_key)
-
-    return check
+async def current_user(request: Request) -> User:
+    """A FastAPI dependency: the `User` whose key the request carries (401 otherwise), from
+    the users of the app's server. Declared app-wide (every route needs a key) and, through
+    `CurrentUser`, by the routes that use the user; FastAPI solves it once per request."""
+    return user_of(request, request.app.state.server.users)
 
 
-def check_key(request: Request, api_key: str | None) -> None:
-    """Raise Unauthorized unless `request` carries `api_key` (any request if it is None)."""
-    if api_key is None:
-        return
-    given = request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(given.encode(), api_key.encode()):
-        raise Unauthorized("missing or wrong X-API-Key")
+CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def user_of(request: Request, users: Users) -> User:
+    """The user whose `X-API-Key` the request carries (Unauthorized if none holds it)."""
+    return users.authenticate(request.headers.get("x-api-key"))

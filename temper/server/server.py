@@ -8,7 +8,9 @@ Each Tinker training model is one backend `TrainingClient` (its own LoRA adapter
 model id, which is also its run id on disk. Sampling sessions map onto backend sampling
 clients: one shared client per base model and per sampler checkpoint, one per
 `save_weights_and_get_sampling_client` call. Sessions own their models and sampling sessions;
-finishing a session releases them.
+finishing a session, or its heartbeats stopping for `session_timeout_s`, releases them
+(lifetimes.py). Every session, and so everything it created, belongs to the user whose key
+created it (users.py); another user's ids answer 404 as if they did not exist.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -37,11 +40,13 @@ from temper.server.base_models import (
     model_dirs,
 )
 from temper.server.catalog import CheckpointCatalog
-from temper.server.errors import BadRequest, NotFound
+from temper.server.errors import BadRequest, NotFound, TooManyRequests
+from temper.server.lifetimes import EndedIds
 from temper.server.model_memory import ModelMemory
 from temper.server.scheduler import Scheduler
 from temper.server.snapshots import MIB, SnapshotRetention, device_memory_bytes
 from temper.server.stability import StabilityStore
+from temper.server.users import SERVER, User, Users
 from temper.trainer.engine import TrainerEngine
 
 __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperServer"]
@@ -54,6 +59,8 @@ Repeated = tyro.conf.UseAppendAction
 class ServedModel:
     model_id: str
     session_id: str
+    owner: str
+    """The user whose session created it."""
     base: BaseModel
     is_lora: bool
     lora_rank: int | None
@@ -75,15 +82,21 @@ class SamplingSession:
     path or base model (the coalescer expects each burst of a lineage to match the last)."""
     session_id: str
     """The session that created it: it owns the sequences recorded from it."""
+    owner: str
+    """The user of that session."""
 
 
 @dataclass
 class Session:
     session_id: str
+    user: str
+    """The user whose key created it."""
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
     model_ids: list[str] = field(default_factory=list)
     sampling_session_ids: list[str] = field(default_factory=list)
+    last_seen: float = field(default_factory=time.monotonic)
+    """When its client last showed it is alive (a heartbeat or a request on its ids)."""
 
 
 class TemperServer(Configurable):
@@ -115,7 +128,29 @@ class TemperServer(Configurable):
         storage: str = "~/.cache/temper/checkpoints"
         """Directory that holds checkpoints; tinker:// paths saved here load after a restart."""
         api_key: str | None = None
-        """Require this X-API-Key (must start with 'tml-', as the tinker SDK checks)."""
+        """Require this X-API-Key (must start with 'tml-', as the tinker SDK checks): the key
+        of the user 'default' (who, without --key-file, is the only one and sees all)."""
+        key_file: str | None = None
+        """JSON file of users and their key digests (`temper users add NAME --key-file F`
+        writes it). Each user sees and uses only the sessions, models, sampling sessions,
+        futures and checkpoints it created (others' ids answer 404); an admin sees all.
+        Re-read on SIGHUP and on POST /api/v1/admin/reload_keys."""
+        session_timeout_s: float = 180.0
+        """A session whose client shows no sign of life (the tinker SDK heartbeats every
+        10 s) for this long expires: its models, sampling sessions, snapshots and queued
+        requests are released (checkpoints stay) and its ids answer 410 saying so."""
+        max_sessions_per_user: int = 64
+        """Most live sessions one user may hold (429 beyond, naming this setting)."""
+        max_models_per_user: int = 16
+        """Most live training models one user may hold (429 beyond)."""
+        max_sampling_sessions_per_user: int = 1024
+        """Most live sampling sessions (snapshots included) one user may hold (429 beyond)."""
+        max_queued_requests_per_user: int = 4096
+        """Most unfinished requests one user may have queued (429 beyond; retried by the
+        SDK, as the queue drains)."""
+        max_body_mb: float = 256.0
+        """Largest request body of forward_backward, forward and asample (413 beyond); other
+        routes take at most 1 MiB."""
         fine_tuning: Literal["lora", "full"] = "lora"
         """'lora': create_lora_training_client trains LoRA adapters (Tinker); 'full': it
         trains every weight instead (the LoRA config is then ignored)."""
@@ -197,11 +232,31 @@ class TemperServer(Configurable):
                     "TemperServer.Config.compute_threads must be >= 1 or None, got "
                     f"{self.compute_threads}"
                 )
+            for name in (
+                "max_sessions_per_user",
+                "max_models_per_user",
+                "max_sampling_sessions_per_user",
+                "max_queued_requests_per_user",
+            ):
+                if getattr(self, name) < 1:
+                    raise ValueError(
+                        f"TemperServer.Config.{name} must be >= 1, got {getattr(self, name)}"
+                    )
+            if not self.session_timeout_s > 0:
+                raise ValueError(
+                    "TemperServer.Config.session_timeout_s must be > 0 (the tinker SDK "
+                    f"heartbeats every 10 s), got {self.session_timeout_s}"
+                )
+            if not self.max_body_mb > 0:
+                raise ValueError(
+                    f"TemperServer.Config.max_body_mb must be > 0, got {self.max_body_mb}"
+                )
             if not 0 <= self.port <= 65535:
                 raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
         self.config = config
+        self.users = Users(api_key=config.api_key, key_file=config.key_file)
         dirs = model_dirs(
             models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
         )
@@ -243,6 +298,7 @@ class TemperServer(Configurable):
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
+        self.ended = EndedIds()
         # One budget for every model's snapshots: each counts as the largest model's copy.
         copy_bytes = max(
             (model.sampler_bytes for model in self.base_models if model.trainable), default=0
@@ -263,18 +319,27 @@ class TemperServer(Configurable):
 
     # -- lookups (each raises NotFound naming what is unknown) --------------------------------
 
-    def session(self, session_id: str) -> Session:
+    def session(self, session_id: str, *, user: User, alive: bool = True) -> Session:
+        """The session (404 if unknown or another user's; 410 if it ended). `alive`: the
+        request comes from the session's own client, a sign of life (a REST client looking
+        at it is not)."""
         request_log.note(session=session_id)
-        if session_id not in self.sessions:
+        session = self.sessions.get(session_id)
+        if session is None or not user.owns(session.user):
+            self.ended.check(session_id, kind="session", user=user)
             raise NotFound(f"unknown session {session_id!r}; create one with create_session")
-        return self.sessions[session_id]
+        if alive:
+            session.last_seen = time.monotonic()
+        return session
 
-    def model(self, model_id: str) -> ServedModel:
+    def model(self, model_id: str, *, user: User) -> ServedModel:
         request_log.note(model=model_id)
-        if model_id not in self.models:
+        served = self.models.get(model_id)
+        if served is None or not user.owns(served.owner):
+            self.ended.check(model_id, kind="model id", user=user)
             raise NotFound(f"unknown model id {model_id!r}")
-        served = self.models[model_id]
         served.last_request_time = _now()
+        self._seen(served.session_id)
         return served
 
     def training(self, served: ServedModel) -> TrainingBackend:
@@ -283,15 +348,41 @@ class TemperServer(Configurable):
             raise NotFound(f"model {served.model_id!r} failed to be created")
         return served.training
 
-    def sampling_session(self, sampling_session_id: str) -> SamplingSession:
+    def sampling_session(self, sampling_session_id: str, *, user: User) -> SamplingSession:
         request_log.note(sampler=sampling_session_id)
-        gone = self.snapshots.use(sampling_session_id)
-        if gone is not None:
-            self.sampling_sessions.pop(sampling_session_id, None)
-            raise NotFound(f"sampling session {sampling_session_id!r} is gone: {gone}")
-        if sampling_session_id not in self.sampling_sessions:
+        sampling = self.sampling_sessions.get(sampling_session_id)
+        if sampling is None or not user.owns(sampling.owner):
+            self.ended.check(sampling_session_id, kind="sampling session", user=user)
             raise NotFound(f"unknown sampling session {sampling_session_id!r}")
-        return self.sampling_sessions[sampling_session_id]
+        if self.snapshots.use(sampling_session_id) is not None:  # idle too long: evicted now
+            self._forget_snapshots([sampling_session_id])
+            self.ended.check(sampling_session_id, kind="sampling session", user=user)
+        self._seen(sampling.session_id)
+        return sampling
+
+    def _seen(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_seen = time.monotonic()
+
+    # -- per-user limits (429 naming the setting) ---------------------------------------------
+
+    def check_room(self, user: User, *, kind: str) -> None:
+        """429 if `user` holds as many `kind`s ('sessions', 'models', 'sampling sessions') as
+        its limit allows."""
+        held = {
+            "sessions": lambda: self.sessions.values(),
+            "models": lambda: self.models.values(),
+            "sampling sessions": lambda: self.sampling_sessions.values(),
+        }[kind]()
+        owner_of = {"sessions": lambda x: x.user}.get(kind, lambda x: x.owner)
+        setting = "max_" + kind.replace(" ", "_") + "_per_user"
+        limit = getattr(self.config, setting)
+        if sum(1 for item in held if owner_of(item) == user.name) >= limit:
+            raise TooManyRequests(
+                f"user {user.name!r} holds {limit} live {kind}, its limit "
+                f"(--{setting.replace('_', '-')}); finish or release some first"
+            )
 
     def base_model(self, name: str) -> BaseModel:
         """The served base model `name` names (404 naming the served ones otherwise)."""
@@ -299,6 +390,17 @@ class TemperServer(Configurable):
 
     def served_names(self) -> str:
         return ", ".join(model.name for model in self.base_models)
+
+    def check_queue_room(self, user: User) -> None:
+        """429 (which the SDK retries) if `user` has as many unfinished requests as its
+        limit allows."""
+        limit = self.config.max_queued_requests_per_user
+        if self.scheduler.queued(user.name) >= limit:
+            raise TooManyRequests(
+                f"user {user.name!r} has {limit} unfinished requests, its limit "
+                "(--max-queued-requests-per-user); retry once some finish",
+                retry=True,
+            )
 
     # -- registration -----------------------------------------------------------------------
 
@@ -365,14 +467,26 @@ class TemperServer(Configurable):
 
     def add_sampling_session(self, session_id: str | None, sampling: SamplingSession) -> None:
         self.sampling_sessions[sampling.sampling_session_id] = sampling
-        if session_id in self.sessions:
-            self.sessions[session_id].sampling_session_ids.append(sampling.sampling_session_id)
+        session = self.sessions.get(session_id)
+        if session is not None:
+            ids = session.sampling_session_ids
+            ids.append(sampling.sampling_session_id)
+            if len(ids) > 64 and len(ids) > 2 * len(self.sampling_sessions):
+                # An RL loop takes a snapshot per step: forget the ids already evicted.
+                session.sampling_session_ids = [i for i in ids if i in self.sampling_sessions]
 
     def make_room_for_snapshot(self, served: ServedModel) -> None:
         """Evict the snapshots the retention rules drop before `served` takes one (a live
         one would make the backend copy its sampler at the next weight change)."""
-        for snapshot_id in self.snapshots.make_room(served.model_id):
-            self.sampling_sessions.pop(snapshot_id, None)
+        self._forget_snapshots(self.snapshots.make_room(served.model_id))
+
+    def _forget_snapshots(self, snapshot_ids: list[str]) -> None:
+        """Drop snapshots the retention rules evicted; their ids answer 404 saying why."""
+        for snapshot_id in snapshot_ids:
+            sampling = self.sampling_sessions.pop(snapshot_id, None)
+            if sampling is not None:
+                why = self.snapshots.use(snapshot_id) or "evicted"
+                self.ended.add([snapshot_id], owner=sampling.owner, what=why, gone=False)
 
     def add_snapshot(self, served: ServedModel, sampling: SamplingSession) -> None:
         self.add_sampling_session(served.session_id, sampling)
@@ -381,13 +495,12 @@ class TemperServer(Configurable):
     def sweep(self, *, now: datetime.datetime | None = None) -> list[str]:
         """Delete the checkpoints whose TTL ran out and drop idle snapshots; returns the
         deleted checkpoint paths (the periodic sweep calls this)."""
-        for snapshot_id in self.snapshots.evict_idle():
-            self.sampling_sessions.pop(snapshot_id, None)
+        self._forget_snapshots(self.snapshots.evict_idle())
         self._forget_released(self.memory.release_idle())
         deleted = []
         for path in self.catalog.expiry.expired(at=now or _now()):
             try:
-                self.catalog.delete(str(path))
+                self.catalog.delete(str(path), user=SERVER)
             except NotFound:  # deleted by hand meanwhile
                 self.catalog.expiry.set(path, expires_at=None)
                 continue
@@ -455,7 +568,9 @@ class TemperServer(Configurable):
             for key in keys:
                 self._shared_samplers.pop(key, None)
 
-    def finish_session(self, session_id: str) -> None:
+    def end_session(self, session_id: str, *, why: str) -> None:
+        """Release everything the session holds (checkpoints stay); its ids then answer 410
+        with `why` ('finished by its client', say)."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             return
@@ -464,7 +579,28 @@ class TemperServer(Configurable):
             self.snapshots.drop_model(model_id)
         for sampling_session_id in session.sampling_session_ids:
             self.sampling_sessions.pop(sampling_session_id, None)
+        self.scheduler.drop_scope(session_id)
         self.stability.drop_session(session_id)
+        what = f"session {session_id} {why}"
+        ids = [session_id, *session.model_ids, *session.sampling_session_ids]
+        self.ended.add(ids, owner=session.user, what=what)
+
+    def expire_sessions(self, *, now: float | None = None) -> list[str]:
+        """End the sessions whose client showed no sign of life for `session_timeout_s`;
+        returns their ids."""
+        now = time.monotonic() if now is None else now
+        timeout = self.config.session_timeout_s
+        stale = [
+            session for session in list(self.sessions.values()) if now - session.last_seen > timeout
+        ]
+        for session in stale:
+            idle = now - session.last_seen
+            self.end_session(
+                session.session_id,
+                why=f"expired: no heartbeat for {idle:.0f} s (--session-timeout-s {timeout:g}); "
+                "its checkpoints are kept",
+            )
+        return [session.session_id for session in stale]
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -13,25 +13,42 @@ from tinker import types as tinker_types
 from temper.checkpoint.storage import CheckpointPath
 from temper.server import wire
 from temper.server.catalog import checked, model_id, new_sampling_session_id
+from temper.server.data_bodies import read_forward_backward
 from temper.server.errors import BadRequest
 from temper.server.expiry import check_ttl
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
 from temper.server.scheduler import Answer
+from temper.server.security import CurrentUser
 from temper.server.server import SamplingSession, ServedModel, TemperServer
-from temper.server.validation import check_lora, check_training_data, resolve_provenance
+from temper.server.users import User
+from temper.server.validation import (
+    check_lora,
+    check_training_data,
+    check_user_metadata,
+    resolve_provenance,
+)
 
 
 def training_router(server: TemperServer) -> APIRouter:
     router = APIRouter(prefix="/api/v1")
     scheduler = server.scheduler
 
-    def queue(served: ServedModel, call, *, encode, seq_id: int | None) -> str:
+    def queue(served: ServedModel, call, *, user: User, encode, seq_id: int | None) -> str:
         key = None if seq_id is None else (served.model_id, seq_id)
-        return scheduler.submit(call, encode=encode, queue=served.model_id, key=key)
+        if scheduler.known(key) is None:
+            server.check_queue_room(user)
+        return scheduler.submit(
+            call,
+            encode=encode,
+            owner=served.owner,
+            scope=served.session_id,
+            queue=served.model_id,
+            key=key,
+        )
 
     @router.post("/create_model")
-    async def create_model(body: tinker_types.CreateModelRequest) -> Response:
-        server.session(body.session_id)
+    async def create_model(body: tinker_types.CreateModelRequest, user: CurrentUser) -> Response:
+        session = server.session(body.session_id, user=user)
         base = server.base_models.trainable(body.base_model)
         if body.optimizer_config.type != "adamw":
             raise BadRequest(
@@ -42,6 +59,7 @@ def training_router(server: TemperServer) -> APIRouter:
         full = server.config.fine_tuning == "full"
         if not full:
             check_lora(lora)
+        check_user_metadata(body.user_metadata, route="create_model")
         metadata = {key: str(value) for key, value in (body.user_metadata or {}).items()}
 
         def create() -> tinker_types.CreateModelResponse:
@@ -59,6 +77,7 @@ def training_router(server: TemperServer) -> APIRouter:
                     user_metadata=metadata,
                     run_id=new_id,
                 )
+            server.catalog.set_owner(new_id, session.user)
             served.training = training
             return tinker_types.CreateModelResponse(model_id=new_id)
 
@@ -67,9 +86,12 @@ def training_router(server: TemperServer) -> APIRouter:
             return future_response(scheduler.known(key), model_id=new_id)
         if new_id in server.models:
             raise BadRequest(f"model id {new_id!r} exists already (model_seq_id reused)")
+        server.check_room(user, kind="models")
+        server.check_queue_room(user)
         served = ServedModel(
             model_id=new_id,
             session_id=body.session_id,
+            owner=session.user,
             base=base,
             is_lora=not full,
             lora_rank=None if full else lora.rank,
@@ -78,14 +100,16 @@ def training_router(server: TemperServer) -> APIRouter:
         request_id = scheduler.submit(
             _dropping_on_failure(server, new_id, create),
             encode=json_answer,
+            owner=served.owner,
+            scope=served.session_id,
             queue=new_id,
             key=key,
         )
         return future_response(request_id, model_id=new_id)
 
     @router.post("/get_info")
-    async def get_info(body: tinker_types.GetInfoRequest) -> Response:
-        served = server.model(body.model_id)
+    async def get_info(body: tinker_types.GetInfoRequest, user: CurrentUser) -> Response:
+        served = server.model(body.model_id, user=user)
         base = served.base
         return json_response(
             tinker_types.GetInfoResponse(
@@ -100,11 +124,9 @@ def training_router(server: TemperServer) -> APIRouter:
         )
 
     @router.post("/forward_backward")
-    async def forward_backward(request: Request) -> Response:
-        call = wire.decode_forward_backward(
-            await request.body(), content_encoding=request.headers.get("content-encoding")
-        )
-        served = server.model(call.model_id)
+    async def forward_backward(request: Request, user: CurrentUser) -> Response:
+        call = await read_forward_backward(request)
+        served = server.model(call.model_id, user=user)
         check_training_data(
             call.data,
             loss_fn=call.loss_fn,
@@ -118,16 +140,17 @@ def training_router(server: TemperServer) -> APIRouter:
             verb = training.forward if call.forward_only else training.forward_backward
             return verb(data, call.loss_fn, call.loss_fn_config)
 
-        request_id = queue(served, run, encode=_encode_fwdbwd, seq_id=call.seq_id)
+        request_id = queue(served, run, user=user, encode=_encode_fwdbwd, seq_id=call.seq_id)
         return future_response(request_id, model_id=served.model_id)
 
     @router.post("/optim_step")
-    async def optim_step(body: tinker_types.OptimStepRequest) -> Response:
-        served = server.model(body.model_id)
+    async def optim_step(body: tinker_types.OptimStepRequest, user: CurrentUser) -> Response:
+        served = server.model(body.model_id, user=user)
         params = wire.adam_params(body.optim_params)
         request_id = queue(
             served,
             lambda: server.training(served).optim_step(params),
+            user=user,
             encode=lambda result: json_answer(
                 tinker_types.OptimStepResponse(metrics=result.metrics)
             ),
@@ -136,8 +159,8 @@ def training_router(server: TemperServer) -> APIRouter:
         return future_response(request_id, model_id=served.model_id)
 
     @router.post("/save_weights")
-    async def save_weights(body: tinker_types.SaveWeightsRequest) -> Response:
-        served = server.model(body.model_id)
+    async def save_weights(body: tinker_types.SaveWeightsRequest, user: CurrentUser) -> Response:
+        served = server.model(body.model_id, user=user)
         name = checked(body.path or "", field="checkpoint name")
         target = CheckpointPath(served.model_id, "weights", name)
         if server.catalog.exists(target) and not body.overwrite:
@@ -151,21 +174,22 @@ def training_router(server: TemperServer) -> APIRouter:
         request_id = queue(
             served,
             lambda: server.training(served).save_state(name, overwrite=body.overwrite),
+            user=user,
             encode=saved,
             seq_id=body.seq_id,
         )
         return future_response(request_id, model_id=served.model_id)
 
     @router.post("/load_weights")
-    async def load_weights(body: tinker_types.LoadWeightsRequest) -> Response:
-        path = server.catalog.parse(body.path, kind="weights")
-        run = server.catalog.run(path.run_id)
+    async def load_weights(body: tinker_types.LoadWeightsRequest, user: CurrentUser) -> Response:
+        path = server.catalog.parse(body.path, kind="weights", user=user)
+        run = server.catalog.run(path.run_id, user=user)
         server.base_model(run["base_model"])
         if body.session_id is not None:
-            return _create_from_state(server, body, path_run=run)
+            return _create_from_state(server, body, user=user, path_run=run)
         if body.model_id is None:
             raise BadRequest("load_weights needs model_id (load in place) or session_id")
-        served = server.model(body.model_id)
+        served = server.model(body.model_id, user=user)
         server.check_checkpoint_base(served, run)
 
         def load():
@@ -176,6 +200,7 @@ def training_router(server: TemperServer) -> APIRouter:
         request_id = queue(
             served,
             load,
+            user=user,
             encode=lambda result: json_answer(
                 tinker_types.LoadWeightsResponse(path=result.path, model_id=served.model_id)
             ),
@@ -185,9 +210,9 @@ def training_router(server: TemperServer) -> APIRouter:
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(
-        body: tinker_types.SaveWeightsForSamplerRequest,
+        body: tinker_types.SaveWeightsForSamplerRequest, user: CurrentUser
     ) -> Response:
-        served = server.model(body.model_id)
+        served = server.model(body.model_id, user=user)
         # Snapshots follow the snapshot retention rules; a TTL applies to named checkpoints.
         ttl_seconds = check_ttl(body.ttl_seconds)
         if body.path is not None:
@@ -205,6 +230,7 @@ def training_router(server: TemperServer) -> APIRouter:
             request_id = queue(
                 served,
                 lambda: server.training(served).save_weights_for_sampler(name),
+                user=user,
                 encode=saved,
                 seq_id=body.seq_id,
             )
@@ -218,6 +244,7 @@ def training_router(server: TemperServer) -> APIRouter:
                 model_path=None,
                 lineage=served.model_id,
                 session_id=served.session_id,
+                owner=served.owner,
             )
             server.add_snapshot(served, sampling)
             return json_answer(
@@ -230,9 +257,11 @@ def training_router(server: TemperServer) -> APIRouter:
             server.make_room_for_snapshot(served)
             return server.training(served).save_weights_and_get_sampling_client()
 
+        server.check_room(user, kind="sampling sessions")
         request_id = queue(
             served,
             make_snapshot,
+            user=user,
             encode=snapshot,
             seq_id=body.seq_id,
         )
@@ -246,10 +275,10 @@ def _encode_fwdbwd(result):
 
 
 def _create_from_state(
-    server: TemperServer, body: tinker_types.LoadWeightsRequest, *, path_run: dict
+    server: TemperServer, body: tinker_types.LoadWeightsRequest, *, user: User, path_run: dict
 ) -> Response:
     """Create-via-load: a new model whose first request loads the checkpoint."""
-    server.session(body.session_id)
+    session = server.session(body.session_id, user=user)
     if body.model_seq_id is None:
         raise BadRequest("load_weights with session_id needs model_seq_id")
     new_id = model_id(body.session_id, body.model_seq_id)
@@ -258,10 +287,13 @@ def _create_from_state(
         return future_response(server.scheduler.known(key), model_id=new_id)
     if new_id in server.models:
         raise BadRequest(f"model id {new_id!r} exists already (model_seq_id reused)")
+    server.check_room(user, kind="models")
+    server.check_queue_room(user)
     lora = path_run.get("lora")
     served = ServedModel(
         model_id=new_id,
         session_id=body.session_id,
+        owner=session.user,
         base=server.base_models.trainable(path_run["base_model"]),
         is_lora=lora is not None,
         lora_rank=None if lora is None else lora["rank"],
@@ -276,10 +308,16 @@ def _create_from_state(
             else backend.create_training_client_from_state
         )
         served.training = create_from(body.path, run_id=new_id)
+        server.catalog.set_owner(new_id, session.user)
         return tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id)
 
     request_id = server.scheduler.submit(
-        _dropping_on_failure(server, new_id, create), encode=json_answer, queue=new_id, key=key
+        _dropping_on_failure(server, new_id, create),
+        encode=json_answer,
+        owner=served.owner,
+        scope=served.session_id,
+        queue=new_id,
+        key=key,
     )
     return future_response(request_id, model_id=new_id)
 

@@ -24,6 +24,12 @@ from temper.server.wire import ForwardBackwardCall, SampleCall
 from temper.trainer.inputs import prepare
 
 MAX_NUM_SAMPLES = 4096
+MAX_TAGS = 64
+"""Most tags a session carries."""
+MAX_METADATA_ENTRIES = 64
+"""Most user_metadata entries a session or model carries."""
+MAX_LABEL_CHARS = 1024
+"""Longest tag, and longest user_metadata key or value (as text)."""
 
 
 def check_training_data(
@@ -153,3 +159,37 @@ def check_lora(config: tinker_types.LoraConfig) -> None:
         )
     except (TypeError, ValueError) as error:
         raise BadRequest(f"create_model: lora_config: {error}") from None
+
+
+def check_tags(tags: Sequence[str], *, route: str) -> None:
+    """At most MAX_TAGS tags of at most MAX_LABEL_CHARS characters each."""
+    if len(tags) > MAX_TAGS:
+        raise BadRequest(f"{route}: tags has {len(tags)} entries; at most {MAX_TAGS} are allowed")
+    for index, tag in enumerate(tags):
+        if len(tag) > MAX_LABEL_CHARS:
+            raise BadRequest(
+                f"{route}: tags[{index}] has {len(tag)} characters; at most {MAX_LABEL_CHARS}"
+            )
+
+
+def check_user_metadata(metadata: Mapping[str, object] | None, *, route: str) -> None:
+    """At most MAX_METADATA_ENTRIES entries; each key and value (as text, the way it is
+    stored) at most MAX_LABEL_CHARS characters."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise BadRequest(
+            f"{route}: user_metadata has {len(metadata)} entries; at most "
+            f"{MAX_METADATA_ENTRIES} are allowed"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_LABEL_CHARS:
+            raise BadRequest(
+                f"{route}: user_metadata key {key[:40]!r}... has {len(key)} characters; at "
+                f"most {MAX_LABEL_CHARS}"
+            )
+        if len(text := str(value)) > MAX_LABEL_CHARS:
+            raise BadRequest(
+                f"{route}: user_metadata[{key!r}] has {len(text)} characters as text; at most "
+                f"{MAX_LABEL_CHARS}"
+            )

@@ -16,6 +16,7 @@ empty top-k cell is token 0 with logprob -99999.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from temper.api.types import (
     TopkLogprobs,
 )
 from temper.server.errors import BadRequest
+from temper.server.proto_slices import merge_in_slices
 from temper.server.provenance import Provenance, Span
 from temper.server.target_wire import decode_targets, encode_target_logprobs
 
@@ -47,6 +49,12 @@ _OUTPUT_DTYPES = {"float32": (np.float32, pb.DTYPE_FLOAT32), "int64": (np.int64,
 _EMPTY_TOPK = (0, -99999.0)
 MAX_BODY_BYTES = 1 << 30
 """Largest forward_backward body after zstd decompression (a small body may expand hugely)."""
+MAX_DATUMS = 65536
+"""Most datums one forward_backward request may carry (the SDK sends at most 1024 a request)."""
+MAX_STOPS = 64
+"""Most stop strings, or stop token ids, a sample request may give."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string."""
 MAX_SPARSE_VALUES = 1 << 22
 """Most values a sparse CSR loss input may expand to: its shape is not bounded by the body's
 size. Loss inputs hold one value per token ([T], T <= max_seq_len) or, for top-K
@@ -83,19 +91,16 @@ class SampleCall:
 # -- forward_backward: protobuf in, protobuf out ----------------------------------------------
 
 
-def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> ForwardBackwardCall:
+def decode_forward_backward(
+    body: bytes | bytearray | memoryview, *, content_encoding: str | None
+) -> ForwardBackwardCall:
+    """The call a forward_backward body asks for. Safe to run on a worker thread: the body is
+    parsed a slice at a time (proto_slices.py), so the event loop gets its turns."""
     if content_encoding == "zstd":
         body = _decompressed(body)
     elif content_encoding not in (None, "", "identity"):
         raise BadRequest(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
-    message = pb.ForwardBackwardRequest()
-    try:
-        message.ParseFromString(body)
-    except Exception as error:  # protobuf's DecodeError, and anything a fuzzed body triggers
-        raise BadRequest(
-            f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf "
-            f"({type(error).__name__}: {error})"
-        ) from None
+    message = _parsed(body)
     if not message.model_id:
         raise BadRequest("forward_backward: model_id is missing")
     config: dict[str, float | str] = dict(message.loss_fn_config)
@@ -114,7 +119,26 @@ def decode_forward_backward(body: bytes, *, content_encoding: str | None) -> For
     )
 
 
-def _decompressed(body: bytes) -> bytes:
+def _parsed(body: bytes | bytearray | memoryview) -> pb.ForwardBackwardRequest:
+    message = pb.ForwardBackwardRequest()
+    try:
+        for _ in merge_in_slices(message, body):
+            if len(message.data) > MAX_DATUMS:
+                break
+    except Exception as error:  # protobuf's DecodeError, and anything a fuzzed body triggers
+        raise BadRequest(
+            f"forward_backward body is not a tinker_public.ForwardBackwardRequest protobuf "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    if len(message.data) > MAX_DATUMS:
+        raise BadRequest(
+            f"forward_backward: more than {MAX_DATUMS} datums; one request carries at most "
+            f"{MAX_DATUMS} (split the batch)"
+        )
+    return message
+
+
+def _decompressed(body: bytes | bytearray | memoryview) -> bytes:
     import zstandard
 
     parts, size = [], 0
@@ -277,6 +301,7 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
     prompt = model_input(request.prompt, where="prompt")
     params = request.sampling_params
     stop = params.stop
+    _check_stop(stop)
     try:
         sampling_params = SamplingParams(
             max_tokens=params.max_tokens,
@@ -308,6 +333,22 @@ def decode_sample(request: tinker_types.SampleRequest) -> SampleCall:
         target_prompt_logprobs=None if targets is None else decode_targets(targets),
         target_sparse=targets is not None and targets.sparse_crow_indices is not None,
     )
+
+
+def _check_stop(stop: str | Sequence[str] | Sequence[int] | None) -> None:
+    """Bounded before SamplingParams checks the entries (and echoes the list when one is bad)."""
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(
+            f"sampling_params.stop has {len(stops)} entries; at most {MAX_STOPS} stop strings "
+            "or stop token ids are allowed"
+        )
+    for index, entry in enumerate(stops):
+        if isinstance(entry, str) and len(entry) > MAX_STOP_CHARS:
+            raise BadRequest(
+                f"sampling_params.stop[{index}] has {len(entry)} characters; at most "
+                f"{MAX_STOP_CHARS}"
+            )
 
 
 def model_input(value: tinker_types.ModelInput, *, where: str) -> ModelInput:

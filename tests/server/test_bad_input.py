@@ -341,7 +341,7 @@ def test_bad_lora_configs_are_refused_before_anything_is_queued(server, model_di
     post(server, f"sessions/{session}/finish")
 
 
-def test_requests_after_the_session_closed_are_404(server, model_dir):
+def test_requests_after_the_session_closed_are_410_saying_so(server, model_dir):
     session = raw_session(server)
     created = post(server, "create_model", json=create_model_body(session, model_dir, 0))
     model_id = created.json()["model_id"]
@@ -349,25 +349,29 @@ def test_requests_after_the_session_closed_are_404(server, model_dir):
     assert post(server, f"sessions/{session}/finish").status_code == 204
 
     adam = {"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}
-    unknown_model = f"unknown model id {model_id!r}"
-    assert_user_error(post(server, "optim_step", json=adam), 404, unknown_model)
+    finished = f"session {session} was finished by its client"
+    assert_user_error(post(server, "optim_step", json=adam), 410, finished)
     assert_user_error(
         post(server, "forward_backward", content=fwdbwd(model_id, [1, 2, 3]), headers=PROTOBUF),
-        404,
-        unknown_model,
+        410,
+        f"model id {model_id!r} is gone: {finished}",
     )
-    assert_user_error(post(server, "get_info", json={"model_id": model_id}), 404, unknown_model)
+    assert_user_error(post(server, "get_info", json={"model_id": model_id}), 410, finished)
     assert_user_error(
-        post(server, "asample", json=sample_body(sampling)), 404, "unknown sampling session"
+        post(server, "asample", json=sample_body(sampling)),
+        410,
+        f"sampling session {sampling!r} is gone: {finished}",
     )
     assert_user_error(
         post(server, "create_model", json=create_model_body(session, model_dir, 1)),
-        404,
-        f"unknown session {session!r}",
+        410,
+        f"session {session!r} is gone: {finished}",
     )
     heartbeat = post(server, "session_heartbeat", json={"session_id": session})
     assert heartbeat.status_code == 410 and heartbeat.json()["category"] == "user"
     assert post(server, f"sessions/{session}/finish").status_code == 204  # twice is fine
+    never = "sess-0000000000000000"
+    assert_user_error(post(server, f"sessions/{never}/finish"), 404, "unknown session")
     assert httpx.get(f"{server.base_url}/api/v1/healthz", headers={"X-API-Key": API_KEY}).is_success
 
 

@@ -162,7 +162,7 @@ def test_checkpoints_load_after_a_restart(model_dir, tmp_path):
 
 
 def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path):
-    with pytest.raises(RuntimeError, match="requires --api-key"):
+    with pytest.raises(RuntimeError, match="requires --key-file FILE"):
         start_server(model_dir, tmp_path / "s", tmp_path / "nokey.log", host="0.0.0.0")
     guarded = start_server(
         model_dir,
@@ -179,8 +179,9 @@ def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path)
             f"{guarded.base_url}/api/v1/client/config", headers={"X-API-Key": "tml-wrong-key-99"}
         )
         assert wrong.status_code == 401 and wrong.json()["category"] == "user"
-        missing = httpx.get(f"{guarded.base_url}/api/v1/healthz")
+        missing = httpx.get(f"{guarded.base_url}/api/v1/training_runs")
         assert missing.status_code == 401
+        assert httpx.get(f"{guarded.base_url}/api/v1/healthz").is_success  # probes need no key
         for path in ("asample", "retrieve_future"):  # plain routes check the key themselves
             lean = httpx.post(f"{guarded.base_url}/api/v1/{path}", json={"request_id": "x"})
             assert lean.status_code == 401 and lean.json()["category"] == "user"

@@ -36,8 +36,9 @@ def test_sessions_are_listed_and_described(server, model_dir):
     assert described.display_name == "dpo run"
 
     service.close("success").result()
-    with pytest.raises(tinker.NotFoundError, match="unknown session"):
+    with pytest.raises(tinker.APIStatusError, match="was finished by its client") as gone:
         rest.get_session(session_id).result()
+    assert gone.value.status_code == 410
     with pytest.raises(tinker.BadRequestError, match=r"limit must be in 1\.\.1000"):
         rest.list_sessions(limit=0).result()
     later.close("success").result()

@@ -83,10 +83,11 @@ def test_the_budget_counts_the_shared_base_once(model_dir, tmp_path):
     base = load_base_model(str(model_dir), trainable=True, sampler=config.sampler, dtype="float32")
 
     def add(model_id: str, *, rank: int | None) -> None:
-        server.sessions.setdefault("s", Session(session_id="s"))
+        server.sessions.setdefault("s", Session(session_id="s", user="default"))
         served = ServedModel(
             model_id=model_id,
             session_id="s",
+            owner="default",
             base=server.base_models.first,
             is_lora=rank is not None,
             lora_rank=rank,
@@ -115,11 +116,11 @@ def test_a_sharded_trainer_counts_a_base_per_lora_model(model_dir, tmp_path):
         model=[str(model_dir)], storage=str(tmp_path / "storage"), trainer=trainer
     )
     server = TemperServer(config, backend=object())
-    server.sessions["s"] = Session(session_id="s")
+    server.sessions["s"] = Session(session_id="s", user="default")
     base = server.base_models.first
     for model_id in ("a", "b"):
         served = ServedModel(
-            model_id=model_id, session_id="s", base=base, is_lora=True, lora_rank=4
+            model_id=model_id, session_id="s", owner="default", base=base, is_lora=True, lora_rank=4
         )
         server.add_model(served)
     one = base.training_bytes(lora_rank=4, shared_base=False)
