@@ -13,6 +13,7 @@ import tinker
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
 from temper.server.catalog import CheckpointCatalog
+from temper.server.users import SERVER
 from tests.server.conftest import API_KEY, start_server
 
 HOUR = 3600
@@ -50,7 +51,8 @@ def test_ttls_set_at_save_and_later_are_listed_and_kept_on_disk(server, model_di
 
     # What a restarted server reads from the same storage.
     restarted = CheckpointCatalog(CheckpointStorage(server.storage))
-    on_disk = {c.tinker_path: c for c in restarted.checkpoints(training.model_id)}
+    checkpoints = restarted.checkpoints(training.model_id, user=SERVER)
+    on_disk = {c.tinker_path: c for c in checkpoints}
     assert on_disk[weights].expires_at == every[weights].expires_at
     assert on_disk[state].expires_at is None
     service.close("success").result()

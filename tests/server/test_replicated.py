@@ -205,4 +205,4 @@ def test_serve_nproc_refuses_bad_values_and_a_missing_model_before_starting(tmp_
     assert main(["serve", "--model", str(tmp_path / "missing"), "--nproc", "2"]) == 2
     assert "missing" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--nproc", "2", "--host", "0.0.0.0"]) == 2
-    assert "requires --api-key" in capsys.readouterr().err
+    assert "requires --key-file FILE" in capsys.readouterr().err
