@@ -39,9 +39,11 @@ def plain_post(
     handler: Callable[[Body, User], Awaitable[Response]],
     *,
     users: Users,
+    precheck: Callable[[object], None] | None = None,
 ) -> Route:
     """A POST route at `path` that validates its JSON body as `model` and calls
-    `handler(body, user)`."""
+    `handler(body, user)`. `precheck` sees a big body's parsed JSON first, to refuse cheaply
+    what pydantic would spend seconds on (one formatted error per bad item of a long list)."""
 
     async def endpoint(request: Request) -> Response:
         user = user_of(request, users)
@@ -50,7 +52,10 @@ def plain_post(
             if len(raw) <= _DIRECT_JSON_BYTES:
                 body = model.model_validate_json(raw)
             else:  # 3-7x less time on the event loop for big bodies (300k stop strings)
-                body = model.model_validate(json.loads(raw))
+                parsed = json.loads(raw)
+                if precheck is not None:
+                    precheck(parsed)
+                body = model.model_validate(parsed)
         except ValueError as error:  # pydantic's ValidationError is one
             problem = describe(error) if isinstance(error, pydantic.ValidationError) else error
             raise BadRequest(f"malformed request: {problem}") from None

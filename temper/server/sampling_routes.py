@@ -33,7 +33,7 @@ from temper.server.security import CurrentUser
 from temper.server.server import SamplingSession, TemperServer
 from temper.server.stability import SequenceRecord, StabilityStore
 from temper.server.users import User
-from temper.server.validation import check_sample
+from temper.server.validation import check_prompt_json, check_sample
 
 
 def sampling_router(server: TemperServer) -> APIRouter:
@@ -164,7 +164,13 @@ def hot_routes(server: TemperServer) -> list[Route]:
 
     users = server.users
     return [
-        plain_post("/api/v1/asample", tinker_types.SampleRequest, asample, users=users),
+        plain_post(
+            "/api/v1/asample",
+            tinker_types.SampleRequest,
+            asample,
+            users=users,
+            precheck=check_prompt_json,
+        ),
         plain_post(
             "/api/v1/retrieve_future",
             tinker_types.FutureRetrieveRequest,

@@ -161,6 +161,19 @@ def check_lora(config: tinker_types.LoraConfig) -> None:
         raise BadRequest(f"create_model: lora_config: {error}") from None
 
 
+def check_prompt_json(body: object) -> None:
+    """A big asample body's prompt tokens are integers (checked before pydantic, which takes
+    seconds to build and format an error for each of a million bad tokens)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    for index, chunk in enumerate(chunks if isinstance(chunks, list) else []):
+        tokens = chunk.get("tokens") if isinstance(chunk, dict) else None
+        if isinstance(tokens, list) and not all(type(token) is int for token in tokens):
+            raise BadRequest(
+                f"sample: prompt.chunks[{index}].tokens must be a list of integer token ids"
+            )
+
+
 def check_tags(tags: Sequence[str], *, route: str) -> None:
     """At most MAX_TAGS tags of at most MAX_LABEL_CHARS characters each."""
     if len(tags) > MAX_TAGS:

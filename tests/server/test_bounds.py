@@ -119,9 +119,11 @@ def test_huge_bad_json_gets_a_short_answer(server, model_dir):
         400,
         "sampling_params.stop has 300000 entries; at most 64",
     )
-    tokens = sample_body(sampler, tokens=["a"] * 100_000)
+    tokens = sample_body(sampler, tokens=["a"] * 1_000_000)  # refused before pydantic sees it
     assert_small_user_error(
-        post_compact(server, "asample", tokens), 400, "problems: the body is not"
+        post_compact(server, "asample", tokens),
+        400,
+        "prompt.chunks[0].tokens must be a list of integer token ids",
     )
     few = sample_body(sampler, tokens=["a", "b"])
     assert "chunks.0.EncodedTextChunk.tokens.0" in assert_small_user_error(
