@@ -149,8 +149,8 @@ class TemperServer(Configurable):
         """Most unfinished requests one user may have queued (429 beyond; retried by the
         SDK, as the queue drains)."""
         max_body_mb: float = 256.0
-        """Largest request body of forward_backward, forward and asample (413 beyond); other
-        routes take at most 1 MiB."""
+        """Largest request body of forward_backward and forward (413 beyond); asample takes
+        at most 32 MiB (or this, if less), other routes 1 MiB."""
         fine_tuning: Literal["lora", "full"] = "lora"
         """'lora': create_lora_training_client trains LoRA adapters (Tinker); 'full': it
         trains every weight instead (the LoRA config is then ignored)."""
