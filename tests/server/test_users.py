@@ -65,7 +65,7 @@ def alice(team_server, keys, model_dir):
     training.optim_step(ADAM).result()
     state = training.save_state("a1").result().path
     sampler_path = training.save_weights_for_sampler("s1").result().path
-    snapshot = training.save_weights_and_get_sampling_client()
+    snapshot = training.save_weights_and_get_sampling_client().result()
     session = training.model_id.split(":")[0]  # model ids are <session>:train:<n>
     (sampler_id,) = (
         team_server.rest(api_key=key_of["alice"]).get_session(session).result().sampler_ids
@@ -167,7 +167,7 @@ def test_another_users_ids_answer_404_and_change_nothing(team_server, keys, alic
     with pytest.raises(tinker.NotFoundError):
         bob.create_training_client_from_state(alice["state"]).result()
     with pytest.raises(tinker.NotFoundError):
-        bob.create_sampling_client(model_path=alice["sampler_path"]).sample(
+        bob.create_sampling_client(model_path=alice["sampler_path"]).result().sample(
             types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)
         ).result()
     bob.close("success").result()
