@@ -24,36 +24,16 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from server_overhead import start_server
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["TINKER_TELEMETRY"] = "0"
-
-
-def start_server(model_dir: Path, root: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "temper", "serve", "--model", str(model_dir)]
-    command += ["--port", str(port), "--storage", str(root / "storage")]
-    log = (root / "server.log").open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"server did not start: {(root / 'server.log').read_text()}")
 
 
 def poll_health(base_url: str, stop, latencies_ms) -> None:
@@ -157,7 +137,7 @@ def main() -> None:
     try:
         model_dir = root / "models" / "tiny-digits"
         init_model_dir(model_dir, size="tiny", tokenizer="digits", seed=0)
-        process, base_url = start_server(model_dir, root)
+        process, base_url = start_server(model_dir, root / "storage")
         try:
             client = httpx.Client(base_url=f"{base_url}/api/v1", timeout=600)
             empty = {"tags": [], "user_metadata": None, "sdk_version": "bench"}

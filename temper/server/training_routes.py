@@ -77,7 +77,6 @@ def training_router(server: TemperServer) -> APIRouter:
                     user_metadata=metadata,
                     run_id=new_id,
                 )
-            server.catalog.set_owner(new_id, session.user)
             served.training = training
             return tinker_types.CreateModelResponse(model_id=new_id)
 
@@ -96,16 +95,7 @@ def training_router(server: TemperServer) -> APIRouter:
             is_lora=not full,
             lora_rank=None if full else lora.rank,
         )
-        server.add_model(served)
-        request_id = scheduler.submit(
-            _dropping_on_failure(server, new_id, create),
-            encode=json_answer,
-            owner=served.owner,
-            scope=served.session_id,
-            queue=new_id,
-            key=key,
-        )
-        return future_response(request_id, model_id=new_id)
+        return _queue_creation(server, served, create, key=key)
 
     @router.post("/get_info")
     async def get_info(body: tinker_types.GetInfoRequest, user: CurrentUser) -> Response:
@@ -298,7 +288,6 @@ def _create_from_state(
         is_lora=lora is not None,
         lora_rank=None if lora is None else lora["rank"],
     )
-    server.add_model(served)
 
     def create() -> tinker_types.LoadWeightsResponse:
         backend = server.backend
@@ -308,26 +297,31 @@ def _create_from_state(
             else backend.create_training_client_from_state
         )
         served.training = create_from(body.path, run_id=new_id)
-        server.catalog.set_owner(new_id, session.user)
         return tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id)
 
+    return _queue_creation(server, served, create, key=key)
+
+
+def _queue_creation(server: TemperServer, served: ServedModel, create, *, key) -> Response:
+    """Register `served` (counting its memory) and queue `create` as its first request; the
+    run records its owner once created, and a failed creation drops the model again."""
+    server.add_model(served)
+
+    def run():
+        try:
+            result = create()
+        except Exception:
+            server.drop_model(served.model_id)
+            raise
+        server.catalog.set_owner(served.model_id, served.owner)
+        return result
+
     request_id = server.scheduler.submit(
-        _dropping_on_failure(server, new_id, create),
+        run,
         encode=json_answer,
         owner=served.owner,
         scope=served.session_id,
-        queue=new_id,
+        queue=served.model_id,
         key=key,
     )
-    return future_response(request_id, model_id=new_id)
-
-
-def _dropping_on_failure(server: TemperServer, new_id: str, create):
-    def run():
-        try:
-            return create()
-        except Exception:
-            server.drop_model(new_id)
-            raise
-
-    return run
+    return future_response(request_id, model_id=served.model_id)
