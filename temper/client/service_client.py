@@ -24,13 +24,14 @@ from temper.client.sampler_weights import (
     resolve_base_model,
 )
 from temper.client.sampling_client import SamplingClient
-from temper.client.shared_base import SharedBases
+from temper.client.shared_base import SharedBase, SharedBases
 from temper.client.training_client import TrainingClient
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import Generator, GeneratorChoice
+from temper.sampler.multi_lora import MultiLoraSampler
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 
@@ -53,7 +54,10 @@ class ServiceClient:
         trainer: TrainerEngine.Config | None = None,
         sampler: SamplerEngine.Config | None = None,
         generator: GeneratorChoice.Config | None = None,
+        multi_lora: MultiLoraSampler.Config | None = None,
     ) -> None:
+        """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine
+        only); None: its defaults."""
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device={device!r}, but this machine has no CUDA device (or torch was built "
@@ -65,6 +69,7 @@ class ServiceClient:
         self.trainer_config = trainer or TrainerEngine.Config()
         self.sampler_config = sampler or SamplerEngine.Config()
         self.generator_choice = GeneratorChoice(generator or GeneratorChoice.Config())
+        self.multi_lora_config = multi_lora or MultiLoraSampler.Config()
         # LoRA training clients on one base model share its frozen weights (shared_base.py).
         self.shared_bases = SharedBases()
 
@@ -191,6 +196,18 @@ class ServiceClient:
             engine=engine,
             tokenizer=tokenizer,
             shared_base=shared,
+            adapter_sampler=None if shared is None else self._adapter_sampler(shared),
+        )
+
+    def _adapter_sampler(self, shared: SharedBase) -> MultiLoraSampler | None:
+        """The multi-LoRA sampler of `shared`, or None where LoRA snapshots sample merged
+        weights (`multi_lora.enabled` off, or the vLLM backend)."""
+        if not self.multi_lora_config.enabled or self.generator_choice.config.backend != "temper":
+            return None
+        return shared.sampler(
+            lambda model: self.multi_lora_config.build(
+                model=model, tokenizer=shared.tokenizer, engine=self.sampler_config
+            )
         )
 
     def _claim_run(self, run_id: str, info: dict[str, Any]) -> None:

@@ -16,6 +16,10 @@ checkpoints with `trainable_only` (the base is neither saved nor loaded). A shar
 (service_client.py). `SharedBase.check_unchanged` asserts the guard the tests rely on: every
 shared tensor's storage, version counter (bumped by any in-place write) and values.
 
+Their sampling snapshots share one sampler too: `sampler()` builds the base's multi-LoRA
+sampler (sampler/multi_lora.py) on a tree of its own over the same tensors, one KV cache for
+all of them.
+
 The base lives while a client holds its `SharedBase`: the registry keeps it weakly, so
 dropping the last client on a base frees it.
 """
@@ -25,11 +29,13 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from temper.checkpoint.model_source import ModelSource
+from temper.sampler.multi_lora import MultiLoraSampler
 from temper.tokenizer import Tokenizer
 
 
@@ -41,6 +47,16 @@ class SharedBase:
             parameter.requires_grad_(False)
         self._template = model
         self.tokenizer = tokenizer
+        self._sampler: MultiLoraSampler | None = None
+        self._sampler_lock = threading.Lock()
+
+    def sampler(self, make: Callable[[nn.Module], MultiLoraSampler]) -> MultiLoraSampler:
+        """The multi-LoRA sampler every LoRA client of this base samples through, built by
+        `make(model)` on first use (`model`: a plain tree on the shared tensors)."""
+        with self._sampler_lock:
+            if self._sampler is None:
+                self._sampler = make(self.model())
+            return self._sampler
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -35,8 +35,9 @@ from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_n
 from temper.client.sampler_weights import save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
-from temper.client.weight_sync import WeightSync
+from temper.client.weight_sync import AdapterFeed, WeightSync
 from temper.sampler.generator import Generator
+from temper.sampler.multi_lora import MultiLoraSampler
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 
@@ -82,7 +83,11 @@ class TrainingClient:
         engine: TrainerEngine,
         tokenizer: Tokenizer,
         shared_base: SharedBase | None = None,
+        adapter_sampler: MultiLoraSampler | None = None,
     ) -> None:
+        """`adapter_sampler`: the multi-LoRA sampler this LoRA client's snapshots register
+        their adapters on (shared with the other clients of its base); None: merged weights
+        in a sampler of its own."""
         self.service = service
         # The frozen base weights this LoRA client shares with the service's other LoRA
         # clients (shared_base.py), held so they live as long as a client on them; None:
@@ -97,8 +102,11 @@ class TrainingClient:
         # first sample() would take that request alone instead of batching it with the rest.
         self._sampler_worker = Worker(f"temper-{run_id}-sampler")
         self._sampler_worker.submit(lambda: None).result()
+        feed = None
+        if adapter_sampler is not None:
+            feed = AdapterFeed(trainer=engine, sampler=adapter_sampler)
         self._weight_sync = WeightSync(
-            trainer=engine, new_generator=service.new_generator, tokenizer=tokenizer
+            trainer=engine, new_generator=service.new_generator, tokenizer=tokenizer, feed=feed
         )
 
     @property

@@ -2,8 +2,10 @@
 
 A sampling client made by a training client is a `Snapshot` of one version of the trainer's
 weights for as long as it lives. With full fine-tuning Temper's engine reads the trainer's own
-parameters (no copy); with LoRA the adapters are merged into the generator's own copy in
-memory (so is a sharded trainer's gathered weights, or another dtype's, or any vLLM engine's).
+parameters (no copy); a LoRA client on a shared base registers a copy of its adapters on the
+multi-LoRA sampler of that base (`AdapterFeed`); otherwise the weights are merged or gathered
+into the generator's own copy in memory (`MergedFeed`: LoRA on a private base, a sharded
+trainer, another dtype, any vLLM engine).
 
 Copy-on-write keeps older snapshots valid. The lock keeps the trainer from changing weights
 while a generator reads them, and just before the weights change the snapshot of the current
@@ -27,17 +29,65 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 from torch import nn
 
 from temper.client.sampler_weights import sampler_model, sampler_update
 from temper.models.build import materialize
+from temper.models.lora import lora_state_dict
 from temper.sampler.generator import Generator
+from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
+from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 
 NewGenerator = Callable[..., Generator]
 """Builds a generator: `new_generator(model=..., tokenizer=...)` (the service's backend)."""
+
+
+class SamplerFeed(Protocol):
+    """How a trainer's weights reach its generator."""
+
+    def new_sampler(self) -> Generator:
+        """A generator for the trainer's weights (loaded by `update_weights(weights())`)."""
+        ...
+
+    def weights(self) -> WeightUpdate:
+        """What the generator loads for the trainer's current weights."""
+        ...
+
+
+class MergedFeed:
+    """A generator on the trainer's own module (full fine-tuning), or on its own plain copy
+    that takes merged LoRA weights or gathered shards."""
+
+    def __init__(
+        self, *, trainer: TrainerEngine, new_generator: NewGenerator, tokenizer: Tokenizer
+    ) -> None:
+        self._trainer, self._new_generator, self._tokenizer = trainer, new_generator, tokenizer
+
+    def new_sampler(self) -> Generator:
+        model = sampler_model(self._trainer.model, lora=self._trainer.lora)
+        return self._new_generator(model=model, tokenizer=self._tokenizer)
+
+    def weights(self) -> WeightUpdate:
+        return sampler_update(self._trainer.model, lora=self._trainer.lora)
+
+
+class AdapterFeed:
+    """A LoRA trainer's adapters, registered on a multi-LoRA sampler shared with the other
+    clients of its base (sampler/multi_lora.py): a version is a copy of the adapters."""
+
+    def __init__(self, *, trainer: TrainerEngine, sampler: MultiLoraSampler) -> None:
+        assert trainer.lora is not None
+        self._trainer, self._sampler = trainer, sampler
+
+    def new_sampler(self) -> Generator:
+        return AdapterView(self._sampler, config=self._trainer.lora)
+
+    def weights(self) -> WeightUpdate:
+        return lora_state_dict(self._trainer.model)
 
 
 class Snapshot:
@@ -114,11 +164,20 @@ class WeightSync:
     """
 
     def __init__(
-        self, *, trainer: TrainerEngine, new_generator: NewGenerator, tokenizer: Tokenizer
+        self,
+        *,
+        trainer: TrainerEngine,
+        new_generator: NewGenerator,
+        tokenizer: Tokenizer,
+        feed: SamplerFeed | None = None,
     ) -> None:
+        """`feed`: how the weights reach the generator; default `MergedFeed`."""
         self._trainer = trainer
         self._new_generator = new_generator
         self._tokenizer = tokenizer
+        self._feed = feed or MergedFeed(
+            trainer=trainer, new_generator=new_generator, tokenizer=tokenizer
+        )
         # Held while the trainer changes weights and while a generator reads shared weights;
         # `_idle` waits on it for the requests pending on a snapshot about to be retired.
         self._lock = threading.Lock()
@@ -192,12 +251,8 @@ class WeightSync:
             if self._detach(lambda: old_sampler):
                 self._sampler = None
         if self._sampler is None:
-            self._sampler = self._new_generator(
-                model=sampler_model(trainer.model, lora=trainer.lora), tokenizer=self._tokenizer
-            )
-        self._sampler.update_weights(
-            sampler_update(trainer.model, lora=trainer.lora), version=trainer.policy_version
-        )
+            self._sampler = self._feed.new_sampler()
+        self._sampler.update_weights(self._feed.weights(), version=trainer.policy_version)
         self._synced_generation = self._generation
 
     def _retire_current(self) -> None:

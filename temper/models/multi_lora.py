@@ -1,27 +1,32 @@
-"""Several LoRA adapters on one frozen base in one batch: each row picks its adapter.
+"""Several LoRA adapters on one frozen base in one batch: each row picks its adapter slot.
 
-Shapes: B rows, T tokens, D model dim, V vocab, K adapters, R rank (the largest of the
-adapters'; a smaller adapter is zero-padded, and an adapter without a target has zeros there:
-both add exact zeros), I/O a linear's in/out features.
+Shapes: B rows, M positions per row, D model dim, V vocab, K adapter slots, R rank (the
+largest loaded so far; a smaller adapter is zero-padded, and an adapter without a target has
+zeros there: both add exact zeros), U slots used by a batch, N rows per used slot (padded),
+I/O a linear's in/out features.
 
-`apply_multi_lora(model, adapters)` swaps each adapted linear of a plain decoder (whose
-weights may be shared, frozen, with other clients) for a `MultiLoraLinear` holding the K
-adapters stacked, and sets a `MultiLoraUnembedding` as its output adapter; `set_rows(model,
-index_B)` says which adapter each row of the next forwards uses. A linear adds, per row b,
-scale_b * (x_b @ A_b.T) @ B_b.T (a batched gather of the row's A and B), so the base matmul
-runs once for all rows; the unembedding extends both factors of the logit product as
-`LoraUnembedding` does, with every adapter's B side by side and each row's low-rank part in
-its own adapter's columns (zeros elsewhere).
+`install_slots(model)` swaps every adaptable linear of a plain decoder (whose weights may be
+shared, frozen, with other clients) for a `MultiLoraLinear` and sets a `MultiLoraUnembedding`
+as its output adapter; `load_adapter(model, slot, config, tensors)` writes one adapter's
+`lora_state_dict` tensors into a slot (the slot tables grow as needed), and `set_rows(model,
+index)` says which slot each row of the next forwards uses: one int for every row, or a [B]
+tensor. The adapter scale is folded into the slot's B (B' = scale * B).
 
-This is the first piece of issue 19's multi-adapter sampling: a correctness building block
-(tests/models/test_multi_lora.py: a mixed batch equals each adapter's merged model within
-fp32 rounding). The sampler engine does not use it yet; LoRA snapshots still sample on
-merged weights (client/weight_sync.py).
+A per-row forward runs the base matmul once for all rows and the low-rank term grouped by
+slot: the rows of each used slot gathered into one padded group, two batched matmuls over
+the groups (each group with its own A and B'), and the results scattered back; the cost
+grows with the rows and the used slots' ranks, not with the slots loaded. The unembedding
+adds its low-rank logits the same way (`logits`); `augment` (chunked logprobs, one adapter
+for every row) extends both factors of the logit product as `LoraUnembedding` does.
+
+Row indices are thread-local: the sampler's decode shards run row groups on threads.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,141 +36,227 @@ from temper.models.common.decoder import Decoder
 from temper.models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraConfig
 
 
-class _Rows:
-    """The adapter index of each row, shared by every adapted module of one model."""
+@dataclass(frozen=True)
+class _Groups:
+    """How the rows of a per-row batch group by slot."""
+
+    slots_U: torch.Tensor
+    """The used slots, ascending."""
+    dest_B: torch.Tensor
+    """Each row's place in the padded [U * N] group layout."""
+    rows_per_group: int
+    rank: int
+    """The largest rank of the used slots (the factors are cut to it)."""
+
+    @staticmethod
+    def of(index_B: torch.Tensor, *, ranks: dict[int, int]) -> _Groups:
+        slots_U, group_B, counts_U = torch.unique(index_B, return_inverse=True, return_counts=True)
+        order_B = torch.argsort(group_B, stable=True)
+        starts_U = torch.cumsum(counts_U, 0) - counts_U
+        rank_in_group_B = torch.empty_like(order_B)
+        rank_in_group_B[order_B] = torch.arange(len(order_B), device=index_B.device)
+        rank_in_group_B -= starts_U[group_B]
+        rows_per_group = int(counts_U.max())
+        rank = max(ranks.get(slot, 0) for slot in slots_U.tolist())
+        dest_B = group_B * rows_per_group + rank_in_group_B
+        return _Groups(slots_U, dest_B, rows_per_group, rank)
+
+    def low_rank(
+        self, x_BMI: torch.Tensor, lora_A_KRI: torch.Tensor, lora_B_KRO: torch.Tensor
+    ) -> torch.Tensor:
+        """Row b's (x_b @ A_k.T) @ B'_k.T for its slot k: [B, M, O]."""
+        _, positions, in_features = x_BMI.shape
+        num_used, width = len(self.slots_U), self.rows_per_group
+        grouped = x_BMI.new_zeros(num_used * width, positions, in_features)
+        grouped[self.dest_B] = x_BMI
+        grouped_UXI = grouped.view(num_used, width * positions, in_features)
+        rank = self.rank
+        if num_used == lora_A_KRI.shape[0]:  # every slot used: no gather of the factors
+            lora_A_URI, lora_B_URO = lora_A_KRI[:, :rank], lora_B_KRO[:, :rank]
+        else:
+            lora_A_URI = lora_A_KRI[self.slots_U, :rank]
+            lora_B_URO = lora_B_KRO[self.slots_U, :rank]
+        low_UXR = torch.bmm(grouped_UXI, lora_A_URI.transpose(1, 2))
+        out_UXO = torch.bmm(low_UXR, lora_B_URO)
+        return out_UXO.view(num_used * width, positions, -1)[self.dest_B]
+
+
+class AdapterRows:
+    """The slot of each row, shared by every adapted module of one model (per thread)."""
 
     def __init__(self) -> None:
-        self.index_B: torch.Tensor | None = None
+        self._local = threading.local()
+        self.ranks: dict[int, int] = {}
+        """The rank of the adapter in each loaded slot."""
 
-    def get(self) -> torch.Tensor:
-        if self.index_B is None:
-            raise RuntimeError("multi-LoRA model: call set_rows(model, index_B) before a forward")
-        return self.index_B
+    def set(self, index: int | torch.Tensor) -> None:
+        local = self._local
+        local.index = index
+        local.groups = None if isinstance(index, int) else _Groups.of(index, ranks=self.ranks)
+
+    def uniform(self) -> int | None:
+        """The one slot of every row, or None when rows differ."""
+        index = getattr(self._local, "index", None)
+        if index is None:
+            raise RuntimeError("multi-LoRA model: call set_rows(model, index) before a forward")
+        return index if isinstance(index, int) else None
+
+    def groups(self) -> _Groups:
+        return self._local.groups
 
 
-def _stack(
-    adapters: Sequence[tuple[LoraConfig, Mapping[str, torch.Tensor]]],
-    name: str,
-    *,
-    in_features: int,
-    out_features: int,
-    like: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(A [K, R, I], B [K, O, R], scale [K]) of target `name`, zero-padded to the largest rank."""
-    rank = max(config.rank for config, _ in adapters)
-    lora_A_KRI = like.new_zeros(len(adapters), rank, in_features)
-    lora_B_KOR = like.new_zeros(len(adapters), out_features, rank)
-    scale_K = torch.zeros(len(adapters), dtype=like.dtype, device=like.device)
-    for k, (config, tensors) in enumerate(adapters):
-        if f"{name}.lora_A" not in tensors:
-            continue  # this adapter leaves the target alone: zeros
-        lora_A_KRI[k, : config.rank] = tensors[f"{name}.lora_A"]
-        lora_B_KOR[k, :, : config.rank] = tensors[f"{name}.lora_B"]
-        scale_K[k] = config.alpha / config.rank
-    return lora_A_KRI, lora_B_KOR, scale_K
+class _Slots(nn.Module):
+    """K slots of one target's factors: A [K, R, I] and B'.T = (scale * B).T [K, R, O]
+    (rank-major, so cutting to a smaller rank leaves each slot's factors contiguous)."""
+
+    def __init__(self, *, in_features: int, out_features: int, like: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("lora_A_KRI", like.new_zeros(0, 0, in_features), persistent=False)
+        self.register_buffer("lora_B_KRO", like.new_zeros(0, 0, out_features), persistent=False)
+
+    def grow(self, *, num_slots: int, rank: int) -> None:
+        """At least `num_slots` slots of rank `rank` (zeros added; loaded slots kept)."""
+        old_K, old_R = self.lora_A_KRI.shape[:2]
+        if num_slots <= old_K and rank <= old_R:
+            return
+        num_slots, rank = max(num_slots, old_K), max(rank, old_R)
+        lora_A = self.lora_A_KRI.new_zeros(num_slots, rank, self.in_features)
+        lora_B = self.lora_B_KRO.new_zeros(num_slots, rank, self.out_features)
+        lora_A[:old_K, :old_R] = self.lora_A_KRI
+        lora_B[:old_K, :old_R] = self.lora_B_KRO
+        self.lora_A_KRI, self.lora_B_KRO = lora_A, lora_B
+
+    @torch.no_grad()
+    def load(self, slot: int, *, tensors: tuple[torch.Tensor, torch.Tensor] | None, scale: float):
+        self.lora_A_KRI[slot].zero_()
+        self.lora_B_KRO[slot].zero_()
+        if tensors is None:
+            return  # the adapter leaves this target alone
+        lora_A_RI, lora_B_OR = tensors
+        rank = lora_A_RI.shape[0]
+        self.lora_A_KRI[slot, :rank] = lora_A_RI
+        # B' = scale * B, formed in fp32 as merged weights are.
+        self.lora_B_KRO[slot, :rank] = (lora_B_OR.float() * scale).T
+
+    def low_rank(self, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor | None:
+        """The low-rank term of `x` [B, ..., I] (None while no slot is loaded)."""
+        if self.lora_A_KRI.shape[1] == 0:
+            return None
+        slot = rows.uniform()
+        if slot is not None:
+            rank = rows.ranks.get(slot, 0)
+            return F.linear(x, self.lora_A_KRI[slot, :rank]) @ self.lora_B_KRO[slot, :rank]
+        x_BMI = x.reshape(x.shape[0], -1, x.shape[-1])
+        out_BMO = rows.groups().low_rank(x_BMI, self.lora_A_KRI, self.lora_B_KRO)
+        return out_BMO.view(*x.shape[:-1], -1)
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen linear plus, per row, its adapter's scale * B @ A."""
+    """A frozen linear plus, per row, its slot's B' @ A."""
 
-    def __init__(
-        self,
-        base: nn.Linear,
-        *,
-        lora_A_KRI: torch.Tensor,
-        lora_B_KOR: torch.Tensor,
-        scale_K: torch.Tensor,
-        rows: _Rows,
-    ) -> None:
+    def __init__(self, base: nn.Linear, *, rows: AdapterRows) -> None:
         super().__init__()
         self.weight, self.bias = base.weight, base.bias
-        self.register_buffer("lora_A_KRI", lora_A_KRI, persistent=False)
-        self.register_buffer("lora_B_KOR", lora_B_KOR, persistent=False)
-        self.register_buffer("scale_K", scale_K, persistent=False)
+        self.slots = _Slots(
+            in_features=base.in_features, out_features=base.out_features, like=base.weight
+        )
         self.rows = rows
 
-    def forward(self, x_BxI: torch.Tensor) -> torch.Tensor:
-        index_B = self.rows.get()
-        low_BxR = torch.einsum("b...i,bri->b...r", x_BxI, self.lora_A_KRI[index_B])
-        low_BxR = low_BxR * self.scale_K[index_B].view(-1, *[1] * (x_BxI.ndim - 1))
-        delta_BxO = torch.einsum("b...r,bor->b...o", low_BxR, self.lora_B_KOR[index_B])
-        return F.linear(x_BxI, self.weight, self.bias) + delta_BxO
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        delta = self.slots.low_rank(x, self.rows)
+        return out if delta is None else out + delta
 
 
 class MultiLoraUnembedding(nn.Module):
-    """Per-row LoRA on the unembedding, by extending both factors of the logit product."""
+    """Per-row LoRA on the unembedding."""
 
-    def __init__(
-        self,
-        *,
-        lora_A_KRD: torch.Tensor,
-        lora_B_KVR: torch.Tensor,
-        scale_K: torch.Tensor,
-        rows: _Rows,
-    ) -> None:
+    def __init__(self, *, dim: int, vocab_size: int, like: torch.Tensor, rows: AdapterRows):
         super().__init__()
-        self.register_buffer("lora_A_KRD", lora_A_KRD, persistent=False)
-        self.register_buffer("lora_B_KVR", lora_B_KVR, persistent=False)
-        self.register_buffer("scale_K", scale_K, persistent=False)
+        self.slots = _Slots(in_features=dim, out_features=vocab_size, like=like)
         self.rows = rows
+
+    def logits(self, hidden_BxD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_BxD, weight_VD)
+        delta = self.slots.low_rank(hidden_BxD, self.rows)
+        return logits if delta is None else logits + delta
 
     def augment(
         self, hidden_BxD: torch.Tensor, weight_VD: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden' = [hidden, per adapter k: scale_k * hidden @ A_k.T if the row uses k else
-        0] and weight' = [weight, B_1, ..., B_K]."""
-        index_B = self.rows.get()
-        num_adapters = self.lora_A_KRD.shape[0]
-        low_BxKR = torch.einsum("b...d,krd->b...kr", hidden_BxD, self.lora_A_KRD)
-        pick_BK = F.one_hot(index_B, num_adapters).to(hidden_BxD.dtype) * self.scale_K
-        pick_BxK1 = pick_BK.view(-1, *[1] * (hidden_BxD.ndim - 2), num_adapters, 1)
-        low_BxKR = (low_BxKR * pick_BxK1).flatten(-2)
-        lora_B_VKR = self.lora_B_KVR.permute(1, 0, 2).reshape(weight_VD.shape[0], -1)
-        return torch.cat([hidden_BxD, low_BxKR], -1), torch.cat([weight_VD, lora_B_VKR], -1)
+        """hidden' = [hidden, hidden @ A_k.T], weight' = [weight, B'_k] for the rows' one slot
+        k (chunked logprobs score one adapter's sequences at a time)."""
+        slot = self.rows.uniform()
+        if slot is None:
+            raise ValueError("multi-LoRA unembedding: augment needs one slot for every row")
+        rank = self.rows.ranks.get(slot, 0)
+        if self.slots.lora_A_KRI.shape[1] == 0 or rank == 0:
+            return hidden_BxD, weight_VD
+        low_BxR = F.linear(hidden_BxD, self.slots.lora_A_KRI[slot, :rank])
+        return (
+            torch.cat([hidden_BxD, low_BxR], -1),
+            torch.cat([weight_VD, self.slots.lora_B_KRO[slot, :rank].T], -1),
+        )
+
+
+def _targets(model: Decoder) -> dict[str, _Slots]:
+    return {
+        name.removesuffix(".slots"): module
+        for name, module in model.named_modules()
+        if isinstance(module, _Slots)
+    }
+
+
+def install_slots(model: Decoder) -> None:
+    """Make plain `model` a multi-LoRA model (no slot loaded: it computes the base model);
+    its own weights are only read."""
+    if hasattr(model, "multi_lora_rows"):
+        raise ValueError("install_slots: the model has multi-LoRA slots already")
+    rows = AdapterRows()
+    model.multi_lora_rows = rows
+    for block in model.blocks:
+        targets = [(block.attention, name) for name in ATTENTION_TARGETS]
+        targets += [(block.feed_forward, name) for name in MLP_TARGETS]
+        for parent, name in targets:
+            setattr(parent, name, MultiLoraLinear(getattr(parent, name), rows=rows))
+    vocab_size, dim = model.output_weight_VD.shape
+    model.output_adapter = MultiLoraUnembedding(
+        dim=dim, vocab_size=vocab_size, like=model.output_weight_VD, rows=rows
+    )
+
+
+def load_adapter(
+    model: Decoder, slot: int, *, config: LoraConfig, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Write an adapter (`lora_state_dict` tensors of a model with LoRA `config`) into `slot`."""
+    targets = _targets(model)
+    names = {key.rsplit(".", 1)[0] for key in tensors}
+    unknown = sorted(names - targets.keys())
+    if unknown:
+        raise ValueError(f"load_adapter: the model has no adaptable target {unknown[0]!r}")
+    scale = config.alpha / config.rank
+    model.multi_lora_rows.ranks[slot] = config.rank
+    for name, slots in targets.items():
+        slots.grow(num_slots=slot + 1, rank=config.rank)
+        pair = None
+        if name in names:
+            pair = (tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"])
+        slots.load(slot, tensors=pair, scale=scale)
 
 
 def apply_multi_lora(
     model: Decoder, adapters: Sequence[tuple[LoraConfig, Mapping[str, torch.Tensor]]]
 ) -> None:
-    """Give plain `model` the K `adapters` ((config, `lora_state_dict` tensors) each) in
-    place; its own weights are only read."""
+    """Install slots in plain `model` and load `adapters` into slots 0..K-1."""
     if not adapters:
         raise ValueError("apply_multi_lora: give at least one adapter")
-    rows = _Rows()
-    model.multi_lora_rows = rows
-    any_attn = any(config.train_attn for config, _ in adapters)
-    any_mlp = any(config.train_mlp for config, _ in adapters)
-    for index, block in enumerate(model.blocks):
-        targets = [(block.attention, name) for name in ATTENTION_TARGETS if any_attn]
-        targets += [(block.feed_forward, name) for name in MLP_TARGETS if any_mlp]
-        for parent, name in targets:
-            base = getattr(parent, name)
-            prefix = "attention" if parent is block.attention else "feed_forward"
-            lora_A_KRI, lora_B_KOR, scale_K = _stack(
-                adapters,
-                f"blocks.{index}.{prefix}.{name}",
-                in_features=base.in_features,
-                out_features=base.out_features,
-                like=base.weight,
-            )
-            multi = MultiLoraLinear(
-                base, lora_A_KRI=lora_A_KRI, lora_B_KOR=lora_B_KOR, scale_K=scale_K, rows=rows
-            )
-            setattr(parent, name, multi)
-    if any(config.train_unembed for config, _ in adapters):
-        vocab_size, dim = model.output_weight_VD.shape
-        lora_A_KRD, lora_B_KVR, scale_K = _stack(
-            adapters,
-            "output_adapter",
-            in_features=dim,
-            out_features=vocab_size,
-            like=model.output_weight_VD,
-        )
-        model.output_adapter = MultiLoraUnembedding(
-            lora_A_KRD=lora_A_KRD, lora_B_KVR=lora_B_KVR, scale_K=scale_K, rows=rows
-        )
+    install_slots(model)
+    for slot, (config, tensors) in enumerate(adapters):
+        load_adapter(model, slot, config=config, tensors=tensors)
 
 
-def set_rows(model: Decoder, index_B: torch.Tensor) -> None:
-    """Row b of the next forwards uses adapter index_B[b]."""
-    model.multi_lora_rows.index_B = index_B
+def set_rows(model: Decoder, index: int | torch.Tensor) -> None:
+    """Every row of the next forwards on this thread uses slot `index` (an int), or row b
+    uses slot index[b] (a [B] tensor)."""
+    model.multi_lora_rows.set(index)

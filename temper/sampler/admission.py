@@ -43,6 +43,7 @@ class Admission:
     model: nn.Module
     _entropy: random.Random
     _num_python_rows: int
+    _adapter_rows: Any  # a multi-LoRA model's AdapterRows, else None
     # and the engine's decoding role: _draw_and_record(first_slot, logits_BV)
 
     def _start(self, request: SampleRequest, index: int) -> RequestState:
@@ -115,6 +116,11 @@ class Admission:
         tokens_BT = tokens_BT.to(self.device)
         slots_B = torch.tensor([slot for _, slot in rows], device=self.device)
         model = self.model
+        adapter_rows = self._adapter_rows
+        if adapter_rows is not None:
+            adapter_rows.set(
+                torch.tensor([state.request.adapter for state, _ in rows], device=self.device)
+            )
         hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
         last_B = torch.tensor(lengths, device=self.device) - 1
         last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]
@@ -122,6 +128,8 @@ class Admission:
         for row, (state, _) in enumerate(rows):
             state.first_logits_V = logits_BV[row]
             request, hidden_TD = state.request, hidden_BTD[row, : lengths[row]]
+            if adapter_rows is not None:  # prompt scoring: this row's adapter only
+                adapter_rows.set(request.adapter)
             if request.prompt_logprobs or request.topk_prompt_logprobs:
                 state.prompt_logprobs = prompt_logprobs(model, hidden_TD, tokens_BT[row])
             if request.topk_prompt_logprobs:

@@ -134,6 +134,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self.slots = SlotTable(
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
+        # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
+        self._adapter_rows = getattr(model, "multi_lora_rows", None)
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
@@ -186,6 +188,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     def _build_static_decoder(self) -> StaticDecoder | None:
         if self.config.cuda_graphs == "off" or self.device.type != "cuda":
             return None
+        if self._adapter_rows is not None:
+            return None  # per-row adapter slots are not captured in graphs
         buckets = self.config.graph_batch_sizes or default_buckets(self.config.max_batch)
         return StaticDecoder(model=self.model, cache=self.cache, buckets=buckets, capture=True)
 
@@ -264,6 +268,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
+        if self._adapter_rows is not None:
+            self._adapter_rows.set(self.slots.adapter_S[rows.start : rows.stop])
         hidden_B1D = decoder.hidden_states(
             tokens_B[:, None],
             positions_BT=positions_B[:, None],

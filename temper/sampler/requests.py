@@ -33,6 +33,9 @@ class SampleRequest:
     """Also return the k most likely tokens at each generated position."""
     target_prompt_logprobs: PromptTargets | None = None
     """Also return the logprobs of these token ids at these prompt positions."""
+    adapter: int = 0
+    """The adapter slot this request samples with, on an engine whose model has multi-LoRA
+    slots (models/multi_lora.py; the multi-LoRA sampler sets it); ignored elsewhere."""
 
 
 def sample_seed(request_seed: int, sample_index: int) -> int:

@@ -49,6 +49,8 @@ class SlotTable:
         self.temperature_S = zeros(num_slots, dtype=torch.float32)
         self.top_k_S = zeros(num_slots, dtype=torch.long)
         self.top_p_S = zeros(num_slots, dtype=torch.float32)
+        self.adapter_S = zeros(num_slots, dtype=torch.long)
+        """The adapter slot of a multi-LoRA model each sequence samples with."""
         self.stop_ids_SX = torch.full((num_slots, 1), -1, dtype=torch.long, device=device)
         # Host-side copies of what decides which sampling work a step needs, so the engine
         # can skip it without reading tensors back from the device.
@@ -67,6 +69,7 @@ class SlotTable:
             self.temperature_S,
             self.top_k_S,
             self.top_p_S,
+            self.adapter_S,
         )
 
     @property
@@ -92,6 +95,7 @@ class SlotTable:
             (self.temperature_S, [p.temperature for p in params]),
             (self.top_k_S, [p.top_k for p in params]),
             (self.top_p_S, [p.top_p for p in params]),
+            (self.adapter_S, [owner.state.request.adapter for owner in owners]),
         )
         for tensor_S, values in columns:
             tensor_S[rows] = torch.tensor(values, dtype=tensor_S.dtype)

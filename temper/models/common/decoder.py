@@ -130,7 +130,11 @@ class Decoder(nn.Module):
         return self.output_adapter.augment(hidden_BTD, self.output_weight_VD)
 
     def logits(self, hidden_BTD: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] in the model's dtype from final hidden states."""
+        """Logits [..., V] in the model's dtype from final hidden states. An adapter whose
+        rows differ (multi_lora.py) adds its low-rank logits itself."""
+        adapter_logits = getattr(self.output_adapter, "logits", None)
+        if adapter_logits is not None:
+            return adapter_logits(hidden_BTD, self.output_weight_VD)
         return F.linear(*self.logit_inputs(hidden_BTD))
 
     @torch.no_grad()

@@ -1,0 +1,337 @@
+"""MultiLoraSampler: one engine on a shared base serving many LoRA adapters, rows mixed.
+
+Many LoRA clients of one base model sample through one `SamplerEngine` whose model carries
+adapter slots (models/multi_lora.py): one copy of the base weights and one KV-cache pool for
+all of them, and the requests of different adapters decode in the same batch, each row with
+its own adapter.
+
+- An `Adapter` is one adapter version: its config and a private copy of its tensors in host
+  memory (`store_device`, the CPU by default), made when it is registered and never written
+  afterwards; sampling snapshots hold one each (a few MiB, not a model).
+- Resident slots: the engine's model holds up to `max_resident_adapters` adapters on its
+  device. A batch loads the adapters it needs into free slots, else into the least recently
+  used slots of adapters it does not need (an idle adapter thus goes back to host memory
+  only, where its copy already is). A batch with more adapters than slots runs in rounds.
+- Capacity: at most `max_adapters` adapters are registered at once (live ones; an adapter
+  nobody holds is forgotten); registering one more raises `AdapterCapacityError`, which
+  names the setting (the server answers 429). Memory thus stays bounded; nothing OOMs.
+- Batching: `generate` calls that arrive while the engine decodes (from the sampling workers
+  of different clients) run as the next batch together; each call gets its own results or
+  its own error (a bad request fails only its call).
+
+`AdapterView` is the `Generator` one training client's snapshots use: this sampler plus one
+adapter version. On CPU the engine decodes on the model itself (no fused or packed twin, no
+helper processes: those copy plain weights); on CUDA without graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from temper.api.types import SampleResponse
+from temper.config.configurable import Configurable
+from temper.models.lora import LoraConfig
+from temper.models.multi_lora import install_slots, load_adapter, set_rows
+from temper.sampler.engine import SamplerEngine
+from temper.sampler.requests import SampleRequest
+from temper.sampler.weight_source import WeightUpdate
+from temper.tokenizer import Tokenizer
+
+MIB = 2**20
+
+
+class AdapterCapacityError(RuntimeError):
+    """More live adapters than `MultiLoraSampler.Config.max_adapters`."""
+
+
+@dataclass(frozen=True, eq=False)
+class Adapter:
+    """One adapter version: config and tensors (`lora_state_dict` names), never written."""
+
+    config: LoraConfig
+    tensors: Mapping[str, torch.Tensor]
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(eq=False)
+class _Call:
+    requests: list[SampleRequest]
+    adapter: Adapter
+    results: list[SampleResponse] | None = None
+    error: BaseException | None = None
+
+
+class MultiLoraSampler(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        max_resident_adapters: int = 32
+        """Adapters held on the engine's device at once (slots); a batch with more runs in
+        rounds, and idle ones make room (their copy stays in host memory)."""
+        max_adapters: int = 1024
+        """Adapter versions registered at once (every live LoRA sampling snapshot holds
+        one); one more is refused with a capacity error naming this setting."""
+        store_device: str = "cpu"
+        """Where registered adapters are kept while not resident."""
+        enabled: bool = True
+        """False: each LoRA client samples merged weights in a sampler of its own (a whole
+        copy of the weights and a KV cache each; on CPU a single adapter decodes faster
+        there)."""
+
+        def __post_init__(self) -> None:
+            for name in ("max_resident_adapters", "max_adapters"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"MultiLoraSampler.Config.{name} must be an int >= 1, got {value!r}"
+                    )
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model: nn.Module,
+        tokenizer: Tokenizer | None,
+        engine: SamplerEngine.Config,
+    ) -> None:
+        """`model`: a plain model on the shared base weights (only read); `engine`: the
+        sampler settings, used without the CPU twins and helper processes."""
+        self.config = config
+        install_slots(model)
+        cpu = dataclasses.replace(engine.cpu, packed_linear="off", fused_projections=False)
+        engine = dataclasses.replace(engine, cpu=cpu)
+        # Built directly: a process split would copy plain weights to its helpers.
+        self.engine = SamplerEngine(engine, model=model, tokenizer=tokenizer)
+        self._live: weakref.WeakSet[Adapter] = weakref.WeakSet()
+        self._registry_lock = threading.Lock()
+        self._resident: OrderedDict[int, weakref.ref[Adapter]] = (
+            OrderedDict()
+        )  # slot -> adapter, LRU first
+        self._engine_lock = threading.Lock()  # one batch or score at a time
+        self._queue_lock = threading.Condition()
+        self._queue: list[_Call] = []
+        self._busy = False
+        self.num_loads = 0
+        """Adapters copied into a slot so far."""
+        self.num_batches = 0
+        """Engine batches run so far (each may hold several calls)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def num_adapters(self) -> int:
+        with self._registry_lock:
+            return len(self._live)
+
+    def register(
+        self, *, config: LoraConfig, tensors: Mapping[str, torch.Tensor], version: int
+    ) -> Adapter:
+        """A new adapter version with a private copy of `tensors` (see the module docstring)."""
+        with self._registry_lock:
+            if len(self._live) >= self.config.max_adapters:
+                raise AdapterCapacityError(
+                    f"{len(self._live)} LoRA adapter versions are held (every live sampling "
+                    f"snapshot of a LoRA model holds one), the most this sampler takes "
+                    f"(MultiLoraSampler.Config.max_adapters = {self.config.max_adapters}; "
+                    "temper serve: --multi-lora.max-adapters); drop sampling clients or raise it"
+                )
+            device = self.config.store_device
+            copies = {name: t.detach().to(device, copy=True) for name, t in tensors.items()}
+            adapter = Adapter(config=config, tensors=copies, version=version)
+            self._live.add(adapter)
+            return adapter
+
+    def generate(
+        self, requests: Sequence[SampleRequest], *, adapter: Adapter
+    ) -> list[SampleResponse]:
+        """`requests` sampled with `adapter`, batched with the calls that arrive meanwhile."""
+        call = _Call(requests=list(requests), adapter=adapter)
+        with self._queue_lock:
+            self._queue.append(call)
+            while self._busy and call.results is None and call.error is None:
+                self._queue_lock.wait()
+            if call.results is None and call.error is None:  # lead the next batch
+                self._busy = True
+                calls, self._queue = self._queue, []
+            else:
+                calls = []
+        if calls:
+            try:
+                self._run(calls)
+            finally:
+                with self._queue_lock:
+                    self._busy = False
+                    self._queue_lock.notify_all()
+        if call.error is not None:
+            raise call.error
+        assert call.results is not None
+        return call.results
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, adapter: Adapter, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        with self._engine_lock:
+            (slot,) = self._make_resident([adapter])
+            set_rows(self.engine.model, slot)
+            return self.engine.score(sequences, temperature=temperature)
+
+    def _run(self, calls: list[_Call]) -> None:
+        with self._engine_lock:
+            ready = []
+            for call in calls:  # a bad request fails its own call only
+                try:
+                    call.requests = self.engine.seeded(call.requests)
+                    ready.append(call)
+                except Exception as error:
+                    call.error = error
+            for round_calls in self._rounds(ready):
+                self._run_round(round_calls)
+
+    def _rounds(self, calls: list[_Call]) -> list[list[_Call]]:
+        """Consecutive groups of calls needing at most max_resident_adapters adapters."""
+        rounds: list[list[_Call]] = []
+        adapters: set[int] = set()
+        for call in calls:
+            key = id(call.adapter)
+            if not rounds or (
+                key not in adapters and len(adapters) == self.config.max_resident_adapters
+            ):
+                rounds.append([])
+                adapters = set()
+            rounds[-1].append(call)
+            adapters.add(key)
+        return rounds
+
+    def _run_round(self, calls: list[_Call]) -> None:
+        slots = self._make_resident([call.adapter for call in calls])
+        requests = [
+            dataclasses.replace(request, adapter=slot)
+            for call, slot in zip(calls, slots, strict=True)
+            for request in call.requests
+        ]
+        self.num_batches += 1
+        try:
+            responses = self.engine.generate(requests)
+        except Exception as error:
+            if len(calls) == 1:
+                calls[0].error = error
+                return
+            for call in calls:  # find whose call failed: each alone
+                self._run_round([call])
+            return
+        start = 0
+        for call in calls:
+            call.results = responses[start : start + len(call.requests)]
+            start += len(call.requests)
+
+    def _make_resident(self, adapters: list[Adapter]) -> list[int]:
+        """The slot of each adapter, loading the missing ones (under the engine lock)."""
+        wanted = {id(adapter): adapter for adapter in adapters}
+        slot_of: dict[int, int] = {}
+        for slot, ref in list(self._resident.items()):
+            held = ref()
+            if held is None:
+                del self._resident[slot]  # its adapter was dropped: the slot is free
+            elif id(held) in wanted:
+                slot_of[id(held)] = slot
+                self._resident.move_to_end(slot)
+        for key, adapter in wanted.items():
+            if key in slot_of:
+                continue
+            slot = self._free_slot(keep=set(slot_of.values()))
+            load_adapter(self.engine.model, slot, config=adapter.config, tensors=adapter.tensors)
+            self.num_loads += 1
+            self._resident[slot] = weakref.ref(adapter)
+            slot_of[key] = slot
+        return [slot_of[id(adapter)] for adapter in adapters]
+
+    def _free_slot(self, *, keep: set[int]) -> int:
+        for slot in range(self.config.max_resident_adapters):
+            if slot not in self._resident:
+                return slot
+        for slot in self._resident:  # least recently used first
+            if slot not in keep:
+                del self._resident[slot]
+                return slot
+        raise AssertionError("a round needs at most max_resident_adapters slots")
+
+    def describe(self) -> str:
+        return (
+            f"multi-LoRA sampler: {self.num_adapters} adapters, at most "
+            f"{self.config.max_resident_adapters} resident; {self.engine.describe()}"
+        )
+
+
+class AdapterView:
+    """The `Generator` of one LoRA trainer's snapshots: a shared sampler and one adapter
+    version (replaced, not written, by `update_weights`)."""
+
+    holds_one_version = False
+
+    def __init__(self, sampler: MultiLoraSampler, *, config: LoraConfig) -> None:
+        self.sampler = sampler
+        self.lora = config
+        self.adapter: Adapter | None = None
+
+    @property
+    def model(self) -> None:
+        return None  # it reads its own copy of the adapters, never the trainer's tensors
+
+    @property
+    def version(self) -> int:
+        return 0 if self.adapter is None else self.adapter.version
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sampler.vocab_size
+
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """`source`: the trainer's adapter tensors (`lora_state_dict`)."""
+        if not isinstance(source, Mapping):
+            raise TypeError(
+                "AdapterView.update_weights takes adapter tensors by name, got "
+                f"{type(source).__name__}"
+            )
+        self.adapter = self.sampler.register(config=self.lora, tensors=source, version=version)
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        return self.sampler.generate(requests, adapter=self._current())
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        return self.sampler.score(sequences, adapter=self._current(), temperature=temperature)
+
+    def _current(self) -> Adapter:
+        if self.adapter is None:
+            raise RuntimeError("AdapterView: no adapter yet (update_weights first)")
+        return self.adapter
+
+    def sleep(self) -> None:
+        """Nothing: the engine and its cache are shared with other adapters."""
+
+    def wake_up(self) -> None:
+        """Nothing (see `sleep`)."""
+
+    def describe(self) -> str:
+        size = 0 if self.adapter is None else self.adapter.nbytes
+        return (
+            f"LoRA adapter version {self.version} ({size / MIB:.1f} MiB) on a "
+            f"{self.sampler.describe()}"
+        )
+
+    def close(self) -> None:
+        """Nothing: the shared sampler outlives its views."""
