@@ -102,6 +102,7 @@ class TrainingClient:
         # first sample() would take that request alone instead of batching it with the rest.
         self._sampler_worker = Worker(f"temper-{run_id}-sampler")
         self._sampler_worker.submit(lambda: None).result()
+        self.adapter_sampler = adapter_sampler
         feed = None
         if adapter_sampler is not None:
             feed = AdapterFeed(trainer=engine, sampler=adapter_sampler)

@@ -60,18 +60,22 @@ class BaseModel:
     """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
     served dtype; rank R takes R times this."""
 
-    def training_bytes(self, *, lora_rank: int | None, shared_base: bool = True) -> int:
+    def training_bytes(
+        self, *, lora_rank: int | None, shared_base: bool = True, shared_sampler: bool = False
+    ) -> int:
         """Estimate for one training model: what it trains (every weight for full
         fine-tuning, else its adapters at most) x4 (gradients and AdamW moments), and the
         sampler its snapshots read. A LoRA model's frozen base weights are shared by every
         LoRA model on this base and counted once, as `weights_bytes` (server.py), unless
-        not `shared_base` (a sharded trainer: each model has its own)."""
+        not `shared_base` (a sharded trainer: each model has its own); with `shared_sampler`
+        the base's multi-LoRA sampler is counted there too, and a model adds its adapters."""
         if lora_rank is None:
             return TRAINING_FACTOR * self.weights_bytes + self.sampler_bytes
         own_base = 0 if shared_base else self.weights_bytes
-        return (
-            TRAINING_FACTOR * lora_rank * self.lora_bytes_per_rank + own_base + self.sampler_bytes
-        )
+        adapters = lora_rank * self.lora_bytes_per_rank
+        # A sampling snapshot's adapters, or a merged sampler of its own.
+        sampler = adapters if shared_sampler else self.sampler_bytes
+        return TRAINING_FACTOR * adapters + own_base + sampler
 
 
 class BaseModels:

@@ -16,6 +16,7 @@ created it (users.py); another user's ids answer 404 as if they did not exist.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
+from temper.sampler.multi_lora import MultiLoraSampler
 from temper.server import request_log
 from temper.server.base_models import (
     BaseModel,
@@ -150,6 +152,11 @@ class TemperServer(Configurable):
         generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
         """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
         `generator.vllm`; one process only, not with --nproc)."""
+        multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
+        """LoRA models' sampling (Temper's engine): one sampler per base model serves every
+        LoRA model's snapshots, rows of different adapters in one batch, one KV cache; a
+        snapshot holds a copy of its adapters. Beyond max_adapters live snapshots a new one
+        answers 429 naming the setting."""
 
         def __post_init__(self) -> None:
             if isinstance(self.model, str):  # Config(model="dir"), as before several models
@@ -248,6 +255,7 @@ class TemperServer(Configurable):
                 trainer=config.trainer,
                 sampler=config.sampler,
                 generator=config.generator,
+                multi_lora=config.multi_lora,
             )
         self.backend = backend
         self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)
@@ -366,7 +374,7 @@ class TemperServer(Configurable):
         part, and for the first LoRA model on a base, the base weights they all share."""
         base = served.base
         # A sharded trainer (--nproc) gives every model its own base (client/shared_base.py).
-        shares_base = served.is_lora and self.config.trainer.sharding is None
+        shares_base, shares_sampler = self._shares_base(served), self._shares_sampler(served)
         released = []
         with self._shared_lock:
             users = self._shared_base_users.setdefault(base.name, set())
@@ -375,8 +383,9 @@ class TemperServer(Configurable):
                     released += self.memory.admit(
                         _shared_base_key(base.name),
                         base_model=base.name,
-                        what="base weights its LoRA models share",
-                        num_bytes=base.weights_bytes,
+                        what="base weights (and sampler) its LoRA models share",
+                        # The multi-LoRA sampler reads the same weights: its KV cache more.
+                        num_bytes=base.sampler_bytes if shares_sampler else base.weights_bytes,
                         pinned=True,
                     )
                 released += self.memory.admit(
@@ -384,7 +393,9 @@ class TemperServer(Configurable):
                     base_model=base.name,
                     what=f"training model {served.model_id}",
                     num_bytes=base.training_bytes(
-                        lora_rank=served.lora_rank, shared_base=shares_base
+                        lora_rank=served.lora_rank,
+                        shared_base=shares_base,
+                        shared_sampler=shares_sampler,
                     ),
                     pinned=True,
                 )
@@ -434,8 +445,52 @@ class TemperServer(Configurable):
 
     def make_room_for_snapshot(self, served: ServedModel) -> None:
         """Evict the snapshots the retention rules drop before `served` takes one (a live
-        one would make the backend copy its sampler at the next weight change)."""
+        one would make the backend copy its sampler at the next weight change); on a
+        multi-LoRA sampler, also the least recently used snapshots of the LoRA models on the
+        same base while its adapters are at `--multi-lora.max-adapters` (429 if none is
+        left to evict)."""
         self._forget_snapshots(self.snapshots.make_room(served.model_id))
+        sampler = self._adapter_sampler(served)
+        if sampler is None:
+            return
+        limit = sampler.config.max_adapters
+        reason = (
+            f"evicted to make room on its base model's multi-LoRA sampler (--multi-lora."
+            f"max-adapters {limit} adapter versions; the least recently used goes first)"
+        )
+        with self._shared_lock:
+            models = set(self._shared_base_users.get(served.base.name, ()))
+        while sampler.num_adapters >= limit:
+            evicted = self.snapshots.evict_oldest(models, reason=reason)
+            if evicted is None:
+                raise TooManyRequests(
+                    f"the multi-LoRA sampler of base model {served.base.name!r} holds "
+                    f"{sampler.num_adapters} adapter versions, its limit (--multi-lora."
+                    f"max-adapters {limit}), and none is an older snapshot to evict; raise "
+                    "--multi-lora.max-adapters or finish sessions"
+                )
+            self._forget_snapshots([evicted])
+            if sampler.num_adapters >= limit:
+                gc.collect()  # an adapter in a reference cycle leaves the count only now
+
+    def check_adapter_room(self, served: ServedModel) -> None:
+        """429 before queueing a snapshot that could not get an adapter slot (see
+        `make_room_for_snapshot`)."""
+        sampler = self._adapter_sampler(served)
+        if sampler is None or sampler.num_adapters < sampler.config.max_adapters:
+            return
+        with self._shared_lock:
+            models = set(self._shared_base_users.get(served.base.name, ()))
+        if not self.snapshots.has_snapshots(models):
+            raise TooManyRequests(
+                f"the multi-LoRA sampler of base model {served.base.name!r} holds "
+                f"{sampler.num_adapters} adapter versions, its limit (--multi-lora."
+                f"max-adapters {sampler.config.max_adapters}); raise it or finish sessions"
+            )
+
+    def _adapter_sampler(self, served: ServedModel) -> MultiLoraSampler | None:
+        training = served.training
+        return getattr(training, "adapter_sampler", None) if training is not None else None
 
     def _forget_snapshots(self, snapshot_ids: list[str]) -> None:
         """Drop snapshots the retention rules evicted; their ids answer 404 saying why."""
@@ -447,7 +502,25 @@ class TemperServer(Configurable):
 
     def add_snapshot(self, served: ServedModel, sampling: SamplingSession) -> None:
         self.add_sampling_session(served.session_id, sampling)
-        self.snapshots.add(sampling.sampling_session_id, model_id=served.model_id)
+        copy_bytes = None  # a sampler copy
+        if self._shares_sampler(served):  # its adapters, on the base's multi-LoRA sampler
+            copy_bytes = served.lora_rank * served.base.lora_bytes_per_rank
+        self.snapshots.add(
+            sampling.sampling_session_id, model_id=served.model_id, copy_bytes=copy_bytes
+        )
+
+    def _shares_base(self, served: ServedModel) -> bool:
+        """A LoRA model shares its base's weights (a sharded trainer, --nproc, does not)."""
+        return served.is_lora and self.config.trainer.sharding is None
+
+    def _shares_sampler(self, served: ServedModel) -> bool:
+        """Its snapshots sample on the base's multi-LoRA sampler (sampler/multi_lora.py)."""
+        config = self.config
+        return (
+            self._shares_base(served)
+            and config.multi_lora.enabled
+            and config.generator.backend == "temper"
+        )
 
     def sweep(self, *, now: datetime.datetime | None = None) -> list[str]:
         """Delete the checkpoints whose TTL ran out and drop idle snapshots; returns the

@@ -42,6 +42,7 @@ _REMEMBERED = 10_000
 class _Snapshot:
     model_id: str
     last_used: float
+    copy_bytes: int
 
 
 class SnapshotRetention:
@@ -77,13 +78,21 @@ class SnapshotRetention:
             copies = [sid for sid in self._live if sid not in self._newest.values()]
             copies += [self._newest[model_id]] if model_id in self._newest else []
             copies.sort(key=lambda sid: self._live[sid].last_used)
-            while copies and len(copies) * self.copy_bytes > self.budget_bytes:
+            held = sum(self._live[sid].copy_bytes for sid in copies)
+            while copies and held > self.budget_bytes:
+                held -= self._live[copies[0]].copy_bytes
                 evicted.append(self._evict(copies.pop(0), reason=self._budget_reason()))
             return evicted
 
-    def add(self, snapshot_id: str, *, model_id: str) -> None:
+    def add(self, snapshot_id: str, *, model_id: str, copy_bytes: int | None = None) -> None:
+        """`copy_bytes`: what the snapshot holds once its model's weights change (default
+        `copy_bytes`: a sampler copy; a LoRA snapshot on a multi-LoRA sampler: its adapters)."""
         with self._lock:
-            self._live[snapshot_id] = _Snapshot(model_id=model_id, last_used=self._clock())
+            self._live[snapshot_id] = _Snapshot(
+                model_id=model_id,
+                last_used=self._clock(),
+                copy_bytes=self.copy_bytes if copy_bytes is None else copy_bytes,
+            )
             self._newest[model_id] = snapshot_id
 
     def use(self, snapshot_id: str) -> str | None:
@@ -99,6 +108,19 @@ class SnapshotRetention:
                 return self._gone[snapshot_id]
             snapshot.last_used = now
             return None
+
+    def has_snapshots(self, model_ids: set[str]) -> bool:
+        with self._lock:
+            return any(snap.model_id in model_ids for snap in self._live.values())
+
+    def evict_oldest(self, model_ids: set[str], *, reason: str) -> str | None:
+        """Evict the least recently used snapshot of `model_ids` (None if they have none)."""
+        with self._lock:
+            mine = [sid for sid, snap in self._live.items() if snap.model_id in model_ids]
+            if not mine:
+                return None
+            oldest = min(mine, key=lambda sid: self._live[sid].last_used)
+            return self._evict(oldest, reason=reason)
 
     def evict_idle(self) -> list[str]:
         with self._lock:
@@ -128,9 +150,9 @@ class SnapshotRetention:
     def _budget_reason(self) -> str:
         return (
             f"evicted to fit the snapshot memory budget (--snapshot-memory-mb "
-            f"{self.budget_bytes / MIB:g}; each older snapshot holds a sampler copy of "
-            f"{self.copy_bytes / MIB:.1f} MiB; the least recently used goes first); raise "
-            "--snapshot-memory-mb to keep more"
+            f"{self.budget_bytes / MIB:g}; each older snapshot holds a sampler copy of up to "
+            f"{self.copy_bytes / MIB:.1f} MiB, a LoRA one on the shared sampler its adapters; "
+            "the least recently used goes first); raise --snapshot-memory-mb to keep more"
         )
 
     def _age_reason(self) -> str:

@@ -248,6 +248,7 @@ def training_router(server: TemperServer) -> APIRouter:
             return server.training(served).save_weights_and_get_sampling_client()
 
         server.check_room(user, kind="sampling sessions")
+        server.check_adapter_room(served)
         request_id = queue(
             served,
             make_snapshot,

@@ -96,16 +96,17 @@ def test_the_budget_counts_the_shared_base_once(model_dir, tmp_path):
 
     add("lora-a", rank=4)
     add("lora-b", rank=4)
-    one = base.training_bytes(lora_rank=4)
+    one = base.training_bytes(lora_rank=4, shared_sampler=True)
     held = server.memory.loaded()[base.name]
-    assert held == base.weights_bytes + 2 * one
-    # Adapters (rank 4), their gradients and moments, and the sampler: no base copy.
-    assert one == 4 * 4 * base.lora_bytes_per_rank + base.sampler_bytes
+    # The shared base and the multi-LoRA sampler on it (its weights are the base's).
+    assert held == base.sampler_bytes + 2 * one
+    # Adapters (rank 4), their gradients and moments, and a snapshot's copy: no base copy.
+    assert one == (4 + 1) * 4 * base.lora_bytes_per_rank
     add("full", rank=None)
     assert server.memory.loaded()[base.name] == held + base.training_bytes(lora_rank=None)
     server.drop_model("lora-a")
     server.drop_model("full")
-    assert server.memory.loaded()[base.name] == base.weights_bytes + one
+    assert server.memory.loaded()[base.name] == base.sampler_bytes + one
     server.drop_model("lora-b")
     assert base.name not in server.memory.loaded()
 
@@ -124,5 +125,5 @@ def test_a_sharded_trainer_counts_a_base_per_lora_model(model_dir, tmp_path):
         )
         server.add_model(served)
     one = base.training_bytes(lora_rank=4, shared_base=False)
-    assert one == base.training_bytes(lora_rank=4) + base.weights_bytes
+    assert one == 4 * 4 * base.lora_bytes_per_rank + base.weights_bytes + base.sampler_bytes
     assert server.memory.loaded()[base.name] == 2 * one
