@@ -44,6 +44,7 @@ class Admission:
     _entropy: random.Random
     _num_python_rows: int
     _adapter_rows: Any  # a multi-LoRA model's AdapterRows, else None
+    _one_adapter: int | None  # the slot of every request of the call, if they share one
     # and the engine's decoding role: _draw_and_record(first_slot, logits_BV)
 
     def _start(self, request: SampleRequest, index: int) -> RequestState:
@@ -118,9 +119,9 @@ class Admission:
         model = self.model
         adapter_rows = self._adapter_rows
         if adapter_rows is not None:
-            adapter_rows.set(
-                torch.tensor([state.request.adapter for state, _ in rows], device=self.device)
-            )
+            index = [state.request.adapter for state, _ in rows]
+            one = self._one_adapter
+            adapter_rows.set(one if one is not None else torch.tensor(index, device=self.device))
         hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
         last_B = torch.tensor(lengths, device=self.device) - 1
         last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]

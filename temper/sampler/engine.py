@@ -136,6 +136,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         )
         # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
         self._adapter_rows = getattr(model, "multi_lora_rows", None)
+        self._one_adapter: int | None = None  # the slot of every row of this call, if one
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
         self._static_decoder = self._build_static_decoder()
@@ -200,6 +201,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Run requests to completion with continuous batching; responses in request order.
         On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
         states = [self._start(request, index) for index, request in enumerate(requests)]
+        adapters = {request.adapter for request in requests}
+        self._one_adapter = adapters.pop() if len(adapters) == 1 else None
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
         waiting = deque(states)
@@ -269,7 +272,9 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
         if self._adapter_rows is not None:
-            self._adapter_rows.set(self.slots.adapter_S[rows.start : rows.stop])
+            one = self._one_adapter  # one slot for all: plain matmuls, no grouping
+            index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
+            self._adapter_rows.set(index)
         hidden_B1D = decoder.hidden_states(
             tokens_B[:, None],
             positions_BT=positions_B[:, None],

@@ -84,12 +84,20 @@ class MultiLoraSampler(Configurable):
         one); one more is refused with a capacity error naming this setting."""
         store_device: str = "cpu"
         """Where registered adapters are kept while not resident."""
+        batch_window_s: float = 0.002
+        """A call that finds the engine idle waits this long for calls of other clients to
+        decode with (calls arriving while a batch decodes join the next one anyway)."""
         enabled: bool = True
         """False: each LoRA client samples merged weights in a sampler of its own (a whole
         copy of the weights and a KV cache each; on CPU a single adapter decodes faster
         there)."""
 
         def __post_init__(self) -> None:
+            if not 0 <= self.batch_window_s <= 1:
+                raise ValueError(
+                    "MultiLoraSampler.Config.batch_window_s must be in [0, 1] seconds, got "
+                    f"{self.batch_window_s!r}"
+                )
             for name in ("max_resident_adapters", "max_adapters"):
                 value = getattr(self, name)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -165,6 +173,8 @@ class MultiLoraSampler(Configurable):
                 self._queue_lock.wait()
             if call.results is None and call.error is None:  # lead the next batch
                 self._busy = True
+                if len(self._queue) == 1 and self.config.batch_window_s > 0:
+                    self._queue_lock.wait(self.config.batch_window_s)  # others may come
                 calls, self._queue = self._queue, []
             else:
                 calls = []

@@ -383,7 +383,9 @@ class TemperServer(Configurable):
                     released += self.memory.admit(
                         _shared_base_key(base.name),
                         base_model=base.name,
-                        what="base weights (and sampler) its LoRA models share",
+                        what="base weights and sampler its LoRA models share"
+                        if shares_sampler
+                        else "base weights its LoRA models share",
                         # The multi-LoRA sampler reads the same weights: its KV cache more.
                         num_bytes=base.sampler_bytes if shares_sampler else base.weights_bytes,
                         pinned=True,
