@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -85,8 +86,9 @@ class MultiLoraSampler(Configurable):
         store_device: str = "cpu"
         """Where registered adapters are kept while not resident."""
         batch_window_s: float = 0.002
-        """A call that finds the engine idle waits this long for calls of other clients to
-        decode with (calls arriving while a batch decodes join the next one anyway)."""
+        """A call that finds the engine idle waits for calls of other clients to decode
+        with, while they keep coming within this of each other (at most ten times this;
+        calls arriving while a batch decodes join the next one anyway)."""
         enabled: bool = True
         """False: each LoRA client samples merged weights in a sampler of its own (a whole
         copy of the weights and a KV cache each; on CPU a single adapter decodes faster
@@ -169,12 +171,12 @@ class MultiLoraSampler(Configurable):
         call = _Call(requests=list(requests), adapter=adapter)
         with self._queue_lock:
             self._queue.append(call)
+            self._queue_lock.notify_all()  # a leader gathering callers counts this one
             while self._busy and call.results is None and call.error is None:
                 self._queue_lock.wait()
             if call.results is None and call.error is None:  # lead the next batch
                 self._busy = True
-                if len(self._queue) == 1 and self.config.batch_window_s > 0:
-                    self._queue_lock.wait(self.config.batch_window_s)  # others may come
+                self._gather_callers()
                 calls, self._queue = self._queue, []
             else:
                 calls = []
@@ -189,6 +191,17 @@ class MultiLoraSampler(Configurable):
             raise call.error
         assert call.results is not None
         return call.results
+
+    def _gather_callers(self) -> None:
+        """Wait while other clients' calls keep arriving, each within the batch window of
+        the last, up to ten windows in all (under the queue lock)."""
+        window = self.config.batch_window_s
+        deadline = time.monotonic() + 10 * window
+        while window > 0 and time.monotonic() < deadline:
+            count = len(self._queue)
+            self._queue_lock.wait(min(window, deadline - time.monotonic()))
+            if len(self._queue) == count:
+                return
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, adapter: Adapter, temperature: float = 1.0
