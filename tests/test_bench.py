@@ -82,3 +82,17 @@ def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
     assert case["rl_job_speedup_vs_hf"] > 0
     assert "processes='auto'" in report["rl_job_cpu_config"]
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_multi_lora_reports_memory_and_mixed_speed_per_client_count(tmp_path):
+    flags = ["--clients", "1", "2", "--models", "tiny", "--rounds", "1", "--rank", "2"]
+    flags += ["--total-batch", "4", "--max-tokens", "4", "--seq-len", "32"]
+    report = run_bench("multi_lora.py", *flags, tmp_path=tmp_path)
+    tiny = report["models"]["tiny"]
+    for path in ("shared", "merged"):
+        one, two = tiny[path]
+        assert one["clients"] == 1 and two["clients"] == 2
+        assert one["tokens_per_s"] > 0 and two["marginal_mib_per_client"] is not None
+        assert two["marginal_target_mib"] == round(9 * two["adapter_mib"], 2)
+    assert left_behind(tmp_path) == []
