@@ -16,7 +16,6 @@ created it (users.py); another user's ids answer 404 as if they did not exist.
 from __future__ import annotations
 
 import datetime
-import gc
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
 from temper.sampler.multi_lora import MultiLoraSampler
-from temper.server import request_log
+from temper.server import adapter_room, request_log
 from temper.server.base_models import (
     BaseModel,
     BaseModels,
@@ -153,10 +152,8 @@ class TemperServer(Configurable):
         """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
         `generator.vllm`; one process only, not with --nproc)."""
         multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
-        """LoRA models' sampling (Temper's engine): one sampler per base model serves every
-        LoRA model's snapshots, rows of different adapters in one batch, one KV cache; a
-        snapshot holds a copy of its adapters. Beyond max_adapters live snapshots a new one
-        answers 429 naming the setting."""
+        """One sampler per base model for its LoRA models' snapshots (Temper's engine;
+        adapter_room.py); a snapshot holds a copy of its adapters."""
 
         def __post_init__(self) -> None:
             if isinstance(self.model, str):  # Config(model="dir"), as before several models
@@ -276,7 +273,7 @@ class TemperServer(Configurable):
             else device_memory_bytes(config.device) // 4,
             idle_seconds=config.snapshot_idle_seconds,
         )
-        _log_retention(self.snapshots)
+        self.snapshots.log_settings()
         self._shared_samplers: dict[str, SamplingBackend] = {}
         # The LoRA training models on each base model, which share its weights (counted once).
         self._shared_base_users: dict[str, set[str]] = {}
@@ -320,7 +317,7 @@ class TemperServer(Configurable):
             self.ended.check(sampling_session_id, kind="sampling session", user=user)
             raise NotFound(f"unknown sampling session {sampling_session_id!r}")
         if self.snapshots.use(sampling_session_id) is not None:  # idle too long: evicted now
-            self._forget_snapshots([sampling_session_id])
+            self.forget_snapshots([sampling_session_id])
             self.ended.check(sampling_session_id, kind="sampling session", user=user)
         self._seen(sampling.session_id)
         return sampling
@@ -374,7 +371,8 @@ class TemperServer(Configurable):
         part, and for the first LoRA model on a base, the base weights they all share."""
         base = served.base
         # A sharded trainer (--nproc) gives every model its own base (client/shared_base.py).
-        shares_base, shares_sampler = self._shares_base(served), self._shares_sampler(served)
+        shares_base = adapter_room.shares_base(self.config, served)
+        shares_sampler = adapter_room.shares_sampler(self.config, served)
         released = []
         with self._shared_lock:
             users = self._shared_base_users.setdefault(base.name, set())
@@ -447,54 +445,16 @@ class TemperServer(Configurable):
 
     def make_room_for_snapshot(self, served: ServedModel) -> None:
         """Evict the snapshots the retention rules drop before `served` takes one (a live
-        one would make the backend copy its sampler at the next weight change); on a
-        multi-LoRA sampler, also the least recently used snapshots of the LoRA models on the
-        same base while its adapters are at `--multi-lora.max-adapters` (429 if none is
-        left to evict)."""
-        self._forget_snapshots(self.snapshots.make_room(served.model_id))
-        sampler = self._adapter_sampler(served)
-        if sampler is None:
-            return
-        limit = sampler.config.max_adapters
-        reason = (
-            f"evicted to make room on its base model's multi-LoRA sampler (--multi-lora."
-            f"max-adapters {limit} adapter versions; the least recently used goes first)"
-        )
+        one would make the backend copy its sampler at the next weight change), and on a
+        multi-LoRA sampler those that make room for its adapters (adapter_room.py)."""
+        self.forget_snapshots(self.snapshots.make_room(served.model_id))
+        adapter_room.make_room(self, served)
+
+    def lora_models_on(self, base_name: str) -> set[str]:
         with self._shared_lock:
-            models = set(self._shared_base_users.get(served.base.name, ()))
-        while sampler.num_adapters >= limit:
-            evicted = self.snapshots.evict_oldest(models, reason=reason)
-            if evicted is None:
-                raise TooManyRequests(
-                    f"the multi-LoRA sampler of base model {served.base.name!r} holds "
-                    f"{sampler.num_adapters} adapter versions, its limit (--multi-lora."
-                    f"max-adapters {limit}), and none is an older snapshot to evict; raise "
-                    "--multi-lora.max-adapters or finish sessions"
-                )
-            self._forget_snapshots([evicted])
-            if sampler.num_adapters >= limit:
-                gc.collect()  # an adapter in a reference cycle leaves the count only now
+            return set(self._shared_base_users.get(base_name, ()))
 
-    def check_adapter_room(self, served: ServedModel) -> None:
-        """429 before queueing a snapshot that could not get an adapter slot (see
-        `make_room_for_snapshot`)."""
-        sampler = self._adapter_sampler(served)
-        if sampler is None or sampler.num_adapters < sampler.config.max_adapters:
-            return
-        with self._shared_lock:
-            models = set(self._shared_base_users.get(served.base.name, ()))
-        if not self.snapshots.has_snapshots(models):
-            raise TooManyRequests(
-                f"the multi-LoRA sampler of base model {served.base.name!r} holds "
-                f"{sampler.num_adapters} adapter versions, its limit (--multi-lora."
-                f"max-adapters {sampler.config.max_adapters}); raise it or finish sessions"
-            )
-
-    def _adapter_sampler(self, served: ServedModel) -> MultiLoraSampler | None:
-        training = served.training
-        return getattr(training, "adapter_sampler", None) if training is not None else None
-
-    def _forget_snapshots(self, snapshot_ids: list[str]) -> None:
+    def forget_snapshots(self, snapshot_ids: list[str]) -> None:
         """Drop snapshots the retention rules evicted; their ids answer 404 saying why."""
         for snapshot_id in snapshot_ids:
             sampling = self.sampling_sessions.pop(snapshot_id, None)
@@ -504,30 +464,15 @@ class TemperServer(Configurable):
 
     def add_snapshot(self, served: ServedModel, sampling: SamplingSession) -> None:
         self.add_sampling_session(served.session_id, sampling)
-        copy_bytes = None  # a sampler copy
-        if self._shares_sampler(served):  # its adapters, on the base's multi-LoRA sampler
-            copy_bytes = served.lora_rank * served.base.lora_bytes_per_rank
+        copy_bytes = adapter_room.snapshot_bytes(self.config, served)
         self.snapshots.add(
             sampling.sampling_session_id, model_id=served.model_id, copy_bytes=copy_bytes
-        )
-
-    def _shares_base(self, served: ServedModel) -> bool:
-        """A LoRA model shares its base's weights (a sharded trainer, --nproc, does not)."""
-        return served.is_lora and self.config.trainer.sharding is None
-
-    def _shares_sampler(self, served: ServedModel) -> bool:
-        """Its snapshots sample on the base's multi-LoRA sampler (sampler/multi_lora.py)."""
-        config = self.config
-        return (
-            self._shares_base(served)
-            and config.multi_lora.enabled
-            and config.generator.backend == "temper"
         )
 
     def sweep(self, *, now: datetime.datetime | None = None) -> list[str]:
         """Delete the checkpoints whose TTL ran out and drop idle snapshots; returns the
         deleted checkpoint paths (the periodic sweep calls this)."""
-        self._forget_snapshots(self.snapshots.evict_idle())
+        self.forget_snapshots(self.snapshots.evict_idle())
         self._forget_released(self.memory.release_idle())
         deleted = []
         for path in self.catalog.expiry.expired(at=now or _now()):
@@ -644,25 +589,6 @@ class TemperServer(Configurable):
             "snapshot_copy_mib": round(self.snapshots.copy_bytes / MIB, 1),
             "snapshot_memory_mib": round(self.snapshots.budget_bytes / MIB, 1),
         }
-
-
-def _log_retention(snapshots: SnapshotRetention) -> None:
-    copy_mib, budget_mib = snapshots.copy_bytes / MIB, snapshots.budget_bytes / MIB
-    if snapshots.num_copies_in_budget == 0:
-        log.warning(
-            "--snapshot-memory-mb %.0f holds no sampler copy (%.1f MiB each): only each "
-            "model's newest sampling snapshot stays valid (a DPO reference client does not)",
-            budget_mib,
-            copy_mib,
-        )
-    log.info(
-        "sampling snapshots: %.1f MiB per older snapshot, budget %.0f MiB (%d copies), "
-        "idle expiry %g s",
-        copy_mib,
-        budget_mib,
-        snapshots.num_copies_in_budget,
-        snapshots.idle_seconds,
-    )
 
 
 def _shared_base_key(base_model: str) -> str:

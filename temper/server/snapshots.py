@@ -20,6 +20,7 @@ which setting keeps it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from temper.models.build import materialize, parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.sampler.engine import SamplerEngine
 
+log = logging.getLogger("temper.server")
 MIB = 2**20
 _REMEMBERED = 10_000
 """Evicted ids whose reason is kept (oldest forgotten first)."""
@@ -68,6 +70,25 @@ class SnapshotRetention:
     @property
     def num_copies_in_budget(self) -> int:
         return self.budget_bytes // max(self.copy_bytes, 1)
+
+    def log_settings(self) -> None:
+        copy_mib, budget_mib = self.copy_bytes / MIB, self.budget_bytes / MIB
+        if self.num_copies_in_budget == 0:
+            log.warning(
+                "--snapshot-memory-mb %.0f holds no sampler copy (%.1f MiB each): only each "
+                "model's newest sampling snapshot stays valid (a DPO reference client does "
+                "not)",
+                budget_mib,
+                copy_mib,
+            )
+        log.info(
+            "sampling snapshots: %.1f MiB per older snapshot, budget %.0f MiB (%d copies), "
+            "idle expiry %g s",
+            copy_mib,
+            budget_mib,
+            self.num_copies_in_budget,
+            self.idle_seconds,
+        )
 
     def make_room(self, model_id: str) -> list[str]:
         """Before `model_id` takes a snapshot: evict idle snapshots, then the least recently

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath
-from temper.server import wire
+from temper.server import adapter_room, wire
 from temper.server.catalog import checked, model_id, new_sampling_session_id
 from temper.server.data_bodies import read_forward_backward
 from temper.server.errors import BadRequest
@@ -248,7 +248,7 @@ def training_router(server: TemperServer) -> APIRouter:
             return server.training(served).save_weights_and_get_sampling_client()
 
         server.check_room(user, kind="sampling sessions")
-        server.check_adapter_room(served)
+        adapter_room.check_room(server, served)
         request_id = queue(
             served,
             make_snapshot,
