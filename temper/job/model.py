@@ -19,6 +19,7 @@ from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
+from temper.sampler.multi_lora import MultiLoraSampler
 from temper.trainer.engine import TrainerEngine
 
 
@@ -64,6 +65,9 @@ class ModelChoice(Configurable):
             sampler=sampler,
             trainer=trainer,
             generator=generator,
+            # A job trains one policy: a LoRA one samples merged weights, which decode
+            # faster than adapters on the multi-LoRA sampler (CUDA graphs, the CPU twins).
+            multi_lora=MultiLoraSampler.Config(enabled=False),
         )
 
     def training_client(
