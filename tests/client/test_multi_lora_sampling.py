@@ -5,13 +5,11 @@ model; samples from concurrent clients decode in mixed batches and equal each cl
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
 from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
-from tests.client.test_shared_base import _data, _step, _weights
+from tests.client.test_shared_base import _data, _step, _weights, interleaved
 
 ADAM = AdamParams(learning_rate=1e-2)
 EIGHT = [dict(rank=2 + 2 * (i % 3), seed=i, train_unembed=i % 2 == 0) for i in range(8)]
@@ -35,12 +33,7 @@ def _params(who):
 def test_eight_clients_interleaved_are_bitwise_each_alone(tmp_path):
     shared = ServiceClient(storage_dir=tmp_path / "shared")
     clients = [shared.create_lora_training_client("tiny", **kw) for kw in EIGHT]
-    rng = random.Random(1)
-    queues = [list(VERBS) for _ in EIGHT]
-    logs = [[] for _ in EIGHT]
-    while any(queues):
-        who = rng.choice([w for w, queue in enumerate(queues) if queue])
-        _step(clients[who], who, queues[who].pop(0), logs[who])
+    logs = interleaved(clients, VERBS, seed=1)
     # One sampler served every client's snapshots.
     samplers = {id(c.save_weights_and_get_sampling_client().engine.sampler) for c in clients}
     assert len(samplers) == 1

@@ -70,6 +70,18 @@ def _step(client, index, verb, log):
         log.append(_sample(client))
 
 
+def interleaved(clients, verbs, *, seed):
+    """Every client runs `verbs`, the clients interleaved in a random order (each client's
+    own order fixed); returns each client's log."""
+    rng = random.Random(seed)
+    queues = [list(verbs) for _ in clients]
+    logs = [[] for _ in clients]
+    while any(queues):
+        who = rng.choice([w for w, queue in enumerate(queues) if queue])
+        _step(clients[who], who, queues[who].pop(0), logs[who])
+    return logs
+
+
 def _weights(client):
     return {k: v.detach().clone() for k, v in client.engine.model.state_dict().items()}
 
@@ -82,13 +94,7 @@ def test_shared_base_trains_bitwise_like_a_private_base(tmp_path, shard_threads)
     base = clients[0].shared_base
     assert base is not None and all(c.shared_base is base for c in clients)
     fingerprint = base.fingerprint()
-    # The clients interleave their verbs in a random order (each client's own order fixed).
-    rng = random.Random(0)
-    queues = [list(VERBS) for _ in CLIENTS]
-    logs = [[] for _ in CLIENTS]
-    while any(queues):
-        who = rng.choice([w for w, queue in enumerate(queues) if queue])
-        _step(clients[who], who, queues[who].pop(0), logs[who])
+    logs = interleaved(clients, VERBS, seed=0)
     base.check_unchanged(fingerprint)
 
     for who, kw in enumerate(CLIENTS):

@@ -31,15 +31,15 @@ CONFIGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def models():
-    """(the frozen base, [(config, adapter tensors)], [each adapter's merged plain model])."""
+def trained_adapters(configs):
+    """(a frozen tiny base, [(config, adapter tensors)] with B away from zero, [each
+    adapter's merged plain model]); also used by tests/sampler/test_multi_lora.py."""
     # Logits of order 2 (as tests/sampler/test_engine.py), so greedy outputs vary.
     config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
     base = materialize(config, seed=5, dtype="float32").eval().requires_grad_(False)
     adapters, merged = [], []
     generator = torch.Generator().manual_seed(0)
-    for lora in CONFIGS:
+    for lora in configs:
         trained = copy.deepcopy(base)
         apply_lora(trained, lora)
         with torch.no_grad():  # a trained adapter: B away from zero
@@ -50,6 +50,11 @@ def models():
         plain.load_state_dict(merged_state_dict(trained))
         merged.append(plain)
     return base, adapters, merged
+
+
+@pytest.fixture(scope="module")
+def models():
+    return trained_adapters(CONFIGS)
 
 
 def _multi(base, adapters):

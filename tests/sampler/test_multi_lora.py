@@ -9,7 +9,6 @@ resident slots run in rounds; capacity errors name the setting; concurrent calls
 from __future__ import annotations
 
 import copy
-import dataclasses
 import gc
 import threading
 
@@ -17,17 +16,10 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
-from temper.models.lora import (
-    LoraConfig,
-    apply_lora,
-    lora_modules,
-    lora_state_dict,
-    merged_config,
-    merged_state_dict,
-)
+from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.multi_lora import AdapterCapacityError, MultiLoraSampler
+from tests.models.test_multi_lora import trained_adapters
 
 CONFIGS = [
     LoraConfig(rank=2, seed=1),
@@ -42,21 +34,7 @@ PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4], [9, 9, 2, 5, 1], [2, 2]]
 @pytest.fixture(scope="module")
 def base_and_adapters():
     """(the frozen base, [(config, adapter tensors)], [each adapter's merged plain model])."""
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
-    base = materialize(config, seed=5, dtype="float32").eval().requires_grad_(False)
-    adapters, merged = [], []
-    generator = torch.Generator().manual_seed(0)
-    for lora in CONFIGS:
-        trained = copy.deepcopy(base)
-        apply_lora(trained, lora)
-        with torch.no_grad():  # a trained adapter: B away from zero
-            for module in lora_modules(trained).values():
-                module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=generator) * 0.05)
-        adapters.append((lora, {k: v.clone() for k, v in lora_state_dict(trained).items()}))
-        plain = materialize(merged_config(trained), dtype="float32", init="empty").eval()
-        plain.load_state_dict(merged_state_dict(trained))
-        merged.append(plain)
-    return base, adapters, merged
+    return trained_adapters(CONFIGS)
 
 
 def _sampler(base, **config):
