@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from temper.checkpoint.atomic import check_free, staged_directory
+from temper.distributed.world import trainer_world
 
 METADATA_FILE = "metadata.json"
 DCP_METADATA_FILE = ".metadata"
@@ -85,11 +86,15 @@ def save_train_state(
 def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text: str) -> None:
     """Rank 0 stages and renames; every rank writes its shards; errors reach all ranks, and no
     rank returns before the checkpoint is in place."""
-    if dist.get_rank() != 0:
+    if trainer_world().rank != 0:
         staging = Path(_from_rank0(None, None))
         try:
             with _plain_errors():
-                torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+                torch_dcp.save(
+                    state,
+                    storage_writer=torch_dcp.FileSystemWriter(staging),
+                    process_group=trainer_world().group,
+                )
         finally:
             _from_rank0(None, None)
         return
@@ -99,7 +104,11 @@ def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text:
             _from_rank0(str(staging), None)
             sent_staging = True
             with _plain_errors():
-                torch_dcp.save(state, storage_writer=torch_dcp.FileSystemWriter(staging))
+                torch_dcp.save(
+                    state,
+                    storage_writer=torch_dcp.FileSystemWriter(staging),
+                    process_group=trainer_world().group,
+                )
             _write_synced(staging / METADATA_FILE, metadata_text)
     except Exception as error:
         if not sent_staging:
@@ -111,7 +120,7 @@ def _save_on_all_ranks(directory: Path, *, state: dict[str, Any], metadata_text:
 def _from_rank0(value: str | None, error: BaseException | None) -> str | None:
     """Rank 0's `value`, on every rank; rank 0's error raised on every rank."""
     message = [value, None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(message, src=0)
+    dist.broadcast_object_list(message, group=trainer_world().group, group_src=0)
     if error is not None:
         raise error
     if message[1] is not None:
@@ -146,7 +155,10 @@ def load_train_state(
 
     with _single_process_quiet(), _plain_errors():
         torch_dcp.load(
-            state, storage_reader=torch_dcp.FileSystemReader(directory), no_dist=_no_dist()
+            state,
+            storage_reader=torch_dcp.FileSystemReader(directory),
+            no_dist=_no_dist(),
+            process_group=None if _no_dist() else trainer_world().group,
         )
     set_model_state_dict(model, state[_MODEL], options=options)
     if optimizer is not None:
@@ -280,7 +292,8 @@ def _tensor_leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Ten
 
 
 def _no_dist() -> bool:
-    return not (dist.is_available() and dist.is_initialized())
+    """One process writes and reads alone (also a one-rank trainer beside generator ranks)."""
+    return not (dist.is_available() and dist.is_initialized()) or trainer_world().size == 1
 
 
 @contextlib.contextmanager

@@ -4,20 +4,22 @@
 values a single-process model would hold: nothing is recomputed, so the result is bitwise the
 unsharded tensor. Collective: every rank calls these and every rank gets whole tensors.
 
-`sampler_state_dict` is what a sampler loads after each optimizer step: the full weights, or,
-for LoRA, the base weights with every adapter merged (W + scale * B @ A, formed in fp32 and
-cast back, the same arithmetic as `temper.models.lora.merged_state_dict`).
+`sampler_stream` is what a sampler loads after each optimizer step, one tensor at a time (a
+whole dict would be a second copy of the model): the full weights, or, for LoRA, the base
+weights with every adapter merged (W + scale * B @ A, formed in fp32 and cast back, the same
+arithmetic as `temper.models.lora.merged_state_dict`). `sampler_state_dict` is the same as a
+dict of new tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from temper.models.lora import LORA_SUFFIXES, LoraUnembedding, lora_modules
+from temper.models.lora import LORA_SUFFIXES, LoraLinear, LoraUnembedding, lora_modules
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -49,20 +51,43 @@ def _whole(value: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sampler_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's weights for a sampler: whole, with LoRA adapters merged.
+    """The plain model's weights for a sampler: whole, with LoRA adapters merged (new tensors).
 
     Keys are those of a model built from `temper.models.lora.merged_config(model)`.
     """
-    full = full_state_dict(model)
-    merged = {key: value for key, value in full.items() if not key.endswith(LORA_SUFFIXES)}
+    return {key: value.clone() for key, value in sampler_stream(model)}
+
+
+@torch.no_grad()
+def sampler_stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`sampler_state_dict` one tensor at a time, for a sampler to copy as it arrives: never
+    more than one whole tensor (and its merge) beside the model. Collective on a sharded
+    model: every rank must consume the whole stream, in order.
+
+    A tensor is valid until the next one is drawn (it may be the model's own, unsharded)."""
+    merges: dict[str, tuple[str, str, LoraLinear | LoraUnembedding]] = {}
     for name, module in lora_modules(model).items():
         if isinstance(module, LoraUnembedding):
-            key = "output.weight"
             base_key = "embed.weight" if model.output is None else "output.weight"
+            merges["output.weight"] = (name, base_key, module)
         else:
-            key = base_key = f"{name}.weight"
-        lora_A = full[f"{name}.lora_A"].float()
-        lora_B = full[f"{name}.lora_B"].float()
-        weight = full[base_key]
-        merged[key] = (weight.float() + module.scale * (lora_B @ lora_A)).to(weight.dtype)
-    return merged
+            merges[f"{name}.weight"] = (name, f"{name}.weight", module)
+    state = model.state_dict()
+    for key, value in state.items():
+        if key.endswith(LORA_SUFFIXES) or key in merges:
+            continue  # adapted weights come merged, below
+        yield key, _gathered(value)
+    for key, (name, base_key, module) in merges.items():
+        weight = _gathered(state[base_key])
+        lora_A = _gathered(state[f"{name}.lora_A"]).float()
+        lora_B = _gathered(state[f"{name}.lora_B"]).float()
+        yield key, (weight.float() + module.scale * (lora_B @ lora_A)).to(weight.dtype)
+
+
+def _gathered(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a view of a plain one; an all-gather of a DTensor's shards)."""
+    if not isinstance(value, DTensor):
+        return value.detach()
+    if all(placement.is_replicate() for placement in value.placements):
+        return value.to_local().detach()
+    return value.full_tensor()

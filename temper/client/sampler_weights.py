@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from temper.checkpoint.atomic import staged_directory
-from temper.checkpoint.gather import full_state_dict, is_sharded, sampler_state_dict
+from temper.checkpoint.gather import full_state_dict, is_sharded, sampler_stream
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.checkpoint.model_source import ModelSource
 from temper.checkpoint.storage import CheckpointStorage
@@ -33,6 +33,7 @@ from temper.models.lora import (
     merged_state_dict,
 )
 from temper.models.registry import MODEL_FAMILIES
+from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer, load_tokenizer
 
 SAMPLER_FILE = "sampler.json"
@@ -77,12 +78,13 @@ def sampler_model(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module:
     )
 
 
-def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module | dict:
-    """What the sampler loads for the current weights: the module itself, or merged tensors
-    (gathered whole from a sharded trainer: collective, every rank calls it)."""
-    if is_sharded(model):
-        return sampler_state_dict(model)
-    return model if lora is None else merged_state_dict(model)
+def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> WeightUpdate:
+    """What the sampler loads for the current weights: the module itself, or a stream of
+    merged tensors, one at a time (gathered whole from a sharded trainer: collective, every
+    rank consumes it)."""
+    if lora is None and not is_sharded(model):
+        return model
+    return sampler_stream(model)
 
 
 def save_sampler_weights(
@@ -108,7 +110,7 @@ def save_sampler_weights(
             info=info,
         )
         return
-    ranks = Ranks.of_default_group()
+    ranks = Ranks.of_trainer()
     ranks.on_writer(lambda: _check_absent(directory))  # before gathering anything
     if lora is None:
         full, adapters = full_state_dict(model), None

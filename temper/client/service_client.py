@@ -188,7 +188,7 @@ class ServiceClient:
                 self._claim_run(run_id, info)
                 return run_id
 
-            run_id = Ranks.of_default_group().on_writer(write_run)
+            run_id = Ranks.of_trainer().on_writer(write_run)
         return TrainingClient(
             service=self,
             run_id=run_id,

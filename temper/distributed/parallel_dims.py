@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from temper.config.configurable import Configurable
 
@@ -95,15 +95,10 @@ class ParallelDims(Configurable):
                     f"num_kv_heads={model_config.num_kv_heads} and ffn_dim={model_config.ffn_dim}"
                 )
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 3-D mesh over all ranks. Collective: every rank calls it."""
-        return init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
-        )
-
-    def flat_dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """All data-parallel ranks as one 1-D mesh 'dp' (data shares, metric sums)."""
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """`(dp_replicate, dp_shard, tp)`: the shape of the mesh (world.py builds it)."""
+        return (self.dp_replicate, self.dp_shard, self.tp)
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard) for FSDP, 2-D for DDP/HSDP."""

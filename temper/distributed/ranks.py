@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from temper.distributed.world import trainer_world
+
 T = TypeVar("T")
 
 
@@ -38,20 +40,26 @@ class Ranks:
 
     @classmethod
     def current(cls) -> Ranks:
-        """This job's ranks: the default process group's (collective: every rank calls it),
-        or one process when torch.distributed is not initialized."""
+        """This job's ranks: the trainer's world (world.py) with a gloo group of their own
+        (collective: every rank of the world calls it, unless a placement made the group
+        already), or one process when torch.distributed is not initialized."""
         if not (dist.is_available() and dist.is_initialized()):
             return cls.single()
-        return cls(
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            group=dist.new_group(backend="gloo"),
-        )
+        world = trainer_world()
+        group = world.loop_group if world.loop_group is not None else dist.new_group(backend="gloo")
+        return cls(rank=world.rank, world_size=world.size, group=group)
+
+    @classmethod
+    def of_trainer(cls) -> Ranks:
+        """The trainer's ranks on the trainer's own process group (for a one-off agreement
+        outside a loop, e.g. naming a run)."""
+        world = trainer_world()
+        return cls(rank=world.rank, world_size=world.size, group=world.group)
 
     @classmethod
     def of_default_group(cls) -> Ranks:
-        """The ranks of the initialized default process group, using that group itself (for
-        a one-off agreement outside a loop, e.g. naming a run)."""
+        """Every rank of the initialized default process group (e.g. before a placement
+        splits them into roles)."""
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size())
 
     @property
@@ -97,7 +105,7 @@ class Ranks:
         if self.world_size == 1:
             return value
         message = [value]
-        dist.broadcast_object_list(message, src=0, group=self.group)
+        dist.broadcast_object_list(message, group=self.group, group_src=0)
         return message[0]
 
     def on_writer(self, fn: Callable[[], T]) -> T:

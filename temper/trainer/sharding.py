@@ -23,6 +23,7 @@ from torch import nn
 
 from temper.config.configurable import Configurable
 from temper.distributed.parallel_dims import ParallelDims
+from temper.distributed.world import trainer_world
 from temper.models.registry import family_of_model
 
 
@@ -54,11 +55,11 @@ class Sharding(Configurable):
                 "`temper train RECIPE --nproc N`); for one process leave sharding unset"
             )
         self.config = config
-        self.dims = config.dims.build(world_size=dist.get_world_size())
+        self.world = trainer_world()
+        self.dims = config.dims.build(world_size=self.world.size)
         self.dims.check_model(model.config)
         device = next(model.parameters()).device
-        self.mesh = self.dims.build_mesh(device.type)
-        self.dp_mesh = self.dims.flat_dp_mesh(self.mesh)
+        self.mesh, self.dp_mesh = self.world.mesh(self.dims.degrees, device_type=device.type)
         family_of_model(model).parallelize(
             model,
             parallel_dims=self.dims,
@@ -83,13 +84,15 @@ class Sharding(Configurable):
 
     def max_over_ranks(self, value: int) -> int:
         result = torch.tensor([value], dtype=torch.int64, device=self.dp_mesh.device_type)
-        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX, group=self.world.group)
         return int(result.item())
 
     def agree_or_raise(self, error: BaseException | None) -> None:
         """Raise on every rank if any rank has `error` (this rank's own error, if it has one)."""
-        messages: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else f"{error}")
+        messages: list[str | None] = [None] * self.world.size
+        dist.all_gather_object(
+            messages, None if error is None else f"{error}", group=self.world.group
+        )
         if error is not None:
             raise error
         failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]

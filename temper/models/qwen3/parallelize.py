@@ -69,7 +69,7 @@ def parallelize_qwen3(
     reduce_dtype: str | None = None,
 ) -> nn.Module:
     """Shard `model` in place as `parallel_dims` says, over `mesh` (from
-    `parallel_dims.build_mesh`; None only when nothing is parallel). Returns the model.
+    `TrainerWorld.mesh`; None only when nothing is parallel). Returns the model.
 
     `param_dtype`/`reduce_dtype` ('float32', 'bfloat16' or None) set FSDP mixed precision.
     """

@@ -1,0 +1,171 @@
+"""Where the trainer and the generator run: on the same ranks, or on ranks of their own.
+
+`colocated` (the default): every rank trains a shard of the model and samples with its own
+generator (today's SPMD job). `disaggregated`: the last `generator_ranks` ranks of the world
+only generate, the others only train; after each optimizer step the trainer streams its
+weights to the generator ranks in buckets (weight_transfer.py), and the trainer ranks send
+their sample requests to them.
+
+`Placement(config, world_size=...)` checks the split against the world size before any
+collective (the same ValueError on every rank); `split()` then builds, on every rank, the
+process groups both roles use (torch makes groups collectively over the whole world):
+
+- the trainer's world (world.py): its group, a gloo group for the loop, its device mesh;
+- the sync groups, trainer rank 0 and every generator rank: a control group (gloo, Python
+  objects) and a data group (the device's backend: NCCL on GPU) for weight buckets;
+- one link per (trainer rank, generator rank) pair that exchange sample requests (gloo).
+  Trainer rank t sends to the generators `t, t + T, t + 2T, ...` (mod G when there are fewer
+  generators than trainers), so every generator serves and every trainer is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch.distributed as dist
+
+from temper.config.configurable import Configurable
+from temper.distributed.world import TrainerWorld
+
+PlacementMode = Literal["colocated", "disaggregated"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A trainer rank and a generator rank that exchange requests, and their gloo group."""
+
+    trainer: int
+    generator: int
+    group: Any
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What one rank does under a disaggregated placement, and the groups it talks on."""
+
+    rank: int
+    trainer_world: TrainerWorld
+    generator_ranks: tuple[int, ...]
+    sync_control: Any
+    """gloo group of trainer rank 0 and the generator ranks (commands, bucket headers)."""
+    sync_data: Any
+    """The same ranks on the device's backend (the weight buckets)."""
+    links: tuple[Link, ...]
+    """This rank's request links (a trainer's to its generators, a generator's to its
+    trainers)."""
+
+    @property
+    def is_generator(self) -> bool:
+        return self.rank in self.generator_ranks
+
+    @property
+    def trainer_ranks(self) -> tuple[int, ...]:
+        return self.trainer_world.ranks
+
+
+class Placement(Configurable):
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        mode: PlacementMode = "colocated"
+        """'colocated': every rank trains and generates; 'disaggregated': the last
+        `generator_ranks` ranks generate and the others train."""
+        generator_ranks: int = 1
+        """Disaggregated: how many ranks generate (the last ones of the world)."""
+        generator_tp: int = 1
+        """Tensor-parallel degree of each generator (1: every generator rank holds whole
+        weights; Temper's engine has no tensor parallelism)."""
+        bucket_mb: float = 256.0
+        """Weight sync: the most MiB of weights sent at once (a larger tensor goes alone)."""
+        transfer_dtype: Literal["float32", "bfloat16"] | None = None
+        """Weight sync: the dtype weights travel in; None: the trainer's."""
+        timeout_s: float = 600.0
+        """How long a rank waits on another (a request, a weight bucket) before it fails
+        with an error naming the rank, instead of hanging."""
+
+        def __post_init__(self) -> None:
+            if self.mode not in ("colocated", "disaggregated"):
+                raise ValueError(
+                    "Placement.Config.mode must be 'colocated' or 'disaggregated', got "
+                    f"{self.mode!r}"
+                )
+            for name in ("generator_ranks", "generator_tp"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"Placement.Config.{name} must be an int >= 1, got {value!r}")
+            if self.generator_tp != 1:
+                raise ValueError(
+                    f"Placement.Config.generator_tp={self.generator_tp}: Temper's generator "
+                    "has no tensor parallelism; use 1 (each generator rank holds whole weights)"
+                )
+            if not self.bucket_mb > 0:
+                raise ValueError(f"Placement.Config.bucket_mb must be > 0, got {self.bucket_mb}")
+            if not self.timeout_s > 0:
+                raise ValueError(f"Placement.Config.timeout_s must be > 0, got {self.timeout_s}")
+
+        @property
+        def bucket_bytes(self) -> int:
+            return max(1, int(self.bucket_mb * 2**20))
+
+    def __init__(self, config: Config, *, world_size: int) -> None:
+        self.config = config
+        self.world_size = world_size
+        if self.disaggregated and config.generator_ranks >= world_size:
+            raise ValueError(
+                f"Placement.Config.generator_ranks={config.generator_ranks} leaves no trainer "
+                f"rank in a world of {world_size}: a disaggregated placement needs at least "
+                f"{config.generator_ranks + 1} ranks (start more, e.g. --nproc "
+                f"{config.generator_ranks + 1}, or use fewer generator ranks)"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.config.mode == "disaggregated"
+
+    @property
+    def num_trainers(self) -> int:
+        return (
+            self.world_size - self.config.generator_ranks if self.disaggregated else self.world_size
+        )
+
+    def split(self, *, trainer_mesh: tuple[int, int, int] | None, device_type: str) -> Roles:
+        """Build every group of a disaggregated placement (collective over the whole world)
+        and return this rank's roles; `trainer_mesh`: the trainer's sharding degrees (None:
+        an unsharded trainer on one rank)."""
+        assert self.disaggregated, "split() is for a disaggregated placement"
+        timeout = timedelta(seconds=self.config.timeout_s)
+        trainers = tuple(range(self.num_trainers))
+        generators = tuple(range(self.num_trainers, self.world_size))
+        world = TrainerWorld(
+            ranks=trainers,
+            group=dist.new_group(list(trainers), timeout=timeout),
+            loop_group=dist.new_group(list(trainers), backend="gloo", timeout=timeout),
+        )
+        if trainer_mesh is not None:
+            world.prepare_mesh(trainer_mesh, device_type=device_type)
+        sync = [trainers[0], *generators]
+        sync_control = dist.new_group(sync, backend="gloo", timeout=timeout)
+        sync_data = dist.new_group(sync, timeout=timeout)
+        rank = dist.get_rank()
+        links = []
+        for trainer, generator in request_pairs(len(trainers), generators):
+            group = dist.new_group([trainer, generator], backend="gloo", timeout=timeout)
+            if rank in (trainer, generator):
+                links.append(Link(trainer=trainer, generator=generator, group=group))
+        return Roles(
+            rank=rank,
+            trainer_world=world,
+            generator_ranks=generators,
+            sync_control=sync_control,
+            sync_data=sync_data,
+            links=tuple(links),
+        )
+
+
+def request_pairs(num_trainers: int, generators: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(trainer, generator) pairs that exchange requests: every trainer rank is linked to at
+    least one generator and every generator to at least one trainer."""
+    count = max(num_trainers, len(generators))
+    pairs = {(index % num_trainers, generators[index % len(generators)]) for index in range(count)}
+    return sorted(pairs)
