@@ -32,6 +32,7 @@ from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import Generator, GeneratorChoice
 from temper.sampler.multi_lora import MultiLoraSampler
+from temper.sampler.remote import RemoteGenerators
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 
@@ -55,9 +56,14 @@ class ServiceClient:
         sampler: SamplerEngine.Config | None = None,
         generator: GeneratorChoice.Config | None = None,
         multi_lora: MultiLoraSampler.Config | None = None,
+        remote: RemoteGenerators | None = None,
+        sleep_generator: bool = False,
     ) -> None:
         """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine
-        only); None: its defaults."""
+        only); None: its defaults. `remote`: the generator ranks of a disaggregated placement
+        (sampler/remote.py), where the training client's snapshots sample; None: generators
+        in this process. `sleep_generator`: each training client's generator releases its KV
+        cache while the trainer runs forward_backward."""
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"device={device!r}, but this machine has no CUDA device (or torch was built "
@@ -70,6 +76,8 @@ class ServiceClient:
         self.sampler_config = sampler or SamplerEngine.Config()
         self.generator_choice = GeneratorChoice(generator or GeneratorChoice.Config())
         self.multi_lora_config = multi_lora or MultiLoraSampler.Config()
+        self.remote = remote
+        self.sleep_generator = sleep_generator
         # LoRA training clients on one base model share its frozen weights (shared_base.py).
         self.shared_bases = SharedBases()
 
@@ -197,6 +205,8 @@ class ServiceClient:
             tokenizer=tokenizer,
             shared_base=shared,
             adapter_sampler=None if shared is None else self._adapter_sampler(shared),
+            remote=self.remote,
+            sleep_generator=self.sleep_generator,
         )
 
     def _adapter_sampler(self, shared: SharedBase) -> MultiLoraSampler | None:

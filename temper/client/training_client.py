@@ -35,9 +35,10 @@ from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_n
 from temper.client.sampler_weights import save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
-from temper.client.weight_sync import AdapterFeed, WeightSync
+from temper.client.weight_sync import AdapterFeed, RemoteFeed, SamplerFeed, WeightSync
 from temper.sampler.generator import Generator
 from temper.sampler.multi_lora import MultiLoraSampler
+from temper.sampler.remote import RemoteGenerators
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 
@@ -84,10 +85,14 @@ class TrainingClient:
         tokenizer: Tokenizer,
         shared_base: SharedBase | None = None,
         adapter_sampler: MultiLoraSampler | None = None,
+        remote: RemoteGenerators | None = None,
+        sleep_generator: bool = False,
     ) -> None:
         """`adapter_sampler`: the multi-LoRA sampler this LoRA client's snapshots register
-        their adapters on (shared with the other clients of its base); None: merged weights
-        in a sampler of its own."""
+        their adapters on (shared with the other clients of its base); `remote`: generator
+        ranks of a disaggregated placement its weights are streamed to; neither: merged
+        weights in a sampler of its own. `sleep_generator`: its generator releases the KV
+        cache during forward_backward."""
         self.service = service
         # The frozen base weights this LoRA client shares with the service's other LoRA
         # clients (shared_base.py), held so they live as long as a client on them; None:
@@ -103,11 +108,17 @@ class TrainingClient:
         self._sampler_worker = Worker(f"temper-{run_id}-sampler")
         self._sampler_worker.submit(lambda: None).result()
         self.adapter_sampler = adapter_sampler
-        feed = None
-        if adapter_sampler is not None:
+        feed: SamplerFeed | None = None
+        if remote is not None:
+            feed = RemoteFeed(trainer=engine, remote=remote, tokenizer=tokenizer)
+        elif adapter_sampler is not None:
             feed = AdapterFeed(trainer=engine, sampler=adapter_sampler)
         self._weight_sync = WeightSync(
-            trainer=engine, new_generator=service.new_generator, tokenizer=tokenizer, feed=feed
+            trainer=engine,
+            new_generator=service.new_generator,
+            tokenizer=tokenizer,
+            feed=feed,
+            sleep_while_training=sleep_generator,
         )
 
     @property
@@ -124,8 +135,12 @@ class TrainingClient:
         loss_fn_config: Mapping[str, float] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]:
         return self._worker.submit(
-            self.engine.forward_backward, _datum_list(data), loss_fn, loss_fn_config
+            self._forward_backward, _datum_list(data), loss_fn, loss_fn_config
         )
+
+    def _forward_backward(self, *args: Any) -> ForwardBackwardOutput:
+        self._weight_sync.release_for_training()
+        return self.engine.forward_backward(*args)
 
     def forward(
         self,

@@ -3,7 +3,8 @@
 A sampling client made by a training client is a `Snapshot` of one version of the trainer's
 weights for as long as it lives. With full fine-tuning Temper's engine reads the trainer's own
 parameters (no copy); a LoRA client on a shared base registers a copy of its adapters on the
-multi-LoRA sampler of that base (`AdapterFeed`); otherwise the weights are merged or gathered
+multi-LoRA sampler of that base (`AdapterFeed`); with a disaggregated placement the weights
+are streamed to the generator ranks (`RemoteFeed`); otherwise the weights are merged or gathered
 into the generator's own copy in memory (`MergedFeed`: LoRA on a private base, a sharded
 trainer, another dtype, any vLLM engine).
 
@@ -35,9 +36,10 @@ from torch import nn
 
 from temper.client.sampler_weights import sampler_model, sampler_update
 from temper.models.build import materialize
-from temper.models.lora import lora_state_dict
+from temper.models.lora import lora_state_dict, merged_config
 from temper.sampler.generator import Generator
 from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
+from temper.sampler.remote import RemoteGenerators
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -88,6 +90,27 @@ class AdapterFeed:
 
     def weights(self) -> WeightUpdate:
         return lora_state_dict(self._trainer.model)
+
+
+class RemoteFeed:
+    """The generator ranks of a disaggregated placement (sampler/remote.py): each version is
+    streamed to them in buckets, one gathered (and merged) tensor at a time."""
+
+    def __init__(
+        self, *, trainer: TrainerEngine, remote: RemoteGenerators, tokenizer: Tokenizer
+    ) -> None:
+        self._trainer, self._remote, self._tokenizer = trainer, remote, tokenizer
+
+    def new_sampler(self) -> Generator:
+        model = self._trainer.model
+        return self._remote.connect(
+            model_config=merged_config(model),
+            dtype=next(model.parameters()).dtype,
+            tokenizer=self._tokenizer,
+        )
+
+    def weights(self) -> WeightUpdate:
+        return sampler_update(self._trainer.model, lora=self._trainer.lora)
 
 
 class Snapshot:
@@ -170,8 +193,11 @@ class WeightSync:
         new_generator: NewGenerator,
         tokenizer: Tokenizer,
         feed: SamplerFeed | None = None,
+        sleep_while_training: bool = False,
     ) -> None:
-        """`feed`: how the weights reach the generator; default `MergedFeed`."""
+        """`feed`: how the weights reach the generator; default `MergedFeed`.
+        `sleep_while_training`: the generator releases its KV cache while the trainer runs
+        forward_backward (`release_for_training`) and gets it back when next read."""
         self._trainer = trainer
         self._new_generator = new_generator
         self._tokenizer = tokenizer
@@ -188,6 +214,8 @@ class WeightSync:
         # The snapshot that reads self._sampler; weak, so a snapshot nobody holds costs nothing.
         self._current: weakref.ref[Snapshot] | None = None
         self._num_snapshots = 0
+        self._sleep_while_training = sleep_while_training
+        self._asleep = False  # self._sampler released its KV cache
 
     @property
     def num_snapshots(self) -> int:
@@ -196,9 +224,26 @@ class WeightSync:
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
-        """No change of the trainer's weights while inside (a generator reads them)."""
+        """No change of the trainer's weights while inside (a generator reads them, awake)."""
         with self._lock:
+            self._wake()
             yield
+
+    def release_for_training(self) -> None:
+        """Before the trainer's forward_backward: the generator lets its KV cache go, when
+        asked to (`sleep_while_training`); the next read or sync takes it back."""
+        if not self._sleep_while_training:
+            return
+        with self._lock:
+            if self._sampler is not None and not self._asleep:
+                self._sampler.sleep()
+                self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            assert self._sampler is not None
+            self._sampler.wake_up()
+            self._asleep = False
 
     def submitted(self, snapshot: Snapshot, request: object) -> None:
         """Track the requests submitted on `snapshot` and not yet run, by identity (a batch
@@ -240,6 +285,7 @@ class WeightSync:
     def _sync_sampler(self) -> None:
         """Build or update the trainer's generator to the current weights (under the lock)."""
         trainer = self._trainer
+        self._wake()
         if self._sampler is not None and self._synced_generation == self._generation:
             return
         if self._sampler is not None and self._sampler.holds_one_version:

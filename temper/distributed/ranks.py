@@ -62,6 +62,13 @@ class Ranks:
         splits them into roles)."""
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size())
 
+    @staticmethod
+    def world_size_now() -> int:
+        """Ranks of the whole torch.distributed world (1 when it is not initialized)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size()
+
     @property
     def is_writer(self) -> bool:
         """Rank 0 writes the job's files (logs, metrics, checkpoints' bookkeeping)."""

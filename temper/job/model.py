@@ -20,6 +20,7 @@ from temper.distributed.ranks import Ranks
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
 from temper.sampler.multi_lora import MultiLoraSampler
+from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
 
 
@@ -54,9 +55,12 @@ class ModelChoice(Configurable):
         sampler: SamplerEngine.Config,
         trainer: TrainerEngine.Config,
         generator: GeneratorChoice.Config | None = None,
+        remote: RemoteGenerators | None = None,
+        sleep_generator: bool = False,
     ) -> ServiceClient:
         """The in-process service on this model's device and dtype, storing under
-        `storage_dir`, with the job's engine configs."""
+        `storage_dir`, with the job's engine configs (`remote`: the generator ranks of a
+        disaggregated placement)."""
         config = self.config
         return ServiceClient(
             storage_dir=storage_dir,
@@ -68,6 +72,8 @@ class ModelChoice(Configurable):
             # A job trains one policy: a LoRA one samples merged weights, which decode
             # faster than adapters on the multi-LoRA sampler (CUDA graphs, the CPU twins).
             multi_lora=MultiLoraSampler.Config(enabled=False),
+            remote=remote,
+            sleep_generator=sleep_generator,
         )
 
     def training_client(

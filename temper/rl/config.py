@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from temper.config.configurable import Configurable
+from temper.distributed.placement import Placement
 from temper.job import ModelChoice
 from temper.observability import MetricsLogger
 from temper.rl.advantages import AdvantageMode
@@ -116,6 +117,13 @@ class RLJobConfig(Configurable.Config):
     sharding: Sharding.Config = field(default_factory=Sharding.Config)
     """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
     torchrun); data-parallel only (tp must be 1). Unused in one process."""
+    placement: Placement.Config = field(default_factory=Placement.Config)
+    """Where trainer and generator run on several ranks: 'colocated' (every rank does both)
+    or 'disaggregated' (the last `placement.generator_ranks` ranks generate, the others
+    train; weights are streamed to the generators after every step)."""
+    sleep_generator: bool = False
+    """Release the generator's KV cache while the trainer steps (colocated, mode 'sync'):
+    less peak memory, a re-allocation before each sampling."""
 
     def __post_init__(self) -> None:
         _check_config(self)
@@ -167,6 +175,16 @@ def _check_config(config: RLJobConfig) -> None:
             f"{name}.episodes.max_context ({config.episodes.max_context}) exceeds "
             f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "
             "must fit the sampler's cache"
+        )
+    if config.sleep_generator and config.mode != "sync":
+        raise ValueError(
+            f"{name}.sleep_generator needs mode='sync': in mode='async' sampling runs while "
+            "the trainer steps"
+        )
+    if config.placement.mode == "disaggregated" and config.generator.backend != "temper":
+        raise ValueError(
+            f"{name}.placement.mode='disaggregated' runs Temper's engine on the generator "
+            f"ranks; generator.backend={config.generator.backend!r} is not supported there yet"
         )
     if config.mode == "sync" and config.max_staleness != 1:
         warnings.warn(

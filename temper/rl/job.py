@@ -38,8 +38,11 @@ from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
+from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
+from temper.distributed.world import using_trainer_world
 from temper.job import ModelChoice, RunCheckpoints, check_generator_ranks, state_to_resume
+from temper.job.placement import rank_sampler, remote_generators, serve_generator, split_roles
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
@@ -47,6 +50,7 @@ from temper.rl.env import Env, EnvSource
 from temper.rl.episodes import EpisodeRunner, heldout_success
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
+from temper.sampler.remote import RemoteGenerators
 from temper.tasks.evaluation import greedy_accuracy, heldout_problems
 from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer
@@ -108,11 +112,29 @@ class RLJob(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
 
-    def run(self, *, run_dir: Path, resume: bool = False) -> RLResult:
-        """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
+    def run(self, *, run_dir: Path, resume: bool = False) -> RLResult | None:
+        """Train into `run_dir`; with `resume`, continue from its last checkpoint. Returns
+        None on the generator ranks of a disaggregated placement (they only sample)."""
+        placement = Placement(self.config.placement, world_size=Ranks.world_size_now())
+        # Before any collective or model, on every rank alike:
+        _check_ranks(self.config, num_ranks=placement.num_trainers)
+        if not placement.disaggregated:
+            return self._run(run_dir=Path(run_dir), resume=resume, remote=None)
+        config = self.config
+        roles = split_roles(placement, sharding=config.sharding, device=config.model.device)
+        if roles.is_generator:
+            serve_generator(roles, sampler=config.sampler, device=config.model.device)
+            return None
+        remote = remote_generators(roles, placement=config.placement, device=config.model.device)
+        with using_trainer_world(roles.trainer_world):
+            try:
+                return self._run(run_dir=Path(run_dir), resume=resume, remote=remote)
+            finally:
+                remote.close()
+
+    def _run(self, *, run_dir: Path, resume: bool, remote: RemoteGenerators | None) -> RLResult:
         ranks = Ranks.current()
-        _check_ranks(self.config, ranks)  # before any model is built, on every rank alike
-        run = _RLRun(self.config, run_dir=Path(run_dir), resume=resume, ranks=ranks)
+        run = _RLRun(self.config, run_dir=run_dir, resume=resume, ranks=ranks, remote=remote)
         with run.logger:
             run.warmup()
             run.reinforce()
@@ -181,10 +203,20 @@ class _RLRun:
     """One run of the job: set up (fresh, or resumed from the run's last checkpoint) when
     made, then its phases in order: `warmup`, `reinforce`, `finish`."""
 
-    def __init__(self, config: RLJobConfig, *, run_dir: Path, resume: bool, ranks: Ranks) -> None:
+    def __init__(
+        self,
+        config: RLJobConfig,
+        *,
+        run_dir: Path,
+        resume: bool,
+        ranks: Ranks,
+        remote: RemoteGenerators | None,
+    ) -> None:
         self.config, self.run_dir, self.ranks = config, run_dir, ranks
         model = config.model.build()
-        self.service = _service_client(config, model=model, run_dir=run_dir, ranks=ranks)
+        self.service = _service_client(
+            config, model=model, run_dir=run_dir, ranks=ranks, remote=remote
+        )
         saved = state_to_resume(run_dir, total_steps=config.total_steps) if resume else None
         self.training = model.training_client(
             self.service,
@@ -358,20 +390,26 @@ class _RLRun:
 
 
 def _service_client(
-    config: RLJobConfig, *, model: ModelChoice, run_dir: Path, ranks: Ranks
+    config: RLJobConfig,
+    *,
+    model: ModelChoice,
+    run_dir: Path,
+    ranks: Ranks,
+    remote: RemoteGenerators | None,
 ) -> ServiceClient:
     """The service with the config's engines; on several ranks the trainer is sharded over
     them and neither engine spreads over the cores (the ranks already use them)."""
-    trainer, sampler = config.trainer, config.sampler
+    trainer = config.trainer
     check_generator_ranks(config.generator, ranks=ranks, field="RLJob.Config.generator")
     if ranks.world_size > 1:
         trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
-        sampler = dataclasses.replace(sampler, cpu=dataclasses.replace(sampler.cpu, processes=1))
     return model.service_client(
         storage_dir=run_dir / "checkpoints",
-        sampler=sampler,
+        sampler=rank_sampler(config.sampler),
         trainer=trainer,
         generator=config.generator,
+        remote=remote,
+        sleep_generator=config.sleep_generator,
     )
 
 
@@ -405,14 +443,17 @@ def _rollouts_file(
     return (run_dir / ROLLOUTS_FILE_NAME).open("a")
 
 
-def _check_ranks(config: RLJobConfig, ranks: Ranks) -> None:
-    """Settings that depend on the number of ranks; raises the same error on every rank."""
-    if ranks.world_size == 1:
+def _check_ranks(config: RLJobConfig, *, num_ranks: int) -> None:
+    """Settings that depend on the number of (trainer) ranks; raises the same error on every
+    rank."""
+    if num_ranks == 1:
         return
-    dims = config.sharding.dims.build(world_size=ranks.world_size)  # degrees vs world size
+    dims = config.sharding.dims.build(world_size=num_ranks)  # degrees vs world size
     if dims.tp_enabled:
         raise ValueError(
             f"RLJob.Config.sharding.dims.tp={dims.tp}: the RL loop runs data-parallel only "
             "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
         )
-    ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
+    Ranks(rank=0, world_size=num_ranks).share(
+        config.prompts_per_step, field="RLJob.Config.prompts_per_step"
+    )

@@ -1,0 +1,154 @@
+"""A generator rank of a disaggregated placement: serves the trainer ranks' `RemoteGenerator`s.
+
+The main thread follows the sync control group (trainer rank 0): `Start` builds an empty
+model of the trainer's shape and Temper's engine on it, `Weights` receives a version's buckets
+straight into that model (weight_transfer.py), `Stop` ends the job. One thread per linked
+trainer rank answers its calls (generate, score) under one lock, so the engine runs one batch
+at a time, and each call waits until the version it names has arrived.
+
+A call that fails (a bad request) answers a `Failure` and the rank serves on; a link or the
+control group failing (a trainer rank gone, or the placement's timeout) ends the rank with an
+error naming the peer.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from temper.distributed.placement import Link, Roles
+from temper.distributed.weight_transfer import BucketReceiver, drain
+from temper.models.build import materialize
+from temper.sampler.engine import SamplerEngine
+from temper.sampler.remote import (
+    Failure,
+    GenerateCall,
+    ScoreCall,
+    Start,
+    Stop,
+    Weights,
+    WeightsCall,
+)
+
+
+class GeneratorRank:
+    def __init__(self, *, roles: Roles, engine: SamplerEngine.Config, device: torch.device) -> None:
+        self._roles, self._engine_config, self._device = roles, engine, device
+        self._links = [link for link in roles.links if link.generator == roles.rank]
+        self._receiver = BucketReceiver(
+            control_group=roles.sync_control, data_group=roles.sync_data, device=device
+        )
+        self._changed = threading.Condition()  # guards the engine and the version
+        self._engine: SamplerEngine | None = None
+        self._version = -1
+        self._ended: str | None = None  # why calls can no longer be answered
+        self._link_errors: list[BaseException] = []
+
+    def serve(self) -> None:
+        """Serve until trainer rank 0 says the job is done; raises if a peer fails."""
+        start = self._next_command()
+        if isinstance(start, Stop):
+            return
+        assert isinstance(start, Start), start
+        model = materialize(
+            start.model_config, device=self._device, dtype=start.dtype, init="empty"
+        )
+        self._engine = self._engine_config.build(model=model, tokenizer=start.tokenizer)
+        threads = [
+            threading.Thread(target=self._serve_link, args=(link,), daemon=True)
+            for link in self._links
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while not isinstance(command := self._next_command(), Stop):
+                assert isinstance(command, Weights), command
+                self._load(command.version)
+        except BaseException as error:
+            self._end(f"the generator rank stopped: {error}")
+            raise
+        finally:
+            self._end("the job ended")
+        for thread in threads:
+            thread.join()
+        if self._link_errors:
+            raise self._link_errors[0]
+
+    def _next_command(self) -> Any:
+        box: list[Any] = [None]
+        trainer = self._roles.trainer_ranks[0]
+        try:
+            dist.broadcast_object_list(box, group=self._roles.sync_control, group_src=0)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"generator rank {self._roles.rank}: trainer rank {trainer} stopped sending "
+                f"({error})"
+            ) from error
+        return box[0]
+
+    def _load(self, version: int) -> None:
+        assert self._engine is not None
+        with self._changed:
+            stream = self._receiver.receive()
+            try:
+                self._engine.update_weights(stream, version=version)
+            finally:
+                drain(stream)  # the rest of the buckets, if loading stopped early
+                self._version = version
+                self._changed.notify_all()
+
+    def _end(self, why: str) -> None:
+        with self._changed:
+            if self._ended is None:
+                self._ended = why
+            self._changed.notify_all()
+
+    def _serve_link(self, link: Link) -> None:
+        try:
+            while not isinstance(call := _receive(link), Stop):
+                _send(link, self._answer(call))
+        except BaseException as error:
+            self._link_errors.append(
+                RuntimeError(
+                    f"generator rank {link.generator}: the link to trainer rank {link.trainer} "
+                    f"failed ({error})"
+                )
+            )
+
+    def _answer(self, call: object) -> object:
+        with self._changed:
+            try:
+                if isinstance(call, WeightsCall):
+                    assert self._engine is not None
+                    return {k: v.cpu() for k, v in self._engine.model.state_dict().items()}
+                assert isinstance(call, GenerateCall | ScoreCall), call
+                self._changed.wait_for(lambda: self._version >= call.version or self._ended)
+                if self._ended is not None:
+                    return Failure("RuntimeError", self._ended)
+                if self._version != call.version:
+                    return Failure(
+                        "RuntimeError",
+                        f"a call on policy version {call.version} came after version "
+                        f"{self._version} arrived; a generator rank keeps one version",
+                    )
+                assert self._engine is not None
+                if isinstance(call, GenerateCall):
+                    return self._engine.generate(call.requests)
+                return self._engine.score(call.sequences, temperature=call.temperature)
+            except ValueError as error:
+                return Failure("ValueError", str(error))
+            except Exception as error:
+                return Failure("RuntimeError", f"{type(error).__name__}: {error}")
+
+
+def _receive(link: Link) -> Any:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, group=link.group, group_src=0)
+    return box[0]
+
+
+def _send(link: Link, message: object) -> None:
+    dist.send_object_list([message], group=link.group, group_dst=0)

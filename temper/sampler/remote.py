@@ -1,0 +1,310 @@
+"""A generator on other ranks: the trainer's side of a disaggregated placement.
+
+`RemoteGenerator` is a `Generator` (generator.py) whose work runs on generator ranks
+(generator_rank.py serves it). Each trainer rank holds one, linked to its generators
+(placement.py): `generate` and `score` split their batch over those links, send the parts,
+and join the answers in order. `update_weights` streams the trainer's weights to every
+generator rank in buckets (distributed/weight_transfer.py): trainer rank 0 sends, every
+trainer rank draws the stream (gathering a sharded model is collective). Every call carries
+the policy version it was made on, and a generator answers it from exactly that version (it
+waits for weights still on their way), so samples are tagged with the version they came from.
+
+A generator rank keeps one version (`holds_one_version`): before new weights go out, the
+weight-sync layer lets requests on the old version finish (client/weight_sync.py), and the
+trainer ranks meet at a barrier so that no rank's old requests are still in flight.
+
+A failed link (a generator rank that died, or no answer within the placement's timeout) is a
+RuntimeError naming the generator rank; the job stops and can resume from its last
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from temper.api.types import SampleResponse
+from temper.distributed.placement import Link, Roles
+from temper.distributed.weight_transfer import BucketSender, TransferStats
+from temper.sampler.requests import SampleRequest
+from temper.sampler.weight_source import WeightUpdate
+from temper.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+# -- what travels: on a link (trainer <-> generator) and on the sync control group -----------
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    version: int
+    requests: list[SampleRequest]
+
+
+@dataclass(frozen=True)
+class ScoreCall:
+    version: int
+    sequences: list[list[int]]
+    temperature: float
+
+
+@dataclass(frozen=True)
+class WeightsCall:
+    """Send back the generator's weights (checks on small models)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """This trainer rank is done (on a link), or the job is (on the sync group)."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """The model the generators build (an empty one; the first weights fill it)."""
+
+    model_config: Any
+    dtype: torch.dtype
+    tokenizer: Tokenizer | None
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Buckets of this version's weights follow."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A call the generator refused or failed: raised again on the trainer."""
+
+    kind: str  # "ValueError" (bad input) or "RuntimeError"
+    message: str
+
+
+class RemoteGenerator:
+    holds_one_version = True
+
+    def __init__(
+        self,
+        *,
+        roles: Roles,
+        model_config: Any,
+        dtype: torch.dtype,
+        tokenizer: Tokenizer | None,
+        bucket_bytes: int,
+        transfer_dtype: torch.dtype | None,
+        device: torch.device,
+    ) -> None:
+        """Collective over the trainer ranks (every one makes its own); trainer rank 0
+        tells the generator ranks which model to build."""
+        self._roles = roles
+        self._links = [link for link in roles.links if link.trainer == roles.rank]
+        self._vocab_size = model_config.vocab_size
+        self._version = -1  # no weights sent yet
+        self._closed = False
+        self._sender: BucketSender | None = None
+        self.last_transfer: TransferStats | None = None
+        """What the last `update_weights` sent (trainer rank 0), for logs and benchmarks."""
+        self.last_transfer_s = 0.0
+        if roles.rank == roles.trainer_ranks[0]:
+            self._sender = BucketSender(
+                control_group=roles.sync_control,
+                data_group=roles.sync_data,
+                bucket_bytes=bucket_bytes,
+                dtype=transfer_dtype,
+                device=device,
+            )
+            self._control(Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer))
+
+    @property
+    def model(self) -> nn.Module | None:
+        return None  # the weights live on the generator ranks
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def describe(self) -> str:
+        generators = ", ".join(str(link.generator) for link in self._links)
+        return f"remote generator on rank(s) {generators} of {self._roles.generator_ranks}"
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        return self._call(
+            list(requests), lambda part: GenerateCall(version=self._version, requests=part)
+        )
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        return self._call(
+            [list(sequence) for sequence in sequences],
+            lambda part: ScoreCall(version=self._version, sequences=part, temperature=temperature),
+        )
+
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """Stream `source` to every generator rank (collective over the trainer ranks)."""
+        world = self._roles.trainer_world
+        if world.size > 1:
+            dist.barrier(group=world.group)  # every trainer rank's old requests have run
+        pairs = _pairs(source)
+        if self._sender is None:
+            for _ in pairs:  # gathers shards with the other trainer ranks; rank 0 sends
+                pass
+        else:
+            self._control(Weights(version=version))
+            started = time.perf_counter()
+            self.last_transfer = self._sender.send(pairs)
+            self.last_transfer_s = time.perf_counter() - started
+        self._version = version
+
+    def generator_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Each linked generator's weights, on CPU (checks on small models)."""
+        return self._exchange([(link, WeightsCall()) for link in self._links])
+
+    def sleep(self) -> None:
+        """Nothing to release: the generators do not share this rank's memory."""
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """Tell this rank's generators it is done (trainer rank 0: and the job); each trainer
+        rank calls it once at the end."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links:
+            self._send(link, Stop())
+        if self._sender is not None:
+            self._control(Stop())
+
+    # -- the links --------------------------------------------------------------------------
+
+    def _call(self, items: list, make: Callable[[list], object]) -> list:
+        """Split `items` over the links in order, one call each, and join the answers."""
+        if self._closed:
+            raise RuntimeError("this remote generator is closed (the job ended)")
+        if self._version < 0:
+            raise RuntimeError("no weights were sent to the generator ranks yet")
+        bounds = _split(len(items), len(self._links))
+        calls = [
+            (link, make(items[start:end]))
+            for link, (start, end) in zip(self._links, bounds, strict=True)
+            if end > start
+        ]
+        return [answer for part in self._exchange(calls) for answer in part]
+
+    def _exchange(self, calls: list[tuple[Link, object]]) -> list[Any]:
+        for link, call in calls:
+            self._send(link, call)
+        answers = []
+        for link, _ in calls:
+            answer = self._receive(link)
+            if isinstance(answer, Failure):
+                error = ValueError if answer.kind == "ValueError" else RuntimeError
+                raise error(f"generator rank {link.generator}: {answer.message}")
+            answers.append(answer)
+        return answers
+
+    def _send(self, link: Link, message: object) -> None:
+        self._on_link(link, lambda: dist.send_object_list([message], group=link.group, group_dst=1))
+
+    def _receive(self, link: Link) -> Any:
+        box: list[Any] = [None]
+        self._on_link(link, lambda: dist.recv_object_list(box, group=link.group, group_src=1))
+        return box[0]
+
+    def _on_link(self, link: Link, talk: Callable[[], object]) -> None:
+        try:
+            talk()
+        except RuntimeError as error:
+            self._closed = True
+            raise RuntimeError(
+                f"generator rank {link.generator} did not answer trainer rank {link.trainer} "
+                f"({error}); it stopped or took longer than the placement's timeout_s. The "
+                "job cannot go on: resume it from its last checkpoint (temper train --resume)"
+            ) from error
+
+    def _control(self, message: object) -> None:
+        dist.broadcast_object_list([message], group=self._roles.sync_control, group_src=0)
+
+
+class RemoteGenerators:
+    """A trainer rank's way to the generator ranks: makes the one `RemoteGenerator` of the
+    job's training client, and ends the generator ranks' service at the end."""
+
+    def __init__(
+        self,
+        *,
+        roles: Roles,
+        bucket_bytes: int,
+        transfer_dtype: torch.dtype | None,
+        device: torch.device,
+    ) -> None:
+        self.roles = roles
+        self._bucket_bytes, self._transfer_dtype, self._device = (
+            bucket_bytes,
+            transfer_dtype,
+            device,
+        )
+        self.generator: RemoteGenerator | None = None
+
+    def connect(
+        self, *, model_config: Any, dtype: torch.dtype, tokenizer: Tokenizer | None
+    ) -> RemoteGenerator:
+        """The generator for the job's one policy (collective over the trainer ranks)."""
+        if self.generator is not None:
+            raise ValueError(
+                "the generator ranks serve one training client's policy; this job made a "
+                "second training client"
+            )
+        self.generator = RemoteGenerator(
+            roles=self.roles,
+            model_config=model_config,
+            dtype=dtype,
+            tokenizer=tokenizer,
+            bucket_bytes=self._bucket_bytes,
+            transfer_dtype=self._transfer_dtype,
+            device=self._device,
+        )
+        return self.generator
+
+    def close(self) -> None:
+        """Every trainer rank calls it once at the end (also when nothing was sampled)."""
+        if self.generator is not None:
+            self.generator.close()
+            return
+        if self.roles.rank == self.roles.trainer_ranks[0]:
+            message = [Stop()]
+            dist.broadcast_object_list(message, group=self.roles.sync_control, group_src=0)
+
+
+def _pairs(source: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(source, nn.Module):
+        return iter(source.state_dict().items())
+    if isinstance(source, Mapping):
+        return iter(source.items())
+    return iter(source)
+
+
+def _split(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous (start, end) bounds of `parts` shares of `count`, as even as possible."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for index in range(parts):
+        end = start + base + (1 if index < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
