@@ -1,0 +1,186 @@
+"""The RL job with a disaggregated placement on gloo ranks: trainer ranks train, generator
+ranks sample, weights are streamed in buckets after every step.
+
+- 2 trainer ranks + 1 generator rank: after every sync the generator holds bitwise the
+  trainer's gathered (sampler) weights, and the run is bitwise the colocated 2-rank run.
+- 1 trainer rank + 2 generator ranks: each batch is split over both generators; the tokens
+  are the single-process run's, logprobs within float rounding (another batch shape).
+- Async mode: sampling never runs more than max_staleness versions behind.
+- Settings that do not fit the world fail on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from temper.distributed.placement import Placement
+from temper.job import run_checkpoints
+from temper.observability import read_metrics
+from temper.rl.job import RLJob
+from temper.sampler import remote
+from tests.distributed.spawn import spawn
+from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
+
+LOGPROB_KEYS = ("rollout/entropy", "mismatch/kl", "optim/grad_norm", "mismatch/logprob_diff_max")
+
+
+def rl_config(*, placement: str = "colocated", generators: int = 1, **changes) -> RLJob.Config:
+    settings = dict(steps=3, prompts_per_step=4, eval_every=3, eval_problems=8)
+    config = tiny_rl_config(**(settings | changes))
+    config.warmup.steps = 2
+    config.placement = Placement.Config(mode=placement, generator_ranks=generators, bucket_mb=0.05)
+    return config
+
+
+def _no_plots(run_dir):
+    return [run_dir / "plots" / "none.png"]
+
+
+_UPDATE_WEIGHTS = remote.RemoteGenerator.update_weights
+
+
+def _checked_updates(checks: list[tuple[int, bool]]):
+    """RemoteGenerator.update_weights that, after each sync, compares every generator's
+    weights with the trainer's gathered (and merged) ones it streamed. It runs under the
+    weight sync's lock, so no sample request uses the links meanwhile."""
+
+    def checked(self, source, *, version):
+        mine = {name: tensor.clone() for name, tensor in remote._pairs(source)}
+        _UPDATE_WEIGHTS(self, mine, version=version)
+        for theirs in self.generator_weights():
+            same = theirs.keys() == mine.keys() and all(
+                torch.equal(theirs[k], mine[k]) for k in mine
+            )
+            checks.append((version, same))
+
+    return checked
+
+
+def _rank_main(rank: int, directory, configs: dict) -> dict:
+    run_checkpoints.plot_metrics = _no_plots
+    errors = {}
+    for name, config in configs.pop("bad", {}).items():
+        try:
+            RLJob(config).run(run_dir=directory / name)
+        except ValueError as error:
+            errors[name] = str(error)
+    checks: dict[str, list[tuple[int, bool]]] = {}  # per run: (version, equal) per generator
+    results = {}
+    for name, config in configs.items():
+        remote.RemoteGenerator.update_weights = _checked_updates(checks.setdefault(name, []))
+        results[name] = RLJob(config).run(run_dir=directory / name)
+    return {"errors": errors, "results": results, "checks": checks}
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("disaggregated")
+    configs = {
+        "bad": {
+            "too_many_generators": rl_config(placement="disaggregated", generators=3),
+            "prompts": rl_config(placement="disaggregated", prompts_per_step=5),
+        },
+        "two_plus_one": rl_config(placement="disaggregated", generators=1),
+        "one_plus_two": rl_config(placement="disaggregated", generators=2),
+        "async": rl_config(placement="disaggregated", mode="async"),
+    }
+    results = spawn(
+        _rank_main,
+        world_size=3,
+        out_dir=tmp_path_factory.mktemp("ranks3"),
+        args=(directory, configs),
+    )
+    return results, directory
+
+
+@pytest.fixture(scope="module")
+def colocated_two(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("colocated")
+    spawn(
+        _rank_main,
+        world_size=2,
+        out_dir=tmp_path_factory.mktemp("ranks2"),
+        args=(directory, {"run": rl_config()}),
+    )
+    return directory / "run"
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    original = run_checkpoints.plot_metrics
+    run_checkpoints.plot_metrics = _no_plots
+    try:
+        run_dir = tmp_path_factory.mktemp("single") / "run"
+        return RLJob(rl_config()).run(run_dir=run_dir), run_dir
+    finally:
+        run_checkpoints.plot_metrics = original
+
+
+def test_settings_that_do_not_fit_the_world_fail_on_every_rank(three_ranks, tmp_path):
+    results, directory = three_ranks
+    for result in results:
+        errors = result["errors"]
+        assert (
+            "generator_ranks=3 leaves no trainer rank in a world of 3"
+            in errors["too_many_generators"]
+        )
+        assert (
+            "prompts_per_step=5 must be divisible by the number of ranks (2)" in errors["prompts"]
+        )
+    assert not (directory / "too_many_generators").exists()
+
+
+def test_generators_sample_from_exactly_the_trainers_weights_after_every_step(three_ranks):
+    results, _ = three_ranks
+    checks = results[0]["checks"]
+    # A sync before the first sample (after the warm-up) and after every step that trained,
+    # checked on each generator the trainer rank is linked to.
+    for name, generators in (("two_plus_one", 1), ("one_plus_two", 2), ("async", 1)):
+        versions = [version for version, _ in checks[name]]
+        distinct = sorted(set(versions))
+        assert versions == [v for v in distinct for _ in range(generators)], name
+        assert len(distinct) >= 2, name
+        assert all(same for _, same in checks[name]), name
+    assert results[2]["results"]["two_plus_one"] is None  # the generator rank's
+
+
+def test_two_trainers_one_generator_equal_the_colocated_run_bitwise(three_ranks, colocated_two):
+    results, directory = three_ranks
+    disaggregated = directory / "two_plus_one"
+    assert comparable_metrics(disaggregated) == comparable_metrics(colocated_two)
+    result = results[0]["results"]["two_plus_one"]
+    weights = final_weights(disaggregated, result)
+    reference = final_weights(colocated_two, _result_of(colocated_two))
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def test_one_trainer_two_generators_match_one_process(three_ranks, single):
+    _, directory = three_ranks
+    _, single_dir = single
+    split = comparable_metrics(directory / "one_plus_two")
+    one = comparable_metrics(single_dir)
+    assert [r.keys() for r in split] == [r.keys() for r in one]
+    for record_split, record_one in zip(split, one, strict=True):
+        for key, value in record_one.items():
+            if key.startswith(LOGPROB_KEYS):
+                assert record_split[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+            else:  # the same tokens and rewards
+                assert record_split[key] == value, key
+
+
+def test_async_sampling_stays_within_max_staleness(three_ranks):
+    _, directory = three_ranks
+    records = [r for r in read_metrics(directory / "async" / "metrics.jsonl") if "reward/mean" in r]
+    assert len(records) == 3
+    staleness = [record["async/staleness"] for record in records]
+    assert max(staleness) <= 1 and max(staleness) == 1  # it did overlap
+
+
+def _result_of(run_dir):
+    """The colocated run's final sampler path, read from its run directory."""
+    from types import SimpleNamespace
+
+    (run,) = (run_dir / "checkpoints").iterdir()
+    return SimpleNamespace(sampler_path=f"tinker://{run.name}/sampler_weights/final")
