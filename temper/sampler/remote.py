@@ -110,6 +110,7 @@ class RemoteGenerator:
         self._vocab_size = model_config.vocab_size
         self._version = -1  # no weights sent yet
         self._closed = False
+        self._failure: str | None = None  # why a link failed; every later call says it again
         self._sender: BucketSender | None = None
         self.last_transfer: TransferStats | None = None
         """What the last `update_weights` sent (trainer rank 0), for logs and benchmarks."""
@@ -194,6 +195,8 @@ class RemoteGenerator:
 
     def _call(self, items: list, make: Callable[[list], object]) -> list:
         """Split `items` over the links in order, one call each, and join the answers."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
         if self._closed:
             raise RuntimeError("this remote generator is closed (the job ended)")
         if self._version < 0:
@@ -230,12 +233,13 @@ class RemoteGenerator:
         try:
             talk()
         except RuntimeError as error:
-            self._closed = True
-            raise RuntimeError(
+            self._closed = True  # nothing more is sent, not even goodbyes
+            self._failure = (
                 f"generator rank {link.generator} did not answer trainer rank {link.trainer} "
                 f"({error}); it stopped or took longer than the placement's timeout_s. The "
                 "job cannot go on: resume it from its last checkpoint (temper train --resume)"
-            ) from error
+            )
+            raise RuntimeError(self._failure) from error
 
     def _control(self, message: object) -> None:
         dist.broadcast_object_list([message], group=self._roles.sync_control, group_src=0)

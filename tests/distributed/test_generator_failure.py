@@ -1,0 +1,101 @@
+"""A generator rank that dies mid-run (2 trainer ranks + 1 generator rank on gloo): the trainer
+ranks stop with an error naming the generator rank instead of hanging, and the run resumes
+from its last checkpoint on a fresh world to the same end as a run that never failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch.multiprocessing as mp
+
+from temper.distributed.placement import Placement
+from temper.job import run_checkpoints
+from temper.rl.job import RLJob
+from temper.sampler import generator_rank
+from tests.distributed.spawn import _entry, free_port, spawn
+from tests.rl.conftest import comparable_metrics, tiny_rl_config
+
+CALLS_BEFORE_DYING = 3  # the warm-up's evaluation, RL steps 0 and 1 (2 trainer ranks' calls)
+
+
+def rl_config() -> RLJob.Config:
+    config = tiny_rl_config(steps=4, prompts_per_step=4, eval_every=10, eval_problems=8)
+    config.warmup.steps = 2
+    config.checkpoint_every = 3  # after the warm-up and RL step 0
+    config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, timeout_s=60)
+    return config
+
+
+def _no_plots(run_dir):
+    return [run_dir / "plots" / "none.png"]
+
+
+def _dying_run(rank: int, run_dir) -> str | None:
+    """The job, with the generator rank exiting abruptly after a few calls."""
+    run_checkpoints.plot_metrics = _no_plots
+    answer = generator_rank.GeneratorRank._answer
+    calls = []
+
+    def answer_then_die(self, call):
+        calls.append(call)
+        if len(calls) > CALLS_BEFORE_DYING * 2:
+            os._exit(17)  # as if the process were killed: no goodbye on any link
+        return answer(self, call)
+
+    generator_rank.GeneratorRank._answer = answer_then_die
+    started = time.monotonic()
+    try:
+        RLJob(rl_config()).run(run_dir=run_dir)
+    except RuntimeError as error:
+        return f"{time.monotonic() - started:.1f}s: {error}"
+    return None
+
+
+def _resumed_run(rank: int, run_dir) -> None:
+    run_checkpoints.plot_metrics = _no_plots
+    RLJob(rl_config()).run(run_dir=run_dir, resume=True)
+
+
+def _fresh_run(rank: int, run_dir) -> None:
+    run_checkpoints.plot_metrics = _no_plots
+    RLJob(rl_config()).run(run_dir=run_dir)
+
+
+def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    out_dir = tmp_path / "dying"
+    out_dir.mkdir()
+    context = mp.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=_entry, args=(rank, _dying_run, 3, port, out_dir, (run_dir,)))
+        for rank in range(3)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=240)
+    assert not any(process.is_alive() for process in processes)  # nothing hangs
+    assert processes[2].exitcode == 17
+    for rank in (0, 1):
+        message = (out_dir / f"rank{rank}.pt").exists() and _load(out_dir, rank)
+        assert message, f"trainer rank {rank} did not report the failure"
+        assert "generator rank 2 did not answer" in message, message
+        assert "resume" in message
+    state = json.loads((run_dir / "run_state" / "state.json").read_text())
+    assert state["step"] == 3  # the checkpoint after the warm-up and RL step 0
+
+    for name in ("resumed", "fresh_out"):
+        (tmp_path / name).mkdir()
+    spawn(_resumed_run, world_size=3, out_dir=tmp_path / "resumed", args=(run_dir,))
+    fresh_dir = tmp_path / "fresh"
+    spawn(_fresh_run, world_size=3, out_dir=tmp_path / "fresh_out", args=(fresh_dir,))
+    assert comparable_metrics(run_dir) == comparable_metrics(fresh_dir)
+
+
+def _load(out_dir, rank):
+    import torch
+
+    return torch.load(out_dir / f"rank{rank}.pt", weights_only=False)
