@@ -1,0 +1,151 @@
+"""Bucketed weight transfer (distributed/weight_transfer.py) on gloo ranks.
+
+- What arrives is what was sent: names in order, the transfer dtype, a tensor larger than a
+  bucket on its own, buckets never over their size.
+- Streamed sync of an FSDP-sharded model much larger than the bucket (2 trainer ranks + 1
+  generator rank, the groups of a disaggregated placement): the generator holds bitwise the
+  trainer's gathered weights, and the peak memory each rank adds (RSS high-water mark) stays
+  within a few buckets, where a whole-dict gather adds the model's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from temper.checkpoint.gather import sampler_state_dict, sampler_stream
+from temper.distributed.placement import Placement
+from temper.distributed.weight_transfer import BucketReceiver, BucketSender
+from temper.distributed.world import using_trainer_world
+from temper.models.build import materialize
+from temper.models.qwen3.sizes import qwen3_size
+from temper.sampler.weight_source import WeightSource
+from temper.trainer.sharding import Sharding
+from tests.distributed.spawn import spawn
+
+MiB = 2**20
+BUCKET = 2 * MiB
+# About 32 MiB of fp32 weights in 16 blocks; the largest tensors (embedding, unembedding)
+# are 1 MiB.
+MODEL = dataclasses.replace(
+    qwen3_size("tiny"), vocab_size=1024, dim=256, num_layers=16, ffn_dim=512, tie_embeddings=False
+)
+LARGEST = 1 * MiB
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field}")
+
+
+def _peak_extra(run) -> int:
+    """Bytes the high-water mark of this process's RSS rose above its RSS while `run` ran."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the high-water mark starts again from the current RSS
+    before = _rss("VmRSS")
+    run()
+    return _rss("VmHWM") - before
+
+
+def _pairs_main(rank: int) -> dict:
+    groups = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+    control, data = groups
+    pairs = [
+        ("small", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("ints", torch.arange(5, dtype=torch.int64)),
+        ("large", torch.randn(300, generator=torch.Generator().manual_seed(0))),
+        ("after", torch.full((4,), 0.1)),
+    ]
+    if rank == 0:
+        sender = BucketSender(
+            control_group=control, data_group=data, bucket_bytes=512, dtype=None, device="cpu"
+        )
+        return {"stats": sender.send(iter(pairs)), "sent": pairs}
+    receiver = BucketReceiver(control_group=control, data_group=data, device="cpu")
+    return {"received": [(name, tensor.clone()) for name, tensor in receiver.receive()]}
+
+
+def test_what_arrives_is_what_was_sent_in_buckets_no_larger_than_asked(tmp_path):
+    sent, received = spawn(_pairs_main, world_size=2, out_dir=tmp_path)
+    assert [name for name, _ in received["received"]] == ["small", "ints", "large", "after"]
+    for (name, expected), (_, actual) in zip(sent["sent"], received["received"], strict=True):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
+    stats = sent["stats"]
+    # small + ints share a bucket until the dtype changes: [small] [ints] [large alone] [after]
+    assert (stats.tensors, stats.buckets) == (4, 4)
+    assert stats.largest_bucket_bytes == 300 * 4  # the large tensor, alone
+
+
+def _sync_main(rank: int) -> dict:
+    torch.manual_seed(0)
+    placement = Placement(
+        Placement.Config(mode="disaggregated", generator_ranks=1, bucket_mb=BUCKET / MiB),
+        world_size=3,
+    )
+    roles = placement.split(trainer_mesh=(1, 2, 1), device_type="cpu")
+    if roles.is_generator:
+        model = materialize(MODEL, init="random", seed=2)  # resident, other values
+        source = WeightSource(model)
+        receiver = BucketReceiver(
+            control_group=roles.sync_control, data_group=roles.sync_data, device="cpu"
+        )
+        peak = _peak_extra(lambda: source.update(receiver.receive(), version=1))
+        # The trainer's whole weights, for the check (after the measurement).
+        expected = [None]
+        dist.broadcast_object_list(expected, group=roles.sync_control, group_src=0)
+        same = all(torch.equal(v, expected[0][k]) for k, v in source.model.state_dict().items())
+        return {"peak": peak, "same": same and expected[0].keys() == model.state_dict().keys()}
+    trainer = materialize(MODEL, init="random", seed=1)
+    with using_trainer_world(roles.trainer_world):
+        Sharding(Sharding.Config(), model=trainer)
+        sender = None
+        if rank == 0:
+            sender = BucketSender(
+                control_group=roles.sync_control,
+                data_group=roles.sync_data,
+                bucket_bytes=placement.config.bucket_bytes,
+                dtype=None,
+                device=torch.device("cpu"),
+            )
+
+        def streamed() -> None:
+            stream = sampler_stream(trainer)
+            if sender is None:
+                for _ in stream:
+                    pass
+            else:
+                sender.send(stream)
+
+        peak = _peak_extra(streamed)
+        whole = _peak_extra(lambda: sampler_state_dict(trainer))
+        expected = sampler_state_dict(trainer)
+    if rank == 0:
+        dist.broadcast_object_list([expected], group=roles.sync_control, group_src=0)
+    model_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    return {"peak": peak, "whole": whole, "model_bytes": model_bytes}
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    return spawn(_sync_main, world_size=3, out_dir=tmp_path_factory.mktemp("sync"))
+
+
+def test_the_generator_receives_the_trainers_gathered_weights_bitwise(synced):
+    assert synced[2]["same"]
+
+
+def test_peak_extra_memory_stays_within_a_few_buckets_not_the_model_size(synced):
+    model_bytes = synced[0]["model_bytes"]
+    assert model_bytes > 14 * BUCKET  # the model is much larger than a bucket
+    for rank, result in enumerate(synced):
+        # Sender: its bucket and one tensor being gathered (the all-gather's buffers hold a
+        # few copies of it); the other trainer rank: the gather; the receiver: a bucket.
+        assert result["peak"] < BUCKET + 4 * LARGEST, (rank, result["peak"] / MiB)
+    for rank in (0, 1):  # the check has teeth: a whole-dict gather adds the model's size
+        assert synced[rank]["whole"] > 0.8 * model_bytes, (rank, synced[rank]["whole"] / MiB)
