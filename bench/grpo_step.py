@@ -4,7 +4,9 @@ One step = 16 prompts x 8 samples x 8 new tokens on the tiny random Qwen3 (4 lay
 the built-in digits vocabulary), then one PPO-loss forward_backward + AdamW optim_step on all
 128 completions. No stop token (Temper `stop=[]`, TRL `min_new_tokens=8`), so every completion
 is exactly 8 tokens on both sides. Both load the same model directory (one random checkpoint
-saved once), and TRL runs without a reference model (beta 0), as Temper's loop does.
+saved once) and see the same problems in the same order, step for step (drawn once from
+`SumDigits` with a fixed seed; TRL's dataset unshuffled), and TRL runs without a reference
+model (beta 0), as Temper's loop does.
 
 TRL runs on Temper's configuration, not its own GPU defaults: fp32 weights and compute
 (`bf16=False`), no gradient checkpointing, the same AdamW (torch's multi-tensor kernel, betas
@@ -14,14 +16,16 @@ Temper's advantage / tokens), sampling at temperature 1 with no top-k/top-p. The
 prints both sides' configuration as read back from the live objects (`temper_config`,
 `trl_config`), so a mismatch shows.
 
-Temper's step is the RL loop's: `save_weights_and_get_sampling_client`, `make_groups` and
-`rollout_groups` (the "sample" phase), then group advantages, `policy_datum`,
-`forward_backward("ppo")` and `optim_step` ("train"), on the default recipe's engines (what
-`RLJob.Config()` runs: helper sampler processes, two trainer thread shards). TRL's "sample"
+Temper's step is the RL loop's: `save_weights_and_get_sampling_client`, a group of
+`ProblemEnv`s per problem (what `make_groups` builds) and `rollout_groups` (the "sample"
+phase), then group advantages, `policy_datum`, `forward_backward("ppo")` and `optim_step`
+("train"), on the default recipe's engines (what `RLJob.Config()` runs: helper sampler
+processes, two trainer thread shards). TRL's "sample"
 phase is its `_generate_and_score_completions` (generate, decode, reward, advantages). Each
 side is timed over `--steps` steps after `--warmup` steps, in `--rounds` rounds (default 6)
-that alternate which side runs first; the speedup is the median of the rounds' ratios. The
-load average before and after is printed (the machine may be shared). Prints one JSON line.
+that alternate which side runs first; each round's medians and ratio are printed
+(`per_round`), and the speedup is the median of the rounds' ratios. The load average before
+and after is printed (the machine may be shared). Prints one JSON line.
 Without `trl` installed (the `bench` extra), only Temper's numbers are printed, with the
 reason in `trl_skipped`.
 
@@ -47,9 +51,9 @@ from temper.checkpoint.model_source import ModelSource
 from temper.client.service_client import ServiceClient
 from temper.config.recipes import default_recipe
 from temper.rl.advantages import group_advantages
-from temper.rl.env import make_groups
+from temper.rl.env import ProblemEnv
 from temper.rl.rollout import policy_datum, rollout_groups
-from temper.tasks import SumDigits
+from temper.tasks import Problem, SumDigits
 
 PROMPTS = 16
 GROUP_SIZE = 8
@@ -60,6 +64,13 @@ ADAM = AdamParams(learning_rate=LEARNING_RATE, beta2=0.95, grad_clip_norm=1.0)
 
 
 Times = dict[str, list[float]]
+
+
+def draw_problems(count: int) -> list[Problem]:
+    """The problems both sides train on, in order: `PROMPTS` per step (seeded, so every round
+    and both sides see the same ones)."""
+    task, rng = SumDigits.Config().build(), random.Random(0)
+    return [task.sample(rng, split="train") for _ in range(count)]
 
 
 def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, object]:
@@ -84,9 +95,11 @@ def checkpointing(model) -> bool:
     raise AttributeError(f"{type(model).__name__} says nothing of activation checkpointing")
 
 
-def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[str, object]]:
+def temper_steps(
+    model_dir: Path, problems: list[Problem], *, steps: int, warmup: int
+) -> tuple[Times, dict[str, object]]:
     """Seconds of the sample and train phases and of whole steps, per timed step, and the
-    configuration the step ran with."""
+    configuration the step ran with; step i trains on `problems[i * PROMPTS:][:PROMPTS]`."""
     with tempfile.TemporaryDirectory() as storage:
         # The default recipe's engines (sampler, trainer), as `make demo` runs them.
         job = default_recipe().fn()
@@ -96,17 +109,16 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, di
         rng = random.Random(0)
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
         times: Times = {"sample": [], "train": [], "total": []}
+        prompt_tokens = 0
         for step in range(warmup + steps):
             started = time.perf_counter()
             sampler = training.save_weights_and_get_sampling_client()
-            groups = make_groups(
-                task,
-                tokenizer=tokenizer,
-                rng=rng,
-                num_groups=PROMPTS,
-                group_size=GROUP_SIZE,
-                split="train",
-            )
+            # make_groups' groups, on this step's problems rather than fresh draws.
+            groups = [
+                [ProblemEnv(problem, task=task, tokenizer=tokenizer) for _ in range(GROUP_SIZE)]
+                for problem in problems[step * PROMPTS : (step + 1) * PROMPTS]
+            ]
+            prompt_tokens += sum(len(group[0].initial_observation()) for group in groups)
             trajectories = rollout_groups(sampler, groups, params=params, rng=rng)
             # As the RL loop does: no client holds this version while the trainer steps, so
             # optim_step changes the weights in place instead of copying them for the client.
@@ -142,26 +154,31 @@ def temper_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, di
             "prompts": PROMPTS,
             "group_size": GROUP_SIZE,
             "new_tokens": NEW_TOKENS,
+            "prompt_tokens_per_step": prompt_tokens / (warmup + steps),
             "temperature": params.temperature,
+            "threads": torch.get_num_threads(),
             "sampler": repr(job.sampler),
             "trainer": repr(job.trainer),
         }
     return times, config
 
 
-def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[str, object]]:
+def trl_steps(
+    model_dir: Path, problems: list[Problem], *, steps: int, warmup: int
+) -> tuple[Times, dict[str, object]]:
     """The same measurement for TRL's GRPOTrainer (transformers generate on CPU), on Temper's
-    configuration."""
+    configuration and the same problems in the same order."""
     import datasets
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    task = SumDigits.Config().build()
-    rng = random.Random(0)
-    problems = [task.sample(rng, split="train") for _ in range(PROMPTS * (warmup + steps))]
+    problems = problems[: PROMPTS * (warmup + steps)]
     dataset = datasets.Dataset.from_list(
         [{"prompt": p.prompt, "answer": p.answer} for p in problems]
     )
+    # Each generation batch's prompts, in order, to check they are Temper's.
+    seen_prompts: list[str] = []
+    prompt_tokens: list[int] = []  # per generation batch, each prompt once
 
     def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
         return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
@@ -183,6 +200,7 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[
             num_generations=GROUP_SIZE,
             max_completion_length=NEW_TOKENS,
             generation_kwargs={"min_new_tokens": NEW_TOKENS},
+            shuffle_dataset=False,  # Temper's order of problems
             temperature=1.0,
             top_k=0,
             top_p=1.0,
@@ -237,6 +255,9 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[
             result = generate_and_score(*args, **kwargs)
             sample_times.append(time.perf_counter() - started)
             assert result["completion_ids"].shape[1] == NEW_TOKENS
+            inputs = args[0] if args else kwargs["inputs"]
+            seen_prompts.extend(example["prompt"] for example in inputs[::GROUP_SIZE])
+            prompt_tokens.append(int(result["prompt_mask"].sum()) // GROUP_SIZE)
             return result
 
         trainer._generate_and_score_completions = timed_generate_and_score
@@ -256,6 +277,8 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[
             "prompts": config.per_device_train_batch_size // config.num_generations,
             "group_size": config.num_generations,
             "new_tokens": config.max_completion_length,
+            "prompt_tokens_per_step": sum(prompt_tokens) / len(prompt_tokens),
+            "shuffle_dataset": config.shuffle_dataset,
             "temperature": config.temperature,
             "top_k": config.top_k,
             "top_p": config.top_p,
@@ -263,6 +286,7 @@ def trl_steps(model_dir: Path, *, steps: int, warmup: int) -> tuple[Times, dict[
             "threads": torch.get_num_threads(),
         }
     assert len(step_times) == len(sample_times) == warmup + steps
+    assert seen_prompts == [p.prompt for p in problems], "TRL saw other problems than Temper"
     step_s, sample_s = step_times[warmup:], sample_times[warmup:]
     times = {
         "sample": sample_s,
@@ -307,6 +331,8 @@ def main() -> None:
     baseline: Times = {"sample": [], "train": [], "total": []}
     configs: dict[str, dict[str, object]] = {}
     ratios = []
+    per_round: list[dict[str, object]] = []
+    problems = draw_problems(PROMPTS * (args.warmup + args.steps))
     with tempfile.TemporaryDirectory() as directory:
         base = ModelSource.Config(size="tiny", tokenizer="digits", seed=0).build()
         model_dir = save_pretrained(base.model, Path(directory) / "model", tokenizer=base.tokenizer)
@@ -321,10 +347,14 @@ def main() -> None:
             this_round = {}
             for name, run in runners:
                 this_round[name], configs[name] = run(
-                    model_dir, steps=args.steps, warmup=args.warmup
+                    model_dir, problems, steps=args.steps, warmup=args.warmup
                 )
             for phase, values in this_round["temper"].items():
                 temper[phase] += values
+            summary = {"first": runners[0][0]}
+            summary |= {
+                f"{name}_total_s": medians(this_round[name])["total_s"] for name, _ in runners
+            }
             if trl is not None:
                 for phase, values in this_round["trl"].items():
                     baseline[phase] += values
@@ -332,9 +362,12 @@ def main() -> None:
                     statistics.median(this_round["trl"]["total"])
                     / statistics.median(this_round["temper"]["total"])
                 )
+                summary["speedup"] = round(ratios[-1], 2)
+            per_round.append(summary)
     report["load_average_after"] = round(os.getloadavg()[0], 2)
     report["temper"] = medians(temper)
     report["temper_config"] = configs["temper"]
+    report["per_round"] = per_round
     if trl is not None:
         report["trl_version"] = trl.__version__
         report["trl"] = medians(baseline)

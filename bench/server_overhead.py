@@ -20,12 +20,15 @@ counts in 10 ms ticks, hence means over all steps):
 - `cpu_server_idle_s`: the server process during an in-process step (its idle event loop).
 Temporary directories (model, storage of both sides) are removed at exit.
 
-Each side runs at its default torch threads: the server computes on one core fewer than
-torch's default (`TemperServer.Config.compute_threads`), leaving one for its event loop and
-the SDK. `--in-process-threads N` sets the in-process side's threads instead, e.g. to the
-server's count for a like-for-like comparison of the compute.
+Both sides compute on the same number of torch threads by default (like for like): the
+server's default, one fewer than torch's (`TemperServer.Config.compute_threads`, which keeps a
+core for its event loop and the SDK), given to the server as `--compute-threads` and set in
+this process for the in-process client. `--server-threads N` changes both;
+`--in-process-threads N` changes the in-process side alone, e.g. to torch's default for each
+side at its own defaults. Both counts are printed (`server_threads`, `in_process_threads`,
+`like_for_like`).
 
-    OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10] [--in-process-threads 1]
+    OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10] [--server-threads 1]
 """
 
 from __future__ import annotations
@@ -151,10 +154,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: Path, storage: Path) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model_dir: Path, storage: Path, *, compute_threads: int
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "temper", "serve", "--model", str(model_dir)]
     command += ["--port", str(port), "--storage", str(storage)]
+    command += ["--compute-threads", str(compute_threads)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(600):
         try:
@@ -173,29 +179,48 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument(
-        "--in-process-threads", type=int, default=None, help="torch threads (default: torch's)"
+        "--server-threads",
+        type=int,
+        default=None,
+        help="the server's --compute-threads (default: the server's default, one fewer than "
+        "torch's); also the in-process side's, unless --in-process-threads",
+    )
+    parser.add_argument(
+        "--in-process-threads",
+        type=int,
+        default=None,
+        help="torch threads of the in-process client (default: the server's, like for like)",
     )
     args = parser.parse_args()
-
-    import torch
-
-    if args.in_process_threads is not None:
-        torch.set_num_threads(args.in_process_threads)  # before the client starts its workers
+    for name in ("server_threads", "in_process_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     import tinker
+    import torch
     from tinker import types as tinker_types
 
     from temper import api as temper_types
     from temper.checkpoint.model_source import init_model_dir
     from temper.client.service_client import ServiceClient
+    from temper.server.server import TemperServer
 
     load_before = round(os.getloadavg()[0], 2)
     root = Path(tempfile.mkdtemp(prefix="temper-bench-"))
-    model_dir = root / "models" / "tiny-digits"
-    tokenizer = init_model_dir(model_dir, size="tiny", tokenizer="digits", seed=0)
-    prompts = [tokenizer.encode(f"{i % 10}{(3 * i) % 10}=") for i in range(args.prompts)]
-    process, base_url = start_server(model_dir, root / "server-storage")
+    process = None
     try:
+        model_dir = root / "models" / "tiny-digits"
+        tokenizer = init_model_dir(model_dir, size="tiny", tokenizer="digits", seed=0)
+        server_config = TemperServer.Config(
+            model=[str(model_dir)], compute_threads=args.server_threads
+        )
+        server_threads = server_config.cpu_threads()
+        # Before the in-process client starts its workers: they read this once.
+        torch.set_num_threads(args.in_process_threads or server_threads)
+        prompts = [tokenizer.encode(f"{i % 10}{(3 * i) % 10}=") for i in range(args.prompts)]
+        process, base_url = start_server(
+            model_dir, root / "server-storage", compute_threads=server_threads
+        )
         service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench")
         remote = service.create_lora_training_client(str(model_dir), rank=16, seed=0).result()
         local = ServiceClient(storage_dir=root / "local-storage").create_lora_training_client(
@@ -232,8 +257,9 @@ def main() -> None:
                     cpu["server_idle"].append(server_cpu)  # the server's event loop, idle
         service.close("success").result()
     finally:
-        process.terminate()
-        process.wait()
+        if process is not None:
+            process.terminate()
+            process.wait()
         shutil.rmtree(root, ignore_errors=True)
     in_process, server = (statistics.median(times[name]) for name in ("in_process", "server"))
     print(
@@ -243,7 +269,9 @@ def main() -> None:
                 "step": f"{args.prompts} prompts x {args.group_size} samples x "
                 f"{args.max_tokens} tokens + importance_sampling fwd/bwd + optim_step",
                 "steps": args.steps,
+                "server_threads": server_threads,
                 "in_process_threads": torch.get_num_threads(),
+                "like_for_like": server_threads == torch.get_num_threads(),
                 "load_average": round(os.getloadavg()[0], 2),
                 "load_average_before": load_before,
                 "in_process_s": round(in_process, 4),

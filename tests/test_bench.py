@@ -48,14 +48,18 @@ def test_grpo_step_prints_both_configs_or_why_trl_is_skipped(tmp_path):
     config = report["temper_config"]
     assert config["dtype"] == "float32" and config["gradient_checkpointing"] is False
     assert config["betas"] == [0.9, 0.95] and config["learning_rate"] == 2e-4
+    (first_round,) = report["per_round"]
+    assert first_round["first"] == "temper" and first_round["temper_total_s"] > 0
     try:
         import trl  # noqa: F401
     except ImportError:
         assert report["trl"] is None and "TRL not compared" in report["trl_skipped"]
     else:
         shared = ("dtype", "gradient_checkpointing", "betas", "eps", "weight_decay", "foreach")
+        shared += ("learning_rate", "grad_clip_norm", "group_size", "new_tokens", "temperature")
+        shared += ("prompts", "prompt_tokens_per_step")  # the same problems on both sides
         assert {k: report["trl_config"][k] for k in shared} == {k: config[k] for k in shared}
-        assert len(report["speedup_per_round"]) == 1
+        assert len(report["speedup_per_round"]) == 1 and first_round["trl_total_s"] > 0
     assert left_behind(tmp_path) == []
 
 
@@ -64,6 +68,7 @@ def test_server_overhead_reports_the_server_process_cpu_and_cleans_up(tmp_path):
     flags = ["--steps", "2", "--prompts", "2", "--group-size", "2", "--max-tokens", "2"]
     report = run_bench("server_overhead.py", *flags, tmp_path=tmp_path)
     assert report["bench"] == "server_overhead" and report["server_s"] > 0
+    assert report["like_for_like"] and report["in_process_threads"] == report["server_threads"]
     for name in ("in_process", "server", "sdk", "server_idle"):
         assert report[f"cpu_{name}_s"] >= 0
     assert report["cpu_server_over_in_process"] > 0

@@ -155,6 +155,11 @@ class TemperServer(Configurable):
         """One sampler per base model for its LoRA models' snapshots (Temper's engine;
         adapter_room.py); a snapshot holds a copy of its adapters."""
 
+        def cpu_threads(self) -> int:
+            """torch threads the server computes on with --device cpu: `compute_threads`, or
+            its default, one fewer than torch's (at least 1)."""
+            return self.compute_threads or max(1, torch.get_num_threads() - 1)
+
         def __post_init__(self) -> None:
             if isinstance(self.model, str):  # Config(model="dir"), as before several models
                 self.model = [self.model]
@@ -243,7 +248,7 @@ class TemperServer(Configurable):
 
             if config.device == "cpu":
                 # Before the backend starts its worker threads: they read this once.
-                torch.set_num_threads(config.compute_threads or max(1, torch.get_num_threads() - 1))
+                torch.set_num_threads(config.cpu_threads())
 
             backend = ServiceClient(
                 storage_dir=storage.root,
