@@ -1,17 +1,15 @@
 """The server's state: its config, the backend, and who holds which model and sampler.
 
-One `ServiceBackend` (by default the in-process `temper.ServiceClient`) serves every client,
-on every served base model (base_models.py; loaded on first use within a memory budget,
-model_memory.py).
-Each Tinker training model is one backend `TrainingClient` (its own LoRA adapters or, with
-`fine_tuning="full"`, its own full copy, and its own optimizer state), named by the Tinker
-model id, which is also its run id on disk. Sampling sessions map onto backend sampling
-clients: one shared client per base model and per sampler checkpoint, one per
+One `ServiceBackend` (by default the in-process `temper.ServiceClient`) serves every client, on
+every served base model (base_models.py; loaded on first use within a memory budget,
+model_memory.py). Each Tinker training model is one backend `TrainingClient` (its own LoRA
+adapters or, with `fine_tuning="full"`, its own full copy, and its own optimizer state), named
+by the Tinker model id, which is also its run id on disk. Sampling sessions map onto backend
+sampling clients: one shared client per base model and per sampler checkpoint, one per
 `save_weights_and_get_sampling_client` call. Sessions own their models and sampling sessions;
 finishing a session, or its heartbeats stopping for `session_timeout_s`, releases them
 (lifetimes.py). Every session, and so everything it created, belongs to the user whose key
-created it (users.py); another user's ids answer 404 as if they did not exist.
-"""
+created it (users.py); another user's ids answer 404 as if they did not exist."""
 
 from __future__ import annotations
 
@@ -156,8 +154,7 @@ class TemperServer(Configurable):
         adapter_room.py); a snapshot holds a copy of its adapters."""
 
         def cpu_threads(self) -> int:
-            """torch threads the server computes on with --device cpu: `compute_threads`, or
-            its default, one fewer than torch's (at least 1)."""
+            """torch threads on --device cpu: `compute_threads`, or one fewer than torch's."""
             return self.compute_threads or max(1, torch.get_num_threads() - 1)
 
         def __post_init__(self) -> None:
@@ -271,11 +268,10 @@ class TemperServer(Configurable):
             (model.sampler_bytes for model in self.base_models if model.trainable), default=0
         )
         budget_mb = config.snapshot_memory_mb
+        budget_bytes = device_memory_bytes(config.device) // 4 if budget_mb is None else None
         self.snapshots = SnapshotRetention(
             copy_bytes=copy_bytes,
-            budget_bytes=int(budget_mb * MIB)
-            if budget_mb is not None
-            else device_memory_bytes(config.device) // 4,
+            budget_bytes=budget_bytes if budget_bytes is not None else int(budget_mb * MIB),
             idle_seconds=config.snapshot_idle_seconds,
         )
         self.snapshots.log_settings()
@@ -370,7 +366,6 @@ class TemperServer(Configurable):
             )
 
     # -- registration -----------------------------------------------------------------------
-
     def add_model(self, served: ServedModel) -> None:
         """Register a training model, counting its memory (503 if it cannot fit): its own
         part, and for the first LoRA model on a base, the base weights they all share."""
