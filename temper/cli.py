@@ -92,7 +92,8 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
             return _train_on_ranks(invocation)
         if invocation.nproc is not None:
             _check_runs_on_ranks(invocation)
-        if not invocation.resume:
+        # On several nodes rank 0 prepares it under torchrun (the others find it there).
+        if not invocation.resume and invocation.nnodes == 1:
             config_cli.prepare_run_dir(
                 invocation.run_dir, resumable=has_run_state(invocation.run_dir)
             )
@@ -103,16 +104,24 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         return 2
     if invocation.nproc is not None:
         # The ranks get this run dir (a default one is named by the time, which they would
-        # not agree on) and no --nproc.
-        args = config_cli.without_option(list(argv), "--nproc")
+        # not agree on) and no launch options.
+        args = list(argv)
+        for flag in config_cli.LAUNCH_OPTIONS:
+            args = config_cli.without_option(args, flag)
         if not invocation.resume:
             args = [
                 *config_cli.without_option(args, "--run-dir"),
                 "--run-dir",
                 str(invocation.run_dir),
             ]
-        code = launch.run_under_torchrun(nproc=invocation.nproc, args=["train", *args])
-        if code != 0 and not invocation.resume:
+        code = launch.run_under_torchrun(
+            nproc=invocation.nproc,
+            nnodes=invocation.nnodes,
+            rdzv_endpoint=invocation.rdzv_endpoint,
+            run_id=invocation.run_dir.name,
+            args=["train", *args],
+        )
+        if code != 0 and not invocation.resume and invocation.nnodes == 1:
             _remove_if_only_config(invocation.run_dir)
         return code
     config_path = invocation.run_dir / "config.json"

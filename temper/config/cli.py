@@ -34,6 +34,8 @@ Train from a recipe's config; the options below override its fields.
 
   temper train [RECIPE] [--config-file PATH] [--run-dir DIR] [--nproc N] [--FIELD VALUE ...]
   temper train --resume RUN_DIR [--nproc N]
+  temper train RECIPE --run-dir SHARED_DIR --nnodes 2 --nproc-per-node 8 \
+      --rdzv-endpoint NODE0_HOST:29500        (the same command on every node)
 
   RECIPE              a name from `temper recipes`, module:function or path/to/file.py:function
                       (default: the recipe marked default)
@@ -43,9 +45,13 @@ Train from a recipe's config; the options below override its fields.
   --resume RUN_DIR    continue a stopped run from its last checkpoint, with its config.json
                       (no other options but --nproc)
   --nproc N           run on N processes of this machine (starts torchrun; see
-                      docs/distributed.md for several machines)"""
+                      docs/distributed.md for several machines); --nproc-per-node is the same
+  --nnodes N          machines in the job (with --nproc-per-node, --rdzv-endpoint and a
+                      --run-dir every node sees); torchrun's rendezvous joins them
+  --rdzv-endpoint H:P where the nodes meet (a host every node reaches, a free port)"""
 
-_TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume", "--nproc")
+LAUNCH_OPTIONS = ("--nproc", "--nproc-per-node", "--nnodes", "--rdzv-endpoint")
+_TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume", *LAUNCH_OPTIONS)
 
 
 class Job(Protocol):
@@ -68,7 +74,12 @@ class TrainInvocation:
     resume: bool = False
     """Continue the run in `run_dir` from its last checkpoint."""
     nproc: int | None = None
-    """Processes to start with torchrun (`--nproc`); None: run in this process."""
+    """Processes to start with torchrun on this machine (`--nproc`, `--nproc-per-node`);
+    None: run in this process."""
+    nnodes: int = 1
+    """Machines in the job (`--nnodes`); each runs the same command."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT where the machines meet (`--rdzv-endpoint`; needed with nnodes > 1)."""
 
 
 def parse_train_argv(
@@ -82,10 +93,10 @@ def parse_train_argv(
     args = list(argv)
     recipe_arg = args.pop(0) if args and not args[0].startswith("-") else None
     options, overrides = _split_train_options(args)
-    nproc = _nproc(options.pop("--nproc", None))
+    launch = _launch(options)
     if "--resume" in options:
         invocation = _resume_invocation(options, recipe_arg=recipe_arg, overrides=overrides)
-        return dataclasses.replace(invocation, nproc=nproc)
+        return dataclasses.replace(invocation, **launch)
     config_file = options.get("--config-file")
     if config_file is not None:
         if recipe_arg is not None:
@@ -113,19 +124,46 @@ def parse_train_argv(
     subject = recipe_arg or (f"--config-file {config_file}" if config_file else recipe_name)
     config = override_config(config, args=overrides, prog=f"{prog} {subject}")
     run_dir = options.get("--run-dir")
+    if run_dir is None and launch["nnodes"] > 1:
+        raise ValueError(
+            "--nnodes > 1 needs --run-dir: a directory every node sees (shared storage), the "
+            "same on each node"
+        )
     return TrainInvocation(
         recipe=recipe_name,
         config=config,
         run_dir=pathlib.Path(run_dir) if run_dir else default_run_dir(recipe_name),
-        nproc=nproc,
+        **launch,
     )
 
 
-def _nproc(value: str | None) -> int | None:
+def _launch(options: dict[str, str]) -> dict[str, Any]:
+    """The torchrun settings among the options (removed from them), checked."""
+    nproc, per_node = options.pop("--nproc", None), options.pop("--nproc-per-node", None)
+    if nproc is not None and per_node is not None and nproc != per_node:
+        raise ValueError(f"--nproc {nproc} and --nproc-per-node {per_node}: give one of them")
+    nproc = _count(nproc or per_node, flag="--nproc" if nproc else "--nproc-per-node")
+    nnodes = _count(options.pop("--nnodes", None), flag="--nnodes") or 1
+    endpoint = options.pop("--rdzv-endpoint", None)
+    if nnodes > 1 and (nproc is None or endpoint is None):
+        raise ValueError(
+            f"--nnodes {nnodes} needs --nproc-per-node M (ranks on each node) and "
+            "--rdzv-endpoint HOST:PORT (where the nodes meet: node 0's address and a free port)"
+        )
+    if endpoint is not None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint {endpoint}: give HOST:PORT, e.g. node0:29500")
+        if nnodes == 1:
+            raise ValueError("--rdzv-endpoint joins several nodes; give --nnodes N (N > 1)")
+    return {"nproc": nproc, "nnodes": nnodes, "rdzv_endpoint": endpoint}
+
+
+def _count(value: str | None, *, flag: str) -> int | None:
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--nproc {value}: give the number of processes, an int >= 1")
+        raise ValueError(f"{flag} {value}: give a number of processes or nodes, an int >= 1")
     return int(value)
 
 

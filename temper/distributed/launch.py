@@ -1,5 +1,6 @@
 """Starting and joining a torchrun job: the process group from torchrun's environment, leaving
-it, and starting torchrun for `temper train --nproc N`.
+it, and starting torchrun for `temper train --nproc N` (one machine) or `temper train
+--nnodes N --nproc-per-node M --rdzv-endpoint HOST:PORT` (the same command on each machine).
 
 torchrun (`python -m torch.distributed.run`) starts one process per rank and sets RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; with OMP_NUM_THREADS and OMP_WAIT_POLICY
@@ -70,14 +71,32 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def torchrun_command(*, nproc: int, args: Sequence[str]) -> list[str]:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N -m temper ARGS`: N ranks
-    on this machine, on a free port."""
+def torchrun_command(
+    *,
+    nproc: int,
+    args: Sequence[str],
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    run_id: str = "temper",
+) -> list[str]:
+    """`python -m torch.distributed.run ... -m temper ARGS`: N ranks on this machine, on a free
+    port (`--standalone`), or this node's N ranks of `nnodes` that meet at `rdzv_endpoint`
+    (torchrun's c10d rendezvous; every node runs the same command, `run_id` names the job)."""
+    if nnodes == 1:
+        where = ["--standalone"]
+    else:
+        assert rdzv_endpoint is not None, "several nodes meet at a rendezvous endpoint"
+        where = [
+            f"--nnodes={nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={run_id}",
+        ]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *where,
         f"--nproc-per-node={nproc}",
         "-m",
         "temper",
@@ -95,7 +114,17 @@ def torchrun_environment(*, nproc: int, environ: Mapping[str, str] | None = None
     return env
 
 
-def run_under_torchrun(*, nproc: int, args: Sequence[str]) -> int:
-    """Run `temper ARGS` on `nproc` ranks of this machine; returns torchrun's exit code."""
-    command = torchrun_command(nproc=nproc, args=args)
+def run_under_torchrun(
+    *,
+    nproc: int,
+    args: Sequence[str],
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    run_id: str = "temper",
+) -> int:
+    """Run `temper ARGS` on `nproc` ranks of this machine (of `nnodes`, see
+    `torchrun_command`); returns torchrun's exit code."""
+    command = torchrun_command(
+        nproc=nproc, args=args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, run_id=run_id
+    )
     return subprocess.run(command, env=torchrun_environment(nproc=nproc), check=False).returncode

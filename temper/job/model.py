@@ -9,8 +9,10 @@ and the RL job adapts them to the number of ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from temper.checkpoint.model_source import DType
 from temper.client.service_client import ServiceClient
@@ -24,6 +26,11 @@ from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
 
 
+def default_device() -> str:
+    """'cuda' where torch sees a GPU, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class ModelChoice(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -34,8 +41,9 @@ class ModelChoice(Configurable):
         """LoRA rank; None trains every parameter."""
         lora_seed: int | None = None
         """Seed of the LoRA adapters' initialization (lora_rank set); None: the job's seed."""
-        device: str = "cpu"
-        """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's GPU)."""
+        device: str = field(default_factory=lambda: default_device())
+        """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's
+        GPU); default 'cuda' where torch sees a GPU, else 'cpu'."""
         dtype: DType = "float32"
         """Parameter dtype of the model ('bfloat16' on GPUs)."""
 

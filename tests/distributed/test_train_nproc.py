@@ -4,6 +4,9 @@ rank 0 writes and prints; bad --nproc values are usage errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ from temper.cli import main
 from temper.config.cli import without_option
 from temper.distributed.launch import torchrun_command, torchrun_environment
 from temper.observability import read_metrics
+from tests.distributed.spawn import free_port
 
 
 def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
@@ -86,3 +90,55 @@ def test_torchrun_command_and_environment():
 def test_resume_takes_nproc_but_no_other_option(argv, capsys):
     assert main(["train", *argv]) == 2
     assert "takes no other options" in capsys.readouterr().err
+
+
+def test_two_nodes_meet_at_the_rendezvous_and_run_disaggregated(tmp_path):
+    """Two `temper train --nnodes 2` commands on this machine stand for two nodes of one
+    rank each: they meet at the rendezvous endpoint, rank 0 prepares the shared run dir, and
+    the job runs with the last rank generating for the first."""
+    run_dir = tmp_path / "shared-run"
+    argv = ["train", "arithmetic_smoke", "--nnodes", "2", "--nproc-per-node", "1"]
+    argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(run_dir)]
+    argv += ["--metrics.display", "none", "--warmup.steps", "2", "--steps", "2"]
+    argv += ["--eval_problems", "8", "--placement.mode", "disaggregated"]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "temper", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert sum(output.count("SFT warm-up: 2 steps") for output in outputs) == 1
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(4))
+
+
+def test_several_nodes_need_their_settings(tmp_path, capsys):
+    run_dir = str(tmp_path / "run")
+    cases = {
+        ("--nnodes", "2", "--nproc-per-node", "2", "--run-dir", run_dir): "--rdzv-endpoint",
+        ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "h:1"): "--run-dir",
+        ("--nnodes", "2", "--rdzv-endpoint", "h:1", "--run-dir", run_dir): "--nproc-per-node",
+        ("--nproc", "2", "--rdzv-endpoint", "h", "--run-dir", run_dir): "HOST:PORT",
+        ("--nproc", "2", "--nproc-per-node", "3"): "give one of them",
+    }
+    for options, expected in cases.items():
+        assert main(["train", "arithmetic_smoke", *options]) == 2
+        assert expected in capsys.readouterr().err, options
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_torchrun_command_for_several_nodes_uses_the_rendezvous():
+    command = torchrun_command(
+        nproc=8, args=["train"], nnodes=2, rdzv_endpoint="node0:29500", run_id="run-x"
+    )
+    assert "--standalone" not in command
+    for part in ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500"):
+        assert part in command
+    assert "--rdzv-id=run-x" in command and "--nproc-per-node=8" in command
+    assert "--standalone" in torchrun_command(nproc=2, args=["train"])
