@@ -24,6 +24,7 @@ from temper.distributed.weight_transfer import BucketReceiver, drain
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.remote import (
+    Answer,
     Failure,
     GenerateCall,
     ScoreCall,
@@ -136,8 +137,10 @@ class GeneratorRank:
                     )
                 assert self._engine is not None
                 if isinstance(call, GenerateCall):
-                    return self._engine.generate(call.requests)
-                return self._engine.score(call.sequences, temperature=call.temperature)
+                    result = self._engine.generate(call.requests)
+                else:
+                    result = self._engine.score(call.sequences, temperature=call.temperature)
+                return Answer(version=self._engine.version, result=result)
             except ValueError as error:
                 return Failure("ValueError", str(error))
             except Exception as error:

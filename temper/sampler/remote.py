@@ -82,6 +82,14 @@ class Weights:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """A generator's result, tagged with the policy version it was drawn from."""
+
+    version: int
+    result: Any
+
+
+@dataclass(frozen=True)
 class Failure:
     """A call the generator refused or failed: raised again on the trainer."""
 
@@ -213,11 +221,19 @@ class RemoteGenerator:
         for link, call in calls:
             self._send(link, call)
         answers = []
-        for link, _ in calls:
+        for link, call in calls:
             answer = self._receive(link)
             if isinstance(answer, Failure):
                 error = ValueError if answer.kind == "ValueError" else RuntimeError
                 raise error(f"generator rank {link.generator}: {answer.message}")
+            if isinstance(answer, Answer):
+                expected = getattr(call, "version", answer.version)
+                if answer.version != expected:  # a broken contract, never a silent sample
+                    raise RuntimeError(
+                        f"generator rank {link.generator} answered from policy version "
+                        f"{answer.version}, not the {expected} asked for"
+                    )
+                answer = answer.result
             answers.append(answer)
         return answers
 
