@@ -54,6 +54,7 @@ class DeferredWeights:
         """Give the (parallelized) meta-device `model` storage for this rank's shards on
         `device` and fill them: base weights, then the adapters of `lora` (applied already)."""
         assert not list(model.buffers()), "sharded loading fills parameters only"
+        assert all(local_part(p).is_meta for p in model.parameters()), "a meta-device model"
         model.to_empty(device=self.device)
         if self.model_dir is None:
             init_local_shards(model, seed=self.seed, device=self.device)
