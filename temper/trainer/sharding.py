@@ -47,7 +47,11 @@ class Sharding(Configurable):
                     f"{self.activation_checkpointing!r}"
                 )
 
-    def __init__(self, config: Config, *, model: nn.Module) -> None:
+    def __init__(
+        self, config: Config, *, model: nn.Module, device: torch.device | None = None
+    ) -> None:
+        """`device`: where the model's shards live; default: the model's device. A model on
+        the meta device (sharded loading) is given storage there after it is sharded."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "Sharding needs torch.distributed initialized (run under torchrun, or "
@@ -56,7 +60,7 @@ class Sharding(Configurable):
         self.config = config
         self.dims = config.dims.build(world_size=dist.get_world_size())
         self.dims.check_model(model.config)
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
         self.mesh = self.dims.build_mesh(device.type)
         self.dp_mesh = self.dims.flat_dp_mesh(self.mesh)
         family_of_model(model).parallelize(
