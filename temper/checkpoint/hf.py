@@ -1,8 +1,9 @@
 """Hugging Face model directories: config.json + safetensors (single file or sharded).
 
 `load_pretrained` builds the model on the meta device and copies each tensor from the
-safetensors files straight into its final storage (one tensor in flight at a time), checking
-names and shapes. `save_pretrained` writes a directory that
+safetensors files straight into its final storage (one tensor in flight at a time), after
+checking every name and shape against the files' headers (`locate_weights`, which the sharded
+loader in sharded_load.py shares). `save_pretrained` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads; it is written under a temporary name
 and renamed, so a crash never leaves a half-written model directory behind.
 """
@@ -10,7 +11,7 @@ and renamed, so a crash never leaves a half-written model directory behind.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch import nn
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.build import dtype_name, materialize, parse_dtype
-from temper.models.registry import ModelFamily, family_for_hf_config, family_of_model
+from temper.models.registry import family_for_hf_config, family_of_model
 from temper.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -62,14 +63,6 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return [model_dir / SINGLE_WEIGHTS]
 
 
-def _hf_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    safetensors_device = "cpu" if device.type == "meta" else str(device)
-    for path in _weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device=safetensors_device) as handle:
-            for hf_key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                yield hf_key, handle.get_tensor(hf_key)
-
-
 def _default_dtype(hf_config: dict[str, Any]) -> torch.dtype:
     name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
     return parse_dtype(name, field="config.json dtype")
@@ -85,45 +78,77 @@ def load_pretrained(
 
     dtype defaults to the one recorded in config.json (float32 when absent).
     """
-    model_dir = Path(model_dir)
-    hf_config = read_hf_config(model_dir)
-    family = family_for_hf_config(hf_config)
-    config = family.config_from_hf(hf_config)
-    dtype = _default_dtype(hf_config) if dtype is None else parse_dtype(dtype)
-    model = materialize(config, device=device, dtype=dtype, init="empty")
-    _copy_weights(model, family=family, model_dir=model_dir, device=torch.device(device))
+    model = empty_pretrained(model_dir, dtype=dtype, device=device)
+    _copy_weights(model, model_dir=Path(model_dir), device=torch.device(device))
     return model
 
 
-@torch.no_grad()
-def _copy_weights(
-    model: nn.Module, *, family: ModelFamily, model_dir: Path, device: torch.device
-) -> None:
-    targets = dict(model.state_dict())
+def empty_pretrained(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """The model a HF model directory describes, with uninitialized storage on `device`
+    (none on 'meta'); dtype as in `load_pretrained`."""
+    hf_config = read_hf_config(model_dir)
+    config = family_for_hf_config(hf_config).config_from_hf(hf_config)
+    dtype = _default_dtype(hf_config) if dtype is None else parse_dtype(dtype)
+    return materialize(config, device=device, dtype=dtype, init="empty")
+
+
+def locate_weights(
+    model_dir: Path, *, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]
+) -> dict[Path, dict[str, str]]:
+    """Where each of `shapes` (our state-dict key -> whole shape) is stored: safetensors file
+    -> {our key: HF key}, in the files' order. Reads only the files' headers.
+
+    Raises ValueError naming the tensor when a shape differs from the one `model` (built from
+    config.json) expects, a stored tensor is not used by the model, or one is missing.
+    """
+    family = family_of_model(model)
     tied = getattr(model, "output", "absent") is None
+    remaining = dict(shapes)
+    located: dict[Path, dict[str, str]] = {}
     unexpected = []
-    for hf_key, tensor in _hf_tensors(model_dir, device):
-        key = family.key_from_hf(hf_key)
-        if key == "output.weight" and tied:
-            continue  # some exporters store the tied unembedding; the embedding is the source
-        if key is None or key not in targets:
-            if not hf_key.endswith(_IGNORED_SUFFIXES):
-                unexpected.append(hf_key)
-            continue
-        target = targets.pop(key)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"checkpoint tensor {hf_key!r} has shape {tuple(tensor.shape)} but the model "
-                f"built from config.json expects {tuple(target.shape)} for {key!r}"
-            )
-        target.copy_(tensor)
+    for path in _weight_files(model_dir):
+        located[path] = {}
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for hf_key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                key = family.key_from_hf(hf_key)
+                if key == "output.weight" and tied:
+                    continue  # some exporters store the tied unembedding; the embedding is it
+                if key is None or key not in remaining:
+                    if not hf_key.endswith(_IGNORED_SUFFIXES):
+                        unexpected.append(hf_key)
+                    continue
+                shape = tuple(handle.get_slice(hf_key).get_shape())
+                expected = tuple(remaining.pop(key))
+                if shape != expected:
+                    raise ValueError(
+                        f"checkpoint tensor {hf_key!r} has shape {shape} but the model built "
+                        f"from config.json expects {expected} for {key!r}"
+                    )
+                located[path][key] = hf_key
     if unexpected:
         raise ValueError(
             f"{model_dir}: tensors not used by {family.hf_architecture}: {sorted(unexpected)}"
         )
-    if targets:
-        missing = sorted(family.key_to_hf(key) for key in targets)
+    if remaining:
+        missing = sorted(family.key_to_hf(key) for key in remaining)
         raise ValueError(f"{model_dir}: checkpoint lacks tensors {missing}")
+    return located
+
+
+@torch.no_grad()
+def _copy_weights(model: nn.Module, *, model_dir: Path, device: torch.device) -> None:
+    targets = model.state_dict()
+    shapes = {key: tuple(value.shape) for key, value in targets.items()}
+    safetensors_device = "cpu" if device.type == "meta" else str(device)
+    for path, keys in locate_weights(model_dir, model=model, shapes=shapes).items():
+        with safe_open(str(path), framework="pt", device=safetensors_device) as handle:
+            for key, hf_key in keys.items():
+                targets[key].copy_(handle.get_tensor(hf_key))
 
 
 def _shards(

@@ -3,6 +3,10 @@
 Random models pair a named size with a built-in tokenizer vocabulary (the model's vocabulary
 size is taken from the tokenizer), so toy tasks, tests and the demo run with nothing
 downloaded. `init_model_dir` writes such a model as a regular model directory.
+
+With `weights="deferred"` the model is built on the meta device (no storage) and
+`deferred_weights` fills it later, after it is sharded: each rank then reads or draws only its
+own shards (sharded_load.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from temper.checkpoint.hf import load_pretrained, save_pretrained
+from temper.checkpoint.hf import empty_pretrained, load_pretrained, save_pretrained
+from temper.checkpoint.sharded_load import DeferredWeights
 from temper.config.configurable import Configurable
 from temper.models.build import materialize
 from temper.models.registry import family
@@ -42,11 +47,33 @@ class ModelSource(Configurable):
         """Parameter dtype."""
         device: str = "cpu"
         """Device to hold the model on, e.g. 'cpu' or 'cuda'."""
+        weights: Literal["loaded", "deferred"] = "loaded"
+        """'loaded': the model holds its weights. 'deferred': the model is on the meta device
+        and `deferred_weights` fills it on `device` once it is sharded (sharded loading)."""
+
+        def __post_init__(self) -> None:
+            if self.weights not in ("loaded", "deferred"):
+                raise ValueError(
+                    "ModelSource.Config.weights must be 'loaded' or 'deferred', got "
+                    f"{self.weights!r}"
+                )
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        deferred = config.weights == "deferred"
+        device = "meta" if deferred else config.device
+        self.deferred_weights = (
+            DeferredWeights(
+                device=torch.device(config.device),
+                model_dir=None if config.path is None else Path(config.path),
+                seed=config.seed,
+            )
+            if deferred
+            else None
+        )
         if config.path is not None:
-            self.model = load_pretrained(config.path, dtype=config.dtype, device=config.device)
+            build = empty_pretrained if deferred else load_pretrained
+            self.model = build(config.path, dtype=config.dtype, device=device)
             self.tokenizer = load_tokenizer(config.path)
             if self.tokenizer.vocab_size > self.model.config.vocab_size:
                 raise ValueError(
@@ -65,7 +92,11 @@ class ModelSource(Configurable):
                 sizes[config.size], vocab_size=self.tokenizer.vocab_size
             )
             self.model = materialize(
-                model_config, device=config.device, dtype=config.dtype, seed=config.seed
+                model_config,
+                device=device,
+                dtype=config.dtype,
+                init="empty" if deferred else "random",
+                seed=config.seed,
             )
 
     @property

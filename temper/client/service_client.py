@@ -171,16 +171,21 @@ class ServiceClient:
         run_id: str | None = None,
     ) -> TrainingClient:
         source = resolve_base_model(base_model, device=self.device, dtype=self.dtype)
-        shared = None
-        if lora is not None and self.trainer_config.sharding is None:
+        shared, weights = None, None
+        if self.trainer_config.sharding is not None:
+            # Sharded loading: the model is built on the meta device, sharded, and each rank
+            # then reads (or draws) only its own shards; no rank holds the whole model.
+            base = dataclasses.replace(source, weights="deferred").build()
+            model, tokenizer, weights = base.model, base.tokenizer, base.deferred_weights
+        elif lora is not None:
             # Adapters only train: the base weights are read, never written, so one copy
-            # serves every LoRA client (a sharded trainer replaces them by its shards).
+            # serves every LoRA client.
             shared = self.shared_bases.get(source)
             model, tokenizer = shared.model(), shared.tokenizer
         else:
             base = source.build()
             model, tokenizer = base.model, base.tokenizer
-        engine = self.trainer_config.build(model=model, lora=lora)
+        engine = self.trainer_config.build(model=model, lora=lora, weights=weights)
         run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
         info = {
             "base_model": base_model,

@@ -14,13 +14,15 @@ model too (it wraps `lm_head` only, sharing the base weight with the embedding).
 Initialization follows PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0, scale = alpha / rank, so a
 fresh adapter changes nothing. A is drawn in fp32 on the CPU from one generator seeded with
 `LoraConfig.seed` (same seed, same adapter, whatever the model's device) and then cast to the
-model's dtype and device.
+model's dtype and device; `initial_lora_A` yields those draws again, for a model whose adapters
+were applied on the meta device and sharded before they had values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,28 +69,25 @@ class LoraConfig:
             )
 
 
-def _init_lora_A(
-    *, rank: int, in_features: int, like: torch.Tensor, generator: torch.Generator
-) -> nn.Parameter:
+def _draw_lora_A(*, rank: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
     lora_A_RI = torch.empty(rank, in_features)
     nn.init.kaiming_uniform_(lora_A_RI, a=math.sqrt(5), generator=generator)
-    return nn.Parameter(lora_A_RI.to(device=like.device, dtype=like.dtype))
+    return lora_A_RI
 
 
 class LoraLinear(nn.Linear):
-    """An `nn.Linear` plus scale * B @ A, sharing the base linear's weight and bias objects."""
+    """An `nn.Linear` plus scale * B @ A, sharing the base linear's weight and bias objects.
 
-    def __init__(
-        self, base: nn.Linear, *, rank: int, alpha: float, generator: torch.Generator
-    ) -> None:
+    `lora_A_RI` is the initial A (fp32), cast to the weight's dtype and device."""
+
+    def __init__(self, base: nn.Linear, *, lora_A_RI: torch.Tensor, alpha: float) -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a fresh weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
+        rank = lora_A_RI.shape[0]
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.lora_A = _init_lora_A(
-            rank=rank, in_features=base.in_features, like=base.weight, generator=generator
-        )
+        self.lora_A = nn.Parameter(lora_A_RI.to(device=base.weight.device, dtype=base.weight.dtype))
         self.lora_B = nn.Parameter(base.weight.new_zeros(base.out_features, rank))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +105,12 @@ class LoraLinear(nn.Linear):
 class LoraUnembedding(nn.Module):
     """LoRA on the unembedding, applied by extending both factors of the logit product."""
 
-    def __init__(
-        self, *, weight_VD: torch.Tensor, rank: int, alpha: float, generator: torch.Generator
-    ) -> None:
+    def __init__(self, *, weight_VD: torch.Tensor, lora_A_RI: torch.Tensor, alpha: float) -> None:
         super().__init__()
-        vocab_size, dim = weight_VD.shape
+        vocab_size = weight_VD.shape[0]
+        rank = lora_A_RI.shape[0]
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.lora_A = _init_lora_A(rank=rank, in_features=dim, like=weight_VD, generator=generator)
+        self.lora_A = nn.Parameter(lora_A_RI.to(device=weight_VD.device, dtype=weight_VD.dtype))
         self.lora_B = nn.Parameter(weight_VD.new_zeros(vocab_size, rank))
 
     def augment(
@@ -134,15 +132,37 @@ class LoraUnembedding(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}"
 
 
-def _target_linears(model: Decoder, config: LoraConfig) -> list[tuple[nn.Module, str]]:
-    """(parent, attribute) of every linear to adapt, in a fixed order (it fixes the init)."""
-    targets = []
-    for block in model.blocks:
+UNEMBEDDING_ADAPTER = "output_adapter"
+
+
+def _target_linears(model: Decoder, config: LoraConfig) -> dict[str, tuple[nn.Module, str]]:
+    """Qualified name -> (parent, attribute) of every linear to adapt, in a fixed order (it
+    fixes the init)."""
+    targets = {}
+    for index, block in enumerate(model.blocks):
         if config.train_attn:
-            targets += [(block.attention, name) for name in ATTENTION_TARGETS]
+            for name in ATTENTION_TARGETS:
+                targets[f"blocks.{index}.attention.{name}"] = (block.attention, name)
         if config.train_mlp:
-            targets += [(block.feed_forward, name) for name in MLP_TARGETS]
+            for name in MLP_TARGETS:
+                targets[f"blocks.{index}.feed_forward.{name}"] = (block.feed_forward, name)
     return targets
+
+
+def initial_lora_A(model: Decoder, config: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(adapter module name, initial A [R, I] in fp32 on the CPU) of every adapter `config`
+    adds to `model`, in the order `apply_lora` draws them from one generator seeded with
+    `config.seed`: the values `apply_lora` gives them. One tensor at a time."""
+    generator = torch.Generator().manual_seed(config.seed)
+    for name, (parent, attribute) in _target_linears(model, config).items():
+        in_features = getattr(parent, attribute).in_features
+        yield name, _draw_lora_A(rank=config.rank, in_features=in_features, generator=generator)
+    if config.train_unembed:
+        dim = model.config.dim
+        yield (
+            UNEMBEDDING_ADAPTER,
+            _draw_lora_A(rank=config.rank, in_features=dim, generator=generator),
+        )
 
 
 def apply_lora(model: Decoder, config: LoraConfig) -> None:
@@ -157,18 +177,16 @@ def apply_lora(model: Decoder, config: LoraConfig) -> None:
         raise ValueError("apply_lora: the model already has LoRA adapters; apply it once")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    generator = torch.Generator().manual_seed(config.seed)
-    for parent, name in _target_linears(model, config):
-        base = getattr(parent, name)
-        lora = LoraLinear(base, rank=config.rank, alpha=config.alpha, generator=generator)
-        setattr(parent, name, lora)
-    if config.train_unembed:
-        model.output_adapter = LoraUnembedding(
-            weight_VD=model.output_weight_VD,
-            rank=config.rank,
-            alpha=config.alpha,
-            generator=generator,
-        )
+    targets = _target_linears(model, config)
+    for name, lora_A_RI in initial_lora_A(model, config):
+        if name == UNEMBEDDING_ADAPTER:
+            model.output_adapter = LoraUnembedding(
+                weight_VD=model.output_weight_VD, lora_A_RI=lora_A_RI, alpha=config.alpha
+            )
+            continue
+        parent, attribute = targets[name]
+        lora = LoraLinear(getattr(parent, attribute), lora_A_RI=lora_A_RI, alpha=config.alpha)
+        setattr(parent, attribute, lora)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraUnembedding]:

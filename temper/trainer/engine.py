@@ -14,7 +14,9 @@ Sharded (`Config.sharding`, under torchrun): every rank calls each verb with its
 the datums and gets its own datums' outputs back; gradients are summed over ranks (the
 gradient of the union of the data), and `loss:sum` is summed over the data-parallel ranks. A
 rank with fewer micro-batches runs empty ones so that every rank enters the same collectives,
-and a request any rank rejects is rejected on every rank before the model runs.
+and a request any rank rejects is rejected on every rank before the model runs. Given
+`weights` (sharded loading), the model arrives on the meta device and each rank allocates and
+fills only its own shards after sharding (temper/checkpoint/sharded_load.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from temper.api.types import (
     OptimStepResponse,
     TensorData,
 )
+from temper.checkpoint.sharded_load import DeferredWeights
 from temper.config.configurable import Configurable
 from temper.distributed.fsdp import reshard_root
 from temper.distributed.thread_shards import ThreadShards, split_by_tokens, sum_gradients
@@ -78,13 +81,27 @@ class TrainerEngine(Configurable):
                     f"TrainerEngine.Config.shard_threads must be >= 1, got {self.shard_threads}"
                 )
 
-    def __init__(self, config: Config, *, model: nn.Module, lora: LoraConfig | None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model: nn.Module,
+        lora: LoraConfig | None,
+        weights: DeferredWeights | None = None,
+    ) -> None:
+        """`weights`: a meta-device `model` is sharded first and then given only this rank's
+        shards, filled from `weights` (sharded loading); None: `model` holds its weights."""
         self.config = config
         self.model = model
         self.lora = lora
         if lora is not None:
-            apply_lora(model, lora)
-        self.sharding = None if config.sharding is None else config.sharding.build(model=model)
+            apply_lora(model, lora)  # before sharding: the adapters are sharded with the model
+        self.sharding = None
+        if config.sharding is not None:
+            device = None if weights is None else weights.device
+            self.sharding = config.sharding.build(model=model, device=device)
+        if weights is not None:
+            weights.materialize(model, lora=lora)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = AdamW(self.trainable)
         self.policy_version = 0

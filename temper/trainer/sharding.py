@@ -48,7 +48,11 @@ class Sharding(Configurable):
                     f"{self.activation_checkpointing!r}"
                 )
 
-    def __init__(self, config: Config, *, model: nn.Module) -> None:
+    def __init__(
+        self, config: Config, *, model: nn.Module, device: torch.device | None = None
+    ) -> None:
+        """`device`: where the model's shards live; default: the model's device. A model on
+        the meta device (sharded loading) is given storage there after it is sharded."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "Sharding needs torch.distributed initialized (run under torchrun, or "
@@ -58,7 +62,7 @@ class Sharding(Configurable):
         self.world = trainer_world()
         self.dims = config.dims.build(world_size=self.world.size)
         self.dims.check_model(model.config)
-        device = next(model.parameters()).device
+        device = device or next(model.parameters()).device
         self.mesh, self.dp_mesh = self.world.mesh(self.dims.degrees, device_type=device.type)
         family_of_model(model).parallelize(
             model,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from temper.checkpoint.hf import load_pretrained
+from temper.checkpoint.hf import empty_pretrained, load_pretrained
 from temper.checkpoint.model_source import ModelSource, init_model_dir
+from temper.checkpoint.sharded_load import DeferredWeights
 from temper.tokenizer import load_tokenizer
 
 
@@ -33,6 +35,28 @@ def test_init_model_dir_round_trips(model_dir):
     assert loaded.tokenizer.encode("123=6") == random_model.tokenizer.encode("123=6")
     config = json.loads((model_dir / "config.json").read_text())
     assert config["eos_token_id"] == loaded.tokenizer.eos_token_id
+
+
+def _load_deferred(model_dir):
+    """The sharded loader's path on one process: a meta model filled by DeferredWeights."""
+    model = empty_pretrained(model_dir, device="meta")
+    DeferredWeights(device=torch.device("cpu"), model_dir=model_dir).materialize(model, lora=None)
+    return model
+
+
+LOADERS = {"load_pretrained": load_pretrained, "deferred": _load_deferred}
+
+
+@pytest.mark.parametrize("use_path", [True, False], ids=["directory", "random"])
+def test_deferred_weights_fill_a_meta_model_like_a_loaded_one(model_dir, use_path):
+    config = ModelSource.Config(path=str(model_dir) if use_path else None, seed=3)
+    loaded = config.build()
+    deferred = dataclasses.replace(config, weights="deferred").build()
+    assert deferred.device.type == "meta" and loaded.deferred_weights is None
+    deferred.deferred_weights.materialize(deferred.model, lora=None)
+    expected, actual = loaded.model.state_dict(), deferred.model.state_dict()
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[key], expected[key]) for key in expected)
 
 
 def test_transformers_loads_the_model_directory(model_dir):
@@ -65,28 +89,30 @@ def test_unsupported_architecture_is_named(tmp_path, model_dir):
         load_pretrained(tmp_path)
 
 
-def test_wrong_tensor_shape_names_tensor_and_both_shapes(tmp_path, model_dir):
+@pytest.mark.parametrize("load", LOADERS.values(), ids=LOADERS.keys())
+def test_wrong_tensor_shape_names_tensor_and_both_shapes(tmp_path, model_dir, load):
     (tmp_path / "config.json").write_bytes((model_dir / "config.json").read_bytes())
     tensors = load_file(model_dir / "model.safetensors")
     key = "model.layers.1.mlp.up_proj.weight"
     tensors[key] = torch.zeros(7, 128)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{key}.*shape \(7, 128\).*expects \(384, 128\)"):
-        load_pretrained(tmp_path)
+        load(tmp_path)
 
 
-def test_missing_and_unexpected_tensors_are_listed(tmp_path, model_dir):
+@pytest.mark.parametrize("load", LOADERS.values(), ids=LOADERS.keys())
+def test_missing_and_unexpected_tensors_are_listed(tmp_path, model_dir, load):
     (tmp_path / "config.json").write_bytes((model_dir / "config.json").read_bytes())
     tensors = load_file(model_dir / "model.safetensors")
     del tensors["model.norm.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks tensors \['model.norm.weight'\]"):
-        load_pretrained(tmp_path)
+        load(tmp_path)
     tensors["model.norm.weight"] = torch.ones(128)
     tensors["model.extra.weight"] = torch.ones(2)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"not used by Qwen3ForCausalLM: \['model.extra.weight'\]"):
-        load_pretrained(tmp_path)
+        load(tmp_path)
 
 
 def test_unknown_size_is_named():

@@ -131,7 +131,9 @@ def test_zero_B_adapter_leaves_logits_bitwise_unchanged(tie):
 
 def test_augmented_unembedding_equals_the_merged_product():
     adapter = LoraUnembedding(
-        weight_VD=torch.randn(VOCAB, 32), rank=4, alpha=8.0, generator=torch.Generator()
+        weight_VD=torch.randn(VOCAB, 32),
+        lora_A_RI=torch.empty(4, 32).uniform_(-0.17, 0.17),
+        alpha=8.0,
     )
     torch.nn.init.normal_(adapter.lora_B)
     hidden_BTD, weight_VD = torch.randn(2, 5, 32), torch.randn(VOCAB, 32)

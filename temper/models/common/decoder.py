@@ -141,14 +141,22 @@ class Decoder(nn.Module):
     def init_weights(self, *, generator: torch.Generator | None = None) -> None:
         """Random init in place: normal(0, init_std) matrices, zero biases, unit norms."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(
-                    module.weight, mean=0.0, std=self.config.init_std, generator=generator
-                )
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+            self.init_module(module, generator=generator)
+
+    @torch.no_grad()
+    def init_module(self, module: nn.Module, *, generator: torch.Generator | None = None) -> None:
+        """`init_weights` for one module's own parameters (not its children's).
+
+        Calling it on each of `modules()` in order, with one generator, is `init_weights`: the
+        sharded init (temper/checkpoint/sharded_load.py) draws the same values one module at a
+        time that way.
+        """
+        if isinstance(module, RMSNorm):
+            module.reset_parameters()
+        elif isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
 
     def hidden_states(
         self,
