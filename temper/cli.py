@@ -24,7 +24,7 @@ from typing import Any
 import tyro
 
 from temper.checkpoint.run_state import has_run_state
-from temper.commands import model_dir, plot
+from temper.commands import model_dir, plan, plot
 from temper.commands import sample as sample_command
 from temper.commands import serve as serve_command
 from temper.commands import users as users_command
@@ -55,6 +55,7 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
             run=functools.partial(show_recipes, package=recipe_package),
         ),
         "init-model": function_command(model_dir.init_model, name="init-model"),
+        "plan": function_command(plan.plan, name="plan"),
         "plot": function_command(plot.plot, name="plot"),
         "sample": function_command(sample_command.sample, name="sample"),
         "serve": Command(

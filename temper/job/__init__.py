@@ -1,6 +1,18 @@
-"""What every job (RL, SFT) shares: the model it trains and its run's checkpoints."""
+"""What every job (RL, SFT) shares: the model it trains, its run's checkpoints, and the plan of
+the memory its ranks hold."""
 
+from temper.job.memory_plan import MemoryPlan, PlanSettings, plan_memory
+from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice, check_generator_ranks
 from temper.job.run_checkpoints import RunCheckpoints, state_to_resume
 
-__all__ = ["ModelChoice", "RunCheckpoints", "check_generator_ranks", "state_to_resume"]
+__all__ = [
+    "MemoryPlan",
+    "ModelChoice",
+    "PlanSettings",
+    "RunCheckpoints",
+    "check_generator_ranks",
+    "describe_for_rank",
+    "plan_memory",
+    "state_to_resume",
+]

@@ -1,0 +1,470 @@
+"""Planned GPU memory of an RL job per rank role, computed from shapes alone (nothing runs).
+
+`plan_memory(PlanSettings(...))` returns a `MemoryPlan`: for each role (every rank when
+colocated; trainer and generator ranks when disaggregated) rows of (item, bytes, phase),
+where the phase says when a row is held: `always`, only while `training` (from the first
+backward to the optimizer step), or only during a `sync` (pushing new weights to the
+generator). A role's peak is what it always holds plus its larger phase. memory_report.py
+renders plans; `temper plan` prints them.
+
+What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
+
+- Trainer: FSDP2 shards dim 0 of every parameter over T ranks, padded to ceil(dim0 / T)
+  rows, in the trainer's dtype: weights (with LoRA: the frozen base and the adapters),
+  gradients (training only) and AdamW's two moments, all in that dtype (no fp32 master copy:
+  what `ModelChoice.dtype` does). While training FSDP also holds the root (embedding,
+  output, final norm: kept gathered for the whole step) and two gathered blocks (one in use,
+  one prefetched); full fine-tuning adds the unsharded gradients of the root and a block.
+- Activations (an estimate): what autograd keeps for one micro-batch of
+  min(micro_batch_tokens, the rank's share of the step) tokens, per token and layer as
+  measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it);
+  flash-style attention keeps no T x T matrix. With full activation checkpointing each block
+  keeps only its input, and backward recomputes one block at a time. The fp32 logits of one
+  chunk (<= 256 MiB, logprobs.py) and their log-softmax come on top.
+- Generator: whole weights in the generator's dtype (1/generator_tp of them with tensor
+  parallelism), and the KV cache the engine preallocates: `max_batch` slots (default: the
+  engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
+  Colocated in one process with full fine-tuning in one dtype, the sampler reads the
+  trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
+- Weight sync, `bucketed` (issue #18): two buckets of `bucket_mb` (a tensor larger than a
+  bucket travels alone) on every rank that sends or receives. `whole` (today's sync): every
+  trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
+  weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
+  size of the largest adapted weight (the weight, B @ A scaled, their sum).
+- Async mode, colocated: the snapshot of the previous version keeps its own engine (weights
+  and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
+  Disaggregated generators are assumed to update in place between requests (no copy).
+- A KL reference (`kl_coef > 0`) is one more sampler: weights and its own KV cache, on every
+  colocated rank or on each generator rank.
+
+Not counted (the headroom is for them): the CUDA context, NCCL buffers, CUDA graph pools,
+prefill and decode scratch, the allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from temper.checkpoint.hf import read_hf_config
+from temper.checkpoint.model_source import DType
+from temper.job.model_bytes import ModelShapes, activation_bytes, kv_cache_bytes, logits_bytes
+from temper.models.build import parse_dtype
+from temper.models.common.decoder import DecoderConfig
+from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
+from temper.trainer.engine import TrainerEngine
+
+Placement = Literal["colocated", "disaggregated"]
+WeightSyncMode = Literal["bucketed", "whole"]
+Phase = Literal["always", "training", "sync"]
+Role = Literal["colocated", "trainer", "generator"]
+GIB, MIB = 2**30, 2**20
+
+_SIZES = MODEL_FAMILIES["qwen3"].sizes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """What a memory plan is computed from; `temper plan` takes each field as a flag."""
+
+    model: str
+    """A named Qwen3 size (0.6B, 1.7B, 4B, 8B, 14B, 32B, tiny) or a model directory (its
+    config.json is read, not its weights)."""
+    lora_rank: int | None = None
+    """LoRA rank (attention, MLP and unembedding adapted); None trains every weight."""
+    dtype: DType = "bfloat16"
+    """The trainer's parameter dtype (--model.dtype): weights, gradients, AdamW moments."""
+    generator_dtype: DType | None = None
+    """The generator's weights and KV cache; None: `dtype`."""
+    transfer_dtype: DType | None = None
+    """Dtype of the weights sent to the generator; None: the generator's."""
+    nnodes: int = 1
+    """Machines."""
+    nproc_per_node: int = 8
+    """Ranks (GPUs) per machine; the world size is nnodes x nproc_per_node."""
+    placement: Placement = "colocated"
+    """colocated: every rank trains a shard and generates; disaggregated: `generator_ranks`
+    ranks generate and the others train."""
+    generator_ranks: int = 0
+    """disaggregated: ranks that only generate (the rest train)."""
+    generator_tp: int = 1
+    """disaggregated: tensor-parallel degree of each generator engine."""
+    batch: int = 256
+    """Sequences sampled per step, over all generators (prompts_per_step x group_size)."""
+    max_seq_len: int = 2048
+    """Longest prompt + completion (--sampler.max_seq_len): KV-cache positions per slot and
+    tokens per trained sequence."""
+    max_batch: int | None = None
+    """KV-cache slots of each generator engine (--sampler.max_batch); the engine allocates
+    them all up front. None: the engine's share of `batch`."""
+    micro_batch_tokens: int = TrainerEngine.Config.max_tokens_per_microbatch
+    """Padded tokens per forward/backward (--trainer.max_tokens_per_microbatch)."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """--sharding.activation_checkpointing: 'full' keeps only each block's input."""
+    weight_sync: WeightSyncMode = "bucketed"
+    """bucketed: weights streamed in `bucket_mb` buckets; whole: today's gather of whole
+    weights on every rank."""
+    bucket_mb: int = 256
+    """Size of one weight-sync bucket in MiB."""
+    mode: Literal["sync", "async"] = "sync"
+    """async: colocated ranks keep the previous version's sampler while the next samples."""
+    kl_reference: bool = False
+    """A KL penalty's reference policy (kl_coef > 0): one more sampler."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB (an '80 GB' H100 or A100 reports about 79 GiB)."""
+    headroom: float = 0.1
+    """Share of GPU memory kept free for what the plan does not count (CUDA context, NCCL,
+    CUDA graphs, fragmentation)."""
+
+    def __post_init__(self) -> None:
+        positive = ("nnodes", "nproc_per_node", "generator_tp", "batch", "max_seq_len")
+        positive += ("micro_batch_tokens", "bucket_mb", "lora_rank", "max_batch")
+        for name in positive:
+            if getattr(self, name) is not None:  # lora_rank and max_batch may be None
+                _check_positive(name, getattr(self, name))
+        for name in ("dtype", "generator_dtype", "transfer_dtype"):
+            if getattr(self, name) is not None:
+                parse_dtype(getattr(self, name), field=name)
+        _check_choice("placement", self.placement, ("colocated", "disaggregated"))
+        _check_choice("weight_sync", self.weight_sync, ("bucketed", "whole"))
+        _check_choice("mode", self.mode, ("sync", "async"))
+        _check_choice("activation_checkpointing", self.activation_checkpointing, ("none", "full"))
+        if not self.gpu_memory_gib > 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        world = self.world_size
+        if self.placement == "colocated":
+            if self.generator_ranks != 0 or self.generator_tp != 1:
+                raise ValueError(
+                    f"generator_ranks={self.generator_ranks} and generator_tp="
+                    f"{self.generator_tp} are for placement 'disaggregated'; with 'colocated' "
+                    "every rank generates with whole weights (leave them at 0 and 1)"
+                )
+            return
+        if not 1 <= self.generator_ranks < world:
+            raise ValueError(
+                f"generator_ranks={self.generator_ranks} must be in 1..{world - 1} with "
+                f"placement 'disaggregated' on {world} ranks (nnodes {self.nnodes} x "
+                f"nproc_per_node {self.nproc_per_node}): at least one rank must train"
+            )
+        if self.generator_ranks % self.generator_tp:
+            raise ValueError(
+                f"generator_tp={self.generator_tp} must divide generator_ranks="
+                f"{self.generator_ranks} (each engine spans generator_tp ranks)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.world_size - self.generator_ranks
+
+    @property
+    def num_engines(self) -> int:
+        """Generator engines: one per rank colocated, one per tp group disaggregated."""
+        if self.placement == "colocated":
+            return self.world_size
+        return self.generator_ranks // self.generator_tp
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name} must be one of {', '.join(valid)}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRow:
+    item: str
+    num_bytes: int
+    phase: Phase = "always"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolePlan:
+    role: Role
+    num_ranks: int
+    description: str
+    rows: tuple[PlanRow, ...]
+
+    def total(self, phase: Phase = "always") -> int:
+        """Bytes held during `phase`: the `always` rows plus that phase's own."""
+        return sum(row.num_bytes for row in self.rows if row.phase in ("always", phase))
+
+    @property
+    def steady_bytes(self) -> int:
+        return self.total("always")
+
+    @property
+    def peak_phase(self) -> Phase:
+        return max(("training", "sync"), key=self.total)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.total(self.peak_phase)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    settings: PlanSettings
+    model_name: str
+    num_params: int
+    """Parameters of the plain model (tied embeddings counted once)."""
+    roles: tuple[RolePlan, ...]
+
+    @property
+    def usable_bytes(self) -> int:
+        """GPU memory less the headroom."""
+        settings = self.settings
+        return int(settings.gpu_memory_gib * GIB * (1 - settings.headroom))
+
+    @property
+    def fits(self) -> bool:
+        return all(role.peak_bytes <= self.usable_bytes for role in self.roles)
+
+    def role(self, role: Role) -> RolePlan:
+        for plan in self.roles:
+            if plan.role == role:
+                return plan
+        have = ", ".join(plan.role for plan in self.roles)
+        raise ValueError(f"role {role!r} is not in this plan ({have})")
+
+
+def model_config(model: str) -> DecoderConfig:
+    """The config of a named size or of a model directory's config.json."""
+    if model in _SIZES:
+        return _SIZES[model]
+    if Path(model).expanduser().is_dir():
+        hf_config = read_hf_config(Path(model).expanduser())
+        return family_for_hf_config(hf_config).config_from_hf(hf_config)
+    raise ValueError(
+        f"model {model!r} is neither a named size ({', '.join(_SIZES)}) nor a model directory"
+    )
+
+
+def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None) -> MemoryPlan:
+    """The memory plan of `settings`; `decoder` (a model config) replaces `settings.model`'s
+    (a job passes the config of the model it built)."""
+    decoder = model_config(settings.model) if decoder is None else decoder
+    _check_model(settings, decoder)
+    shapes = ModelShapes.of(decoder, lora_rank=settings.lora_rank)
+    rows = _Rows(settings, decoder=decoder, shapes=shapes)
+    if settings.placement == "colocated":
+        world = settings.world_size
+        roles = (
+            RolePlan(
+                role="colocated",
+                num_ranks=world,
+                description=f"{world} ranks, each a trainer shard (1/{world}) and a generator",
+                rows=(*rows.trainer(), *rows.generator(colocated=True), *rows.sender_sync()),
+            ),
+        )
+    else:
+        trainers, generators = settings.trainer_ranks, settings.generator_ranks
+        tp = settings.generator_tp
+        roles = (
+            RolePlan(
+                role="trainer",
+                num_ranks=trainers,
+                description=f"{trainers} trainer ranks (FSDP over {trainers})",
+                rows=(*rows.trainer(), *rows.sender_sync()),
+            ),
+            RolePlan(
+                role="generator",
+                num_ranks=generators,
+                description=f"{generators} generator ranks ({settings.num_engines} engines"
+                + (f", tp {tp})" if tp > 1 else ")"),
+                rows=(*rows.generator(colocated=False), *rows.receiver_sync()),
+            ),
+        )
+    return MemoryPlan(
+        settings=settings,
+        model_name=settings.model,
+        num_params=decoder.num_params,
+        roles=roles,
+    )
+
+
+def _check_model(settings: PlanSettings, decoder: DecoderConfig) -> None:
+    if settings.max_seq_len > decoder.max_seq_len:
+        raise ValueError(
+            f"max_seq_len={settings.max_seq_len} exceeds the model's max_seq_len "
+            f"({decoder.max_seq_len})"
+        )
+    tp = settings.generator_tp
+    heads_ok = decoder.num_kv_heads % tp == 0 or tp % decoder.num_kv_heads == 0
+    if decoder.num_heads % tp or not heads_ok:
+        raise ValueError(
+            f"generator_tp={tp} must divide the model's num_heads ({decoder.num_heads}) and "
+            f"divide or be a multiple of its num_kv_heads ({decoder.num_kv_heads})"
+        )
+
+
+class _Rows:
+    """The rows of each role for one plan."""
+
+    def __init__(
+        self, settings: PlanSettings, *, decoder: DecoderConfig, shapes: ModelShapes
+    ) -> None:
+        self.settings, self.decoder, self.shapes = settings, decoder, shapes
+        self.dtype = settings.dtype
+        self.generator_dtype = settings.generator_dtype or settings.dtype
+        self.transfer_dtype = settings.transfer_dtype or self.generator_dtype
+        self.lora = settings.lora_rank is not None
+
+    def trainer(self) -> list[PlanRow]:
+        """A trainer rank: its shards, then what only a training step holds."""
+        return [*self._trainer_state(), *self._training_step()]
+
+    def _trainer_state(self) -> list[PlanRow]:
+        settings, shapes = self.settings, self.shapes
+        ranks, size = settings.trainer_ranks, _itemsize(self.dtype)
+        share = f"1/{ranks} of " if ranks > 1 else ""
+
+        def shard(item: str, *, trainable: bool | None) -> PlanRow:
+            return PlanRow(
+                item=item, num_bytes=shapes.shard_numel(ranks, trainable=trainable) * size
+            )
+
+        if self.lora:
+            rows = [
+                shard(f"base weights (frozen), {share}{self.dtype}", trainable=False),
+                shard(f"LoRA adapters, {share}rank {settings.lora_rank}", trainable=True),
+            ]
+        else:
+            rows = [shard(f"weights, {share}{self.dtype}", trainable=None)]
+        trained = shapes.shard_numel(ranks, trainable=True) * size
+        rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=2 * trained))
+        rows.append(PlanRow(item="gradients", num_bytes=trained, phase="training"))
+        return rows
+
+    def _training_step(self) -> list[PlanRow]:
+        settings, shapes = self.settings, self.shapes
+        ranks, size = settings.trainer_ranks, _itemsize(self.dtype)
+        rows = []
+        if ranks > 1:
+            root, block = shapes.numel(root=True), shapes.numel(prefix="blocks.0.")
+            rows.append(
+                PlanRow(
+                    item="FSDP gathered: embeddings, output, 2 blocks",
+                    num_bytes=(root + 2 * block) * size,
+                    phase="training",
+                )
+            )
+            if not self.lora:
+                rows.append(
+                    PlanRow(
+                        item="FSDP unsharded gradients: root, 1 block",
+                        num_bytes=(root + block) * size,
+                        phase="training",
+                    )
+                )
+        share = math.ceil(settings.batch / ranks) * settings.max_seq_len
+        tokens = min(settings.micro_batch_tokens, share)
+        activations = activation_bytes(
+            self.decoder,
+            tokens=tokens,
+            dtype=self.dtype,
+            lora=self.lora,
+            checkpointing=settings.activation_checkpointing,
+        )
+        kept = "checkpointed" if settings.activation_checkpointing == "full" else "kept"
+        item = f"activations (estimate): {tokens} tokens, {kept}"
+        rows.append(PlanRow(item=item, num_bytes=activations, phase="training"))
+        logits = logits_bytes(self.decoder, tokens=tokens)
+        rows.append(
+            PlanRow(item="logits: fp32 chunk + log-softmax", num_bytes=logits, phase="training")
+        )
+        return rows
+
+    def generator(self, *, colocated: bool) -> list[PlanRow]:
+        """A generator's weights and KV cache, and the extra samplers async and KL keep."""
+        settings = self.settings
+        tp = 1 if colocated else settings.generator_tp
+        weights = math.ceil(self.shapes.sampler_numel * _itemsize(self.generator_dtype) / tp)
+        slots = settings.max_batch or math.ceil(settings.batch / settings.num_engines)
+        kv = kv_cache_bytes(
+            self.decoder,
+            num_slots=slots,
+            max_seq_len=settings.max_seq_len,
+            dtype=self.generator_dtype,
+            tp=tp,
+        )
+        if colocated and not self.sampler_copy:
+            rows = [PlanRow(item="generator weights: the trainer's own (no copy)", num_bytes=0)]
+        else:
+            share = f"1/{tp} of " if tp > 1 else ""
+            item = f"generator weights, {share}whole {self.generator_dtype}"
+            rows = [PlanRow(item=item, num_bytes=weights)]
+        kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
+        rows.append(PlanRow(item=kv_item, num_bytes=kv))
+        if colocated and settings.mode == "async":
+            rows.append(PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv))
+        if settings.kl_reference:
+            rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv))
+        return rows
+
+    @property
+    def sampler_copy(self) -> bool:
+        """Whether a colocated generator holds weights of its own."""
+        settings = self.settings
+        return self.lora or settings.world_size > 1 or self.generator_dtype != self.dtype
+
+    def sender_sync(self) -> list[PlanRow]:
+        """Trainer ranks (colocated: every rank) while weights go to the generator."""
+        settings, shapes = self.settings, self.shapes
+        if settings.placement == "colocated" and not self.sampler_copy:
+            return []
+        size = _itemsize(self.dtype)
+        rows = []
+        if settings.weight_sync == "bucketed":
+            rows.append(self._buckets())
+        elif settings.trainer_ranks > 1:
+            gathered = shapes.numel() * size
+            rows.append(PlanRow(item="gathered whole weights", num_bytes=gathered, phase="sync"))
+        if self.lora and settings.weight_sync == "whole":
+            merged = shapes.adapted_numel * size
+            item = "merged copies of the adapted weights"
+            rows.append(PlanRow(item=item, num_bytes=merged, phase="sync"))
+        if self.lora:
+            scratch = 3 * shapes.largest_adapted_numel * 4
+            item = "LoRA merge: 3 fp32 tensors of the largest"
+            rows.append(PlanRow(item=item, num_bytes=scratch, phase="sync"))
+        return rows
+
+    def receiver_sync(self) -> list[PlanRow]:
+        """Generator ranks (disaggregated) while they receive weights."""
+        if self.settings.weight_sync == "bucketed":
+            return [self._buckets()]
+        size = _itemsize(self.transfer_dtype)
+        received = math.ceil(self.shapes.sampler_numel * size / self.settings.generator_tp)
+        return [PlanRow(item="received whole weights", num_bytes=received, phase="sync")]
+
+    def _buckets(self) -> PlanRow:
+        """Two buckets; a tensor larger than a bucket travels alone."""
+        bucket = self.settings.bucket_mb * MIB
+        largest = self.shapes.largest_numel * _itemsize(self.transfer_dtype)
+        what = f"{self.settings.bucket_mb} MiB buckets"
+        if largest > bucket:
+            what = f"{largest / GIB:.2f} GiB (largest tensor)"
+        return PlanRow(
+            item=f"weight-sync buffers: 2 x {what}",
+            num_bytes=2 * max(bucket, largest),
+            phase="sync",
+        )
+
+
+def _itemsize(dtype: str) -> int:
+    return parse_dtype(dtype).itemsize

@@ -1,0 +1,157 @@
+"""What a model's tensors take, from its config alone: parameter shapes of the trainer (LoRA
+applied) and of the generator's merged copy, FSDP shards, the KV cache, and an estimate of the
+activations autograd keeps. memory_plan.py adds them up per rank.
+
+Shapes come from a model built on the meta device (nothing is allocated), so they are the
+model code's own, LoRA targets and the untying of a merged tied unembedding included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from temper.models.build import materialize, parse_dtype
+from temper.models.common.decoder import DecoderConfig
+from temper.models.common.logprobs import DEFAULT_CHUNK_BYTES
+from temper.models.lora import (
+    LORA_SUFFIXES,
+    LoraConfig,
+    LoraUnembedding,
+    apply_lora,
+    lora_modules,
+    merged_config,
+)
+from temper.sampler.kv_cache import KVCacheShape
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShapes:
+    """Parameter shapes of the trainer's model (LoRA applied) and what they imply; read from
+    a model built on the meta device, so nothing is allocated."""
+
+    trainer: tuple[tuple[str, tuple[int, ...], bool], ...]
+    """(name, shape, trainable) of every parameter of the trainer's model."""
+    sampler_numel: int
+    """Elements of the generator's plain (merged) model."""
+    largest_numel: int
+    """Elements of the generator's largest tensor."""
+    adapted_numel: int
+    """Elements of all the weights LoRA adapts (0 without LoRA)."""
+    largest_adapted_numel: int
+    """Elements of the largest weight LoRA adapts (what a merge upcasts to fp32 at once)."""
+
+    @classmethod
+    def of(cls, decoder: DecoderConfig, *, lora_rank: int | None) -> ModelShapes:
+        model = materialize(decoder, device="meta", dtype=torch.float32, init="empty")
+        untied = 0
+        adapted: list[int] = []
+        if lora_rank is not None:
+            # Rank 1 on meta, then the rank-R shapes: A is [R, in] and B [out, R].
+            apply_lora(model, LoraConfig(rank=1))
+            if not merged_config(model).tie_embeddings and decoder.tie_embeddings:
+                untied = decoder.vocab_size * decoder.dim  # merging unties the output
+            adapted = [
+                _adapted_weight(model, module).numel() for module in lora_modules(model).values()
+            ]
+        trainer = tuple(
+            (name, _at_rank(name, tuple(parameter.shape), lora_rank), parameter.requires_grad)
+            for name, parameter in model.named_parameters()
+        )
+        base = [math.prod(shape) for name, shape, _ in trainer if not name.endswith(LORA_SUFFIXES)]
+        return cls(
+            trainer=trainer,
+            sampler_numel=sum(base) + untied,
+            largest_numel=max(base),
+            adapted_numel=sum(adapted),
+            largest_adapted_numel=max(adapted, default=0),
+        )
+
+    def shard_numel(self, num_ranks: int, *, trainable: bool | None = None) -> int:
+        """Elements one rank holds of the parameters (`trainable` ones, frozen ones, or all
+        with None) sharded on dim 0 over `num_ranks` (FSDP2 pads to ceil(dim0 / ranks))."""
+        return sum(
+            _shard_numel(shape, num_ranks)
+            for _, shape, is_trainable in self.trainer
+            if trainable is None or is_trainable == trainable
+        )
+
+    def numel(self, *, prefix: str = "", root: bool = False) -> int:
+        """Elements of the parameters under `prefix` ('blocks.0.'), or with `root` of those
+        outside the blocks (embedding, output, final norm)."""
+        return sum(
+            math.prod(shape)
+            for name, shape, _ in self.trainer
+            if (not name.startswith("blocks.") if root else name.startswith(prefix))
+        )
+
+
+def _adapted_weight(model: nn.Module, module: nn.Module) -> torch.Tensor:
+    if isinstance(module, LoraUnembedding):
+        return model.output_weight_VD
+    return module.weight
+
+
+def _at_rank(name: str, shape: tuple[int, ...], rank: int | None) -> tuple[int, ...]:
+    if name.endswith(".lora_A"):
+        return (rank, *shape[1:])
+    if name.endswith(".lora_B"):
+        return (*shape[:-1], rank)
+    return shape
+
+
+def _shard_numel(shape: tuple[int, ...], num_ranks: int) -> int:
+    return math.ceil(shape[0] / num_ranks) * math.prod(shape[1:])
+
+
+# Elements autograd saves per token and layer, as coefficients of (D, N*H + K*H, F), keyed
+# by (the model is fp32, LoRA). Measured on this model code by counting saved tensors; in bf16 each
+# RMSNorm also keeps its input in fp32, and a frozen norm weight needs no saved output.
+_SAVED_PER_TOKEN_LAYER = {
+    (False, False): (8, 5, 4),
+    (False, True): (6, 4, 4),
+    (True, False): (6, 4, 4),
+    (True, True): (4, 3, 4),
+}
+
+
+def activation_bytes(
+    decoder: DecoderConfig,
+    *,
+    tokens: int,
+    dtype: str,
+    lora: bool,
+    checkpointing: Literal["none", "full"],
+) -> int:
+    """Estimated bytes autograd keeps for a forward over `tokens` tokens (without the logits):
+    every block's saved tensors, or with checkpointing every block's input plus one block's
+    saved tensors (recomputed in backward), and the final norm's."""
+    element = parse_dtype(dtype).itemsize
+    d, qkv, f = _SAVED_PER_TOKEN_LAYER[(parse_dtype(dtype) == torch.float32, lora)]
+    attention = (decoder.num_heads + decoder.num_kv_heads) * decoder.head_dim
+    per_layer = d * decoder.dim + qkv * attention + f * decoder.ffn_dim
+    if checkpointing == "full":
+        per_token = decoder.num_layers * decoder.dim + per_layer
+    else:
+        per_token = decoder.num_layers * per_layer
+    return tokens * (per_token + d * decoder.dim) * element
+
+
+def logits_bytes(decoder: DecoderConfig, *, tokens: int) -> int:
+    """The fp32 logits of one chunk of rows and their log-softmax (logprobs.py)."""
+    return 2 * min(DEFAULT_CHUNK_BYTES, tokens * decoder.vocab_size * 4)
+
+
+def kv_cache_bytes(
+    decoder: DecoderConfig, *, num_slots: int, max_seq_len: int, dtype: str, tp: int = 1
+) -> int:
+    """What Temper's engine preallocates (kv_cache.py); with tensor parallelism each rank
+    holds num_kv_heads / tp heads (at least one)."""
+    shape = KVCacheShape.for_model(decoder, num_slots=num_slots, max_seq_len=max_seq_len)
+    shape = dataclasses.replace(shape, num_kv_heads=max(1, decoder.num_kv_heads // tp))
+    return shape.nbytes(parse_dtype(dtype))

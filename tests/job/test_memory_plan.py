@@ -1,0 +1,313 @@
+"""The memory plan against real tensors: the tiny model's weights, AdamW state and gradients
+(in one process and as FSDP shards on 2 gloo ranks), the sampler's copy and KV cache, the
+tensors autograd saves, and today's whole-weights sync; then the relations between
+placements and the errors for bad settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from temper.checkpoint.gather import sampler_state_dict
+from temper.client.sampler_weights import sampler_model
+from temper.distributed.parallel_dims import ParallelDims
+from temper.job.memory_plan import (
+    ModelShapes,
+    PlanSettings,
+    activation_bytes,
+    plan_memory,
+)
+from temper.models import materialize
+from temper.models.lora import apply_lora
+from temper.sampler.engine import SamplerEngine
+from temper.trainer import LoraConfig
+from tests.distributed import training
+from tests.distributed.spawn import spawn
+
+LORA_RANK = 3  # odd: FSDP pads the adapters' A matrices on 2 ranks
+
+
+def _settings(**changes) -> PlanSettings:
+    base = {"model": "tiny", "nproc_per_node": 1, "batch": 4, "max_seq_len": 64}
+    return PlanSettings(**{**base, **changes})
+
+
+def _rows(plan, role: str = "colocated") -> dict[str, int]:
+    """Bytes by item name (the text before the first comma or colon)."""
+    rows = plan.role(role).rows
+    return {row.item.split(",")[0].split(":")[0]: row.num_bytes for row in rows}
+
+
+def _nbytes(tensors) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the storages behind the (local) tensors, each counted once: FSDP's padded
+    shards, and the buffers its sharded gradients are views of."""
+    storages = {}
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _trained_bytes(engine) -> dict[str, int]:
+    """What a trainer holds: weights, gradients after forward_backward, AdamW moments after
+    optim_step."""
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+    trainable = [p for p in engine.model.parameters() if p.requires_grad]
+    share = slice(engine.sharding.dp_rank, None, 2) if engine.sharding else slice(None)
+    engine.forward_backward(training.batch(0)[share], "cross_entropy")
+    gradients = _storage_bytes(p.grad for p in trainable)
+    engine.optim_step(training.ADAM)
+    state = engine.optimizer.torch_optimizer.state
+    moments = [state[p][key] for p in trainable for key in ("exp_avg", "exp_avg_sq")]
+    return {
+        "frozen": _storage_bytes(frozen),
+        "trainable": _storage_bytes(trainable),
+        "gradients": gradients,
+        "moments": _storage_bytes(moments),
+    }
+
+
+@pytest.mark.parametrize("lora_rank", [None, LORA_RANK])
+def test_one_process_plan_matches_the_trainer_and_sampler_tensors(lora_rank):
+    lora = None if lora_rank is None else LoraConfig(rank=lora_rank)
+    engine = training.engine(lora=lora)
+    plan = plan_memory(_settings(lora_rank=lora_rank, dtype="float32"), decoder=engine.model.config)
+    rows = _rows(plan)
+    sampler_bytes = _nbytes(sampler_model(engine.model, lora=lora).parameters())
+    held = _trained_bytes(engine)
+    if lora is None:
+        assert rows["weights"] == held["trainable"]
+        # Full fine-tuning in one process: the sampler reads the trainer's tensors.
+        assert rows["generator weights"] == 0
+    else:
+        assert rows["base weights (frozen)"] == held["frozen"]
+        assert rows["LoRA adapters"] == held["trainable"]
+        # The merged copy of a tied model is untied: one more [V, D] matrix.
+        assert rows["generator weights"] == sampler_bytes
+    assert rows["gradients"] == held["gradients"]
+    assert rows["AdamW moments (2)"] == held["moments"]
+
+
+def _sharded_bytes(rank: int) -> dict[str, int]:
+    engine = training.engine(dims=ParallelDims.Config(dp_shard=2), lora=LoraConfig(rank=LORA_RANK))
+    held = _trained_bytes(engine)
+    del engine
+    return held
+
+
+def test_fsdp_shards_on_two_ranks_match_the_plan(tmp_path):
+    ranks = spawn(_sharded_bytes, world_size=2, out_dir=tmp_path)
+    config = training.tiny_model().config
+    plan = plan_memory(
+        _settings(nproc_per_node=2, lora_rank=LORA_RANK, dtype="float32"), decoder=config
+    )
+    rows = _rows(plan)
+    # The plan is of the rank holding the most (FSDP gives the first ranks ceil(dim0 / 2) rows).
+    largest = {key: max(rank[key] for rank in ranks) for key in ranks[0]}
+    assert rows["base weights (frozen)"] == largest["frozen"]
+    assert rows["LoRA adapters"] == largest["trainable"]
+    assert rows["gradients"] == largest["gradients"]
+    assert rows["AdamW moments (2)"] == largest["moments"]
+
+
+@pytest.mark.parametrize(("batch", "max_batch"), [(5, None), (5, 3)])
+def test_kv_cache_is_what_the_engine_allocates(batch, max_batch):
+    config = training.tiny_model().config
+    plan = plan_memory(
+        _settings(batch=batch, max_seq_len=96, max_batch=max_batch, dtype="bfloat16"),
+        decoder=config,
+    )
+    model = materialize(config, dtype="bfloat16")
+    engine = SamplerEngine.Config(max_batch=max_batch or batch, max_seq_len=96).build(model=model)
+    assert _rows(plan)["KV cache"] == engine.cache.nbytes
+
+
+def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """Bytes of the tensors autograd keeps for one forward (the weights left out)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens_BT = torch.randint(0, model.config.vocab_size, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        hidden_BTD = model.hidden_states(tokens_BT)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    del hidden_BTD
+    return sum(size for pointer, size in storages.items() if pointer not in weights)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_estimate_matches_what_autograd_saves(dtype, lora):
+    config = dataclasses.replace(
+        training.tiny_model().config, num_layers=3, num_heads=8, num_kv_heads=2, ffn_dim=512
+    )
+    model = materialize(config, dtype=dtype)
+    if lora:
+        apply_lora(model, LoraConfig(rank=4))
+    tokens = 128
+    estimate = activation_bytes(config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="none")
+    assert _saved_bytes(model, tokens) == pytest.approx(estimate, rel=0.05)
+    checkpointed = activation_bytes(
+        config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="full"
+    )
+    assert checkpointed < estimate
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of bytes held by tensors that ops made while it was on (a CPU stand-in for
+    torch.cuda.max_memory_allocated); inputs made before it count only through new copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr():
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self._seen:
+            return  # a view of a tensor already counted
+        size = tensor.untyped_storage().nbytes()
+        self._seen.add(pointer)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._free, pointer, size)
+
+    def _free(self, pointer: int, size: int) -> None:
+        self._seen.discard(pointer)
+        self.live -= size
+
+
+def test_whole_sync_holds_what_the_plan_says_today():
+    """Today's sync of a sharded LoRA trainer (sampler_state_dict: gather every tensor, then
+    merge) holds the gathered copy, new merged tensors and the merge's fp32 scratch at once."""
+    model = training.tiny_model()
+    model = materialize(dataclasses.replace(model.config, vocab_size=512), dtype="bfloat16")
+    apply_lora(model, LoraConfig(rank=LORA_RANK))
+    plan = plan_memory(
+        _settings(nproc_per_node=2, lora_rank=LORA_RANK, weight_sync="whole"),
+        decoder=model.config,
+    )
+    sync = sum(row.num_bytes for row in plan.role("colocated").rows if row.phase == "sync")
+    with _LiveBytes() as measured:
+        merged = sampler_state_dict(model)
+    del merged
+    assert measured.peak == pytest.approx(sync, rel=0.05)
+
+
+def test_model_shapes_count_every_parameter():
+    config = training.tiny_model().config
+    shapes = ModelShapes.of(config, lora_rank=None)
+    assert shapes.sampler_numel == config.num_params
+    assert shapes.numel(root=True) + config.num_layers * shapes.numel(prefix="blocks.0.") == (
+        config.num_params
+    )
+    lora = ModelShapes.of(config, lora_rank=LORA_RANK)
+    # Merging the unembedding adapter into a tied model unties it.
+    assert lora.sampler_numel == config.num_params + config.vocab_size * config.dim
+
+
+# -- placements --------------------------------------------------------------------------
+
+
+def _big(**changes) -> PlanSettings:
+    base = {"model": "8B", "nnodes": 2, "nproc_per_node": 8, "lora_rank": 32}
+    return PlanSettings(**{**base, "batch": 256, "max_seq_len": 1024, **changes})
+
+
+def test_disaggregated_moves_the_generator_off_the_trainer_ranks():
+    colocated = plan_memory(_big())
+    split = plan_memory(_big(placement="disaggregated", generator_ranks=4))
+    everyone, trainer, generator = (
+        _rows(colocated),
+        _rows(split, "trainer"),
+        _rows(split, "generator"),
+    )
+    # 12 trainer ranks instead of 16: bigger shards; no generator on them.
+    assert trainer["base weights (frozen)"] > everyone["base weights (frozen)"]
+    assert "generator weights" not in trainer and "KV cache" not in trainer
+    # Generators hold whole weights and 4x the sequences of a colocated rank, no trainer.
+    assert generator["generator weights"] == everyone["generator weights"]
+    assert generator["KV cache"] == 4 * everyone["KV cache"]
+    assert "gradients" not in generator
+    tp_generator = _rows(
+        plan_memory(_big(placement="disaggregated", generator_ranks=4, generator_tp=2)),
+        "generator",
+    )
+    # tp 2: half the weights and half the kv heads, for twice the sequences per engine.
+    assert tp_generator["generator weights"] == generator["generator weights"] // 2
+    assert tp_generator["KV cache"] == generator["KV cache"]
+
+
+def test_async_and_kl_reference_each_add_a_sampler():
+    base = plan_memory(_big()).role("colocated")
+    sampler = _rows(plan_memory(_big()))
+    one_copy = sampler["generator weights"] + sampler["KV cache"]
+    for changes in ({"mode": "async"}, {"kl_reference": True}):
+        assert plan_memory(_big(**changes)).role("colocated").steady_bytes == (
+            base.steady_bytes + one_copy
+        )
+
+
+def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
+    bucketed = plan_memory(_big(model="0.6B", lora_rank=None, bucket_mb=1024))
+    whole = plan_memory(_big(model="0.6B", lora_rank=None, weight_sync="whole"))
+    assert _rows(bucketed)["weight-sync buffers"] == 2 * 1024 * 2**20
+    assert _rows(whole)["gathered whole weights"] == 2 * whole.num_params
+    # A tensor larger than a bucket travels alone: the buffer takes the largest.
+    small = _rows(plan_memory(_big(model="0.6B", lora_rank=None, bucket_mb=1)))
+    assert small["weight-sync buffers"] == 2 * 2 * 151_936 * 1024
+
+
+def test_colocated_8b_lora_with_256_slots_per_rank_is_the_issues_56_gb():
+    """Issue #18's back-of-envelope: 8B LoRA on 16 GPUs, each engine with 256 slots x 1024."""
+    plan = plan_memory(_big(max_batch=256))
+    assert plan.role("colocated").steady_bytes / 1e9 == pytest.approx(56, abs=1)
+
+
+def test_32b_colocated_does_not_fit_and_disaggregated_does():
+    settings = {"model": "32B", "activation_checkpointing": "full"}
+    assert not plan_memory(_big(**settings)).fits
+    split = _big(**settings, placement="disaggregated", generator_ranks=4, generator_tp=2)
+    assert plan_memory(split).fits
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"model": "3B"}, "model '3B' is neither a named size"),
+        ({"placement": "disaggregated", "generator_ranks": 16}, "generator_ranks=16"),
+        ({"placement": "disaggregated", "generator_ranks": 0}, "generator_ranks=0"),
+        ({"generator_ranks": 4}, "generator_ranks=4"),
+        ({"placement": "disaggregated", "generator_ranks": 3, "generator_tp": 2}, "generator_tp"),
+        ({"placement": "disaggregated", "generator_ranks": 6, "generator_tp": 3}, "num_heads"),
+        ({"placement": "side-by-side"}, "placement"),
+        ({"batch": 0}, "batch"),
+        ({"lora_rank": 0}, "lora_rank"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"headroom": 1.0}, "headroom"),
+        ({"max_seq_len": 100_000}, "max_seq_len=100000"),
+    ],
+)
+def test_bad_settings_name_the_field(changes, field):
+    settings = {"model": "tiny", "nproc_per_node": 16, **changes}
+    with pytest.raises(ValueError, match=field):
+        plan_memory(PlanSettings(**settings))

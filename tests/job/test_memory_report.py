@@ -1,0 +1,48 @@
+"""The memory plan as text: `temper plan`'s tables and a rank's startup line."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.job import PlanSettings, describe_for_rank, plan_memory
+from temper.job.memory_report import format_bytes, plan_text
+
+SETTINGS = {"model": "8B", "nnodes": 2, "nproc_per_node": 8, "lora_rank": 32, "batch": 256}
+
+
+def test_startup_line_of_a_rank_lists_its_items_and_the_verdict():
+    plan = plan_memory(PlanSettings(**SETTINGS, max_seq_len=1024))
+    line = describe_for_rank(plan, rank=3)
+    # Without activation checkpointing an 8192-token micro-batch is too much.
+    assert line.startswith(
+        "memory plan, rank 3 (colocated): steady 18.49 GiB, peak 74.18 GiB while training, "
+        "72.00 GiB usable (DOES NOT FIT): base weights (frozen), 1/16 of bfloat16 976.4 MiB;"
+    )
+    assert "; KV cache: 16 slots x 1024 tokens 2.25 GiB;" in line
+    assert "gradients 11.0 MiB (training)" in line
+    assert "\n" not in line
+
+
+def test_startup_line_of_a_disaggregated_rank_names_its_role():
+    settings = PlanSettings(**SETTINGS, placement="disaggregated", generator_ranks=4)
+    plan = plan_memory(settings)
+    assert "(generator)" in describe_for_rank(plan, rank=12, role="generator")
+    assert "KV cache" not in describe_for_rank(plan, rank=0, role="trainer")
+    with pytest.raises(ValueError, match="role 'colocated' is not in this plan"):
+        describe_for_rank(plan, rank=0)
+
+
+def test_plan_text_has_a_table_per_role_and_no_trailing_spaces():
+    settings = PlanSettings(**SETTINGS, placement="disaggregated", generator_ranks=4)
+    text = plan_text(plan_memory(settings))
+    assert text.count("| item ") == 2
+    assert all(line == line.rstrip() for line in text.splitlines())
+    assert text.isascii()
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "text"),
+    [(0, "0"), (1536, "1.5 KiB"), (11 * 2**20, "11.0 MiB"), (int(2.25 * 2**30), "2.25 GiB")],
+)
+def test_bytes_read_in_the_unit_that_fits(num_bytes, text):
+    assert format_bytes(num_bytes) == text
