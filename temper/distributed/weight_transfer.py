@@ -52,7 +52,7 @@ class BucketSender:
         """`dtype`: the transfer dtype (None: each tensor's own; a bucket holds one dtype)."""
         self._control, self._data = control_group, data_group
         self._bucket_bytes, self._dtype, self._device = bucket_bytes, dtype, device
-        self._buffer: torch.Tensor | None = None  # uint8, `bucket_bytes`, reused
+        self._buffer: torch.Tensor | None = None  # uint8, grown up to `bucket_bytes`, reused
 
     def send(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
         entries: list[tuple[str, tuple[int, ...]]] = []
@@ -91,8 +91,16 @@ class BucketSender:
         )
 
     def _bytes(self, end: int, *, start: int = 0) -> torch.Tensor:
-        if self._buffer is None:
-            self._buffer = torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self._device)
+        """Bytes [start, end) of the buffer, which doubles (keeping what it holds) up to
+        `bucket_bytes` as buckets need: a small model never allocates a whole bucket."""
+        held = 0 if self._buffer is None else self._buffer.numel()
+        if held < end:
+            size = min(self._bucket_bytes, max(end, 2 * held, 2**20))
+            grown = torch.empty(size, dtype=torch.uint8, device=self._device)
+            if held and start:
+                grown[:start].copy_(self._buffer[:start])
+            self._buffer = grown
+        assert self._buffer is not None
         return self._buffer[start:end]
 
     def _broadcast(

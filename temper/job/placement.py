@@ -5,15 +5,23 @@ way to them."""
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from temper.distributed.placement import Placement, Roles
+from temper.job.memory_plan import PlanSettings, Role, plan_memory
+from temper.job.memory_report import describe_for_rank
+from temper.job.model import ModelChoice
 from temper.models.build import parse_dtype
+from temper.models.common.decoder import DecoderConfig
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator_rank import GeneratorRank
 from temper.sampler.remote import RemoteGenerators
+from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 
 
@@ -40,9 +48,18 @@ def split_roles(placement: Placement, *, sharding: Sharding.Config, device: str)
     return placement.split(trainer_mesh=degrees, device_type=torch.device(device).type)
 
 
-def serve_generator(roles: Roles, *, sampler: SamplerEngine.Config, device: str) -> None:
-    """Run this generator rank until the trainer ranks are done."""
-    GeneratorRank(roles=roles, engine=rank_sampler(sampler), device=rank_device(device)).serve()
+def serve_generator(
+    roles: Roles,
+    *,
+    sampler: SamplerEngine.Config,
+    device: str,
+    on_start: Callable[[DecoderConfig], None] | None = None,
+) -> None:
+    """Run this generator rank until the trainer ranks are done (`on_start(model config)`
+    once it knows the model)."""
+    GeneratorRank(
+        roles=roles, engine=rank_sampler(sampler), device=rank_device(device), on_start=on_start
+    ).serve()
 
 
 def remote_generators(
@@ -56,3 +73,50 @@ def remote_generators(
         transfer_dtype=None if transfer is None else parse_dtype(transfer),
         device=rank_device(device),
     )
+
+
+def memory_plan_line(
+    placement: Placement,
+    *,
+    role: Role,
+    decoder: DecoderConfig,
+    model: ModelChoice.Config,
+    sampler: SamplerEngine.Config,
+    trainer: TrainerEngine.Config,
+    sharding: Sharding.Config,
+    batch: int,
+    mode: Literal["sync", "async"],
+    kl_reference: bool,
+) -> str:
+    """This rank's planned bytes (job/memory_plan.py), one line for its startup log."""
+    config = placement.config
+    disaggregated = placement.disaggregated
+    settings = PlanSettings(
+        model=model.base_model,
+        lora_rank=model.lora_rank,
+        dtype=model.dtype,
+        transfer_dtype=config.transfer_dtype,
+        nproc_per_node=placement.world_size,
+        placement=config.mode,
+        generator_ranks=config.generator_ranks if disaggregated else 0,
+        generator_tp=config.generator_tp,
+        batch=batch,
+        max_seq_len=sampler.max_seq_len,
+        max_batch=sampler.max_batch,
+        micro_batch_tokens=trainer.max_tokens_per_microbatch,
+        activation_checkpointing=sharding.activation_checkpointing,
+        bucket_mb=max(1, round(config.bucket_mb)),
+        mode=mode,
+        kl_reference=kl_reference,
+        gpu_memory_gib=_device_memory_bytes(model.device, ranks=placement.world_size) / 2**30,
+    )
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return describe_for_rank(plan_memory(settings, decoder=decoder), rank=rank, role=role)
+
+
+def _device_memory_bytes(device: str, *, ranks: int) -> int:
+    """Memory one rank may use: its GPU's, or on CPU this machine's shared by its ranks."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_ranks)

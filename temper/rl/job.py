@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,15 @@ from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
 from temper.job import ModelChoice, RunCheckpoints, check_generator_ranks, state_to_resume
-from temper.job.placement import rank_sampler, remote_generators, serve_generator, split_roles
+from temper.job.memory_plan import Role
+from temper.job.placement import (
+    memory_plan_line,
+    rank_sampler,
+    remote_generators,
+    serve_generator,
+    split_roles,
+)
+from temper.models.common.decoder import DecoderConfig
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
@@ -119,22 +128,44 @@ class RLJob(Configurable):
         # Before any collective or model, on every rank alike:
         _check_ranks(self.config, num_ranks=placement.num_trainers)
         if not placement.disaggregated:
-            return self._run(run_dir=Path(run_dir), resume=resume, remote=None)
+            return self._run(run_dir=Path(run_dir), resume=resume, placement=placement)
         config = self.config
         roles = split_roles(placement, sharding=config.sharding, device=config.model.device)
         if roles.is_generator:
-            serve_generator(roles, sampler=config.sampler, device=config.model.device)
+            serve_generator(
+                roles,
+                sampler=config.sampler,
+                device=config.model.device,
+                on_start=lambda decoder: _log_memory_plan(
+                    config, placement=placement, role="generator", decoder=decoder
+                ),
+            )
             return None
         remote = remote_generators(roles, placement=config.placement, device=config.model.device)
         with using_trainer_world(roles.trainer_world):
             try:
-                return self._run(run_dir=Path(run_dir), resume=resume, remote=remote)
+                return self._run(
+                    run_dir=Path(run_dir), resume=resume, placement=placement, remote=remote
+                )
             finally:
                 remote.close()
 
-    def _run(self, *, run_dir: Path, resume: bool, remote: RemoteGenerators | None) -> RLResult:
+    def _run(
+        self,
+        *,
+        run_dir: Path,
+        resume: bool,
+        placement: Placement,
+        remote: RemoteGenerators | None = None,
+    ) -> RLResult:
         ranks = Ranks.current()
         run = _RLRun(self.config, run_dir=run_dir, resume=resume, ranks=ranks, remote=remote)
+        _log_memory_plan(
+            self.config,
+            placement=placement,
+            role="colocated" if remote is None else "trainer",
+            decoder=run.training.engine.model.config,
+        )
         with run.logger:
             run.warmup()
             run.reinforce()
@@ -411,6 +442,25 @@ def _service_client(
         remote=remote,
         sleep_generator=config.sleep_generator,
     )
+
+
+def _log_memory_plan(
+    config: RLJobConfig, *, placement: Placement, role: Role, decoder: DecoderConfig
+) -> None:
+    """Every rank says what memory it plans to hold (job/memory_plan.py), on stderr."""
+    line = memory_plan_line(
+        placement,
+        role=role,
+        decoder=decoder,
+        model=config.model,
+        sampler=config.sampler,
+        trainer=config.trainer,
+        sharding=config.sharding,
+        batch=config.prompts_per_step * config.group_size,
+        mode=config.mode,
+        kl_reference=config.kl_coef > 0,
+    )
+    print(line, file=sys.stderr, flush=True)
 
 
 def _truncate_logs(run_dir: Path, *, before_step: int) -> None:

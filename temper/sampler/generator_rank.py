@@ -14,6 +14,7 @@ error naming the peer.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,8 +37,17 @@ from temper.sampler.remote import (
 
 
 class GeneratorRank:
-    def __init__(self, *, roles: Roles, engine: SamplerEngine.Config, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        roles: Roles,
+        engine: SamplerEngine.Config,
+        device: torch.device,
+        on_start: Callable[[Any], None] | None = None,
+    ) -> None:
+        """`on_start(model_config)`: called once the trainer said which model (a log line)."""
         self._roles, self._engine_config, self._device = roles, engine, device
+        self._on_start = on_start
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(
             control_group=roles.sync_control, data_group=roles.sync_data, device=device
@@ -54,6 +64,8 @@ class GeneratorRank:
         if isinstance(start, Stop):
             return
         assert isinstance(start, Start), start
+        if self._on_start is not None:
+            self._on_start(start.model_config)
         model = materialize(
             start.model_config, device=self._device, dtype=start.dtype, init="empty"
         )
