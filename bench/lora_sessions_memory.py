@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from temper.observability.process_memory import rss_mib
+
 
 def write_model(directory: Path, *, dim: int, layers: int, ffn_dim: int) -> None:
     from temper.checkpoint.hf import save_pretrained
@@ -44,13 +46,6 @@ def write_model(directory: Path, *, dim: int, layers: int, ffn_dim: int) -> None
     save_pretrained(
         materialize(config, device="cpu", dtype="float32", seed=0), directory, tokenizer=tokenizer
     )
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def main() -> None:

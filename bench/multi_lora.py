@@ -28,15 +28,10 @@ from pathlib import Path
 
 from lora_sessions_memory import write_model
 
+from temper.observability.process_memory import rss_mib
+
 MIB = 2**20
 MODELS = {"tiny": None, "mid": dict(dim=512, layers=8, ffn_dim=1536)}
-
-
-def rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def run_case(case: dict) -> dict:

@@ -101,3 +101,26 @@ def test_multi_lora_reports_memory_and_mixed_speed_per_client_count(tmp_path):
         assert one["tokens_per_s"] > 0 and two["marginal_mib_per_client"] is not None
         assert two["marginal_target_mib"] == round(9 * two["adapter_mib"], 2)
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_weight_sync_reports_each_case_side_by_side_and_exact_weights(tmp_path):
+    flags = ["--shapes", "tiny", "--bucket-mb", "16", "--warmup", "0", "--repeats", "1"]
+    report = run_bench("weight_sync.py", *flags, tmp_path=tmp_path)
+    assert report["bench"] == "weight_sync" and report["config"]["world_size"] == 3
+    tiny = report["shapes"]["tiny"]
+    assert tiny["weights_exact"] is True
+    for case in (*tiny["colocated"].values(), tiny["gather_only"]):
+        assert case["time_s"] > 0 and set(case["peak_extra_mib"]) == {"trainer_0", "trainer_1"}
+    disaggregated = tiny["disaggregated"]
+    assert set(disaggregated["peak_extra_mib"]) == {"trainer_0", "trainer_1", "generator"}
+    # The embedding (74 MiB) travels alone, the rest fits one 16 MiB bucket.
+    assert disaggregated["buckets"] == 2 and disaggregated["tensors"] == 46
+    assert disaggregated["mib"] >= tiny["plain_broadcast"]["mib"] > 0
+    assert tiny["disaggregated_over_plain_broadcast"] > 0
+    assert set(tiny["targets"]) == {
+        "bucketed_peak_extra_le_2_buckets",
+        "bucketed_peak_extra_le_2_largest_buckets",
+        "disaggregated_le_2x_plain_broadcast",
+    }
+    assert left_behind(tmp_path) == []

@@ -20,6 +20,7 @@ import time
 import httpx
 from tinker import types
 
+from temper.observability.process_memory import rss_mib
 from tests.server.conftest import API_KEY, start_server
 
 TIMEOUT_S = 15
@@ -48,14 +49,6 @@ ABANDONED = textwrap.dedent(
     time.sleep(3600)
     """
 )
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
 
 
 def get(server, path: str) -> httpx.Response:
