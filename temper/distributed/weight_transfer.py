@@ -79,11 +79,13 @@ class BucketSender:
                 alone = tensor.detach().to(device=self._device, dtype=dtype).reshape(-1)
                 self._broadcast([(name, tuple(tensor.shape))], alone.view(torch.uint8), dtype)
                 buckets, total, largest = buckets + 1, total + size, max(largest, size)
+                del tensor, alone  # not held while the next one is gathered
                 continue
             start = used
             self._bytes(start + size, start=start).view(dtype).copy_(tensor.detach().reshape(-1))
             entries.append((name, tuple(tensor.shape)))
             used = start + _aligned(size)
+            del tensor  # a gathered whole tensor: gone before the next is gathered
         flush()
         dist.broadcast_object_list([None], group=self._control, group_src=0)
         return TransferStats(
@@ -135,6 +137,7 @@ class BucketReceiver:
                 size = _numel(shape) * header.dtype.itemsize
                 yield name, data[offset : offset + size].view(header.dtype).view(shape)
                 offset += _aligned(size)
+            del data  # a larger next bucket does not sit beside this one
 
     def _bytes(self, size: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < size:

@@ -114,6 +114,7 @@ class WeightSource:
                 )
             target.copy_(value)
             seen.add(name)
+            del pair, value  # a streamed tensor may be a whole gathered one: not kept
         missing = sorted(expected.keys() - seen)
         if missing:
             raise ValueError(f"update_weights: the stream ended without {missing}")

@@ -22,6 +22,7 @@ from temper.distributed.weight_transfer import BucketReceiver, BucketSender
 from temper.distributed.world import using_trainer_world
 from temper.models.build import materialize
 from temper.models.qwen3.sizes import qwen3_size
+from temper.observability.process_memory import PeakRss
 from temper.sampler.weight_source import WeightSource
 from temper.trainer.sharding import Sharding
 from tests.distributed.spawn import spawn
@@ -33,24 +34,13 @@ BUCKET = 2 * MiB
 MODEL = dataclasses.replace(
     qwen3_size("tiny"), vocab_size=1024, dim=256, num_layers=16, ffn_dim=512, tie_embeddings=False
 )
-LARGEST = 1 * MiB
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field}")
 
 
 def _peak_extra(run) -> int:
-    """Bytes the high-water mark of this process's RSS rose above its RSS while `run` ran."""
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # the high-water mark starts again from the current RSS
-    before = _rss("VmRSS")
-    run()
-    return _rss("VmHWM") - before
+    """Bytes the RSS of this process rose to above what it held before `run`."""
+    with PeakRss() as peak:
+        run()
+    return int(peak.extra_mib * MiB)
 
 
 def _pairs_main(rank: int) -> dict:
@@ -144,8 +134,10 @@ def test_peak_extra_memory_stays_within_a_few_buckets_not_the_model_size(synced)
     model_bytes = synced[0]["model_bytes"]
     assert model_bytes > 14 * BUCKET  # the model is much larger than a bucket
     for rank, result in enumerate(synced):
-        # Sender: its bucket and one tensor being gathered (the all-gather's buffers hold a
-        # few copies of it); the other trainer rank: the gather; the receiver: a bucket.
-        assert result["peak"] < BUCKET + 4 * LARGEST, (rank, result["peak"] / MiB)
+        # Sender: its bucket (while it grows, the old and the new buffer) and one tensor
+        # being gathered (gloo's all-gather holds a few copies of it: measured 2-3); the
+        # other trainer rank: the gather; the receiver: a bucket and its copy into the model.
+        # Measured (MiB): 8.7-10.1, 4.9-6.7, 4.3; a whole-dict gather adds 44-46.
+        assert result["peak"] < 6 * BUCKET, (rank, result["peak"] / MiB)
     for rank in (0, 1):  # the check has teeth: a whole-dict gather adds the model's size
         assert synced[rank]["whole"] > 0.8 * model_bytes, (rank, synced[rank]["whole"] / MiB)
