@@ -36,17 +36,10 @@ def full_state_dict(
     Always new tensors, never views of the model's (later steps do not change them).
     """
     return {
-        key: _whole(value) for key, value in model.state_dict().items() if keep is None or keep(key)
+        key: _gathered(value, copy=True)
+        for key, value in model.state_dict().items()
+        if keep is None or keep(key)
     }
-
-
-def _whole(value: torch.Tensor) -> torch.Tensor:
-    if not isinstance(value, DTensor):
-        return value.detach().clone()
-    if all(placement.is_replicate() for placement in value.placements):
-        # Nothing to gather: full_tensor() would return the local tensor itself.
-        return value.to_local().detach().clone()
-    return value.full_tensor()
 
 
 @torch.no_grad()
@@ -84,10 +77,11 @@ def sampler_stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield key, (weight.float() + module.scale * (lora_B @ lora_A)).to(weight.dtype)
 
 
-def _gathered(value: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (a view of a plain one; an all-gather of a DTensor's shards)."""
-    if not isinstance(value, DTensor):
-        return value.detach()
-    if all(placement.is_replicate() for placement in value.placements):
-        return value.to_local().detach()
-    return value.full_tensor()
+def _gathered(value: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """The whole tensor: an all-gather of a DTensor's shards (a new tensor), else the
+    (replicated) local one itself, or a copy of it with `copy`."""
+    if isinstance(value, DTensor):
+        if not all(placement.is_replicate() for placement in value.placements):
+            return value.full_tensor()
+        value = value.to_local()  # nothing to gather (full_tensor() would return it as is)
+    return value.detach().clone() if copy else value.detach()

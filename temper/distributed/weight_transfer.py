@@ -1,13 +1,12 @@
 """Weights streamed from one rank to others in buckets of bounded size.
 
-The sender packs (name, tensor) pairs, as they come, into a flat buffer of `bucket_bytes` (cast
-to the transfer dtype); when the next tensor does not fit, it broadcasts a header (the names
-and shapes, over a gloo group) and then the buffer (over the data group: gloo on CPU, NCCL on
-GPU), without waiting: the next bucket fills a second buffer meanwhile, so gathering the next
-tensors overlaps sending the last. A tensor larger than a bucket travels alone. The receivers
-yield each tensor as a view of their own buffer, valid until they draw the next: a generator
-copies it into its model and the buffer is reused. So the sender holds at most two buckets and
-the receivers one (or the largest tensor) beyond the model, whatever the model's size.
+The sender packs (name, tensor) pairs, as they come, into one flat buffer of `bucket_bytes`
+(cast to the transfer dtype); when the next tensor does not fit, it broadcasts a header (the
+names and shapes, over a gloo group) and then the buffer (over the data group: gloo on CPU,
+NCCL on GPU). A tensor larger than a bucket travels alone. The receivers yield each tensor as
+a view of their own buffer, valid until they draw the next: a generator copies it into its
+model and the buffer is reused. So neither side ever holds more than a bucket (or the largest
+tensor) of weights beyond its model, whatever the model's size.
 
 Both sides must run a transfer to its end; a header of None ends it.
 """
@@ -39,10 +38,7 @@ class TransferStats:
 
 
 class BucketSender:
-    """Packs and broadcasts weights from this rank (rank 0 of both groups).
-
-    Two buffers take turns: while one bucket's bytes are on their way (an asynchronous
-    broadcast), the next bucket's tensors are gathered and packed into the other."""
+    """Packs and broadcasts weights from this rank (rank 0 of both groups)."""
 
     def __init__(
         self,
@@ -56,23 +52,11 @@ class BucketSender:
         """`dtype`: the transfer dtype (None: each tensor's own; a bucket holds one dtype)."""
         self._control, self._data = control_group, data_group
         self._bucket_bytes, self._dtype, self._device = bucket_bytes, dtype, device
-        # uint8, each grown up to `bucket_bytes` as needed; the broadcast each is in.
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._in_flight: list[Any] = [None, None]
-        self._turn = 0  # the buffer being filled
+        self._buffer: torch.Tensor | None = None  # uint8, grown up to `bucket_bytes`, reused
 
     def send(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
-        try:
-            stats = self._send(pairs)
-        finally:
-            for turn in (0, 1):  # nothing of ours is in flight when this returns
-                self._wait(turn)
-        dist.broadcast_object_list([None], group=self._control, group_src=0)
-        return stats
-
-    def _send(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
         entries: list[tuple[str, tuple[int, ...]]] = []
-        used = 0  # bytes of the current buffer filled
+        used = 0  # bytes of the buffer filled
         bucket_dtype: torch.dtype | None = None
         tensors = buckets = total = largest = 0
 
@@ -80,7 +64,7 @@ class BucketSender:
             nonlocal entries, used, buckets, total, largest
             if entries:
                 assert bucket_dtype is not None
-                self._send_bucket(entries, used, bucket_dtype)
+                self._broadcast(entries, self._bytes(used), bucket_dtype)
                 buckets, total, largest = buckets + 1, total + used, max(largest, used)
             entries, used = [], 0
 
@@ -91,10 +75,9 @@ class BucketSender:
                 flush()
             bucket_dtype = dtype
             tensors += 1
-            if size > self._bucket_bytes:  # alone, in a buffer of its own, sent at once
+            if size > self._bucket_bytes:  # alone, in a buffer of its own
                 alone = tensor.detach().to(device=self._device, dtype=dtype).reshape(-1)
-                self._header([(name, tuple(tensor.shape))], dtype, size)
-                dist.broadcast(alone.view(torch.uint8), group=self._data, group_src=0)
+                self._broadcast([(name, tuple(tensor.shape))], alone.view(torch.uint8), dtype)
                 buckets, total, largest = buckets + 1, total + size, max(largest, size)
                 del tensor, alone  # not held while the next one is gathered
                 continue
@@ -104,50 +87,31 @@ class BucketSender:
             used = start + _aligned(size)
             del tensor  # a gathered whole tensor: gone before the next is gathered
         flush()
+        dist.broadcast_object_list([None], group=self._control, group_src=0)
         return TransferStats(
             tensors=tensors, buckets=buckets, bytes=total, largest_bucket_bytes=largest
         )
 
     def _bytes(self, end: int, *, start: int = 0) -> torch.Tensor:
-        """Bytes [start, end) of the buffer being filled. Its last broadcast is waited for
-        before a new bucket starts in it; it doubles (keeping what it holds) up to
-        `bucket_bytes` as buckets need, so a small model never allocates a whole bucket."""
-        if start == 0:
-            self._wait(self._turn)
-        buffer = self._buffers[self._turn]
-        held = 0 if buffer is None else buffer.numel()
+        """Bytes [start, end) of the buffer, which doubles (keeping what it holds) up to
+        `bucket_bytes` as buckets need: a small model never allocates a whole bucket."""
+        held = 0 if self._buffer is None else self._buffer.numel()
         if held < end:
             size = min(self._bucket_bytes, max(end, 2 * held, 2**20))
             grown = torch.empty(size, dtype=torch.uint8, device=self._device)
-            if buffer is not None and start:
-                grown[:start].copy_(buffer[:start])
-            self._buffers[self._turn] = buffer = grown
-        assert buffer is not None
-        return buffer[start:end]
+            if held and start:
+                grown[:start].copy_(self._buffer[:start])
+            self._buffer = grown
+        assert self._buffer is not None
+        return self._buffer[start:end]
 
-    def _send_bucket(
-        self, entries: list[tuple[str, tuple[int, ...]]], size: int, dtype: torch.dtype
+    def _broadcast(
+        self, entries: list[tuple[str, tuple[int, ...]]], data: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        """The header, then the bucket's bytes (uint8: any backend sends any dtype so),
-        without waiting for them; the other buffer is filled next."""
-        self._header(entries, dtype, size)
-        buffer = self._buffers[self._turn]
-        assert buffer is not None
-        self._in_flight[self._turn] = dist.broadcast(
-            buffer[:size], group=self._data, group_src=0, async_op=True
-        )
-        self._turn ^= 1
-
-    def _header(
-        self, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, size: int
-    ) -> None:
-        header = BucketHeader(entries=tuple(entries), dtype=dtype, size=size)
+        """The header, then the bucket's bytes (uint8: any backend sends any dtype so)."""
+        header = BucketHeader(entries=tuple(entries), dtype=dtype, size=data.numel())
         dist.broadcast_object_list([header], group=self._control, group_src=0)
-
-    def _wait(self, turn: int) -> None:
-        work, self._in_flight[turn] = self._in_flight[turn], None
-        if work is not None:
-            work.wait()
+        dist.broadcast(data, group=self._data, group_src=0)
 
 
 class BucketReceiver:

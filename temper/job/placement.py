@@ -18,6 +18,7 @@ from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
+from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator_rank import GeneratorRank
 from temper.sampler.remote import RemoteGenerators
@@ -108,15 +109,15 @@ def memory_plan_line(
         bucket_mb=max(1, round(config.bucket_mb)),
         mode=mode,
         kl_reference=kl_reference,
-        gpu_memory_gib=_device_memory_bytes(model.device, ranks=placement.world_size) / 2**30,
+        gpu_memory_gib=_rank_memory_bytes(model.device, ranks=placement.world_size) / 2**30,
     )
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return describe_for_rank(plan_memory(settings, decoder=decoder), rank=rank, role=role)
 
 
-def _device_memory_bytes(device: str, *, ranks: int) -> int:
+def _rank_memory_bytes(device: str, *, ranks: int) -> int:
     """Memory one rank may use: its GPU's, or on CPU this machine's shared by its ranks."""
     if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return device_memory_bytes(device)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_ranks)
+    return device_memory_bytes(device) // max(1, local_ranks)

@@ -11,7 +11,10 @@ system (`malloc_trim`). CPU memory only: a GPU's is torch.cuda's to report.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
+
+import torch
 
 MIB = 2**20
 
@@ -63,3 +66,10 @@ def _status_kib(pid: int | str, field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/{pid}/status has no {field} (a kernel thread, or not Linux)")
+
+
+def device_memory_bytes(device: str) -> int:
+    """The device's total memory: the GPU's for a CUDA device, else the machine's RAM."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

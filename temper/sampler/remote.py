@@ -20,7 +20,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,7 +30,8 @@ from torch import nn
 
 from temper.api.types import SampleResponse
 from temper.distributed.placement import Link, Roles
-from temper.distributed.weight_transfer import BucketSender, TransferStats
+from temper.distributed.ranks import Ranks
+from temper.distributed.weight_transfer import BucketSender
 from temper.sampler.requests import SampleRequest
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
@@ -120,9 +120,6 @@ class RemoteGenerator:
         self._closed = False
         self._failure: str | None = None  # why a link failed; every later call says it again
         self._sender: BucketSender | None = None
-        self.last_transfer: TransferStats | None = None
-        """What the last `update_weights` sent (trainer rank 0), for logs and benchmarks."""
-        self.last_transfer_s = 0.0
         if roles.rank == roles.trainer_ranks[0]:
             self._sender = BucketSender(
                 control_group=roles.sync_control,
@@ -173,9 +170,7 @@ class RemoteGenerator:
                 pass
         else:
             self._control(Weights(version=version))
-            started = time.perf_counter()
-            self.last_transfer = self._sender.send(pairs)
-            self.last_transfer_s = time.perf_counter() - started
+            self._sender.send(pairs)
         self._version = version
 
     def generator_weights(self) -> list[dict[str, torch.Tensor]]:
@@ -209,12 +204,11 @@ class RemoteGenerator:
             raise RuntimeError("this remote generator is closed (the job ended)")
         if self._version < 0:
             raise RuntimeError("no weights were sent to the generator ranks yet")
-        bounds = _split(len(items), len(self._links))
-        calls = [
-            (link, make(items[start:end]))
-            for link, (start, end) in zip(self._links, bounds, strict=True)
-            if end > start
+        parts = [
+            items[Ranks(rank=index, world_size=len(self._links)).split(len(items))]
+            for index in range(len(self._links))
         ]
+        calls = [(link, make(part)) for link, part in zip(self._links, parts, strict=True) if part]
         return [answer for part in self._exchange(calls) for answer in part]
 
     def _exchange(self, calls: list[tuple[Link, object]]) -> list[Any]:
@@ -317,14 +311,3 @@ def _pairs(source: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(source, Mapping):
         return iter(source.items())
     return iter(source)
-
-
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous (start, end) bounds of `parts` shares of `count`, as even as possible."""
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for index in range(parts):
-        end = start + base + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds

@@ -26,6 +26,7 @@ import tyro
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
 from temper.config.configurable import Configurable
+from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
 from temper.sampler.multi_lora import MultiLoraSampler
@@ -44,7 +45,7 @@ from temper.server.lifetimes import EndedIds
 from temper.server.model_memory import ModelMemory
 from temper.server.scheduler import Scheduler
 from temper.server.sessions import SamplingSession, ServedModel, Session
-from temper.server.snapshots import MIB, SnapshotRetention, device_memory_bytes
+from temper.server.snapshots import MIB, SnapshotRetention
 from temper.server.stability import StabilityStore
 from temper.server.users import SERVER, User, Users
 from temper.trainer.engine import TrainerEngine
@@ -231,11 +232,9 @@ class TemperServer(Configurable):
                 for path, trainable in dirs
             ]
         )
-        budget_mb = config.model_memory_mb
+        budget_mb, device_bytes = config.model_memory_mb, device_memory_bytes(config.device)
         self.memory = ModelMemory(
-            budget_bytes=int(budget_mb * MIB)
-            if budget_mb is not None
-            else device_memory_bytes(config.device) // 2,
+            budget_bytes=device_bytes // 2 if budget_mb is None else int(budget_mb * MIB),
             idle_seconds=config.model_idle_seconds,
         )
         storage = CheckpointStorage(config.storage)
@@ -268,10 +267,9 @@ class TemperServer(Configurable):
             (model.sampler_bytes for model in self.base_models if model.trainable), default=0
         )
         budget_mb = config.snapshot_memory_mb
-        budget_bytes = device_memory_bytes(config.device) // 4 if budget_mb is None else None
         self.snapshots = SnapshotRetention(
             copy_bytes=copy_bytes,
-            budget_bytes=budget_bytes if budget_bytes is not None else int(budget_mb * MIB),
+            budget_bytes=device_bytes // 4 if budget_mb is None else int(budget_mb * MIB),
             idle_seconds=config.snapshot_idle_seconds,
         )
         self.snapshots.log_settings()

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from temper.models.build import materialize, parse_dtype
 from temper.models.common.decoder import DecoderConfig
@@ -190,10 +187,3 @@ def sampler_copy_bytes(decoder: DecoderConfig, *, sampler: SamplerEngine.Config,
     max_seq_len = min(sampler.max_seq_len, decoder.max_seq_len)
     sampler = dataclasses.replace(sampler, max_seq_len=max_seq_len)
     return weight_bytes + sampler.kv_cache_bytes(decoder, dtype=parse_dtype(dtype))
-
-
-def device_memory_bytes(device: str) -> int:
-    """The device's total memory: the GPU's for a CUDA device, else the machine's RAM."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

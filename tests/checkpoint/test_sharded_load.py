@@ -28,6 +28,7 @@ from temper.distributed.local_shard import local_part
 from temper.distributed.parallel_dims import ParallelDims
 from temper.models import materialize, qwen3_size
 from temper.models.lora import LoraConfig, apply_lora
+from temper.observability.process_memory import MIB, peak_rss_mib, reset_peak_rss, rss_mib
 from temper.tokenizer import build_builtin_tokenizer
 from temper.trainer import TrainerEngine
 from temper.trainer.sharding import Sharding
@@ -144,18 +145,14 @@ def _peak_rss_growth(build) -> tuple[int, int]:
     """(bytes the peak resident set grew by while `build()` ran, bytes of its result's
     parameters held by this rank)."""
 
-    def status(field: str) -> int:
-        lines = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in lines if line.startswith(field)).split()[1]) * 1024
-
     # Blocks of 64 KiB and more get their own mappings, given back when freed: otherwise
     # glibc's adaptive threshold serves them from the heap, whose freed holes stay resident
     # (tens of MB here, varying from run to run) and would blur what is live.
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
-    before = status("VmRSS:")
+    reset_peak_rss()
+    before = rss_mib()
     engine = build()
-    growth = status("VmHWM:") - before
+    growth = int((peak_rss_mib() - before) * MIB)
     held = sum(local_part(p).numel() * p.element_size() for p in engine.model.parameters())
     return growth, held
 

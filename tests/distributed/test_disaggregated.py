@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from temper.distributed.placement import Placement
-from temper.job import run_checkpoints
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
 from temper.sampler import remote
+from tests.distributed.rl_runs import run_in_process, skip_plots
 from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
@@ -31,10 +31,6 @@ def rl_config(*, placement: str = "colocated", generators: int = 1, **changes) -
     config.warmup.steps = 2
     config.placement = Placement.Config(mode=placement, generator_ranks=generators, bucket_mb=0.05)
     return config
-
-
-def _no_plots(run_dir):
-    return [run_dir / "plots" / "none.png"]
 
 
 _UPDATE_WEIGHTS = remote.RemoteGenerator.update_weights
@@ -58,7 +54,7 @@ def _checked_updates(checks: list[tuple[int, bool]]):
 
 
 def _rank_main(rank: int, directory, configs: dict) -> dict:
-    run_checkpoints.plot_metrics = _no_plots
+    skip_plots()
     errors = {}
     for name, config in configs.pop("bad", {}).items():
         try:
@@ -108,13 +104,8 @@ def colocated_two(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    original = run_checkpoints.plot_metrics
-    run_checkpoints.plot_metrics = _no_plots
-    try:
-        run_dir = tmp_path_factory.mktemp("single") / "run"
-        return RLJob(rl_config()).run(run_dir=run_dir), run_dir
-    finally:
-        run_checkpoints.plot_metrics = original
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    return run_in_process(rl_config(), run_dir), run_dir
 
 
 def test_settings_that_do_not_fit_the_world_fail_on_every_rank(three_ranks, tmp_path):

@@ -13,9 +13,9 @@ import time
 import torch.multiprocessing as mp
 
 from temper.distributed.placement import Placement
-from temper.job import run_checkpoints
 from temper.rl.job import RLJob
 from temper.sampler import generator_rank
+from tests.distributed.rl_runs import skip_plots
 from tests.distributed.spawn import _entry, free_port, spawn
 from tests.rl.conftest import comparable_metrics, tiny_rl_config
 
@@ -30,13 +30,9 @@ def rl_config() -> RLJob.Config:
     return config
 
 
-def _no_plots(run_dir):
-    return [run_dir / "plots" / "none.png"]
-
-
 def _dying_run(rank: int, run_dir) -> str | None:
     """The job, with the generator rank exiting abruptly after a few calls."""
-    run_checkpoints.plot_metrics = _no_plots
+    skip_plots()
     answer = generator_rank.GeneratorRank._answer
     calls = []
 
@@ -56,7 +52,7 @@ def _dying_run(rank: int, run_dir) -> str | None:
 
 
 def _resumed_run(rank: int, run_dir) -> None:
-    run_checkpoints.plot_metrics = _no_plots
+    skip_plots()
     RLJob(rl_config()).run(run_dir=run_dir, resume=True)
 
 

@@ -17,13 +17,13 @@ import torch
 from temper.api import Datum, ModelInput
 from temper.client.service_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
-from temper.job import run_checkpoints
 from temper.observability import read_metrics
 from temper.rl import steps
 from temper.rl.job import RLJob
 from temper.trainer import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.distributed import training
+from tests.distributed.rl_runs import run_in_process, skip_plots
 from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
@@ -49,12 +49,8 @@ def bad_configs() -> dict[str, RLJob.Config]:
     }
 
 
-def _no_plots(run_dir):
-    return [run_dir / "plots" / "none.png"]
-
-
 def _rank_main(rank: int, directory) -> dict:
-    run_checkpoints.plot_metrics = _no_plots  # matplotlib costs seconds and is not under test
+    skip_plots()
     errors = {}
     for name, config in bad_configs().items():
         try:
@@ -125,13 +121,8 @@ def ranks(tmp_path_factory) -> tuple[list[dict], object]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The same job in one process."""
-    original = run_checkpoints.plot_metrics
-    run_checkpoints.plot_metrics = _no_plots
-    try:
-        run_dir = tmp_path_factory.mktemp("single") / "run"
-        return RLJob(rl_config()).run(run_dir=run_dir), run_dir
-    finally:
-        run_checkpoints.plot_metrics = original
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    return run_in_process(rl_config(), run_dir), run_dir
 
 
 def test_settings_that_do_not_fit_the_ranks_fail_on_every_rank(ranks):
