@@ -8,7 +8,9 @@ unsharded tensor. Collective: every rank calls these and every rank gets whole t
 whole dict would be a second copy of the model): the full weights, or, for LoRA, the base
 weights with every adapter merged (W + scale * B @ A, formed in fp32 and cast back, the same
 arithmetic as `temper.models.lora.merged_state_dict`). `sampler_state_dict` is the same as a
-dict of new tensors.
+dict of new tensors. `sampler_share` is one rank's part of the same weights for generators on
+other ranks: its own rows of every FSDP-sharded tensor as they are, and the rest whole from
+one rank.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from temper.distributed.local_shard import local_box, local_part
+from temper.distributed.weight_pieces import WeightPiece, WeightRows
 from temper.models.lora import LORA_SUFFIXES, LoraLinear, LoraUnembedding, lora_modules
 
 
@@ -58,23 +62,86 @@ def sampler_stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     model: every rank must consume the whole stream, in order.
 
     A tensor is valid until the next one is drawn (it may be the model's own, unsharded)."""
-    merges: dict[str, tuple[str, str, LoraLinear | LoraUnembedding]] = {}
-    for name, module in lora_modules(model).items():
-        if isinstance(module, LoraUnembedding):
-            base_key = "embed.weight" if model.output is None else "output.weight"
-            merges["output.weight"] = (name, base_key, module)
-        else:
-            merges[f"{name}.weight"] = (name, f"{name}.weight", module)
-    state = model.state_dict()
-    for key, value in state.items():
-        if key.endswith(LORA_SUFFIXES) or key in merges:
-            continue  # adapted weights come merged, below
-        yield key, _gathered(value)
-    for key, (name, base_key, module) in merges.items():
-        weight = _gathered(state[base_key])
-        lora_A = _gathered(state[f"{name}.lora_A"]).float()
-        lora_B = _gathered(state[f"{name}.lora_B"]).float()
-        yield key, (weight.float() + module.scale * (lora_B @ lora_A)).to(weight.dtype)
+    plan = _SamplerPlan(model)
+    for key in plan.plain:
+        yield key, _gathered(plan.state[key])
+    yield from plan.merged()
+
+
+@torch.no_grad()
+def sampler_share(model: nn.Module, *, lead: bool) -> Iterator[WeightPiece]:
+    """This rank's share of the sampler weights, for generators on other ranks that collect
+    every trainer rank's share (collective: every rank consumes its whole stream).
+
+    A tensor sharded only by rows (FSDP's dim-0 chunks) comes as each rank's own rows, as
+    they are: nothing is gathered. Every other tensor (replicated, split by columns, merged
+    with LoRA adapters) comes whole from the `lead` rank alone, gathered with the others
+    first: so once a rank sends its rows, it takes part in no more collectives."""
+    plan = _SamplerPlan(model)
+    rows = [key for key in plan.plain if _split_by_rows_only(plan.state[key])]
+    for key in plan.plain:
+        if key not in rows:
+            whole = _gathered(plan.state[key])
+            if lead:
+                yield key, whole
+    for key, merged in plan.merged():
+        if lead:
+            yield key, merged
+    for key in rows:
+        value = plan.state[key]
+        if _sends_its_rows(value):
+            box, local = local_box(value)[0], local_part(value)
+            assert local.shape[0] == box.stop - box.start, (key, tuple(local.shape), box)
+            yield WeightRows(name=key, start=box.start, value=local)
+
+
+class _SamplerPlan:
+    """Which of a model's tensors a sampler takes as they are (`plain`), and which merged
+    with their LoRA adapters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._merges: dict[str, tuple[str, str, LoraLinear | LoraUnembedding]] = {}
+        for name, module in lora_modules(model).items():
+            if isinstance(module, LoraUnembedding):
+                base_key = "embed.weight" if model.output is None else "output.weight"
+                self._merges["output.weight"] = (name, base_key, module)
+            else:
+                self._merges[f"{name}.weight"] = (name, f"{name}.weight", module)
+        self.state = model.state_dict()
+        self.plain = [
+            key for key in self.state if not key.endswith(LORA_SUFFIXES) and key not in self._merges
+        ]
+
+    def merged(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each adapted weight merged (gathered whole: collective)."""
+        for key, (name, base_key, module) in self._merges.items():
+            weight = _gathered(self.state[base_key])
+            lora_A = _gathered(self.state[f"{name}.lora_A"]).float()
+            lora_B = _gathered(self.state[f"{name}.lora_B"]).float()
+            yield key, (weight.float() + module.scale * (lora_B @ lora_A)).to(weight.dtype)
+
+
+def _split_by_rows_only(value: torch.Tensor) -> bool:
+    """A DTensor cut along dimension 0 only (the same answer on every rank)."""
+    if not isinstance(value, DTensor):
+        return False
+    mesh, placements = value.device_mesh, value.placements
+    cuts = [
+        placement
+        for dim, placement in enumerate(placements)
+        if not placement.is_replicate() and mesh.size(dim) > 1
+    ]
+    return bool(cuts) and all(isinstance(cut, Shard) and cut.dim == 0 for cut in cuts)
+
+
+def _sends_its_rows(value: DTensor) -> bool:
+    """Of the ranks that hold the same rows (replicas along a mesh dimension), the first."""
+    coordinate = value.device_mesh.get_coordinate()
+    assert coordinate is not None
+    return all(
+        index == 0 or not placement.is_replicate()
+        for index, placement in zip(coordinate, value.placements, strict=True)
+    )
 
 
 def _gathered(value: torch.Tensor, *, copy: bool = False) -> torch.Tensor:

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from torch import nn
 
+from temper.checkpoint.gather import sampler_share
 from temper.client.sampler_weights import sampler_model, sampler_update
 from temper.models.build import materialize
 from temper.models.lora import lora_state_dict, merged_config
@@ -94,7 +95,8 @@ class AdapterFeed:
 
 class RemoteFeed:
     """The generator ranks of a disaggregated placement (sampler/remote.py): each version is
-    streamed to them in buckets, one gathered (and merged) tensor at a time."""
+    streamed to them in buckets, every trainer rank sending its own rows of the sharded
+    tensors and trainer rank 0 the rest whole (gathered, merged)."""
 
     def __init__(
         self, *, trainer: TrainerEngine, remote: RemoteGenerators, tokenizer: Tokenizer
@@ -110,7 +112,8 @@ class RemoteFeed:
         )
 
     def weights(self) -> WeightUpdate:
-        return sampler_update(self._trainer.model, lora=self._trainer.lora)
+        roles = self._remote.roles
+        return sampler_share(self._trainer.model, lead=roles.rank == roles.trainer_ranks[0])
 
 
 class Snapshot:

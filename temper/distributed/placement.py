@@ -11,8 +11,10 @@ collective (the same ValueError on every rank); `split()` then builds, on every 
 process groups both roles use (torch makes groups collectively over the whole world):
 
 - the trainer's world (world.py): its group, a gloo group for the loop, its device mesh;
-- the sync groups, trainer rank 0 and every generator rank: a control group (gloo, Python
-  objects) and a data group (the device's backend: NCCL on GPU) for weight buckets;
+- a weight channel per trainer rank, that rank and every generator rank: a control group
+  (gloo, Python objects) and a data group (the device's backend: NCCL on GPU) on which it
+  broadcasts its share of the weights in buckets; trainer rank 0's also carries the job's
+  commands to the generators;
 - one link per (trainer rank, generator rank) pair that exchange sample requests (gloo).
   Trainer rank t sends to the generators `t, t + T, t + 2T, ...` (mod G when there are fewer
   generators than trainers), so every generator serves and every trainer is served.
@@ -27,6 +29,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from temper.config.configurable import Configurable
+from temper.distributed.weight_transfer import WeightChannel
 from temper.distributed.world import TrainerWorld
 
 PlacementMode = Literal["colocated", "disaggregated"]
@@ -48,10 +51,9 @@ class Roles:
     rank: int
     trainer_world: TrainerWorld
     generator_ranks: tuple[int, ...]
-    sync_control: Any
-    """gloo group of trainer rank 0 and the generator ranks (commands, bucket headers)."""
-    sync_data: Any
-    """The same ranks on the device's backend (the weight buckets)."""
+    weight_channels: tuple[WeightChannel, ...]
+    """One per trainer rank, in order: that rank and every generator rank (its weight
+    buckets; trainer rank 0's also carries the job's commands)."""
     links: tuple[Link, ...]
     """This rank's request links (a trainer's to its generators, a generator's to its
     trainers)."""
@@ -63,6 +65,16 @@ class Roles:
     @property
     def trainer_ranks(self) -> tuple[int, ...]:
         return self.trainer_world.ranks
+
+    @property
+    def sync_control(self) -> Any:
+        """gloo group of trainer rank 0 and the generator ranks (commands)."""
+        return self.weight_channels[0].control
+
+    @property
+    def sync_data(self) -> Any:
+        """The same ranks on the device's backend."""
+        return self.weight_channels[0].data
 
 
 class Placement(Configurable):
@@ -144,9 +156,13 @@ class Placement(Configurable):
         )
         if trainer_mesh is not None:
             world.prepare_mesh(trainer_mesh, device_type=device_type)
-        sync = [trainers[0], *generators]
-        sync_control = dist.new_group(sync, backend="gloo", timeout=timeout)
-        sync_data = dist.new_group(sync, timeout=timeout)
+        channels = []
+        for trainer in trainers:
+            ranks = [trainer, *generators]
+            control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            channels.append(
+                WeightChannel(control=control, data=dist.new_group(ranks, timeout=timeout))
+            )
         rank = dist.get_rank()
         links = []
         for trainer, generator in request_pairs(len(trainers), generators):
@@ -157,8 +173,7 @@ class Placement(Configurable):
             rank=rank,
             trainer_world=world,
             generator_ranks=generators,
-            sync_control=sync_control,
-            sync_data=sync_data,
+            weight_channels=tuple(channels),
             links=tuple(links),
         )
 

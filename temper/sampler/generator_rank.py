@@ -2,9 +2,10 @@
 
 The main thread follows the sync control group (trainer rank 0): `Start` builds an empty
 model of the trainer's shape and Temper's engine on it, `Weights` receives a version's buckets
-straight into that model (weight_transfer.py), `Stop` ends the job. One thread per linked
-trainer rank answers its calls (generate, score) under one lock, so the engine runs one batch
-at a time, and each call waits until the version it names has arrived.
+from every trainer rank's channel in turn straight into that model (weight_transfer.py),
+`Stop` ends the job. One thread per linked trainer rank answers its calls (generate, score)
+under one lock, so the engine runs one batch at a time, and each call waits until the version
+it names has arrived.
 
 A call that fails (a bad request) answers a `Failure` and the rank serves on; a link or the
 control group failing (a trainer rank gone, or the placement's timeout) ends the rank with an
@@ -49,9 +50,7 @@ class GeneratorRank:
         self._roles, self._engine_config, self._device = roles, engine, device
         self._on_start = on_start
         self._links = [link for link in roles.links if link.generator == roles.rank]
-        self._receiver = BucketReceiver(
-            control_group=roles.sync_control, data_group=roles.sync_data, device=device
-        )
+        self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
         self._changed = threading.Condition()  # guards the engine and the version
         self._engine: SamplerEngine | None = None
         self._version = -1

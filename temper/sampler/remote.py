@@ -4,10 +4,11 @@
 (generator_rank.py serves it). Each trainer rank holds one, linked to its generators
 (placement.py): `generate` and `score` split their batch over those links, send the parts,
 and join the answers in order. `update_weights` streams the trainer's weights to every
-generator rank in buckets (distributed/weight_transfer.py): trainer rank 0 sends, every
-trainer rank draws the stream (gathering a sharded model is collective). Every call carries
-the policy version it was made on, and a generator answers it from exactly that version (it
-waits for weights still on their way), so samples are tagged with the version they came from.
+generator rank in buckets (distributed/weight_transfer.py): every trainer rank sends its own
+rows of the FSDP-sharded tensors on its own channel, and trainer rank 0 the rest whole. Every
+call carries the policy version it was made on, and a generator answers it from exactly that
+version (it waits for weights still on their way), so samples are tagged with the version
+they came from.
 
 A generator rank keeps one version (`holds_one_version`): before new weights go out, the
 weight-sync layer lets requests on the old version finish (client/weight_sync.py), and the
@@ -31,6 +32,7 @@ from torch import nn
 from temper.api.types import SampleResponse
 from temper.distributed.placement import Link, Roles
 from temper.distributed.ranks import Ranks
+from temper.distributed.weight_pieces import WeightPiece
 from temper.distributed.weight_transfer import BucketSender
 from temper.sampler.requests import SampleRequest
 from temper.sampler.weight_source import WeightUpdate
@@ -119,15 +121,14 @@ class RemoteGenerator:
         self._version = -1  # no weights sent yet
         self._closed = False
         self._failure: str | None = None  # why a link failed; every later call says it again
-        self._sender: BucketSender | None = None
-        if roles.rank == roles.trainer_ranks[0]:
-            self._sender = BucketSender(
-                control_group=roles.sync_control,
-                data_group=roles.sync_data,
-                bucket_bytes=bucket_bytes,
-                dtype=transfer_dtype,
-                device=device,
-            )
+        self._lead = roles.rank == roles.trainer_ranks[0]
+        self._sender = BucketSender(
+            channel=roles.weight_channels[roles.trainer_ranks.index(roles.rank)],
+            bucket_bytes=bucket_bytes,
+            dtype=transfer_dtype,
+            device=device,
+        )
+        if self._lead:
             self._control(Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer))
 
     @property
@@ -160,17 +161,15 @@ class RemoteGenerator:
         )
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
-        """Stream `source` to every generator rank (collective over the trainer ranks)."""
+        """Stream `source`, this trainer rank's share of the weights (checkpoint/gather.py's
+        `sampler_share`), to every generator rank (collective over the trainer ranks, which
+        each send theirs on their own channel)."""
         world = self._roles.trainer_world
         if world.size > 1:
             dist.barrier(group=world.group)  # every trainer rank's old requests have run
-        pairs = _pairs(source)
-        if self._sender is None:
-            for _ in pairs:  # gathers shards with the other trainer ranks; rank 0 sends
-                pass
-        else:
+        if self._lead:
             self._control(Weights(version=version))
-            self._sender.send(pairs)
+        self._sender.send(_pieces(source))
         self._version = version
 
     def generator_weights(self) -> list[dict[str, torch.Tensor]]:
@@ -191,7 +190,7 @@ class RemoteGenerator:
         self._closed = True
         for link in self._links:
             self._send(link, Stop())
-        if self._sender is not None:
+        if self._lead:
             self._control(Stop())
 
     # -- the links --------------------------------------------------------------------------
@@ -305,7 +304,7 @@ class RemoteGenerators:
             dist.broadcast_object_list(message, group=self.roles.sync_control, group_src=0)
 
 
-def _pairs(source: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+def _pieces(source: WeightUpdate) -> Iterator[WeightPiece]:
     if isinstance(source, nn.Module):
         return iter(source.state_dict().items())
     if isinstance(source, Mapping):

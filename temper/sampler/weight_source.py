@@ -20,11 +20,13 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from temper.distributed.weight_pieces import RowCoverage, WeightPiece, as_rows
 from temper.models.build import materialize
 
-WeightUpdate = nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+WeightUpdate = nn.Module | Mapping[str, torch.Tensor] | Iterable[WeightPiece]
 """New weights for a generator's `update_weights`: a module, a state dict, or a stream of
-(name, tensor) pairs in Temper's parameter names (a stream is checked as it passes)."""
+(name, tensor) pairs and `WeightRows` (ranges of a tensor's rows) in Temper's parameter names
+(a stream is checked as it passes: every tensor's rows exactly once)."""
 
 
 class WeightSource:
@@ -91,31 +93,18 @@ class WeightSource:
                 expected[name].copy_(value)
 
     @torch.no_grad()
-    def _load_stream(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each tensor as it arrives (no whole dict); every parameter must come once."""
-        expected = self._private_model().state_dict()
-        seen: set[str] = set()
-        for pair in pairs:
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
-                raise TypeError(
-                    "update_weights takes an nn.Module, a state dict or (name, tensor) pairs; "
-                    f"the stream held a {type(pair).__name__}"
-                )
-            name, value = pair
-            target = expected.get(name)
-            if target is None:
-                raise ValueError(f"update_weights: {name!r} is not a parameter of the model")
-            if name in seen:
-                raise ValueError(f"update_weights: {name!r} arrived twice in the stream")
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"update_weights: tensor {name!r} has shape {tuple(value.shape)}, the model "
-                    f"expects {tuple(target.shape)}"
-                )
-            target.copy_(value)
-            seen.add(name)
-            del pair, value  # a streamed tensor may be a whole gathered one: not kept
-        missing = sorted(expected.keys() - seen)
+    def _load_stream(self, pieces: Iterable[WeightPiece]) -> None:
+        """Copy each piece as it arrives (no whole dict); every parameter's rows must come
+        exactly once."""
+        coverage = RowCoverage(self._private_model().state_dict())
+        for piece in pieces:
+            try:
+                rows = as_rows(piece)
+            except TypeError as error:
+                raise TypeError(f"update_weights: {error}") from None
+            coverage.check(rows).copy_(rows.value)
+            del piece, rows  # a streamed tensor may be a whole gathered one: not kept
+        missing = coverage.missing()
         if missing:
             raise ValueError(f"update_weights: the stream ended without {missing}")
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from temper.distributed.placement import Placement
+from temper.distributed.weight_pieces import WeightRows, as_rows
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
 from temper.sampler import remote
@@ -38,17 +39,18 @@ _UPDATE_WEIGHTS = remote.RemoteGenerator.update_weights
 
 def _checked_updates(checks: list[tuple[int, bool]]):
     """RemoteGenerator.update_weights that, after each sync, compares every generator's
-    weights with the trainer's gathered (and merged) ones it streamed. It runs under the
-    weight sync's lock, so no sample request uses the links meanwhile."""
+    weights with this trainer rank's share of the gathered (and merged) weights it streamed
+    (its own rows of the sharded tensors; rank 0: the rest, whole). The generator checked that
+    the shares cover every tensor's rows once. It runs under the weight sync's lock, so no
+    sample request uses the links meanwhile."""
 
     def checked(self, source, *, version):
-        mine = {name: tensor.clone() for name, tensor in remote._pairs(source)}
-        _UPDATE_WEIGHTS(self, mine, version=version)
+        mine = [as_rows(piece) for piece in remote._pieces(source)]
+        mine = [WeightRows(name=r.name, start=r.start, value=r.value.clone()) for r in mine]
+        _UPDATE_WEIGHTS(self, iter(mine), version=version)
         for theirs in self.generator_weights():
-            same = theirs.keys() == mine.keys() and all(
-                torch.equal(theirs[k], mine[k]) for k in mine
-            )
-            checks.append((version, same))
+            same = all(torch.equal(theirs[r.name][r.start : r.stop], r.value) for r in mine)
+            checks.append((version, same and bool(mine)))  # every FSDP rank sends rows
 
     return checked
 
@@ -124,15 +126,21 @@ def test_settings_that_do_not_fit_the_world_fail_on_every_rank(three_ranks, tmp_
 
 def test_generators_sample_from_exactly_the_trainers_weights_after_every_step(three_ranks):
     results, _ = three_ranks
-    checks = results[0]["checks"]
     # A sync before the first sample (after the warm-up) and after every step that trained,
-    # checked on each generator the trainer rank is linked to.
-    for name, generators in (("two_plus_one", 1), ("one_plus_two", 2), ("async", 1)):
-        versions = [version for version, _ in checks[name]]
-        distinct = sorted(set(versions))
-        assert versions == [v for v in distinct for _ in range(generators)], name
-        assert len(distinct) >= 2, name
-        assert all(same for _, same in checks[name]), name
+    # checked on each generator the trainer rank is linked to, by every trainer rank (each
+    # checks its own share).
+    for name, generators, trainers in (
+        ("two_plus_one", 1, 2),
+        ("one_plus_two", 2, 1),
+        ("async", 1, 2),
+    ):
+        for rank in range(trainers):
+            checks = results[rank]["checks"][name]
+            versions = [version for version, _ in checks]
+            distinct = sorted(set(versions))
+            assert versions == [v for v in distinct for _ in range(generators)], (name, rank)
+            assert len(distinct) >= 2, name
+            assert all(same for _, same in checks), (name, rank)
     assert results[2]["results"]["two_plus_one"] is None  # the generator rank's
 
 

@@ -1,0 +1,92 @@
+"""Pieces of weights in a stream: a whole tensor, or a range of its rows.
+
+A weight stream (a sampler's `update_weights`, a bucketed transfer) is a sequence of
+`(name, tensor)` pairs, each a whole tensor, and `WeightRows`, rows `[start, start + len)`
+along dimension 0 of one: a trainer rank's own FSDP shard, or a slice of a tensor larger
+than a transfer bucket. Whoever loads a stream checks with `RowCoverage` that every tensor's
+rows came exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class WeightRows:
+    """Rows `[start, start + value.shape[0])` (dimension 0) of the weight `name`."""
+
+    name: str
+    start: int
+    value: torch.Tensor
+
+    @property
+    def stop(self) -> int:
+        return self.start + (self.value.shape[0] if self.value.dim() else 1)
+
+
+WeightPiece = tuple[str, torch.Tensor] | WeightRows
+
+
+def as_rows(piece: object) -> WeightRows:
+    """A stream's piece as rows (a whole tensor is all of its rows); TypeError otherwise."""
+    if isinstance(piece, WeightRows):
+        return piece
+    if isinstance(piece, tuple) and len(piece) == 2 and isinstance(piece[0], str):
+        return WeightRows(name=piece[0], start=0, value=piece[1])
+    raise TypeError(
+        f"a weight stream holds (name, tensor) pairs or WeightRows, not a {type(piece).__name__}"
+    )
+
+
+def num_rows(tensor: torch.Tensor) -> int:
+    """Rows along dimension 0 (a 0-d tensor is one row)."""
+    return tensor.shape[0] if tensor.dim() else 1
+
+
+class RowCoverage:
+    """Checks that a stream covers each expected tensor's rows exactly once."""
+
+    def __init__(self, expected: Mapping[str, torch.Tensor]) -> None:
+        self._expected = expected
+        self._covered: dict[str, list[tuple[int, int]]] = {}
+
+    def check(self, rows: WeightRows) -> torch.Tensor:
+        """The rows of the expected tensor `rows` fills (a ValueError if they do not fit or
+        came before)."""
+        target = self._expected.get(rows.name)
+        if target is None:
+            raise ValueError(f"update_weights: {rows.name!r} is not a parameter of the model")
+        value, whole = rows.value, tuple(target.shape)
+        if rows.start == 0 and tuple(value.shape) == whole:
+            view = target
+        elif target.dim() == 0 or tuple(value.shape[1:]) != whole[1:]:
+            raise ValueError(
+                f"update_weights: tensor {rows.name!r} has shape {tuple(value.shape)}, the model "
+                f"expects {whole}" + (" (or rows of it)" if target.dim() else "")
+            )
+        elif not 0 <= rows.start <= rows.stop <= whole[0]:
+            raise ValueError(
+                f"update_weights: rows {rows.start}:{rows.stop} of {rows.name!r} are outside "
+                f"its {whole[0]} rows"
+            )
+        else:
+            view = target[rows.start : rows.stop]
+        if rows.stop == rows.start:
+            return view  # no rows (an empty shard)
+        spans = self._covered.setdefault(rows.name, [])
+        if any(start < rows.stop and rows.start < stop for start, stop in spans):
+            raise ValueError(f"update_weights: {rows.name!r} arrived twice in the stream")
+        spans.append((rows.start, rows.stop))
+        return view
+
+    def missing(self) -> list[str]:
+        """Names whose rows did not all come."""
+        return sorted(
+            name
+            for name, target in self._expected.items()
+            if sum(stop - start for start, stop in self._covered.get(name, ())) < num_rows(target)
+        )
