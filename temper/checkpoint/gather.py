@@ -15,9 +15,11 @@ one rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -56,15 +58,22 @@ def sampler_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def sampler_stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def sampler_stream(model: nn.Module, *, bucket_bytes: int | None = None) -> Iterator[WeightPiece]:
     """`sampler_state_dict` one tensor at a time, for a sampler to copy as it arrives: never
     more than one whole tensor (and its merge) beside the model. Collective on a sharded
     model: every rank must consume the whole stream, in order.
 
-    A tensor is valid until the next one is drawn (it may be the model's own, unsharded)."""
+    With `bucket_bytes`, a tensor FSDP shards by rows comes in row ranges (`WeightRows`) of
+    at most that many bytes, gathered a range at a time, instead of whole.
+
+    A piece is valid until the next one is drawn (it may be the model's own, unsharded)."""
     plan = _SamplerPlan(model)
     for key in plan.plain:
-        yield key, _gathered(plan.state[key])
+        value = plan.state[key]
+        if bucket_bytes is not None and _rows_over_one_mesh_dim(value):
+            yield from _gathered_rows(key, value, bucket_bytes=bucket_bytes)
+        else:
+            yield key, _gathered(value)
     yield from plan.merged()
 
 
@@ -132,6 +141,41 @@ def _split_by_rows_only(value: torch.Tensor) -> bool:
         if not placement.is_replicate() and mesh.size(dim) > 1
     ]
     return bool(cuts) and all(isinstance(cut, Shard) and cut.dim == 0 for cut in cuts)
+
+
+def _rows_over_one_mesh_dim(value: torch.Tensor) -> bool:
+    """A DTensor split by rows over a 1-D mesh (FSDP's own parameters)."""
+    return _split_by_rows_only(value) and value.device_mesh.ndim == 1
+
+
+def _gathered_rows(key: str, value: DTensor, *, bucket_bytes: int) -> Iterator[WeightRows]:
+    """Every rank's rows of `value` (`Shard(0)` over a 1-D mesh), all-gathered a few rows of
+    each rank at a time: at most `bucket_bytes` gathered at once (at least a row per rank)."""
+    mesh = value.device_mesh
+    ranks, rows_total = mesh.size(), value.shape[0]
+    chunk = -(-rows_total // ranks)  # a rank's rows (torch.chunk: the last ones may have fewer)
+
+    def rows_of(rank: int) -> tuple[int, int]:
+        start = min(rank * chunk, rows_total)
+        return start, min(rows_total, start + chunk) - start
+
+    local = local_part(value)
+    assert local.shape[0] == rows_of(mesh.get_local_rank())[1], (key, tuple(local.shape))
+    row_bytes = max(1, math.prod(value.shape[1:]) * value.dtype.itemsize)
+    step = max(1, min(chunk, bucket_bytes // (ranks * row_bytes)))
+    gathered = local.new_empty((ranks * step, *local.shape[1:]))
+    for first in range(0, chunk, step):
+        mine = local[first : first + step]
+        if mine.shape[0] < step or not mine.is_contiguous():  # a short last range: padded
+            mine = torch.cat([mine, mine.new_zeros((step - mine.shape[0], *mine.shape[1:]))])
+        dist.all_gather_into_tensor(gathered, mine, group=mesh.get_group(0))
+        del mine
+        for rank in range(ranks):
+            start, count = rows_of(rank)
+            count = min(step, count - first)
+            if count > 0:
+                part = gathered[rank * step : rank * step + count]
+                yield WeightRows(name=key, start=start + first, value=part)
 
 
 def _sends_its_rows(value: DTensor) -> bool:

@@ -37,6 +37,9 @@ from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer, load_tokenizer
 
 SAMPLER_FILE = "sampler.json"
+GATHER_BUCKET_BYTES = 256 * 2**20
+"""A sharded trainer's weights reach each rank's sampler gathered this many bytes at a time
+(the default of a placement's `bucket_mb`)."""
 LORA_FILE = "lora.safetensors"
 
 
@@ -84,7 +87,7 @@ def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> WeightUpdate
     rank consumes it)."""
     if lora is None and not is_sharded(model):
         return model
-    return sampler_stream(model)
+    return sampler_stream(model, bucket_bytes=GATHER_BUCKET_BYTES)
 
 
 def save_sampler_weights(

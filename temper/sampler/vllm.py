@@ -345,7 +345,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
 
     def _hf_named(self, pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, Any]]:
-        for name, tensor in pairs:
+        for piece in pairs:
+            if not isinstance(piece, tuple):  # WeightRows come from sharded trainers only
+                raise TypeError(
+                    "update_weights: the vLLM generator takes whole (name, tensor) pairs, not "
+                    f"a {type(piece).__name__}"
+                )
+            name, tensor = piece
             expected = self._shapes.get(name)
             if expected is None:
                 raise ValueError(f"update_weights: {name!r} is not a parameter of the model")

@@ -1,4 +1,5 @@
-"""On 2 gloo ranks: gathered sampler weights equal the unsharded model's bitwise; DCP train
+"""On 2 gloo ranks: gathered sampler weights equal the unsharded model's bitwise (whole,
+streamed in row ranges, and as each rank's share for generator ranks); DCP train
 state saved on 2 ranks loads on 1 and saved on 1 loads on 2, bitwise; an incompatible
 checkpoint fails on every rank.
 
@@ -15,10 +16,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from temper.api import Datum, ModelInput
 from temper.checkpoint.dcp import load_train_state, save_train_state
-from temper.checkpoint.gather import full_state_dict, sampler_state_dict
+from temper.checkpoint.gather import (
+    full_state_dict,
+    sampler_share,
+    sampler_state_dict,
+    sampler_stream,
+)
 from temper.client.service_client import ServiceClient
 from temper.distributed.parallel_dims import ParallelDims
-from temper.models.lora import apply_lora, merged_state_dict
+from temper.distributed.weight_pieces import RowCoverage, WeightRows, as_rows
+from temper.models.build import materialize
+from temper.models.lora import apply_lora, merged_config, merged_state_dict
+from temper.sampler.weight_source import WeightSource
 from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.distributed import training
@@ -27,6 +36,7 @@ from tests.distributed.spawn import spawn
 DIMS = {"fsdp": {"dp_shard": 2}, "tp": {"dp_shard": 1, "tp": 2}}
 LORA = LoraConfig(rank=4, alpha=8.0)
 METADATA = {"policy_version": 2}
+STREAM_BUCKET = 2048  # bytes: every larger tensor comes in several row ranges
 
 
 def _train_steps(engine, *, steps: int = 2) -> None:
@@ -55,11 +65,26 @@ def _lora_model_with_adapters() -> torch.nn.Module:
     return model
 
 
+def _streamed(model: torch.nn.Module) -> tuple[dict, int]:
+    """A plain model loaded from `sampler_stream` in small buckets, and the pieces it took."""
+    pieces = []
+    for piece in sampler_stream(model, bucket_bytes=STREAM_BUCKET):  # each valid until the next
+        rows = as_rows(piece)
+        pieces.append(WeightRows(name=rows.name, start=rows.start, value=rows.value.clone()))
+    source = WeightSource(materialize(merged_config(model), init="empty"))
+    source.update(iter(pieces), version=1)
+    return full_state_dict(source.model), len(pieces)
+
+
 def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     results = {"gathered": {}, "saved": {}, "loaded": None, "incompatible": None}
+    results |= {"streamed": {}, "shares": {}}
     for name, dims in DIMS.items():
         engine = training.engine(dims=ParallelDims.Config(**dims))
         results["gathered"][name] = full_state_dict(engine.model)
+        results["streamed"][name] = _streamed(engine.model)
+        share = [as_rows(piece) for piece in sampler_share(engine.model, lead=rank == 0)]
+        results["shares"][name] = [(p.name, p.start, p.value.clone()) for p in share]
         _train_steps(engine)
         save_train_state(
             directory / name,
@@ -77,6 +102,10 @@ def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     merged = sampler_state_dict(model)
     results["lora_merged_equal"] = merged.keys() == expected.keys() and all(
         torch.equal(merged[key], expected[key]) for key in expected
+    )
+    streamed, _ = _streamed(model)
+    results["lora_streamed_equal"] = streamed.keys() == expected.keys() and all(
+        torch.equal(streamed[key], expected[key]) for key in expected
     )
     del model
 
@@ -174,6 +203,32 @@ def test_gathered_weights_equal_the_unsharded_model(results, dims):
 
 def test_gathered_lora_sampler_weights_equal_the_unsharded_merge(results):
     assert all(rank["lora_merged_equal"] for rank in results[0])
+    assert all(rank["lora_streamed_equal"] for rank in results[0])
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_weights_streamed_in_small_buckets_equal_the_unsharded_model(results, dims):
+    expected = training.tiny_model().state_dict()
+    for rank in results[0]:
+        streamed, pieces = rank["streamed"][dims]
+        _assert_equal(streamed, expected)
+        if dims == "fsdp":  # row ranges of at most a bucket, not whole tensors
+            assert pieces > 2 * len(expected), pieces
+
+
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_the_ranks_shares_make_up_the_whole_weights_once(results, dims):
+    """Each rank sends its own rows of the tensors split by rows only (FSDP's, TP's column
+    splits) and rank 0 the rest whole: together exactly the unsharded weights."""
+    expected = training.tiny_model().state_dict()
+    whole = {name: torch.full_like(value, float("nan")) for name, value in expected.items()}
+    coverage = RowCoverage(whole)
+    for rank in results[0]:
+        for name, start, value in rank["shares"][dims]:
+            coverage.check(WeightRows(name=name, start=start, value=value)).copy_(value)
+    assert coverage.missing() == []
+    _assert_equal(whole, expected)
+    assert results[0][1]["shares"][dims], "rank 1 sends rows of its own"
 
 
 @pytest.mark.parametrize("dims", list(DIMS))
