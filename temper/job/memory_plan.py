@@ -27,7 +27,7 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   Colocated in one process with full fine-tuning in one dtype, the sampler reads the
   trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
 - Weight sync, `bucketed` (issue #18): two buckets of `bucket_mb` (a tensor larger than a
-  bucket travels alone) on every rank that sends or receives. `whole` (today's sync): every
+  bucket is split by rows) on every rank that sends or receives. `whole` (today's sync): every
   trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
   weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
   size of the largest adapted weight (the weight, B @ A scaled, their sum).
@@ -453,15 +453,12 @@ class _Rows:
         return [PlanRow(item="received whole weights", num_bytes=received, phase="sync")]
 
     def _buckets(self) -> PlanRow:
-        """Two buckets; a tensor larger than a bucket travels alone."""
+        """Two buckets: the one being sent or received, and the rows being gathered into it
+        (a tensor larger than a bucket is split by rows)."""
         bucket = self.settings.bucket_mb * MIB
-        largest = self.shapes.largest_numel * _itemsize(self.transfer_dtype)
-        what = f"{self.settings.bucket_mb} MiB buckets"
-        if largest > bucket:
-            what = f"{largest / GIB:.2f} GiB (largest tensor)"
         return PlanRow(
-            item=f"weight-sync buffers: 2 x {what}",
-            num_bytes=2 * max(bucket, largest),
+            item=f"weight-sync buffers: 2 x {self.settings.bucket_mb} MiB buckets",
+            num_bytes=2 * bucket,
             phase="sync",
         )
 

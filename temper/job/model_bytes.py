@@ -39,8 +39,6 @@ class ModelShapes:
     """(name, shape, trainable) of every parameter of the trainer's model."""
     sampler_numel: int
     """Elements of the generator's plain (merged) model."""
-    largest_numel: int
-    """Elements of the generator's largest tensor."""
     adapted_numel: int
     """Elements of all the weights LoRA adapts (0 without LoRA)."""
     largest_adapted_numel: int
@@ -67,7 +65,6 @@ class ModelShapes:
         return cls(
             trainer=trainer,
             sampler_numel=sum(base) + untied,
-            largest_numel=max(base),
             adapted_numel=sum(adapted),
             largest_adapted_numel=max(adapted, default=0),
         )
