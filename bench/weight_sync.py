@@ -61,7 +61,7 @@ from torch import nn
 from temper.checkpoint.gather import sampler_share, sampler_state_dict, sampler_stream
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.placement import Placement, Roles
-from temper.distributed.weight_transfer import BucketReceiver, BucketSender, drain
+from temper.distributed.weight_transfer import BucketReceiver, BucketSender, drain, rows_of
 from temper.distributed.world import using_trainer_world
 from temper.models import materialize, qwen3_size
 from temper.models.build import parse_dtype
@@ -232,8 +232,8 @@ def disaggregated_generator(case: Case, roles: Roles, device: torch.device, ever
     flat = torch.zeros(model_bytes(case), dtype=torch.uint8, device=device)
     receiver = BucketReceiver(channels=roles.weight_channels, device=device)
 
-    def receive() -> None:
-        source.update(receiver.receive(), version=0)
+    def receive() -> None:  # large pieces straight into the model, as a generator rank does
+        source.update(receiver.receive(into=rows_of(source.model.state_dict())), version=0)
 
     def disaggregated() -> Sample:
         return measure(receive, group=everyone, device=device)

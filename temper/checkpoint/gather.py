@@ -98,8 +98,8 @@ def sampler_share(model: nn.Module, *, lead: bool) -> Iterator[WeightPiece]:
             yield key, merged
     for key in rows:
         value = plan.state[key]
-        if _sends_its_rows(value):
-            box, local = local_box(value)[0], local_part(value)
+        if _sends_its_rows(value) and (local := local_part(value)).shape[0]:
+            box = local_box(value)[0]
             assert local.shape[0] == box.stop - box.start, (key, tuple(local.shape), box)
             yield WeightRows(name=key, start=box.start, value=local)
 

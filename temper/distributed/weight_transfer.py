@@ -16,7 +16,7 @@ its end; a header of None ends it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +37,12 @@ class WeightChannel:
 
 @dataclass(frozen=True)
 class BucketHeader:
-    entries: tuple[tuple[str, int, tuple[int, ...]], ...]
-    """(name, first row, shape) of each piece."""
+    entries: tuple[tuple[str, int, tuple[int, ...], bool], ...]
+    """(name, first row, shape, packed) of each piece: packed ones travel together in one
+    buffer, the others each in a broadcast of its own, after it, in order."""
     dtype: torch.dtype
-    size: int
-    """Bytes of the bucket (each entry starts at a 16-byte aligned offset)."""
+    packed_bytes: int
+    """Bytes of the packed buffer (each entry starts at a 16-byte aligned offset)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,17 @@ class TransferStats:
     largest_bucket_bytes: int
 
 
+Destination = Callable[[str, int, tuple[int, ...], torch.dtype], torch.Tensor | None]
+"""Where a receiver may put a piece directly (name, first row, shape, dtype): a contiguous
+tensor of that shape and dtype, or None (into the receiver's buffer)."""
+
+PACKED_BELOW = 2**20
+"""Pieces smaller than this many bytes are packed together (one broadcast for many); larger
+ones are broadcast as they are, without a copy on either side when they can be."""
+
+
 class BucketSender:
-    """Packs and broadcasts weights from this rank (rank 0 of its channel's groups)."""
+    """Broadcasts weights from this rank (rank 0 of its channel's groups), a bucket at a time."""
 
     def __init__(
         self,
@@ -67,45 +77,51 @@ class BucketSender:
         """`dtype`: the transfer dtype (None: each tensor's own; a bucket holds one dtype)."""
         self._channel = channel
         self._bucket_bytes, self._dtype, self._device = bucket_bytes, dtype, device
-        self._buffer: torch.Tensor | None = None  # uint8, grown up to `bucket_bytes`, reused
+        self._buffer: torch.Tensor | None = None  # uint8, the packed pieces; grown, reused
 
     def send(self, pieces: Iterable[WeightPiece]) -> TransferStats:
-        """Send every piece (whole tensors and row ranges), then the end of the transfer."""
-        entries: list[tuple[str, int, tuple[int, ...]]] = []
-        used = 0  # bytes of the buffer filled
+        """Send every piece (whole tensors and row ranges), then the end of the transfer.
+
+        A bucket holds up to `bucket_bytes` of pieces: the small ones copied into the packed
+        buffer, the large ones as they are (the sender keeps them until the bucket goes, so a
+        piece must not change before `send` returns: a model's tensors, or new ones)."""
+        entries: list[tuple[str, int, tuple[int, ...], bool]] = []
+        direct: list[torch.Tensor] = []  # the unpacked pieces of the bucket, in order
+        used = size_so_far = 0  # bytes of the packed buffer filled; of the whole bucket
         bucket_dtype: torch.dtype | None = None
         tensors = buckets = total = largest = 0
 
         def flush() -> None:
-            nonlocal entries, used, buckets, total, largest
+            nonlocal entries, direct, used, size_so_far, buckets, total, largest
             if entries:
                 assert bucket_dtype is not None
-                self._broadcast(entries, self._bytes(used), bucket_dtype)
-                buckets, total, largest = buckets + 1, total + used, max(largest, used)
-            entries, used = [], 0
+                self._broadcast(entries, self._bytes(used), direct, bucket_dtype)
+                buckets, total = buckets + 1, total + size_so_far
+                largest = max(largest, size_so_far)
+            entries, direct, used, size_so_far = [], [], 0, 0
 
         for piece in pieces:
             whole = as_rows(piece)
             dtype = self._dtype or whole.value.dtype
             for rows in self._fitting(whole, dtype.itemsize):
                 size = rows.value.numel() * dtype.itemsize
-                if entries and (used + _aligned(size) > self._held() or dtype != bucket_dtype):
-                    flush()  # (the buffer grows only while empty: never two at once)
+                packed = size < PACKED_BELOW
+                full = size_so_far + size > self._bucket_bytes or (
+                    packed and used + size > self._held()
+                )
+                if entries and (full or dtype != bucket_dtype):
+                    flush()  # (the packed buffer grows only while empty: never two at once)
                 bucket_dtype = dtype
-                tensors += 1
-                entry = (rows.name, rows.start, tuple(rows.value.shape))
-                if size > self._bucket_bytes:  # one row over a bucket: alone, in its own buffer
-                    alone = rows.value.detach().to(device=self._device, dtype=dtype).reshape(-1)
-                    self._broadcast([entry], alone.view(torch.uint8), dtype)
-                    buckets, total, largest = buckets + 1, total + size, max(largest, size)
-                    del alone
+                tensors, size_so_far = tensors + 1, size_so_far + size
+                entries.append((rows.name, rows.start, tuple(rows.value.shape), packed))
+                value = rows.value.detach()
+                if not packed:  # as it is, if it is already what goes on the wire
+                    direct.append(value.to(device=self._device, dtype=dtype).contiguous())
                     continue
                 start = used
-                target = self._bytes(start + size, start=start).view(dtype)
-                target.copy_(rows.value.detach().reshape(-1))
-                entries.append(entry)
+                self._bytes(start + size, start=start).view(dtype).copy_(value.reshape(-1))
                 used = start + _aligned(size)
-            del piece, whole  # a gathered whole tensor: gone before the next is gathered
+            del piece, whole  # a gathered whole tensor goes with its bucket
         flush()
         dist.broadcast_object_list([None], group=self._channel.control, group_src=0)
         return TransferStats(
@@ -127,10 +143,12 @@ class BucketSender:
         return 0 if self._buffer is None else self._buffer.numel()
 
     def _bytes(self, end: int, *, start: int = 0) -> torch.Tensor:
-        """Bytes [start, end) of the buffer. An empty buffer too small for `end` is replaced
-        by one twice as large (from 1 MiB, up to `bucket_bytes`): a small model never
-        allocates a whole bucket, and growing never holds two buffers."""
+        """Bytes [start, end) of the packed buffer. An empty buffer too small for `end` is
+        replaced by one twice as large (from 1 MiB, up to `bucket_bytes`): a small model
+        never allocates a whole bucket, and growing never holds two buffers."""
         held = self._held()
+        if end == 0:
+            return torch.empty(0, dtype=torch.uint8, device=self._device)
         if held < end:
             assert start == 0, "the buffer grows only while empty"
             self._buffer = None  # the old one goes before the larger one comes
@@ -141,53 +159,89 @@ class BucketSender:
 
     def _broadcast(
         self,
-        entries: list[tuple[str, int, tuple[int, ...]]],
-        data: torch.Tensor,
+        entries: list[tuple[str, int, tuple[int, ...], bool]],
+        packed: torch.Tensor,
+        direct: list[torch.Tensor],
         dtype: torch.dtype,
     ) -> None:
-        """The header, then the bucket's bytes (uint8: any backend sends any dtype so)."""
-        header = BucketHeader(entries=tuple(entries), dtype=dtype, size=data.numel())
+        """The header, the packed buffer, then each direct piece (as bytes: any backend sends
+        any dtype so)."""
+        header = BucketHeader(entries=tuple(entries), dtype=dtype, packed_bytes=packed.numel())
         dist.broadcast_object_list([header], group=self._channel.control, group_src=0)
-        dist.broadcast(data, group=self._channel.data, group_src=0)
+        if packed.numel():
+            dist.broadcast(packed, group=self._channel.data, group_src=0)
+        for value in direct:
+            dist.broadcast(_as_bytes(value), group=self._channel.data, group_src=0)
 
 
 class BucketReceiver:
     """Receives what the `BucketSender`s of some channels send, one channel after another,
-    into one buffer."""
+    into one buffer (or straight where `receive`'s destination says)."""
 
     def __init__(self, *, channels: Sequence[WeightChannel], device: torch.device) -> None:
         self._channels, self._device = tuple(channels), device
-        self._buffer: torch.Tensor | None = None  # uint8, grown to the largest bucket
+        self._buffer: torch.Tensor | None = None  # uint8, grown to the largest need
 
-    def receive(self) -> Iterator[WeightRows]:
+    def receive(self, *, into: Destination | None = None) -> Iterator[WeightRows]:
         """Each piece of a transfer from every channel, in channel order: a view valid until
-        the next is drawn. Draw them all (`drain` the rest after an error), or the senders
-        wait."""
+        the next is drawn. A large piece for which `into` gives a tensor is received straight
+        into it (and that tensor is what comes out). Draw them all (`drain` the rest after an
+        error), or the senders wait."""
         for channel in self._channels:
-            yield from self._receive(channel)
+            yield from self._receive(channel, into)
 
-    def _receive(self, channel: WeightChannel) -> Iterator[WeightRows]:
+    def _receive(self, channel: WeightChannel, into: Destination | None) -> Iterator[WeightRows]:
         while True:
             message: list[Any] = [None]
             dist.broadcast_object_list(message, group=channel.control, group_src=0)
             header: BucketHeader | None = message[0]
             if header is None:
                 return
-            data = self._bytes(header.size)
-            dist.broadcast(data, group=channel.data, group_src=0)
-            offset = 0
-            for name, start, shape in header.entries:
-                size = _numel(shape) * header.dtype.itemsize
-                value = data[offset : offset + size].view(header.dtype).view(shape)
+            dtype = header.dtype
+            if header.packed_bytes:
+                data = self._bytes(header.packed_bytes)
+                dist.broadcast(data, group=channel.data, group_src=0)
+                offset = 0
+                for name, start, shape, packed in header.entries:
+                    if packed:
+                        size = _numel(shape) * dtype.itemsize
+                        value = data[offset : offset + size].view(dtype).view(shape)
+                        yield WeightRows(name=name, start=start, value=value)
+                        offset += _aligned(size)
+                del data  # the views of it are drawn; the buffer is free again
+            for name, start, shape, packed in header.entries:
+                if packed:
+                    continue
+                value = into(name, start, shape, dtype) if into is not None else None
+                if value is None:
+                    value = self._bytes(_numel(shape) * dtype.itemsize).view(dtype).view(shape)
+                dist.broadcast(_as_bytes(value), group=channel.data, group_src=0)
                 yield WeightRows(name=name, start=start, value=value)
-                offset += _aligned(size)
-            del data  # a larger next bucket does not sit beside this one
+                del value
 
     def _bytes(self, size: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < size:
             self._buffer = None  # the old one goes before the larger one comes
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         return self._buffer[:size]
+
+
+def rows_of(state: Mapping[str, torch.Tensor]) -> Destination:
+    """A `Destination` into a model's tensors (its `state_dict()`): a piece whose rows are a
+    contiguous part of the tensor it names, in its dtype, is received in place."""
+
+    def destination(
+        name: str, start: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        target = state.get(name)
+        if target is None or target.dtype != dtype or target.dim() == 0 or len(shape) == 0:
+            return None
+        rows = target[start : start + shape[0]]
+        if tuple(rows.shape) != tuple(shape) or not rows.is_contiguous():
+            return None
+        return rows
+
+    return destination
 
 
 def drain(stream: Iterator[object]) -> None:
@@ -197,6 +251,11 @@ def drain(stream: Iterator[object]) -> None:
 
 
 _ALIGNMENT = 16  # bytes: every tensor of a bucket starts aligned for any dtype's view
+
+
+def _as_bytes(value: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as uint8 (the same memory)."""
+    return value.reshape(-1).view(torch.uint8)
 
 
 def _aligned(size: int) -> int:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from temper.distributed.placement import Link, Roles
-from temper.distributed.weight_transfer import BucketReceiver, drain
+from temper.distributed.weight_transfer import BucketReceiver, drain, rows_of
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.remote import (
@@ -104,7 +104,7 @@ class GeneratorRank:
     def _load(self, version: int) -> None:
         assert self._engine is not None
         with self._changed:
-            stream = self._receiver.receive()
+            stream = self._receiver.receive(into=rows_of(self._engine.model.state_dict()))
             try:
                 self._engine.update_weights(stream, version=version)
             finally:

@@ -102,7 +102,9 @@ class WeightSource:
                 rows = as_rows(piece)
             except TypeError as error:
                 raise TypeError(f"update_weights: {error}") from None
-            coverage.check(rows).copy_(rows.value)
+            target = coverage.check(rows)
+            if not _same_memory(target, rows.value):  # (received in place: nothing to copy)
+                target.copy_(rows.value)
             del piece, rows  # a streamed tensor may be a whole gathered one: not kept
         missing = coverage.missing()
         if missing:
@@ -115,6 +117,15 @@ class WeightSource:
                 f"update_weights: module {type(source).__name__} with config {theirs} does not "
                 f"match the sampler's model config {ours}"
             )
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (
+        b.data_ptr(),
+        b.shape,
+        b.stride(),
+        b.dtype,
+    )
 
 
 def _shape(config) -> tuple:

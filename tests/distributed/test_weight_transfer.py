@@ -20,7 +20,12 @@ import torch.distributed as dist
 from temper.checkpoint.gather import sampler_share, sampler_state_dict
 from temper.distributed.placement import Placement
 from temper.distributed.weight_pieces import WeightRows
-from temper.distributed.weight_transfer import BucketReceiver, BucketSender, WeightChannel
+from temper.distributed.weight_transfer import (
+    BucketReceiver,
+    BucketSender,
+    WeightChannel,
+    rows_of,
+)
 from temper.distributed.world import using_trainer_world
 from temper.models.build import materialize
 from temper.models.qwen3.sizes import qwen3_size
@@ -91,6 +96,43 @@ def test_what_arrives_is_what_was_sent_in_buckets_no_larger_than_asked(tmp_path)
     assert stats.largest_bucket_bytes <= 512
 
 
+def _direct_main(rank: int) -> dict:
+    """Pieces of 1 MiB or more travel as they are; a receiver puts them where `into` says."""
+    groups = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+    channel = WeightChannel(control=groups[0], data=groups[1])
+    generator = torch.Generator().manual_seed(1)
+    pieces = {
+        "a": torch.randn(512, 1024, generator=generator),  # 2 MiB
+        "norm": torch.randn(64, generator=generator),  # packed
+        "b": torch.randn(768, 1024, generator=generator),  # 3 MiB: a bucket of its own
+        "c": torch.randn(1024, 384, generator=generator).t(),  # not contiguous
+    }
+    if rank == 0:
+        sender = BucketSender(channel=channel, bucket_bytes=4 * MiB, dtype=None, device="cpu")
+        return {"stats": sender.send(iter(pieces.items())), "sent": pieces}
+    model = {"a": torch.zeros(512, 1024), "b": torch.zeros(1024, 1024)}  # b: rows 0:768
+    receiver = BucketReceiver(channels=[channel], device="cpu")
+    received = {}
+    for rows in receiver.receive(into=rows_of(model)):
+        in_place = rows.name in model and rows.value.data_ptr() == model[rows.name].data_ptr()
+        received[rows.name] = (rows.value.clone(), in_place)
+    return {"received": received, "model": model}
+
+
+def test_large_pieces_travel_as_they_are_and_land_in_place(tmp_path):
+    sent, received = spawn(_direct_main, world_size=2, out_dir=tmp_path)
+    pieces, model = received["received"], received["model"]
+    for name, value in sent["sent"].items():
+        assert torch.equal(pieces[name][0], value), name
+    assert pieces["a"][1] and pieces["b"][1]  # received straight into the model's rows
+    assert not pieces["norm"][1] and not pieces["c"][1]  # no such tensor there: the buffer
+    assert torch.equal(model["a"], sent["sent"]["a"])
+    assert torch.equal(model["b"][:768], sent["sent"]["b"]) and not model["b"][768:].any()
+    stats = sent["stats"]
+    # [a, norm] [b] [c]: a bucket holds at most 4 MiB
+    assert (stats.tensors, stats.buckets) == (4, 3)
+
+
 def _sync_main(rank: int) -> dict:
     torch.manual_seed(0)
     placement = Placement(
@@ -102,7 +144,8 @@ def _sync_main(rank: int) -> dict:
         model = materialize(MODEL, init="random", seed=2)  # resident, other values
         source = WeightSource(model)
         receiver = BucketReceiver(channels=roles.weight_channels, device="cpu")
-        peak = _peak_extra(lambda: source.update(receiver.receive(), version=1))
+        into = rows_of(model.state_dict())
+        peak = _peak_extra(lambda: source.update(receiver.receive(into=into), version=1))
         # The trainer's whole weights, for the check (after the measurement).
         expected = [None]
         dist.broadcast_object_list(expected, group=roles.sync_control, group_src=0)
