@@ -163,18 +163,20 @@ def _gathered_rows(key: str, value: DTensor, *, bucket_bytes: int) -> Iterator[W
     assert local.shape[0] == rows_of(mesh.get_local_rank())[1], (key, tuple(local.shape))
     row_bytes = max(1, math.prod(value.shape[1:]) * value.dtype.itemsize)
     step = max(1, min(chunk, bucket_bytes // (ranks * row_bytes)))
-    gathered = local.new_empty((ranks * step, *local.shape[1:]))
+    buffer = local.new_empty((ranks * step, *local.shape[1:]))
     for first in range(0, chunk, step):
-        mine = local[first : first + step]
-        if mine.shape[0] < step or not mine.is_contiguous():  # a short last range: padded
-            mine = torch.cat([mine, mine.new_zeros((step - mine.shape[0], *mine.shape[1:]))])
+        rows = min(step, chunk - first)  # every rank gathers as many (the last range: fewer)
+        mine = local[first : first + rows]
+        if mine.shape[0] < rows or not mine.is_contiguous():  # a rank of the uneven tail
+            mine = torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *mine.shape[1:]))])
+        gathered = buffer[: ranks * rows]
         dist.all_gather_into_tensor(gathered, mine, group=mesh.get_group(0))
         del mine
         for rank in range(ranks):
             start, count = rows_of(rank)
-            count = min(step, count - first)
+            count = min(rows, count - first)
             if count > 0:
-                part = gathered[rank * step : rank * step + count]
+                part = gathered[rank * rows : rank * rows + count]
                 yield WeightRows(name=key, start=start + first, value=part)
 
 

@@ -165,13 +165,11 @@ class BucketSender:
         dtype: torch.dtype,
     ) -> None:
         """The header, the packed buffer, then each direct piece (as bytes: any backend sends
-        any dtype so)."""
+        any dtype so), all queued at once: per-broadcast latency overlaps the transfers."""
         header = BucketHeader(entries=tuple(entries), dtype=dtype, packed_bytes=packed.numel())
         dist.broadcast_object_list([header], group=self._channel.control, group_src=0)
-        if packed.numel():
-            dist.broadcast(packed, group=self._channel.data, group_src=0)
-        for value in direct:
-            dist.broadcast(_as_bytes(value), group=self._channel.data, group_src=0)
+        data = ([packed] if packed.numel() else []) + [_as_bytes(value) for value in direct]
+        _all(data, group=self._channel.data)
 
 
 class BucketReceiver:
@@ -197,27 +195,36 @@ class BucketReceiver:
             header: BucketHeader | None = message[0]
             if header is None:
                 return
-            dtype = header.dtype
-            if header.packed_bytes:
-                data = self._bytes(header.packed_bytes)
-                dist.broadcast(data, group=channel.data, group_src=0)
-                offset = 0
-                for name, start, shape, packed in header.entries:
-                    if packed:
-                        size = _numel(shape) * dtype.itemsize
-                        value = data[offset : offset + size].view(dtype).view(shape)
-                        yield WeightRows(name=name, start=start, value=value)
-                        offset += _aligned(size)
-                del data  # the views of it are drawn; the buffer is free again
-            for name, start, shape, packed in header.entries:
-                if packed:
-                    continue
-                value = into(name, start, shape, dtype) if into is not None else None
-                if value is None:
-                    value = self._bytes(_numel(shape) * dtype.itemsize).view(dtype).view(shape)
-                dist.broadcast(_as_bytes(value), group=channel.data, group_src=0)
+            # Where each piece lands: the packed ones at the start of the buffer, each other
+            # one where `into` says or after them; all received before any is drawn.
+            dtype, entries = header.dtype, header.entries
+            targets = [
+                None if packed or into is None else into(name, start, shape, dtype)
+                for name, start, shape, packed in entries
+            ]
+            packed_end = _aligned(header.packed_bytes)
+            spilled = sum(
+                _aligned(_numel(shape) * dtype.itemsize)
+                for (_, _, shape, packed), target in zip(entries, targets, strict=True)
+                if not packed and target is None
+            )
+            data = self._bytes(packed_end + spilled)
+            offsets = {True: 0, False: packed_end}  # next free byte: packed, unpacked pieces
+            views: list[torch.Tensor] = []
+            received = [data[: header.packed_bytes]] if header.packed_bytes else []
+            for (_, _, shape, packed), target in zip(entries, targets, strict=True):
+                if target is None:
+                    size = _numel(shape) * dtype.itemsize
+                    start = offsets[packed]
+                    target = data[start : start + size].view(dtype).view(shape)
+                    offsets[packed] = start + _aligned(size)
+                views.append(target)
+                if not packed:
+                    received.append(_as_bytes(target))
+            _all(received, group=channel.data)
+            for (name, start, _, _), value in zip(entries, views, strict=True):
                 yield WeightRows(name=name, start=start, value=value)
-                del value
+            del data, views, received, targets  # the buffer is free again
 
     def _bytes(self, size: int) -> torch.Tensor:
         if self._buffer is None or self._buffer.numel() < size:
@@ -251,6 +258,13 @@ def drain(stream: Iterator[object]) -> None:
 
 
 _ALIGNMENT = 16  # bytes: every tensor of a bucket starts aligned for any dtype's view
+
+
+def _all(tensors: list[torch.Tensor], *, group: Any) -> None:
+    """Broadcast each tensor from group rank 0, in order, all queued before any is waited on."""
+    works = [dist.broadcast(tensor, group=group, group_src=0, async_op=True) for tensor in tensors]
+    for work in works:
+        work.wait()
 
 
 def _as_bytes(value: torch.Tensor) -> torch.Tensor:
