@@ -61,7 +61,8 @@ from torch import nn
 from temper.checkpoint.gather import sampler_share, sampler_state_dict, sampler_stream
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.placement import Placement, Roles
-from temper.distributed.weight_transfer import BucketReceiver, BucketSender, drain, rows_of
+from temper.distributed.weight_pieces import rows_of
+from temper.distributed.weight_transfer import BucketReceiver, BucketSender, drain
 from temper.distributed.world import using_trainer_world
 from temper.models import materialize, qwen3_size
 from temper.models.build import parse_dtype

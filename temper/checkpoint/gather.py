@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from temper.distributed.local_shard import local_box, local_part
-from temper.distributed.weight_pieces import WeightPiece, WeightRows
+from temper.distributed.weight_pieces import Destination, PlacedStream, WeightPiece, WeightRows
 from temper.models.lora import LORA_SUFFIXES, LoraLinear, LoraUnembedding, lora_modules
 
 
@@ -57,21 +57,28 @@ def sampler_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.clone() for key, value in sampler_stream(model)}
 
 
-@torch.no_grad()
-def sampler_stream(model: nn.Module, *, bucket_bytes: int | None = None) -> Iterator[WeightPiece]:
+def sampler_stream(model: nn.Module, *, bucket_bytes: int | None = None) -> PlacedStream:
     """`sampler_state_dict` one tensor at a time, for a sampler to copy as it arrives: never
     more than one whole tensor (and its merge) beside the model. Collective on a sharded
     model: every rank must consume the whole stream, in order.
 
-    With `bucket_bytes`, a tensor FSDP shards by rows comes in row ranges (`WeightRows`) of
-    at most that many bytes, gathered a range at a time, instead of whole.
+    With `bucket_bytes`, a tensor FSDP shards by rows is not gathered: each rank in turn
+    broadcasts its rows, at most `bucket_bytes` at a time, and they come as `WeightRows`
+    (straight in the loader's model where it set the stream's `into`).
 
     A piece is valid until the next one is drawn (it may be the model's own, unsharded)."""
+    return PlacedStream(lambda into: _stream(model, bucket_bytes=bucket_bytes, into=into))
+
+
+@torch.no_grad()
+def _stream(
+    model: nn.Module, *, bucket_bytes: int | None, into: Destination | None
+) -> Iterator[WeightPiece]:
     plan = _SamplerPlan(model)
     for key in plan.plain:
         value = plan.state[key]
         if bucket_bytes is not None and _rows_over_one_mesh_dim(value):
-            yield from _gathered_rows(key, value, bucket_bytes=bucket_bytes)
+            yield from _broadcast_rows(key, value, bucket_bytes=bucket_bytes, into=into)
         else:
             yield key, _gathered(value)
     yield from plan.merged()
@@ -148,36 +155,37 @@ def _rows_over_one_mesh_dim(value: torch.Tensor) -> bool:
     return _split_by_rows_only(value) and value.device_mesh.ndim == 1
 
 
-def _gathered_rows(key: str, value: DTensor, *, bucket_bytes: int) -> Iterator[WeightRows]:
-    """Every rank's rows of `value` (`Shard(0)` over a 1-D mesh), all-gathered a few rows of
-    each rank at a time: at most `bucket_bytes` gathered at once (at least a row per rank)."""
+def _broadcast_rows(
+    key: str, value: DTensor, *, bucket_bytes: int, into: Destination | None
+) -> Iterator[WeightRows]:
+    """Every rank's rows of `value` (`Shard(0)` over a 1-D mesh) on every rank: each rank in
+    turn broadcasts its rows, at most `bucket_bytes` (and at least one row) at a time, and the
+    others receive them where `into` says (else into a buffer of that size). A rank's own rows
+    come as they are."""
     mesh = value.device_mesh
     ranks, rows_total = mesh.size(), value.shape[0]
     chunk = -(-rows_total // ranks)  # a rank's rows (torch.chunk: the last ones may have fewer)
-
-    def rows_of(rank: int) -> tuple[int, int]:
-        start = min(rank * chunk, rows_total)
-        return start, min(rows_total, start + chunk) - start
-
-    local = local_part(value)
-    assert local.shape[0] == rows_of(mesh.get_local_rank())[1], (key, tuple(local.shape))
-    row_bytes = max(1, math.prod(value.shape[1:]) * value.dtype.itemsize)
-    step = max(1, min(chunk, bucket_bytes // (ranks * row_bytes)))
-    buffer = local.new_empty((ranks * step, *local.shape[1:]))
-    for first in range(0, chunk, step):
-        rows = min(step, chunk - first)  # every rank gathers as many (the last range: fewer)
-        mine = local[first : first + rows]
-        if mine.shape[0] < rows or not mine.is_contiguous():  # a rank of the uneven tail
-            mine = torch.cat([mine, mine.new_zeros((rows - mine.shape[0], *mine.shape[1:]))])
-        gathered = buffer[: ranks * rows]
-        dist.all_gather_into_tensor(gathered, mine, group=mesh.get_group(0))
-        del mine
-        for rank in range(ranks):
-            start, count = rows_of(rank)
-            count = min(rows, count - first)
-            if count > 0:
-                part = gathered[rank * rows : rank * rows + count]
-                yield WeightRows(name=key, start=start + first, value=part)
+    local, me = local_part(value), mesh.get_local_rank()
+    assert local.is_contiguous() and local.shape[0] == max(0, min(chunk, rows_total - me * chunk))
+    row_shape = tuple(value.shape[1:])
+    step = max(1, bucket_bytes // max(1, math.prod(row_shape) * value.dtype.itemsize))
+    buffer: torch.Tensor | None = None
+    for rank, global_rank in enumerate(mesh.mesh.flatten().tolist()):
+        first_row = min(rank * chunk, rows_total)
+        count = min(rows_total, first_row + chunk) - first_row
+        for first in range(0, count, step):
+            rows, start = min(step, count - first), first_row + first
+            if rank == me:
+                part = local[first : first + rows]
+            else:
+                part = into(key, start, (rows, *row_shape), value.dtype) if into else None
+                if part is None:
+                    if buffer is None:
+                        buffer = local.new_empty((min(step, chunk), *row_shape))
+                    part = buffer[:rows]
+            bytes_view = part.reshape(-1).view(torch.uint8)
+            dist.broadcast(bytes_view, src=global_rank, group=mesh.get_group(0))
+            yield WeightRows(name=key, start=start, value=part)
 
 
 def _sends_its_rows(value: DTensor) -> bool:

@@ -9,7 +9,7 @@ rows came exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,41 @@ class WeightRows:
 
 
 WeightPiece = tuple[str, torch.Tensor] | WeightRows
+
+Destination = Callable[[str, int, tuple[int, ...], torch.dtype], torch.Tensor | None]
+"""Where a receiver may put a piece directly (name, first row, shape, dtype): a contiguous
+tensor of that shape and dtype, or None (into the receiver's buffer)."""
+
+
+class PlacedStream:
+    """A weight stream that can put pieces straight where they belong: whoever loads it sets
+    `into` (a `Destination` into its model) before drawing, and a piece that arrives there
+    comes out as that very tensor (nothing left to copy). Without `into`, a plain stream."""
+
+    def __init__(self, pieces: Callable[[Destination | None], Iterator[WeightPiece]]) -> None:
+        self._pieces = pieces
+        self.into: Destination | None = None
+
+    def __iter__(self) -> Iterator[WeightPiece]:
+        return self._pieces(self.into)
+
+
+def rows_of(state: Mapping[str, torch.Tensor]) -> Destination:
+    """A `Destination` into a model's tensors (its `state_dict()`): a piece whose rows are a
+    contiguous part of the tensor it names, in its dtype, is received in place."""
+
+    def destination(
+        name: str, start: int, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        target = state.get(name)
+        if target is None or target.dtype != dtype or target.dim() == 0 or len(shape) == 0:
+            return None
+        rows = target[start : start + shape[0]]
+        if tuple(rows.shape) != tuple(shape) or not rows.is_contiguous():
+            return None
+        return rows
+
+    return destination
 
 
 def as_rows(piece: object) -> WeightRows:

@@ -16,14 +16,14 @@ its end; a header of None ends it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from temper.distributed.weight_pieces import WeightPiece, WeightRows, as_rows
+from temper.distributed.weight_pieces import Destination, WeightPiece, WeightRows, as_rows
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,6 @@ class TransferStats:
     bytes: int
     largest_bucket_bytes: int
 
-
-Destination = Callable[[str, int, tuple[int, ...], torch.dtype], torch.Tensor | None]
-"""Where a receiver may put a piece directly (name, first row, shape, dtype): a contiguous
-tensor of that shape and dtype, or None (into the receiver's buffer)."""
 
 PACKED_BELOW = 2**20
 """Pieces smaller than this many bytes are packed together (one broadcast for many); larger
@@ -231,24 +227,6 @@ class BucketReceiver:
             self._buffer = None  # the old one goes before the larger one comes
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         return self._buffer[:size]
-
-
-def rows_of(state: Mapping[str, torch.Tensor]) -> Destination:
-    """A `Destination` into a model's tensors (its `state_dict()`): a piece whose rows are a
-    contiguous part of the tensor it names, in its dtype, is received in place."""
-
-    def destination(
-        name: str, start: int, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        target = state.get(name)
-        if target is None or target.dtype != dtype or target.dim() == 0 or len(shape) == 0:
-            return None
-        rows = target[start : start + shape[0]]
-        if tuple(rows.shape) != tuple(shape) or not rows.is_contiguous():
-            return None
-        return rows
-
-    return destination
 
 
 def drain(stream: Iterator[object]) -> None:

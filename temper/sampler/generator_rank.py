@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from temper.distributed.placement import Link, Roles
-from temper.distributed.weight_transfer import BucketReceiver, drain, rows_of
+from temper.distributed.weight_pieces import rows_of
+from temper.distributed.weight_transfer import BucketReceiver, drain
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.remote import (

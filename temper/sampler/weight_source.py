@@ -20,7 +20,13 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from temper.distributed.weight_pieces import RowCoverage, WeightPiece, as_rows
+from temper.distributed.weight_pieces import (
+    PlacedStream,
+    RowCoverage,
+    WeightPiece,
+    as_rows,
+    rows_of,
+)
 from temper.models.build import materialize
 
 WeightUpdate = nn.Module | Mapping[str, torch.Tensor] | Iterable[WeightPiece]
@@ -58,7 +64,7 @@ class WeightSource:
         elif isinstance(source, Mapping):
             self._load_state_dict(source)
         elif isinstance(source, Iterable) and not isinstance(source, str | bytes):
-            self._load_stream(iter(source))
+            self._load_stream(source)
         else:
             raise TypeError(
                 "update_weights takes an nn.Module, a state dict or (name, tensor) pairs, got "
@@ -96,7 +102,10 @@ class WeightSource:
     def _load_stream(self, pieces: Iterable[WeightPiece]) -> None:
         """Copy each piece as it arrives (no whole dict); every parameter's rows must come
         exactly once."""
-        coverage = RowCoverage(self._private_model().state_dict())
+        state = self._private_model().state_dict()
+        if isinstance(pieces, PlacedStream):
+            pieces.into = rows_of(state)  # its pieces may arrive straight in the model
+        coverage = RowCoverage(state)
         for piece in pieces:
             try:
                 rows = as_rows(piece)

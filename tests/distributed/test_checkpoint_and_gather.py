@@ -65,15 +65,19 @@ def _lora_model_with_adapters() -> torch.nn.Module:
     return model
 
 
-def _streamed(model: torch.nn.Module) -> tuple[dict, int]:
-    """A plain model loaded from `sampler_stream` in small buckets, and the pieces it took."""
+def _streamed(model: torch.nn.Module) -> tuple[dict, int, dict]:
+    """A plain model loaded from `sampler_stream` in small buckets (each piece copied as it
+    is drawn), the number of pieces, and a model that loaded the stream itself (the rows of
+    other ranks received straight into it)."""
     pieces = []
     for piece in sampler_stream(model, bucket_bytes=STREAM_BUCKET):  # each valid until the next
         rows = as_rows(piece)
         pieces.append(WeightRows(name=rows.name, start=rows.start, value=rows.value.clone()))
     source = WeightSource(materialize(merged_config(model), init="empty"))
     source.update(iter(pieces), version=1)
-    return full_state_dict(source.model), len(pieces)
+    in_place = WeightSource(materialize(merged_config(model), init="empty"))
+    in_place.update(sampler_stream(model, bucket_bytes=STREAM_BUCKET), version=1)
+    return full_state_dict(source.model), len(pieces), full_state_dict(in_place.model)
 
 
 def _scenarios(rank: int, directory, single_checkpoint) -> dict:
@@ -103,9 +107,11 @@ def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     results["lora_merged_equal"] = merged.keys() == expected.keys() and all(
         torch.equal(merged[key], expected[key]) for key in expected
     )
-    streamed, _ = _streamed(model)
-    results["lora_streamed_equal"] = streamed.keys() == expected.keys() and all(
-        torch.equal(streamed[key], expected[key]) for key in expected
+    streamed, _, in_place = _streamed(model)
+    results["lora_streamed_equal"] = all(
+        loaded.keys() == expected.keys()
+        and all(torch.equal(loaded[key], expected[key]) for key in expected)
+        for loaded in (streamed, in_place)
     )
     del model
 
@@ -210,8 +216,9 @@ def test_gathered_lora_sampler_weights_equal_the_unsharded_merge(results):
 def test_weights_streamed_in_small_buckets_equal_the_unsharded_model(results, dims):
     expected = training.tiny_model().state_dict()
     for rank in results[0]:
-        streamed, pieces = rank["streamed"][dims]
+        streamed, pieces, in_place = rank["streamed"][dims]
         _assert_equal(streamed, expected)
+        _assert_equal(in_place, expected)
         if dims == "fsdp":  # row ranges of at most a bucket, not whole tensors
             assert pieces > 2 * len(expected), pieces
 

@@ -19,13 +19,8 @@ import torch.distributed as dist
 
 from temper.checkpoint.gather import sampler_share, sampler_state_dict
 from temper.distributed.placement import Placement
-from temper.distributed.weight_pieces import WeightRows
-from temper.distributed.weight_transfer import (
-    BucketReceiver,
-    BucketSender,
-    WeightChannel,
-    rows_of,
-)
+from temper.distributed.weight_pieces import WeightRows, rows_of
+from temper.distributed.weight_transfer import BucketReceiver, BucketSender, WeightChannel
 from temper.distributed.world import using_trainer_world
 from temper.models.build import materialize
 from temper.models.qwen3.sizes import qwen3_size
