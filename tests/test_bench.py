@@ -114,13 +114,15 @@ def test_weight_sync_reports_each_case_side_by_side_and_exact_weights(tmp_path):
         assert case["time_s"] > 0 and set(case["peak_extra_mib"]) == {"trainer_0", "trainer_1"}
     disaggregated = tiny["disaggregated"]
     assert set(disaggregated["peak_extra_mib"]) == {"trainer_0", "trainer_1", "generator"}
-    # The embedding (74 MiB) travels alone, the rest fits one 16 MiB bucket.
-    assert disaggregated["buckets"] == 2 and disaggregated["tensors"] == 46
-    assert disaggregated["mib"] >= tiny["plain_broadcast"]["mib"] > 0
+    # Each trainer rank sends its own rows (38.6 MiB): its half of the embedding (37 MiB)
+    # split by rows over 16 MiB buckets, the rest after it.
+    assert disaggregated["buckets"] == [4, 4] and disaggregated["mib"] == [38.6, 38.6]
+    assert sum(disaggregated["mib"]) >= tiny["plain_broadcast"]["mib"] > 0
+    assert disaggregated["largest_bucket_mib"] <= 16
     assert tiny["disaggregated_over_plain_broadcast"] > 0
     assert set(tiny["targets"]) == {
-        "bucketed_peak_extra_le_2_buckets",
-        "bucketed_peak_extra_le_2_largest_buckets",
+        "disaggregated_peak_extra_le_2_buckets",
+        "colocated_streamed_peak_extra_le_2_buckets",
         "disaggregated_le_2x_plain_broadcast",
     }
     assert left_behind(tmp_path) == []

@@ -103,7 +103,7 @@ class BucketSender:
                 size = rows.value.numel() * dtype.itemsize
                 packed = size < PACKED_BELOW
                 full = size_so_far + size > self._bucket_bytes or (
-                    packed and used + size > self._held()
+                    packed and used > 0 and used + size > self._held()
                 )
                 if entries and (full or dtype != bucket_dtype):
                     flush()  # (the packed buffer grows only while empty: never two at once)

@@ -110,7 +110,8 @@ class WeightSource:
             try:
                 rows = as_rows(piece)
             except TypeError as error:
-                raise TypeError(f"update_weights: {error}") from None
+                message = "update_weights takes an nn.Module, a state dict or a stream of pieces"
+                raise TypeError(f"{message}: {error}") from None
             target = coverage.check(rows)
             if not _same_memory(target, rows.value):  # (received in place: nothing to copy)
                 target.copy_(rows.value)
