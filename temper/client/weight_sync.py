@@ -133,7 +133,8 @@ class Snapshot:
         self._sync = sync  # None once the engine is this snapshot's own
         self._retired: str | None = None  # why requests on it are refused
         self.pending: set[int] = set()
-        """Ids of the requests submitted and not yet run (under the WeightSync's lock)."""
+        """Ids of the requests submitted and not yet run (under the WeightSync's pending
+        lock)."""
 
     @property
     def engine(self) -> Generator:
@@ -211,6 +212,9 @@ class WeightSync:
         # `_idle` waits on it for the requests pending on a snapshot about to be retired.
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        # Guards the snapshots' pending sets: a request submitted while a generator decodes
+        # (under `_lock`) is counted at once (the server submits from its event loop).
+        self._pending_lock = threading.Lock()
         self._generation = 0  # bumped by every change of the trainer's weights
         self._sampler: Generator | None = None  # built by the first snapshot
         self._synced_generation = -1  # the generation self._sampler holds
@@ -250,14 +254,16 @@ class WeightSync:
 
     def submitted(self, snapshot: Snapshot, request: object) -> None:
         """Track the requests submitted on `snapshot` and not yet run, by identity (a batch
-        that fails runs again request by request)."""
-        with self._lock:
+        that fails runs again request by request). Never waits for a read in progress."""
+        with self._pending_lock:
             snapshot.pending.add(id(request))
 
     def ran(self, snapshot: Snapshot, requests: Sequence[object]) -> None:
         """`requests` of `snapshot` have run (called under the lock, inside `holding`)."""
-        snapshot.pending.difference_update(id(request) for request in requests)
-        if requests and not snapshot.pending:
+        with self._pending_lock:
+            snapshot.pending.difference_update(id(request) for request in requests)
+            idle = not snapshot.pending
+        if requests and idle:
             self._idle.notify_all()
 
     @contextlib.contextmanager
@@ -311,8 +317,12 @@ class WeightSync:
         self._current = None
         if current is None:
             return
-        self._idle.wait_for(lambda: not current.pending)
+        self._idle.wait_for(lambda: self._no_pending(current))
         current.retire(newer=self._trainer.policy_version)
+
+    def _no_pending(self, snapshot: Snapshot) -> bool:
+        with self._pending_lock:
+            return not snapshot.pending
 
     def _detach(self, make_engine: Callable[[], Generator]) -> bool:
         """Give the live snapshot that reads the trainer's generator an engine of its own

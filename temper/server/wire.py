@@ -157,6 +157,8 @@ def _decompressed(body: bytes | bytearray | memoryview) -> bytes:
 
 
 def _datum(message: pb.Datum, *, index: int) -> Datum:
+    # Runs for every datum of every forward_backward, on the event loop: the messages that
+    # name a datum and field are built only on error.
     chunks = []
     for chunk in message.model_input:
         kind = chunk.WhichOneof("chunk")
@@ -165,10 +167,12 @@ def _datum(message: pb.Datum, *, index: int) -> Datum:
                 f"datum {index}: model_input chunk of type {kind!r}; this server serves a "
                 "text-only model (encoded_text chunks)"
             )
-        tokens = _frombuffer(chunk.encoded_text.tokens, np.int32, where=f"datum {index} tokens")
-        chunks.append(EncodedTextChunk(tokens=tuple(tokens.tolist())))
+        tokens = chunk.encoded_text.tokens
+        if len(tokens) % 4:
+            _frombuffer(tokens, np.int32, where=f"datum {index} tokens")  # raises
+        chunks.append(EncodedTextChunk(tokens=tuple(np.frombuffer(tokens, np.int32).tolist())))
     inputs = {
-        name: _tensor(tensor, where=f"datum {index}: loss_fn_inputs[{name!r}]")
+        name: _tensor(tensor, index=index, name=name)
         for name, tensor in message.loss_fn_inputs.items()
     }
     return Datum(model_input=ModelInput(chunks=tuple(chunks)), loss_fn_inputs=inputs)
@@ -201,20 +205,33 @@ def _spans(messages, *, where: str) -> tuple[Span, ...]:
     return tuple(spans)
 
 
-def _tensor(message: pb.Tensor, *, where: str) -> TensorData:
-    if message.dtype not in _TENSOR_DTYPES:
-        raise BadRequest(f"{where}: unsupported dtype {message.dtype}; use float32 or int64")
-    np_dtype, dtype = _TENSOR_DTYPES[message.dtype]
+def _tensor(message: pb.Tensor, *, index: int, name: str) -> TensorData:
+    known = _TENSOR_DTYPES.get(message.dtype)
+    if known is None:
+        raise BadRequest(
+            f"{_input_where(index, name)}: unsupported dtype {message.dtype}; use float32 or int64"
+        )
+    np_dtype, dtype = known
     shape = tuple(message.shape)
     if message.HasField("sparse_csr"):
+        where = _input_where(index, name)
         array = _dense_from_csr(message.sparse_csr, np_dtype, shape, where=where)
-    else:
-        array = _frombuffer(message.dense, np_dtype, where=where)
-        if not shape:
-            shape = (array.size,)
-        if math.prod(shape) != array.size:
-            raise BadRequest(f"{where}: {array.size} values do not fill shape {list(shape)}")
-    return TensorData(data=array.reshape(-1).tolist(), dtype=dtype, shape=shape)
+        return TensorData(data=array.reshape(-1).tolist(), dtype=dtype, shape=shape)
+    dense = message.dense
+    if len(dense) % np_dtype.itemsize:
+        _frombuffer(dense, np_dtype, where=_input_where(index, name))  # raises
+    values = np.frombuffer(dense, dtype=np_dtype).tolist()
+    if not shape:
+        shape = (len(values),)
+    elif math.prod(shape) != len(values):
+        raise BadRequest(
+            f"{_input_where(index, name)}: {len(values)} values do not fill shape {list(shape)}"
+        )
+    return TensorData(data=values, dtype=dtype, shape=shape)
+
+
+def _input_where(index: int, name: str) -> str:
+    return f"datum {index}: loss_fn_inputs[{name!r}]"
 
 
 def _dense_from_csr(csr: pb.SparseCsr, np_dtype, shape: tuple[int, ...], *, where: str):

@@ -167,3 +167,20 @@ def test_requests_submitted_on_a_one_version_snapshot_run_before_it_is_retired()
     assert taken and taken[0].version == 1
     with pytest.raises(ValueError, match="no longer holds"):
         _scores(old)
+
+
+def test_a_request_is_submitted_at_once_while_another_read_runs():
+    """The server submits samples from its event loop while a batch decodes: counting one
+    must not wait for that read (which holds the weights against changes)."""
+    sync, _ = _sync(lora=False)
+    snapshot = sync.snapshot()
+    request = object()
+    with snapshot.reading():
+        thread = threading.Thread(target=snapshot.submitted, args=(request,))
+        thread.start()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    assert snapshot.pending == {id(request)}
+    with snapshot.reading(requests=[request]):
+        pass
+    assert not snapshot.pending
