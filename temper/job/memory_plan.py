@@ -35,7 +35,8 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
   Disaggregated generators are assumed to update in place between requests (no copy).
 - A KL reference (`kl_coef > 0`) is one more sampler: weights and its own KV cache, on every
-  colocated rank or on each generator rank.
+  colocated rank, and with a disaggregated placement on every trainer rank (the job scores
+  the reference in a local engine there, not on the generator ranks).
 
 Not counted (the headroom is for them): the CUDA context, NCCL buffers, CUDA graph pools,
 prefill and decode scratch, the allocator's fragmentation.
@@ -279,7 +280,7 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
                 role="trainer",
                 num_ranks=trainers,
                 description=f"{trainers} trainer ranks (FSDP over {trainers})",
-                rows=(*rows.trainer(), *rows.sender_sync()),
+                rows=(*rows.trainer(), *rows.reference_on_trainer(), *rows.sender_sync()),
             ),
             RolePlan(
                 role="generator",
@@ -412,9 +413,26 @@ class _Rows:
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
         if colocated and settings.mode == "async":
             rows.append(PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv))
-        if settings.kl_reference:
+        if settings.kl_reference and colocated:
             rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv))
         return rows
+
+    def reference_on_trainer(self) -> list[PlanRow]:
+        """Disaggregated: the KL reference is a local engine on every trainer rank (whole
+        weights and a KV cache for the rank's share), not on the generator ranks."""
+        settings = self.settings
+        if not settings.kl_reference:
+            return []
+        weights = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
+        slots = math.ceil(settings.batch / settings.trainer_ranks)
+        kv = kv_cache_bytes(
+            self.decoder,
+            num_slots=slots,
+            max_seq_len=settings.max_seq_len,
+            dtype=self.generator_dtype,
+        )
+        item = f"KL reference sampler (local): whole weights, {slots} KV slots"
+        return [PlanRow(item=item, num_bytes=weights + kv)]
 
     @property
     def sampler_copy(self) -> bool:

@@ -267,6 +267,17 @@ def test_async_and_kl_reference_each_add_a_sampler():
         )
 
 
+def test_a_disaggregated_kl_reference_sits_on_every_trainer_rank():
+    """The job scores the KL reference in a local engine on each trainer rank."""
+    split = {"placement": "disaggregated", "generator_ranks": 4}
+    plain, with_kl = plan_memory(_big(**split)), plan_memory(_big(**split, kl_reference=True))
+    assert with_kl.role("generator").steady_bytes == plain.role("generator").steady_bytes
+    reference = _rows(with_kl, "trainer")["KL reference sampler (local)"]
+    generator = _rows(plain, "generator")
+    assert generator["generator weights"] < reference < 2 * generator["generator weights"]
+    assert with_kl.role("trainer").steady_bytes == plain.role("trainer").steady_bytes + reference
+
+
 def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
     bucketed = plan_memory(_big(model="0.6B", lora_rank=None, bucket_mb=1024))
     whole = plan_memory(_big(model="0.6B", lora_rank=None, weight_sync="whole"))
