@@ -41,9 +41,8 @@ def left_behind(directory: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_grpo_step_prints_both_configs_or_why_trl_is_skipped(tmp_path):
-    report = run_bench(
-        "grpo_step.py", "--steps", "1", "--warmup", "0", "--rounds", "1", tmp_path=tmp_path
-    )
+    flags = ["--steps", "1", "--warmup", "0", "--rounds", "1", "--warmup-rounds", "0"]
+    report = run_bench("grpo_step.py", *flags, tmp_path=tmp_path)
     assert report["bench"] == "grpo_step" and report["temper"]["total_s"] > 0
     config = report["temper_config"]
     assert config["dtype"] == "float32" and config["gradient_checkpointing"] is False

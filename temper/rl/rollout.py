@@ -103,12 +103,15 @@ def score_rollouts(
     """Rewards from each group's environments for its sampled completions."""
     results = []
     for group, response in zip(groups, responses, strict=True):
+        # The prompt every sample of the group was drawn from (submit_rollouts sends the first
+        # environment's), tokenized once per group rather than once per sample.
+        prompt = group[0].initial_observation()
         trajectories = []
         for env, sequence in zip(group, response.sequences, strict=True):
             step = env.step(sequence.tokens)
             trajectories.append(
                 Trajectory(
-                    prompt=env.initial_observation(),
+                    prompt=list(prompt),
                     completion=list(sequence.tokens),
                     sampler_logprobs=list(sequence.logprobs),
                     reward=step.reward,

@@ -174,7 +174,8 @@ def _converted_column(
         if converted is not None and _valid(converted, name, vocab_size=vocab_size):
             parts = converted.split([len(value.data) for _, value in entries])
             for (index, value), part in zip(entries, parts, strict=True):
-                yield index, part.view(value.shape)
+                # split gives [T] parts already; only [T, K] inputs need their shape back.
+                yield index, part if len(value.shape) == 1 else part.view(value.shape)
             return
     for index, value in entries:
         where = f"datum {index}"
