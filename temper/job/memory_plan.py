@@ -472,13 +472,14 @@ class _Rows:
 
     def _buckets(self) -> PlanRow:
         """Two buckets: the one being sent or received, and the rows being gathered into it
-        (a tensor larger than a bucket is split by rows)."""
-        bucket = self.settings.bucket_mb * MIB
-        return PlanRow(
-            item=f"weight-sync buffers: 2 x {self.settings.bucket_mb} MiB buckets",
-            num_bytes=2 * bucket,
-            phase="sync",
-        )
+        (a tensor larger than a bucket is split by rows); a model smaller than a bucket
+        never fills one."""
+        model = self.shapes.sampler_numel * _itemsize(self.transfer_dtype)
+        bucket = min(self.settings.bucket_mb * MIB, model)
+        what = f"{self.settings.bucket_mb} MiB buckets"
+        if bucket < self.settings.bucket_mb * MIB:
+            what = f"{bucket / MIB:.1f} MiB (the whole model)"
+        return PlanRow(item=f"weight-sync buffers: 2 x {what}", num_bytes=2 * bucket, phase="sync")
 
 
 def _itemsize(dtype: str) -> int:

@@ -286,6 +286,9 @@ def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
     # A tensor larger than a bucket is split by rows: the buffers stay two buckets.
     small = _rows(plan_memory(_big(model="0.6B", lora_rank=None, bucket_mb=1)))
     assert small["weight-sync buffers"] == 2 * 2**20
+    # A model smaller than a bucket never fills one.
+    tiny = plan_memory(_big(model="tiny", lora_rank=None, max_seq_len=64))
+    assert _rows(tiny)["weight-sync buffers"] == 2 * tiny.num_params * 2  # bf16
 
 
 def test_colocated_8b_lora_with_256_slots_per_rank_is_the_issues_56_gb():
