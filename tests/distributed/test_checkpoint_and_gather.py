@@ -107,6 +107,9 @@ def _scenarios(rank: int, directory, single_checkpoint) -> dict:
     results["lora_merged_equal"] = merged.keys() == expected.keys() and all(
         torch.equal(merged[key], expected[key]) for key in expected
     )
+    share = [as_rows(piece) for piece in sampler_share(model, lead=rank == 0)]
+    results["lora_share"] = [(p.name, p.start, p.value.clone()) for p in share]
+    results["lora_expected"] = expected
     streamed, _, in_place = _streamed(model)
     results["lora_streamed_equal"] = all(
         loaded.keys() == expected.keys()
@@ -223,19 +226,32 @@ def test_weights_streamed_in_small_buckets_equal_the_unsharded_model(results, di
             assert pieces > 2 * len(expected), pieces
 
 
+def _joined(shares: list[list[tuple]], like: dict) -> dict:
+    """The ranks' shares put together (each row exactly once, or a ValueError)."""
+    whole = {name: torch.full_like(value, float("nan")) for name, value in like.items()}
+    coverage = RowCoverage(whole)
+    for share in shares:
+        for name, start, value in share:
+            coverage.check(WeightRows(name=name, start=start, value=value)).copy_(value)
+    assert coverage.missing() == []
+    return whole
+
+
 @pytest.mark.parametrize("dims", list(DIMS))
 def test_the_ranks_shares_make_up_the_whole_weights_once(results, dims):
     """Each rank sends its own rows of the tensors split by rows only (FSDP's, TP's column
     splits) and rank 0 the rest whole: together exactly the unsharded weights."""
     expected = training.tiny_model().state_dict()
-    whole = {name: torch.full_like(value, float("nan")) for name, value in expected.items()}
-    coverage = RowCoverage(whole)
-    for rank in results[0]:
-        for name, start, value in rank["shares"][dims]:
-            coverage.check(WeightRows(name=name, start=start, value=value)).copy_(value)
-    assert coverage.missing() == []
-    _assert_equal(whole, expected)
+    _assert_equal(_joined([rank["shares"][dims] for rank in results[0]], expected), expected)
     assert results[0][1]["shares"][dims], "rank 1 sends rows of its own"
+
+
+def test_lora_shares_make_up_the_merged_weights_once(results):
+    """Under FSDP with LoRA, rank 0 sends the merged weights whole, and each rank its rows of
+    the rest (norms, embeddings): together exactly the single-process merge."""
+    expected = results[0][0]["lora_expected"]
+    _assert_equal(_joined([rank["lora_share"] for rank in results[0]], expected), expected)
+    assert results[0][1]["lora_share"], "rank 1 sends rows of its own"
 
 
 @pytest.mark.parametrize("dims", list(DIMS))
