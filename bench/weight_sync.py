@@ -220,7 +220,7 @@ def disaggregated_trainer(
     def plain_broadcast() -> Sample:
         if not first:
             return Sample(0.0, 0.0, 0.0)
-        work = lambda: dist.broadcast(flat, group=roles.sync_data, group_src=0)  # noqa: E731
+        work = lambda: dist.broadcast(flat, group=roles.weight_channels[0].data, group_src=0)  # noqa: E731
         return measure(work, group=roles.sync_control, device=device)
 
     samples = rounds(case, {"disaggregated": disaggregated, "plain_broadcast": plain_broadcast})
@@ -240,7 +240,7 @@ def disaggregated_generator(case: Case, roles: Roles, device: torch.device, ever
         return measure(receive, group=everyone, device=device)
 
     def plain_broadcast() -> Sample:
-        work = lambda: dist.broadcast(flat, group=roles.sync_data, group_src=0)  # noqa: E731
+        work = lambda: dist.broadcast(flat, group=roles.weight_channels[0].data, group_src=0)  # noqa: E731
         return measure(work, group=roles.sync_control, device=device)
 
     samples = rounds(case, {"disaggregated": disaggregated, "plain_broadcast": plain_broadcast})

@@ -24,7 +24,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from temper.distributed.local_shard import local_box, local_part
-from temper.distributed.weight_pieces import Destination, PlacedStream, WeightPiece, WeightRows
+from temper.distributed.weight_pieces import (
+    Destination,
+    PlacedStream,
+    WeightPiece,
+    WeightRows,
+    as_bytes,
+)
 from temper.models.lora import LORA_SUFFIXES, LoraLinear, LoraUnembedding, lora_modules
 
 
@@ -183,8 +189,7 @@ def _broadcast_rows(
                     if buffer is None:
                         buffer = local.new_empty((min(step, chunk), *row_shape))
                     part = buffer[:rows]
-            bytes_view = part.reshape(-1).view(torch.uint8)
-            dist.broadcast(bytes_view, src=global_rank, group=mesh.get_group(0))
+            dist.broadcast(as_bytes(part), src=global_rank, group=mesh.get_group(0))
             yield WeightRows(name=key, start=start, value=part)
 
 

@@ -71,11 +71,6 @@ class Roles:
         """gloo group of trainer rank 0 and the generator ranks (commands)."""
         return self.weight_channels[0].control
 
-    @property
-    def sync_data(self) -> Any:
-        """The same ranks on the device's backend."""
-        return self.weight_channels[0].data
-
 
 class Placement(Configurable):
     @dataclass(kw_only=True)

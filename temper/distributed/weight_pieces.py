@@ -25,7 +25,7 @@ class WeightRows:
 
     @property
     def stop(self) -> int:
-        return self.start + (self.value.shape[0] if self.value.dim() else 1)
+        return self.start + num_rows(self.value)
 
 
 WeightPiece = tuple[str, torch.Tensor] | WeightRows
@@ -80,6 +80,12 @@ def as_rows(piece: object) -> WeightRows:
 def num_rows(tensor: torch.Tensor) -> int:
     """Rows along dimension 0 (a 0-d tensor is one row)."""
     return tensor.shape[0] if tensor.dim() else 1
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as uint8 (the same storage): any backend broadcasts any
+    dtype so."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 class RowCoverage:

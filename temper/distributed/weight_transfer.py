@@ -16,6 +16,7 @@ its end; a header of None ends it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from temper.distributed.weight_pieces import Destination, WeightPiece, WeightRows, as_rows
+from temper.distributed.weight_pieces import (
+    Destination,
+    WeightPiece,
+    WeightRows,
+    as_bytes,
+    as_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -142,9 +149,9 @@ class BucketSender:
         """Bytes [start, end) of the packed buffer. An empty buffer too small for `end` is
         replaced by one twice as large (from 1 MiB, up to `bucket_bytes`): a small model
         never allocates a whole bucket, and growing never holds two buffers."""
-        held = self._held()
         if end == 0:
             return torch.empty(0, dtype=torch.uint8, device=self._device)
+        held = self._held()
         if held < end:
             assert start == 0, "the buffer grows only while empty"
             self._buffer = None  # the old one goes before the larger one comes
@@ -164,7 +171,7 @@ class BucketSender:
         any dtype so), all queued at once: per-broadcast latency overlaps the transfers."""
         header = BucketHeader(entries=tuple(entries), dtype=dtype, packed_bytes=packed.numel())
         dist.broadcast_object_list([header], group=self._channel.control, group_src=0)
-        data = ([packed] if packed.numel() else []) + [_as_bytes(value) for value in direct]
+        data = ([packed] if packed.numel() else []) + [as_bytes(value) for value in direct]
         _all(data, group=self._channel.data)
 
 
@@ -200,7 +207,7 @@ class BucketReceiver:
             ]
             packed_end = _aligned(header.packed_bytes)
             spilled = sum(
-                _aligned(_numel(shape) * dtype.itemsize)
+                _aligned(math.prod(shape) * dtype.itemsize)
                 for (_, _, shape, packed), target in zip(entries, targets, strict=True)
                 if not packed and target is None
             )
@@ -210,13 +217,13 @@ class BucketReceiver:
             received = [data[: header.packed_bytes]] if header.packed_bytes else []
             for (_, _, shape, packed), target in zip(entries, targets, strict=True):
                 if target is None:
-                    size = _numel(shape) * dtype.itemsize
+                    size = math.prod(shape) * dtype.itemsize
                     start = offsets[packed]
                     target = data[start : start + size].view(dtype).view(shape)
                     offsets[packed] = start + _aligned(size)
                 views.append(target)
                 if not packed:
-                    received.append(_as_bytes(target))
+                    received.append(as_bytes(target))
             _all(received, group=channel.data)
             for (name, start, _, _), value in zip(entries, views, strict=True):
                 yield WeightRows(name=name, start=start, value=value)
@@ -245,17 +252,5 @@ def _all(tensors: list[torch.Tensor], *, group: Any) -> None:
         work.wait()
 
 
-def _as_bytes(value: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as uint8 (the same memory)."""
-    return value.reshape(-1).view(torch.uint8)
-
-
 def _aligned(size: int) -> int:
     return -(-size // _ALIGNMENT) * _ALIGNMENT
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count

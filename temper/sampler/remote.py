@@ -123,7 +123,7 @@ class RemoteGenerator:
         self._failure: str | None = None  # why a link failed; every later call says it again
         self._lead = roles.rank == roles.trainer_ranks[0]
         self._sender = BucketSender(
-            channel=roles.weight_channels[roles.trainer_ranks.index(roles.rank)],
+            channel=roles.weight_channels[roles.trainer_world.rank],
             bucket_bytes=bucket_bytes,
             dtype=transfer_dtype,
             device=device,
