@@ -17,6 +17,10 @@ Cases, all on the same trainer model:
   rows, nothing gathered; rank 0 also what is not split by rows) on its own channel
   (`BucketSender`, --bucket-mb), the generator rank receives the channels in turn into its
   `WeightSource` (`BucketReceiver`). Senders and receiver live across syncs, as in the job.
+- overlap: the same transfer into a second generator model (`overlap_sync`: the generator
+  samples the current version meanwhile), then copied into the one it samples from. A plain
+  disaggregated sync keeps the generator from sampling for the whole transfer; with overlap,
+  only for the copy (`generator_blocked_s`).
 - plain_broadcast: one `dist.broadcast` of a flat tensor of the model's bytes, pre-allocated
   on both sides, trainer rank 0 -> generator, on the same data group.
 
@@ -223,7 +227,8 @@ def disaggregated_trainer(
         work = lambda: dist.broadcast(flat, group=roles.weight_channels[0].data, group_src=0)  # noqa: E731
         return measure(work, group=roles.sync_control, device=device)
 
-    samples = rounds(case, {"disaggregated": disaggregated, "plain_broadcast": plain_broadcast})
+    fns = {"disaggregated": disaggregated, "overlap": disaggregated}
+    samples = rounds(case, fns | {"plain_broadcast": plain_broadcast})
     samples["transfer"] = dataclasses.asdict(stats[-1])
     return samples
 
@@ -239,12 +244,32 @@ def disaggregated_generator(case: Case, roles: Roles, device: torch.device, ever
     def disaggregated() -> Sample:
         return measure(receive, group=everyone, device=device)
 
+    staged, copy_s = WeightSource(generator_model(case, device)), []
+
+    def receive_then_copy() -> None:  # overlap_sync: into the second copy, then copied in
+        staged.update(receiver.receive(into=rows_of(staged.model.state_dict())), version=0)
+        synchronize(device)
+        start = time.perf_counter()
+        source.update(staged.model.state_dict(), version=0)
+        synchronize(device)
+        copy_s.append(time.perf_counter() - start)
+
+    def overlap() -> Sample:
+        return measure(receive_then_copy, group=everyone, device=device)
+
     def plain_broadcast() -> Sample:
         work = lambda: dist.broadcast(flat, group=roles.weight_channels[0].data, group_src=0)  # noqa: E731
         return measure(work, group=roles.sync_control, device=device)
 
-    samples = rounds(case, {"disaggregated": disaggregated, "plain_broadcast": plain_broadcast})
-    return {**samples, "weights_exact": holds_the_trainer_weights(source.model)}
+    fns = {"disaggregated": disaggregated, "overlap": overlap, "plain_broadcast": plain_broadcast}
+    samples = rounds(case, fns)
+    exact = holds_the_trainer_weights(source.model) and holds_the_trainer_weights(staged.model)
+    return {**samples, "copy_s": copy_s[case.warmup :], "weights_exact": exact}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_bytes(case: Case) -> int:
@@ -328,6 +353,12 @@ def summarize(case: Case, ranks: list[dict]) -> dict:
     }
     report["gather_only"] = colocated_summary(trainers, "gather_only")
     report["disaggregated"] = disaggregated_summary(case, ranks)
+    report["disaggregated"]["generator_blocked_s"] = report["disaggregated"]["time_s"]
+    report["overlap"] = {
+        "time_s": median([s["seconds"] for s in generator["overlap"]]),
+        "generator_blocked_s": median(generator["copy_s"]),
+        "peak_extra_mib": {r["role"]: peak(r["overlap"]) for r in ranks},
+    }
     broadcast_s = median([s["seconds"] for s in generator["plain_broadcast"]])
     report["plain_broadcast"] = {
         "time_s": broadcast_s,

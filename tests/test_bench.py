@@ -119,6 +119,8 @@ def test_weight_sync_reports_each_case_side_by_side_and_exact_weights(tmp_path):
     assert sum(disaggregated["mib"]) >= tiny["plain_broadcast"]["mib"] > 0
     assert disaggregated["largest_bucket_mib"] <= 16
     assert tiny["disaggregated_over_plain_broadcast"] > 0
+    overlap = tiny["overlap"]
+    assert overlap["time_s"] > 0 and 0 < overlap["generator_blocked_s"] < overlap["time_s"]
     assert set(tiny["targets"]) == {
         "disaggregated_peak_extra_le_2_buckets",
         "colocated_streamed_peak_extra_le_2_buckets",

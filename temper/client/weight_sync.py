@@ -20,6 +20,12 @@ updated in place instead: the next snapshot waits until the requests already sub
 old one have run, then retires it, and a request made later on a retired snapshot is a
 ValueError that says so (never a silent sample from newer weights).
 
+The generator ranks of a disaggregated placement (`RemoteGenerator`) hold their weights apart
+from the trainer and load them between requests themselves, so their reads take the lock only
+to check and count themselves in: the trainer steps while they sample. When they overlap syncs
+(`overlaps_sync`), the next snapshot sends them the new weights before it waits for the old
+version's requests, outside the lock, and only then commits them.
+
 This module knows nothing of clients: SamplingClient reads through its Snapshot, and
 TrainingClient wraps its weight changes in `changing()` and asks `snapshot()` for new clients.
 """
@@ -40,7 +46,7 @@ from temper.models.build import materialize
 from temper.models.lora import lora_state_dict, merged_config
 from temper.sampler.generator import Generator
 from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
+from temper.sampler.remote import RemoteGenerator, RemoteGenerators
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -160,12 +166,32 @@ class Snapshot:
         if sync is None:  # an engine of its own never becomes shared again
             yield self._engine
             return
+        if isinstance(self._engine, RemoteGenerator):
+            with self._reading_remote(sync, requests=requests) as engine:
+                yield engine
+            return
         with sync.holding():
             try:
                 self.check_usable()
                 yield self._engine  # read under the lock: `keep` may have swapped it meanwhile
             finally:
                 sync.ran(self, requests)
+
+    @contextlib.contextmanager
+    def _reading_remote(
+        self, sync: WeightSync, *, requests: Sequence[object]
+    ) -> Iterator[Generator]:
+        """Generator ranks' weights: the read counts as a pending request (its version is not
+        retired under it) and runs outside the lock."""
+        read = object()
+        with sync.holding():
+            self.check_usable()
+            sync.submitted(self, read)
+        try:
+            yield self._engine
+        finally:
+            with sync.holding():
+                sync.ran(self, [*requests, read])
 
     def keep(self, engine: Generator) -> None:
         """Serve this version from `engine`, which no change of the trainer's weights
@@ -218,6 +244,7 @@ class WeightSync:
         self._generation = 0  # bumped by every change of the trainer's weights
         self._sampler: Generator | None = None  # built by the first snapshot
         self._synced_generation = -1  # the generation self._sampler holds
+        self._sent_generation = -1  # the generation sent ahead to self._sampler, if any
         # The snapshot that reads self._sampler; weak, so a snapshot nobody holds costs nothing.
         self._current: weakref.ref[Snapshot] | None = None
         self._num_snapshots = 0
@@ -280,6 +307,7 @@ class WeightSync:
 
     def snapshot(self) -> Snapshot:
         """The trainer's current weights, brought into its generator if they changed."""
+        self._send_ahead()
         with self._lock:
             current = None if self._current is None else self._current()
             if current is not None and self._synced_generation == self._generation:
@@ -307,8 +335,24 @@ class WeightSync:
                 self._sampler = None
         if self._sampler is None:
             self._sampler = self._feed.new_sampler()
-        self._sampler.update_weights(self._feed.weights(), version=trainer.policy_version)
+        if self._sent_generation == self._generation:
+            assert isinstance(self._sampler, RemoteGenerator)
+            self._sampler.commit_weights(version=trainer.policy_version)
+        else:
+            self._sampler.update_weights(self._feed.weights(), version=trainer.policy_version)
         self._synced_generation = self._generation
+
+    def _send_ahead(self) -> None:
+        """Generator ranks that overlap syncs get the current weights before the old version's
+        requests have run, outside the lock (on the training client's worker, the only
+        thread that changes the weights)."""
+        sampler = self._sampler
+        if not (isinstance(sampler, RemoteGenerator) and sampler.overlaps_sync):
+            return
+        if self._generation in (self._synced_generation, self._sent_generation):
+            return
+        sampler.send_weights(self._feed.weights(), version=self._trainer.policy_version)
+        self._sent_generation = self._generation
 
     def _retire_current(self) -> None:
         """Let the requests submitted on the live snapshot run, then retire it (under the

@@ -84,9 +84,14 @@ class Placement(Configurable):
         """Tensor-parallel degree of each generator (1: every generator rank holds whole
         weights; Temper's engine has no tensor parallelism)."""
         bucket_mb: float = 256.0
-        """Weight sync: the most MiB of weights sent at once (a larger tensor goes alone)."""
+        """Weight sync: the most MiB of weights sent at once (a larger tensor is split by rows)."""
         transfer_dtype: Literal["float32", "bfloat16"] | None = None
         """Weight sync: the dtype weights travel in; None: the trainer's."""
+        overlap_sync: bool = False
+        """Weight sync: each generator rank receives a new version into a second copy of the
+        weights while it still samples the current one, and copies it in once the current
+        version's requests have run, so the transfer overlaps sampling (async mode). Costs
+        one more copy of the weights per generator rank (`temper plan` counts it)."""
         timeout_s: float = 600.0
         """How long a rank waits on another (a request, a weight bucket) before it fails
         with an error naming the rank, instead of hanging."""
@@ -105,6 +110,10 @@ class Placement(Configurable):
                 raise ValueError(
                     f"Placement.Config.generator_tp={self.generator_tp}: Temper's generator "
                     "has no tensor parallelism; use 1 (each generator rank holds whole weights)"
+                )
+            if not isinstance(self.overlap_sync, bool):
+                raise ValueError(
+                    f"Placement.Config.overlap_sync must be true or false, got {self.overlap_sync!r}"
                 )
             if not self.bucket_mb > 0:
                 raise ValueError(f"Placement.Config.bucket_mb must be > 0, got {self.bucket_mb}")

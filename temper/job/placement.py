@@ -52,6 +52,7 @@ def split_roles(placement: Placement, *, sharding: Sharding.Config, device: str)
 def serve_generator(
     roles: Roles,
     *,
+    placement: Placement.Config,
     sampler: SamplerEngine.Config,
     device: str,
     on_start: Callable[[DecoderConfig], None] | None = None,
@@ -59,7 +60,11 @@ def serve_generator(
     """Run this generator rank until the trainer ranks are done (`on_start(model config)`
     once it knows the model)."""
     GeneratorRank(
-        roles=roles, engine=rank_sampler(sampler), device=rank_device(device), on_start=on_start
+        roles=roles,
+        engine=rank_sampler(sampler),
+        device=rank_device(device),
+        overlap_sync=placement.overlap_sync,
+        on_start=on_start,
     ).serve()
 
 
@@ -73,6 +78,7 @@ def remote_generators(
         bucket_bytes=placement.bucket_bytes,
         transfer_dtype=None if transfer is None else parse_dtype(transfer),
         device=rank_device(device),
+        overlap_sync=placement.overlap_sync,
     )
 
 
@@ -107,6 +113,7 @@ def memory_plan_line(
         micro_batch_tokens=trainer.max_tokens_per_microbatch,
         activation_checkpointing=sharding.activation_checkpointing,
         bucket_mb=max(1, round(config.bucket_mb)),
+        overlap_sync=config.overlap_sync,
         mode=mode,
         kl_reference=kl_reference,
         gpu_memory_gib=_rank_memory_bytes(model.device, ranks=placement.world_size) / 2**30,

@@ -134,6 +134,7 @@ class RLJob(Configurable):
         if roles.is_generator:
             serve_generator(
                 roles,
+                placement=config.placement,
                 sampler=config.sampler,
                 device=config.model.device,
                 on_start=lambda decoder: _log_memory_plan(

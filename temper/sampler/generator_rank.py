@@ -2,10 +2,13 @@
 
 The main thread follows the sync control group (trainer rank 0): `Start` builds an empty
 model of the trainer's shape and Temper's engine on it, `Weights` receives a version's buckets
-from every trainer rank's channel in turn straight into that model (weight_transfer.py),
-`Stop` ends the job. One thread per linked trainer rank answers its calls (generate, score)
-under one lock, so the engine runs one batch at a time, and each call waits until the version
-it names has arrived.
+from every trainer rank's channel in turn (weight_transfer.py), `Commit` makes it the version
+sampled from, `Stop` ends the job. The buckets land straight in the engine's model, while no
+request runs; with `overlap_sync`, in a second copy while requests on the current version
+still run, which `Commit` then copies in.
+
+One thread per linked trainer rank answers its calls (generate, score) under one lock, so the
+engine runs one batch at a time, and each call waits until the version it names is committed.
 
 A call that fails (a bad request) answers a `Failure` and the rank serves on; a link or the
 control group failing (a trainer rank gone, or the placement's timeout) ends the rank with an
@@ -14,6 +17,7 @@ error naming the peer.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +32,7 @@ from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.remote import (
     Answer,
+    Commit,
     Failure,
     GenerateCall,
     ScoreCall,
@@ -36,6 +41,7 @@ from temper.sampler.remote import (
     Weights,
     WeightsCall,
 )
+from temper.sampler.weight_source import WeightSource
 
 
 class GeneratorRank:
@@ -45,10 +51,15 @@ class GeneratorRank:
         roles: Roles,
         engine: SamplerEngine.Config,
         device: torch.device,
+        overlap_sync: bool = False,
         on_start: Callable[[Any], None] | None = None,
     ) -> None:
-        """`on_start(model_config)`: called once the trainer said which model (a log line)."""
+        """`overlap_sync`: receive new weights into a second copy while sampling (see the
+        module docstring). `on_start(model_config)`: called once the trainer said which
+        model (a log line)."""
         self._roles, self._engine_config, self._device = roles, engine, device
+        self._overlap_sync = overlap_sync
+        self._next: WeightSource | None = None  # the second copy (overlap_sync)
         self._on_start = on_start
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
@@ -66,10 +77,12 @@ class GeneratorRank:
         assert isinstance(start, Start), start
         if self._on_start is not None:
             self._on_start(start.model_config)
-        model = materialize(
-            start.model_config, device=self._device, dtype=start.dtype, init="empty"
+        empty_model = functools.partial(
+            materialize, start.model_config, device=self._device, dtype=start.dtype, init="empty"
         )
-        self._engine = self._engine_config.build(model=model, tokenizer=start.tokenizer)
+        self._engine = self._engine_config.build(model=empty_model(), tokenizer=start.tokenizer)
+        if self._overlap_sync:
+            self._next = WeightSource(empty_model())
         threads = [
             threading.Thread(target=self._serve_link, args=(link,), daemon=True)
             for link in self._links
@@ -78,8 +91,11 @@ class GeneratorRank:
             thread.start()
         try:
             while not isinstance(command := self._next_command(), Stop):
-                assert isinstance(command, Weights), command
-                self._load(command.version)
+                if isinstance(command, Weights):
+                    self._receive(command.version)
+                else:
+                    assert isinstance(command, Commit), command
+                    self._commit(command.version)
         except BaseException as error:
             self._end(f"the generator rank stopped: {error}")
             raise
@@ -102,14 +118,38 @@ class GeneratorRank:
             ) from error
         return box[0]
 
-    def _load(self, version: int) -> None:
+    def _receive(self, version: int) -> None:
+        """The buckets of `version`: into the second copy while requests run, or into the
+        engine's weights while none does (then sampled from at once)."""
         assert self._engine is not None
+        if self._next is not None:
+            self._load(self._next, version=version)
+            return
         with self._changed:
-            stream = self._receiver.receive(into=rows_of(self._engine.model.state_dict()))
             try:
-                self._engine.update_weights(stream, version=version)
+                self._load(self._engine, version=version)
             finally:
-                drain(stream)  # the rest of the buckets, if loading stopped early
+                self._version = version
+                self._changed.notify_all()
+
+    def _load(self, target: SamplerEngine | WeightSource, *, version: int) -> None:
+        model = target.model
+        stream = self._receiver.receive(into=rows_of(model.state_dict()))
+        try:
+            if isinstance(target, WeightSource):
+                target.update(stream, version=version)
+            else:
+                target.update_weights(stream, version=version)
+        finally:
+            drain(stream)  # the rest of the buckets, if loading stopped early
+
+    def _commit(self, version: int) -> None:
+        assert self._engine is not None
+        with self._changed:  # once the call running now is answered
+            try:
+                if self._next is not None:
+                    self._engine.update_weights(self._next.model.state_dict(), version=version)
+            finally:
                 self._version = version
                 self._changed.notify_all()
 
@@ -134,10 +174,7 @@ class GeneratorRank:
     def _answer(self, call: object) -> object:
         with self._changed:
             try:
-                if isinstance(call, WeightsCall):
-                    assert self._engine is not None
-                    return {k: v.cpu() for k, v in self._engine.model.state_dict().items()}
-                assert isinstance(call, GenerateCall | ScoreCall), call
+                assert isinstance(call, GenerateCall | ScoreCall | WeightsCall), call
                 self._changed.wait_for(lambda: self._version >= call.version or self._ended)
                 if self._ended is not None:
                     return Failure("RuntimeError", self._ended)
@@ -148,6 +185,8 @@ class GeneratorRank:
                         f"{self._version} arrived; a generator rank keeps one version",
                     )
                 assert self._engine is not None
+                if isinstance(call, WeightsCall):
+                    return {k: v.cpu() for k, v in self._engine.model.state_dict().items()}
                 if isinstance(call, GenerateCall):
                     result = self._engine.generate(call.requests)
                 else:

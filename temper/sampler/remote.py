@@ -10,9 +10,14 @@ call carries the policy version it was made on, and a generator answers it from 
 version (it waits for weights still on their way), so samples are tagged with the version
 they came from.
 
-A generator rank keeps one version (`holds_one_version`): before new weights go out, the
+A generator rank samples from one version at a time (`holds_one_version`). By default it
+receives new weights straight into the ones it samples from, so before they go out the
 weight-sync layer lets requests on the old version finish (client/weight_sync.py), and the
-trainer ranks meet at a barrier so that no rank's old requests are still in flight.
+trainer ranks meet at a barrier so that no rank's old requests are still in flight. With the
+placement's `overlap_sync` it receives them into a second copy while it still samples the old
+version (`send_weights`, which the weight-sync layer calls as soon as it is asked for the new
+version), and switches once the old version's requests have run (`commit_weights`, after the
+same barrier): the transfer overlaps sampling.
 
 A failed link (a generator rank that died, or no answer within the placement's timeout) is a
 RuntimeError naming the generator rank; the job stops and can resume from its last
@@ -21,6 +26,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -61,6 +67,8 @@ class ScoreCall:
 class WeightsCall:
     """Send back the generator's weights (checks on small models)."""
 
+    version: int
+
 
 @dataclass(frozen=True)
 class Stop:
@@ -78,7 +86,14 @@ class Start:
 
 @dataclass(frozen=True)
 class Weights:
-    """Buckets of this version's weights follow."""
+    """Buckets of this version's weights follow (into the second copy, with overlap_sync)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Sample from the version sent last from now on."""
 
     version: int
 
@@ -112,15 +127,19 @@ class RemoteGenerator:
         bucket_bytes: int,
         transfer_dtype: torch.dtype | None,
         device: torch.device,
+        overlap_sync: bool,
     ) -> None:
         """Collective over the trainer ranks (every one makes its own); trainer rank 0
         tells the generator ranks which model to build."""
+        self.overlaps_sync = overlap_sync
+        """Weights are sent ahead (`send_weights`) while the current version samples."""
         self._roles = roles
         self._links = [link for link in roles.links if link.trainer == roles.rank]
         self._vocab_size = model_config.vocab_size
         self._version = -1  # no weights sent yet
         self._closed = False
         self._failure: str | None = None  # why a link failed; every later call says it again
+        self._talking = threading.Lock()
         self._lead = roles.rank == roles.trainer_ranks[0]
         self._sender = BucketSender(
             channel=roles.weight_channels[roles.trainer_world.rank],
@@ -161,20 +180,42 @@ class RemoteGenerator:
         )
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """Send `source` and sample from it from now on (collective over the trainer ranks;
+        this rank's requests on the current version have run)."""
+        if not self.overlaps_sync:  # the generators load into the weights they sample from
+            self._trainers_idle()
+        self.send_weights(source, version=version)
+        self.commit_weights(version=version)
+
+    def send_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Stream `source`, this trainer rank's share of the weights (checkpoint/gather.py's
         `sampler_share`), to every generator rank (collective over the trainer ranks, which
-        each send theirs on their own channel)."""
-        world = self._roles.trainer_world
-        if world.size > 1:
-            dist.barrier(group=world.group)  # every trainer rank's old requests have run
+        each send theirs on their own channel). With `overlaps_sync` the generators go on
+        sampling the current version meanwhile, until `commit_weights`."""
         if self._lead:
             self._control(Weights(version=version))
         self._sender.send(_pieces(source))
+
+    def commit_weights(self, *, version: int) -> None:
+        """Sample from the version sent last from now on (collective over the trainer ranks,
+        each once its requests on the current version have run)."""
+        if self.overlaps_sync:
+            self._trainers_idle()
+        if self._lead:
+            self._control(Commit(version=version))
         self._version = version
 
+    def _trainers_idle(self) -> None:
+        """Wait until every trainer rank's requests on the current version have run."""
+        world = self._roles.trainer_world
+        if world.size > 1:
+            dist.barrier(group=world.group)
+
     def generator_weights(self) -> list[dict[str, torch.Tensor]]:
-        """Each linked generator's weights, on CPU (checks on small models)."""
-        return self._exchange([(link, WeightsCall()) for link in self._links])
+        """Each linked generator's weights of the current version, on CPU (checks on small
+        models)."""
+        call = WeightsCall(version=self._version)
+        return self._exchange([(link, call) for link in self._links])
 
     def sleep(self) -> None:
         """Nothing to release: the generators do not share this rank's memory."""
@@ -188,8 +229,9 @@ class RemoteGenerator:
         if self._closed:
             return
         self._closed = True
-        for link in self._links:
-            self._send(link, Stop())
+        with self._talking:
+            for link in self._links:
+                self._send(link, Stop())
         if self._lead:
             self._control(Stop())
 
@@ -211,6 +253,10 @@ class RemoteGenerator:
         return [answer for part in self._exchange(calls) for answer in part]
 
     def _exchange(self, calls: list[tuple[Link, object]]) -> list[Any]:
+        with self._talking:  # one exchange at a time on the links (clients read from threads)
+            return self._exchange_now(calls)
+
+    def _exchange_now(self, calls: list[tuple[Link, object]]) -> list[Any]:
         for link, call in calls:
             self._send(link, call)
         answers = []
@@ -265,13 +311,11 @@ class RemoteGenerators:
         bucket_bytes: int,
         transfer_dtype: torch.dtype | None,
         device: torch.device,
+        overlap_sync: bool = False,
     ) -> None:
         self.roles = roles
-        self._bucket_bytes, self._transfer_dtype, self._device = (
-            bucket_bytes,
-            transfer_dtype,
-            device,
-        )
+        self._bucket_bytes, self._transfer_dtype = bucket_bytes, transfer_dtype
+        self._device, self._overlap_sync = device, overlap_sync
         self.generator: RemoteGenerator | None = None
 
     def connect(
@@ -291,6 +335,7 @@ class RemoteGenerators:
             bucket_bytes=self._bucket_bytes,
             transfer_dtype=self._transfer_dtype,
             device=self._device,
+            overlap_sync=self._overlap_sync,
         )
         return self.generator
 

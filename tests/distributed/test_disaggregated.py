@@ -5,7 +5,8 @@ ranks sample, weights are streamed in buckets after every step.
   trainer's gathered (sampler) weights, and the run is bitwise the colocated 2-rank run.
 - 1 trainer rank + 2 generator ranks: each batch is split over both generators; the tokens
   are the single-process run's, logprobs within float rounding (another batch shape).
-- Async mode: sampling never runs more than max_staleness versions behind.
+- Async mode: sampling never runs more than max_staleness versions behind; with
+  `overlap_sync` (weights sent while the old version samples) the run is bitwise the same.
 - Settings that do not fit the world fail on every rank before any collective.
 """
 
@@ -26,33 +27,42 @@ from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 LOGPROB_KEYS = ("rollout/entropy", "mismatch/kl", "optim/grad_norm", "mismatch/logprob_diff_max")
 
 
-def rl_config(*, placement: str = "colocated", generators: int = 1, **changes) -> RLJob.Config:
+def rl_config(
+    *, placement: str = "colocated", generators: int = 1, overlap_sync: bool = False, **changes
+) -> RLJob.Config:
     settings = dict(steps=3, prompts_per_step=4, eval_every=3, eval_problems=8)
     config = tiny_rl_config(**(settings | changes))
     config.warmup.steps = 2
-    config.placement = Placement.Config(mode=placement, generator_ranks=generators, bucket_mb=0.05)
+    config.placement = Placement.Config(
+        mode=placement, generator_ranks=generators, bucket_mb=0.05, overlap_sync=overlap_sync
+    )
     return config
 
 
-_UPDATE_WEIGHTS = remote.RemoteGenerator.update_weights
+_SEND, _COMMIT = remote.RemoteGenerator.send_weights, remote.RemoteGenerator.commit_weights
 
 
-def _checked_updates(checks: list[tuple[int, bool]]):
-    """RemoteGenerator.update_weights that, after each sync, compares every generator's
-    weights with this trainer rank's share of the gathered (and merged) weights it streamed
-    (its own rows of the sharded tensors; rank 0: the rest, whole). The generator checked that
-    the shares cover every tensor's rows once. It runs under the weight sync's lock, so no
-    sample request uses the links meanwhile."""
+def _check_syncs(checks: list[tuple[int, bool]]) -> None:
+    """Patch RemoteGenerator so that after each sync (send, then commit) every generator's
+    weights are compared with this trainer rank's share of the gathered (and merged) weights
+    it streamed (its own rows of the sharded tensors; rank 0: the rest, whole). The generator
+    checked that the shares cover every tensor's rows once. The commit runs under the weight
+    sync's lock once the old version's requests have run, so no request uses the links."""
+    sent: list[WeightRows] = []
 
-    def checked(self, source, *, version):
+    def send(self, source, *, version):
         mine = [as_rows(piece) for piece in remote._pieces(source)]
-        mine = [WeightRows(name=r.name, start=r.start, value=r.value.clone()) for r in mine]
-        _UPDATE_WEIGHTS(self, iter(mine), version=version)
-        for theirs in self.generator_weights():
-            same = all(torch.equal(theirs[r.name][r.start : r.stop], r.value) for r in mine)
-            checks.append((version, same and bool(mine)))  # every FSDP rank sends rows
+        sent[:] = [WeightRows(name=r.name, start=r.start, value=r.value.clone()) for r in mine]
+        _SEND(self, iter(sent), version=version)
 
-    return checked
+    def commit(self, *, version):
+        _COMMIT(self, version=version)
+        for theirs in self.generator_weights():
+            same = all(torch.equal(theirs[r.name][r.start : r.stop], r.value) for r in sent)
+            checks.append((version, same and bool(sent)))  # every FSDP rank sends rows
+
+    remote.RemoteGenerator.send_weights = send
+    remote.RemoteGenerator.commit_weights = commit
 
 
 def _rank_main(rank: int, directory, configs: dict) -> dict:
@@ -66,7 +76,7 @@ def _rank_main(rank: int, directory, configs: dict) -> dict:
     checks: dict[str, list[tuple[int, bool]]] = {}  # per run: (version, equal) per generator
     results = {}
     for name, config in configs.items():
-        remote.RemoteGenerator.update_weights = _checked_updates(checks.setdefault(name, []))
+        _check_syncs(checks.setdefault(name, []))
         results[name] = RLJob(config).run(run_dir=directory / name)
     return {"errors": errors, "results": results, "checks": checks}
 
@@ -82,6 +92,7 @@ def three_ranks(tmp_path_factory):
         "two_plus_one": rl_config(placement="disaggregated", generators=1),
         "one_plus_two": rl_config(placement="disaggregated", generators=2),
         "async": rl_config(placement="disaggregated", mode="async"),
+        "async_overlap": rl_config(placement="disaggregated", mode="async", overlap_sync=True),
     }
     results = spawn(
         _rank_main,
@@ -133,6 +144,7 @@ def test_generators_sample_from_exactly_the_trainers_weights_after_every_step(th
         ("two_plus_one", 1, 2),
         ("one_plus_two", 2, 1),
         ("async", 1, 2),
+        ("async_overlap", 1, 2),
     ):
         for rank in range(trainers):
             checks = results[rank]["checks"][name]
@@ -171,10 +183,19 @@ def test_one_trainer_two_generators_match_one_process(three_ranks, single):
 
 def test_async_sampling_stays_within_max_staleness(three_ranks):
     _, directory = three_ranks
-    records = [r for r in read_metrics(directory / "async" / "metrics.jsonl") if "reward/mean" in r]
-    assert len(records) == 3
-    staleness = [record["async/staleness"] for record in records]
-    assert max(staleness) <= 1 and max(staleness) == 1  # it did overlap
+    for name in ("async", "async_overlap"):
+        records = [
+            r for r in read_metrics(directory / name / "metrics.jsonl") if "reward/mean" in r
+        ]
+        assert len(records) == 3
+        staleness = [record["async/staleness"] for record in records]
+        assert max(staleness) <= 1 and max(staleness) == 1  # it did overlap
+
+
+def test_overlapping_the_transfer_with_sampling_changes_no_sample(three_ranks):
+    _, directory = three_ranks
+    overlap = comparable_metrics(directory / "async_overlap")
+    assert overlap == comparable_metrics(directory / "async")
 
 
 def _result_of(run_dir):

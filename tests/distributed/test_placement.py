@@ -1,7 +1,10 @@
 """Placement settings, the request links, and a remote generator on its own against the same
-engine in one process (2 gloo ranks: one trainer, one generator)."""
+engine in one process (2 gloo ranks: one trainer, one generator); with `overlap_sync`, the
+next version's weights travel while the generator still samples the current one."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ ENGINE = SamplerEngine.Config(max_batch=8, max_seq_len=32)
         ({"generator_tp": 2}, "no tensor parallelism"),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
         ({"timeout_s": -1}, "timeout_s must be > 0"),
+        ({"overlap_sync": "yes"}, "overlap_sync must be true or false"),
     ],
 )
 def test_bad_settings_name_the_field(changes, message):
@@ -100,3 +104,59 @@ def test_a_remote_generator_samples_what_the_engine_samples_in_process(tmp_path)
     assert all(torch.equal(remote, local) for remote, local in pairs)
     assert trainer["bad"].startswith("generator rank 1: ")
     assert "vocab" in trainer["bad"]
+
+
+def _overlap_main(rank: int) -> dict:
+    """A call on version 7 that the generator holds until version 8 has fully arrived: it
+    can only finish if the weights travel while it runs."""
+    config = Placement.Config(mode="disaggregated", timeout_s=60, overlap_sync=True)
+    roles = Placement(config, world_size=2).split(trainer_mesh=None, device_type="cpu")
+    if roles.is_generator:
+        arrived, waits = threading.Event(), []
+        receive, generate = GeneratorRank._receive, SamplerEngine.generate
+
+        def receive_then_tell(self, version):
+            receive(self, version)
+            if version == 8:
+                arrived.set()
+
+        def generate_once_arrived(self, requests):
+            if self.version == 7 and not waits:
+                waits.append(arrived.wait(timeout=30))
+            return generate(self, requests)
+
+        GeneratorRank._receive = receive_then_tell
+        SamplerEngine.generate = generate_once_arrived
+        GeneratorRank(
+            roles=roles, engine=ENGINE, device=torch.device("cpu"), overlap_sync=True
+        ).serve()
+        return {"waits": waits}
+    old, new = (materialize(qwen3_size("tiny"), init="random", seed=seed) for seed in (4, 5))
+    remotes = RemoteGenerators(
+        roles=roles,
+        bucket_bytes=2**16,
+        transfer_dtype=None,
+        device=torch.device("cpu"),
+        overlap_sync=True,
+    )
+    generator = remotes.connect(model_config=old.config, dtype=torch.float32, tokenizer=None)
+    generator.update_weights(old, version=7)
+    answers = {}
+    sampling = threading.Thread(target=lambda: answers.update(old=generator.generate(_requests())))
+    sampling.start()
+    generator.send_weights(new, version=8)
+    sampling.join()
+    generator.commit_weights(version=8)
+    answers["new"] = generator.generate(_requests())
+    remotes.close()
+    for name, model in (("old", old), ("new", new)):
+        answers[f"local_{name}"] = ENGINE.build(model=model, tokenizer=None).generate(_requests())
+    return answers | {"version": generator.version}
+
+
+def test_with_overlap_sync_weights_travel_while_the_current_version_samples(tmp_path):
+    trainer, generator = spawn(_overlap_main, world_size=2, out_dir=tmp_path)
+    assert generator["waits"] == [True]  # the version-7 call ran until version 8 arrived
+    assert trainer["old"] == trainer["local_old"]  # and sampled version 7 all the same
+    assert trainer["new"] == trainer["local_new"] != trainer["old"]
+    assert trainer["version"] == 8

@@ -267,6 +267,15 @@ def test_async_and_kl_reference_each_add_a_sampler():
         )
 
 
+def test_overlap_sync_adds_a_copy_of_the_weights_on_each_generator_rank():
+    split = {"placement": "disaggregated", "generator_ranks": 4}
+    plain, overlap = plan_memory(_big(**split)), plan_memory(_big(**split, overlap_sync=True))
+    weights = _rows(plain, "generator")["generator weights"]
+    assert _rows(overlap, "generator")["next version's weights (overlap_sync)"] == weights
+    assert overlap.role("generator").steady_bytes == plain.role("generator").steady_bytes + weights
+    assert overlap.role("trainer") == plain.role("trainer")
+
+
 def test_a_disaggregated_kl_reference_sits_on_every_trainer_rank():
     """The job scores the KL reference in a local engine on each trainer rank."""
     split = {"placement": "disaggregated", "generator_ranks": 4}
