@@ -113,7 +113,8 @@ class Placement(Configurable):
                 )
             if not isinstance(self.overlap_sync, bool):
                 raise ValueError(
-                    f"Placement.Config.overlap_sync must be true or false, got {self.overlap_sync!r}"
+                    "Placement.Config.overlap_sync must be true or false, got "
+                    f"{self.overlap_sync!r}"
                 )
             if not self.bucket_mb > 0:
                 raise ValueError(f"Placement.Config.bucket_mb must be > 0, got {self.bucket_mb}")

@@ -20,6 +20,7 @@ from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import GeneratorChoice
 from temper.sampler.generator_rank import GeneratorRank
 from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
@@ -54,14 +55,20 @@ def serve_generator(
     *,
     placement: Placement.Config,
     sampler: SamplerEngine.Config,
+    generator: GeneratorChoice.Config,
     device: str,
     on_start: Callable[[DecoderConfig], None] | None = None,
 ) -> None:
     """Run this generator rank until the trainer ranks are done (`on_start(model config)`
-    once it knows the model)."""
+    once it knows the model). vLLM runs in its own engine process: in this one it would
+    join the job's process group as if it were its own."""
+    if generator.backend == "vllm":
+        vllm = dataclasses.replace(generator.vllm, engine_process="separate")
+        generator = dataclasses.replace(generator, vllm=vllm)
     GeneratorRank(
         roles=roles,
         engine=rank_sampler(sampler),
+        backend=generator,
         device=rank_device(device),
         overlap_sync=placement.overlap_sync,
         on_start=on_start,

@@ -181,11 +181,6 @@ def _check_config(config: RLJobConfig) -> None:
             f"{name}.sleep_generator needs mode='sync': in mode='async' sampling runs while "
             "the trainer steps"
         )
-    if config.placement.mode == "disaggregated" and config.generator.backend != "temper":
-        raise ValueError(
-            f"{name}.placement.mode='disaggregated' runs Temper's engine on the generator "
-            f"ranks; generator.backend={config.generator.backend!r} is not supported there yet"
-        )
     if config.mode == "sync" and config.max_staleness != 1:
         warnings.warn(
             f"{name}.max_staleness={config.max_staleness} is ignored in mode='sync' "

@@ -59,6 +59,7 @@ from temper.rl.env import Env, EnvSource
 from temper.rl.episodes import EpisodeRunner, heldout_success
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
+from temper.sampler.generator import GeneratorChoice
 from temper.sampler.remote import RemoteGenerators
 from temper.tasks.evaluation import greedy_accuracy, heldout_problems
 from temper.tasks.problem import Task
@@ -136,6 +137,7 @@ class RLJob(Configurable):
                 roles,
                 placement=config.placement,
                 sampler=config.sampler,
+                generator=config.generator,
                 device=config.model.device,
                 on_start=lambda decoder: _log_memory_plan(
                     config, placement=placement, role="generator", decoder=decoder
@@ -430,16 +432,21 @@ def _service_client(
     remote: RemoteGenerators | None,
 ) -> ServiceClient:
     """The service with the config's engines; on several ranks the trainer is sharded over
-    them and neither engine spreads over the cores (the ranks already use them)."""
-    trainer = config.trainer
-    check_generator_ranks(config.generator, ranks=ranks, field="RLJob.Config.generator")
+    them and neither engine spreads over the cores (the ranks already use them). With
+    generator ranks (`remote`), `generator` is theirs; the trainer ranks' own engines (a KL
+    reference) are Temper's."""
+    trainer, generator = config.trainer, config.generator
+    if remote is None:
+        check_generator_ranks(generator, ranks=ranks, field="RLJob.Config.generator")
+    else:
+        generator = GeneratorChoice.Config()
     if ranks.world_size > 1:
         trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
     return model.service_client(
         storage_dir=run_dir / "checkpoints",
         sampler=rank_sampler(config.sampler),
         trainer=trainer,
-        generator=config.generator,
+        generator=generator,
         remote=remote,
         sleep_generator=config.sleep_generator,
     )

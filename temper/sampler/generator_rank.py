@@ -1,11 +1,12 @@
 """A generator rank of a disaggregated placement: serves the trainer ranks' `RemoteGenerator`s.
 
 The main thread follows the sync control group (trainer rank 0): `Start` builds an empty
-model of the trainer's shape and Temper's engine on it, `Weights` receives a version's buckets
-from every trainer rank's channel in turn (weight_transfer.py), `Commit` makes it the version
-sampled from, `Stop` ends the job. The buckets land straight in the engine's model, while no
-request runs; with `overlap_sync`, in a second copy while requests on the current version
-still run, which `Commit` then copies in.
+model of the trainer's shape and the generator on it (Temper's engine, or vLLM in its own
+process), `Weights` receives a version's buckets from every trainer rank's channel in turn
+(weight_transfer.py), `Commit` makes it the version sampled from, `Stop` ends the job. The
+buckets land straight in Temper's engine's model, while no request runs; with `overlap_sync`,
+or for vLLM (which takes whole tensors), in a second copy while requests on the current
+version still run, which `Commit` then loads into the generator.
 
 One thread per linked trainer rank answers its calls (generate, score) under one lock, so the
 engine runs one batch at a time, and each call waits until the version it names is committed.
@@ -30,6 +31,7 @@ from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
 from temper.models.build import materialize
 from temper.sampler.engine import SamplerEngine
+from temper.sampler.generator import Generator, GeneratorChoice
 from temper.sampler.remote import (
     Answer,
     Commit,
@@ -50,21 +52,24 @@ class GeneratorRank:
         *,
         roles: Roles,
         engine: SamplerEngine.Config,
+        backend: GeneratorChoice.Config | None = None,
         device: torch.device,
         overlap_sync: bool = False,
         on_start: Callable[[Any], None] | None = None,
     ) -> None:
-        """`overlap_sync`: receive new weights into a second copy while sampling (see the
+        """`backend`: Temper's engine (set up by `engine`; the default) or vLLM.
+        `overlap_sync`: receive new weights into a second copy while sampling (see the
         module docstring). `on_start(model_config)`: called once the trainer said which
         model (a log line)."""
         self._roles, self._engine_config, self._device = roles, engine, device
+        self._backend = GeneratorChoice(backend or GeneratorChoice.Config())
         self._overlap_sync = overlap_sync
-        self._next: WeightSource | None = None  # the second copy (overlap_sync)
+        self._next: WeightSource | None = None  # the second copy (overlap_sync, vLLM)
         self._on_start = on_start
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
         self._changed = threading.Condition()  # guards the engine and the version
-        self._engine: SamplerEngine | None = None
+        self._engine: Generator | None = None
         self._version = -1
         self._ended: str | None = None  # why calls can no longer be answered
         self._link_errors: list[BaseException] = []
@@ -80,8 +85,10 @@ class GeneratorRank:
         empty_model = functools.partial(
             materialize, start.model_config, device=self._device, dtype=start.dtype, init="empty"
         )
-        self._engine = self._engine_config.build(model=empty_model(), tokenizer=start.tokenizer)
-        if self._overlap_sync:
+        self._engine = self._backend.generator(
+            engine=self._engine_config, model=empty_model(), tokenizer=start.tokenizer
+        )
+        if self._overlap_sync or self._engine.model is None:  # vLLM takes whole tensors
             self._next = WeightSource(empty_model())
         threads = [
             threading.Thread(target=self._serve_link, args=(link,), daemon=True)
@@ -101,6 +108,9 @@ class GeneratorRank:
             raise
         finally:
             self._end("the job ended")
+            # The links' threads answer nothing more; vLLM's engine process must go before
+            # this one can exit.
+            self._engine.close()
         for thread in threads:
             thread.join()
         if self._link_errors:
@@ -132,8 +142,9 @@ class GeneratorRank:
                 self._version = version
                 self._changed.notify_all()
 
-    def _load(self, target: SamplerEngine | WeightSource, *, version: int) -> None:
+    def _load(self, target: Generator | WeightSource, *, version: int) -> None:
         model = target.model
+        assert model is not None
         stream = self._receiver.receive(into=rows_of(model.state_dict()))
         try:
             if isinstance(target, WeightSource):
@@ -185,8 +196,12 @@ class GeneratorRank:
                         f"{self._version} arrived; a generator rank keeps one version",
                     )
                 assert self._engine is not None
-                if isinstance(call, WeightsCall):
-                    return {k: v.cpu() for k, v in self._engine.model.state_dict().items()}
+                if isinstance(call, WeightsCall):  # vLLM: the copy it loaded them from
+                    model = self._engine.model
+                    if model is None:
+                        assert self._next is not None
+                        model = self._next.model
+                    return {k: v.cpu() for k, v in model.state_dict().items()}
                 if isinstance(call, GenerateCall):
                     result = self._engine.generate(call.requests)
                 else:

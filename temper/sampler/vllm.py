@@ -141,8 +141,12 @@ class VllmGenerator(Configurable, OnePromptSampling):
         save_pretrained(model, model_dir, tokenizer=tokenizer)
         self._inline = config.engine_process == "inline" and config.tensor_parallel_size == 1
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
-        # vLLM reads this when the engine starts: in one process, weights pass as tensors.
+        # vLLM reads these when the engine starts: in one process, weights pass as tensors;
+        # in its own, `_refresh_output_layer` travels to it pickled (its default encoder
+        # takes no functions).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
+        if not self._inline:
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):

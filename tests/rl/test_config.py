@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from temper.distributed.placement import Placement
 from temper.rl.job import RLJob
-from temper.sampler.generator import GeneratorChoice
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -24,13 +22,6 @@ from temper.trainer.sharding import Sharding
         ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine'"),
         ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
         ({"sleep_generator": True, "mode": "async"}, "sleep_generator needs mode='sync'"),
-        (
-            {
-                "placement": Placement.Config(mode="disaggregated"),
-                "generator": GeneratorChoice.Config(backend="vllm"),
-            },
-            "runs Temper's engine on the generator ranks",
-        ),
         (
             {"trainer": TrainerEngine.Config(sharding=Sharding.Config())},
             r"trainer.sharding is set by the loop on several ranks; configure it through "

@@ -1,0 +1,53 @@
+"""The RL job with vLLM on the generator rank of a disaggregated placement (1 trainer rank + 1
+generator rank on gloo; vLLM in its own engine process, as on every generator rank): after
+every sync the weights vLLM was given are bitwise the trainer's, and the logprobs vLLM reports
+for its samples are the trainer's own for those tokens (weights that had not arrived would
+be far off). `make test-vllm`."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.observability import read_metrics
+from temper.sampler.generator import GeneratorChoice
+from tests.distributed.spawn import spawn
+from tests.distributed.test_disaggregated import _rank_main, rl_config
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
+pytestmark = pytest.mark.vllm
+
+from temper.sampler.vllm import VllmGenerator  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("disaggregated_vllm")
+    config = rl_config(placement="disaggregated", steps=2)
+    config.generator = GeneratorChoice.Config(
+        backend="vllm", vllm=VllmGenerator.Config(kv_cache_mib=32)
+    )
+    results = spawn(
+        _rank_main,
+        world_size=2,
+        out_dir=tmp_path_factory.mktemp("ranks"),
+        args=(directory, {"run": config}),
+        timeout_s=600,
+    )
+    return results, directory / "run"
+
+
+def test_vllm_is_given_exactly_the_trainers_weights_after_every_step(vllm_run):
+    results, _ = vllm_run
+    checks = results[0]["checks"]["run"]
+    assert [version for version, _ in checks] == [2, 3]  # after the warm-up, RL step 0
+    assert all(same for _, same in checks)
+
+
+def test_vllm_samples_from_the_trainers_weights(vllm_run):
+    _, run_dir = vllm_run
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert len(records) == 2
+    # vLLM's logprob of each sampled token against the trainer's (on the steps that trained
+    # on some group: a step whose rewards are all equal has nothing to compare)
+    diffs = [r["mismatch/logprob_diff_max"] for r in records if "mismatch/logprob_diff_max" in r]
+    assert diffs and max(diffs) < 1e-3, diffs
