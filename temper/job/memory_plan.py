@@ -34,7 +34,8 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 - Async mode, colocated: the snapshot of the previous version keeps its own engine (weights
   and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
   Disaggregated generators update in place between requests (no copy), unless they overlap
-  the transfer with sampling (`overlap_sync`): then each holds a second copy of the weights.
+  the transfer with sampling (`overlap_sync`) or run vLLM (which takes whole tensors): then
+  each holds a second copy of the weights.
 - A KL reference (`kl_coef > 0`) is one more sampler: weights and its own KV cache, on every
   colocated rank, and with a disaggregated placement on every trainer rank (the job scores
   the reference in a local engine there, not on the generator ranks).
@@ -112,7 +113,7 @@ class PlanSettings:
     """Size of one weight-sync bucket in MiB."""
     overlap_sync: bool = False
     """disaggregated: generators receive new weights into a second copy while they sample
-    (--placement.overlap_sync)."""
+    (--placement.overlap_sync; vLLM generator ranks always keep that copy)."""
     mode: Literal["sync", "async"] = "sync"
     """async: colocated ranks keep the previous version's sampler while the next samples."""
     kl_reference: bool = False
@@ -416,7 +417,8 @@ class _Rows:
         kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
         if not colocated and settings.overlap_sync:
-            rows.append(PlanRow(item="next version's weights (overlap_sync)", num_bytes=weights))
+            item = "second copy of the weights (overlap_sync, vLLM)"
+            rows.append(PlanRow(item=item, num_bytes=weights))
         if colocated and settings.mode == "async":
             rows.append(PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv))
         if settings.kl_reference and colocated:

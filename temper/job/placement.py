@@ -101,6 +101,7 @@ def memory_plan_line(
     batch: int,
     mode: Literal["sync", "async"],
     kl_reference: bool,
+    generator: GeneratorChoice.Config,
 ) -> str:
     """This rank's planned bytes (job/memory_plan.py), one line for its startup log."""
     config = placement.config
@@ -120,7 +121,8 @@ def memory_plan_line(
         micro_batch_tokens=trainer.max_tokens_per_microbatch,
         activation_checkpointing=sharding.activation_checkpointing,
         bucket_mb=max(1, round(config.bucket_mb)),
-        overlap_sync=config.overlap_sync,
+        # A vLLM generator rank also loads vLLM from a second copy (generator_rank.py).
+        overlap_sync=config.overlap_sync or (disaggregated and generator.backend == "vllm"),
         mode=mode,
         kl_reference=kl_reference,
         gpu_memory_gib=_rank_memory_bytes(model.device, ranks=placement.world_size) / 2**30,

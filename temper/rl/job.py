@@ -467,6 +467,7 @@ def _log_memory_plan(
         batch=config.prompts_per_step * config.group_size,
         mode=config.mode,
         kl_reference=config.kl_coef > 0,
+        generator=config.generator,
     )
     print(line, file=sys.stderr, flush=True)
 
