@@ -5,6 +5,7 @@ category of a refusal; `--log-level warning` turns it off."""
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -14,8 +15,16 @@ from tinker import types
 from tests.server.conftest import API_KEY, start_server
 
 
-def log_lines(server, pattern: str) -> list[str]:
-    return [line for line in server.log.read_text().splitlines() if re.search(pattern, line)]
+def log_lines(server, pattern: str, *, wait_s: float = 0.0) -> list[str]:
+    """The server log's lines matching `pattern`; waits up to `wait_s` for one to appear (a
+    request's line is written once its response has gone out, so the client may be first)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = server.log.read_text()
+        lines = [line for line in text.splitlines() if re.search(pattern, line)]
+        if lines or time.monotonic() >= deadline:
+            return lines
+        time.sleep(0.05)
 
 
 def test_each_request_is_one_line_with_its_ids_status_and_duration(server, model_dir):
@@ -34,14 +43,17 @@ def test_each_request_is_one_line_with_its_ids_status_and_duration(server, model
         server.rest().get_session("sess-nope").result()
 
     model = re.escape(training.model_id)
-    [line] = log_lines(server, rf"POST /api/v1/optim_step 200 [\d.]+ms model={model} ")
+    [line] = log_lines(server, rf"POST /api/v1/optim_step 200 [\d.]+ms model={model} ", wait_s=5)
     assert line.endswith(f"request={request_id}") and "temper.server.requests" in line
-    assert log_lines(server, rf"POST /api/v1/retrieve_future 200 [\d.]+ms request={request_id}$")
-    assert log_lines(server, r"POST /api/v1/asample 200 [\d.]+ms sampler=samp-\w+ request=req-")
+    retrieve = rf"POST /api/v1/retrieve_future 200 [\d.]+ms request={request_id}$"
+    assert log_lines(server, retrieve, wait_s=5)
+    sample = r"POST /api/v1/asample 200 [\d.]+ms sampler=samp-\w+ request=req-"
+    assert log_lines(server, sample, wait_s=5)
     assert log_lines(
         server,
         r"GET /api/v1/sessions/\{session_id\} 404 [\d.]+ms session=sess-nope "
         r"error=user: unknown session 'sess-nope'",
+        wait_s=5,
     )
     service.close("success").result()
 
