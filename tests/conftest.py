@@ -10,24 +10,7 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# The files that take longest (minutes each on the 2-core CI machine), longest first: with
-# `-n 2 --dist loadfile` they are handed out first, so no worker ends on one while the other
-# idles (longest-first scheduling; it saved about a minute of wall time here).
-LONGEST_FILES = (
-    "tests/test_docs.py",
-    "tests/rl/test_multiturn_job.py",
-    "tests/rl/test_job.py",
-    "tests/test_bench.py",
-    "tests/distributed/test_disaggregated.py",
-    "tests/server/test_cookbook.py",
-    "tests/distributed/test_sharded_training.py",
-    "tests/server/test_replicated.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: index for index, path in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
     import torch
 
     if torch.cuda.is_available():
