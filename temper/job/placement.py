@@ -21,7 +21,7 @@ from temper.models.common.decoder import DecoderConfig
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
-from temper.sampler.generator_rank import GeneratorRank
+from temper.sampler.generator_rank import GeneratorRank, keeps_second_copy
 from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
@@ -121,8 +121,8 @@ def memory_plan_line(
         micro_batch_tokens=trainer.max_tokens_per_microbatch,
         activation_checkpointing=sharding.activation_checkpointing,
         bucket_mb=max(1, round(config.bucket_mb)),
-        # A vLLM generator rank also loads vLLM from a second copy (generator_rank.py).
-        overlap_sync=config.overlap_sync or (disaggregated and generator.backend == "vllm"),
+        overlap_sync=disaggregated
+        and keeps_second_copy(overlap_sync=config.overlap_sync, backend=generator),
         mode=mode,
         kl_reference=kl_reference,
         gpu_memory_gib=_rank_memory_bytes(model.device, ranks=placement.world_size) / 2**30,

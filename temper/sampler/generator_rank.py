@@ -46,6 +46,12 @@ from temper.sampler.remote import (
 from temper.sampler.weight_source import WeightSource
 
 
+def keeps_second_copy(*, overlap_sync: bool, backend: GeneratorChoice.Config) -> bool:
+    """Whether a generator rank receives new weights into a second copy of them: to overlap
+    the transfer with sampling, or for vLLM, which takes whole tensors by name."""
+    return overlap_sync or backend.backend == "vllm"
+
+
 class GeneratorRank:
     def __init__(
         self,
@@ -88,7 +94,7 @@ class GeneratorRank:
         self._engine = self._backend.generator(
             engine=self._engine_config, model=empty_model(), tokenizer=start.tokenizer
         )
-        if self._overlap_sync or self._engine.model is None:  # vLLM takes whole tensors
+        if keeps_second_copy(overlap_sync=self._overlap_sync, backend=self._backend.config):
             self._next = WeightSource(empty_model())
         threads = [
             threading.Thread(target=self._serve_link, args=(link,), daemon=True)
