@@ -28,6 +28,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from temper.api.threads import pin_thread_count
+
 T = TypeVar("T")
 
 
@@ -57,14 +59,12 @@ class Worker:
     """One thread that runs submitted calls in order."""
 
     def __init__(self, name: str) -> None:
-        # The thread pins torch's thread count (the creator's) when it starts. Otherwise it
-        # would take the process-wide default the first time it runs an op, and others change
-        # that default for a moment (a sampler decoding on one thread, `optim_step`): its
-        # thread count, and with it the rounding of its results, would depend on timing.
+        # The thread pins torch's thread count (the creator's) when it starts, so that the
+        # rounding of its results does not depend on what others set meanwhile (threads.py).
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=name,
-            initializer=torch.set_num_threads,
+            initializer=pin_thread_count,
             initargs=(torch.get_num_threads(),),
         )
         self._lock = threading.Lock()

@@ -29,6 +29,8 @@ from typing import TypeVar
 
 import torch
 
+from temper.api.threads import pin_thread_count
+
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
@@ -69,10 +71,7 @@ class ThreadShards:
 
 
 def _become_single_threaded(started: threading.Barrier) -> None:
-    torch.set_num_threads(1)
-    # Runs torch's lazy per-thread initialization now, while the default is 1; later ops in
-    # this thread keep 1 whatever the default becomes.
-    torch.get_num_threads()
+    pin_thread_count(1)
     started.wait()
 
 

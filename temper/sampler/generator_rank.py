@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from temper.api.threads import pin_thread_count
 from temper.distributed.placement import Link, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
@@ -96,8 +97,9 @@ class GeneratorRank:
         )
         if keeps_second_copy(overlap_sync=self._overlap_sync, backend=self._backend.config):
             self._next = WeightSource(empty_model())
+        thread_count = torch.get_num_threads()
         threads = [
-            threading.Thread(target=self._serve_link, args=(link,), daemon=True)
+            threading.Thread(target=self._serve_link, args=(link, thread_count), daemon=True)
             for link in self._links
         ]
         for thread in threads:
@@ -176,7 +178,9 @@ class GeneratorRank:
                 self._ended = why
             self._changed.notify_all()
 
-    def _serve_link(self, link: Link) -> None:
+    def _serve_link(self, link: Link, thread_count: int) -> None:
+        # The rank's own count, whatever the other links' generate calls set meanwhile.
+        pin_thread_count(thread_count)
         try:
             while not isinstance(call := _receive(link), Stop):
                 _send(link, self._answer(call))

@@ -27,6 +27,12 @@ def test_a_worker_keeps_its_creators_thread_count_whatever_others_set_meanwhile(
         _set_default_threads_from_another_thread(1)
         assert worker.submit(torch.get_num_threads).result() == 2
         worker.close()
+        # The same once the worker thread has started but has not run a torch op yet.
+        worker = Worker("test-threads-started")
+        worker.submit(lambda: None).result()
+        _set_default_threads_from_another_thread(1)
+        assert worker.submit(torch.get_num_threads).result() == 2
+        worker.close()
     finally:
         _set_default_threads_from_another_thread(previous)
         torch.set_num_threads(previous)
