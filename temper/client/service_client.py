@@ -28,12 +28,13 @@ from temper.client.shared_base import SharedBase, SharedBases
 from temper.client.training_client import TrainingClient
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
+from temper.models.build import parse_dtype
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import Generator, GeneratorChoice
 from temper.sampler.multi_lora import MultiLoraSampler
 from temper.sampler.remote import RemoteGenerators
-from temper.tokenizer import Tokenizer
+from temper.tokenizer import Tokenizer, load_tokenizer
 from temper.trainer.engine import TrainerEngine
 
 DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
@@ -147,6 +148,28 @@ class ServiceClient:
             snapshot=Snapshot(engine=engine, version=engine.version),
             worker=Worker("temper-sampler"),
             tokenizer=weights.tokenizer,
+        )
+
+    def create_scoring_client(self, model_path: str) -> SamplingClient:
+        """A client on sampler weights for `compute_logprobs` (a KL reference). With generator
+        ranks (`remote`) the weights load there, as a model that only scores, and this rank
+        holds none of them (collective over the trainer ranks); else as
+        `create_sampling_client`."""
+        if self.remote is None:
+            return self.create_sampling_client(model_path=model_path)
+        parsed, directory = self.storage.existing(model_path)
+        if parsed.kind != "sampler_weights":
+            raise ValueError(
+                f"{model_path} is a training-state checkpoint; a scoring client loads "
+                f"tinker://{parsed.run_id}/sampler_weights/<name> (from save_weights_for_sampler)"
+            )
+        reference = self.remote.load_reference(
+            str(directory.resolve()), dtype=parse_dtype(self.dtype)
+        )
+        return SamplingClient(
+            snapshot=Snapshot(engine=reference, version=reference.version),
+            worker=Worker("temper-reference"),
+            tokenizer=load_tokenizer(directory),
         )
 
     def new_generator(self, *, model: torch.nn.Module, tokenizer: Tokenizer) -> Generator:

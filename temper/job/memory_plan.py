@@ -36,9 +36,9 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   Disaggregated generators update in place between requests (no copy), unless they overlap
   the transfer with sampling (`overlap_sync`) or run vLLM (which takes whole tensors): then
   each holds a second copy of the weights.
-- A KL reference (`kl_coef > 0`) is one more sampler: weights and its own KV cache, on every
-  colocated rank, and with a disaggregated placement on every trainer rank (the job scores
-  the reference in a local engine there, not on the generator ranks).
+- A KL reference (`kl_coef > 0`) is one more sampler on every colocated rank: weights and its
+  own KV cache. Disaggregated, it loads on the generator ranks as whole weights that only
+  score (no KV cache), and the trainer ranks hold none of it.
 
 Not counted (the headroom is for them): the CUDA context, NCCL buffers, CUDA graph pools,
 prefill and decode scratch, the allocator's fragmentation.
@@ -285,7 +285,7 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
                 role="trainer",
                 num_ranks=trainers,
                 description=f"{trainers} trainer ranks (FSDP over {trainers})",
-                rows=(*rows.trainer(), *rows.reference_on_trainer(), *rows.sender_sync()),
+                rows=(*rows.trainer(), *rows.sender_sync()),
             ),
             RolePlan(
                 role="generator",
@@ -423,24 +423,11 @@ class _Rows:
             rows.append(PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv))
         if settings.kl_reference and colocated:
             rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv))
+        elif settings.kl_reference:  # whole weights that only score: no KV cache
+            whole = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
+            item = f"KL reference weights, whole {self.generator_dtype}: scores only, no KV cache"
+            rows.append(PlanRow(item=item, num_bytes=whole))
         return rows
-
-    def reference_on_trainer(self) -> list[PlanRow]:
-        """Disaggregated: the KL reference is a local engine on every trainer rank (whole
-        weights and a KV cache for the rank's share), not on the generator ranks."""
-        settings = self.settings
-        if not settings.kl_reference:
-            return []
-        weights = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
-        slots = math.ceil(settings.batch / settings.trainer_ranks)
-        kv = kv_cache_bytes(
-            self.decoder,
-            num_slots=slots,
-            max_seq_len=settings.max_seq_len,
-            dtype=self.generator_dtype,
-        )
-        item = f"KL reference sampler (local): whole weights, {slots} KV slots"
-        return [PlanRow(item=item, num_bytes=weights + kv)]
 
     @property
     def sampler_copy(self) -> bool:

@@ -5,18 +5,22 @@ way to them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from temper.client.sampler_weights import load_sampler_directory
 from temper.distributed.placement import Placement, Roles
 from temper.job.memory_plan import PlanSettings, Role, plan_memory
 from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice
-from temper.models.build import parse_dtype
+from temper.models.build import dtype_name, parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
@@ -72,7 +76,16 @@ def serve_generator(
         device=rank_device(device),
         overlap_sync=placement.overlap_sync,
         on_start=on_start,
+        load_reference=functools.partial(_load_reference, device=rank_device(device)),
     ).serve()
+
+
+def _load_reference(directory: str, dtype: torch.dtype, *, device: torch.device) -> nn.Module:
+    """A KL reference's model, from a sampler checkpoint directory (a generator rank's)."""
+    weights = load_sampler_directory(
+        Path(directory), name=directory, device=str(device), dtype=dtype_name(dtype)
+    )
+    return weights.model
 
 
 def remote_generators(

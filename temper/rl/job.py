@@ -377,7 +377,7 @@ class _RLRun:
         if self.state.kl_reference is None:
             saved = self.training.save_weights_for_sampler("kl_reference").result()
             self.state.kl_reference = saved.path
-        return self.service.create_sampling_client(model_path=self.state.kl_reference)
+        return self.service.create_scoring_client(self.state.kl_reference)
 
     def _rl_step_done(self, steps_done: int) -> None:
         self.state.rewards.append(self.logger.latest["reward/mean"])
@@ -433,8 +433,8 @@ def _service_client(
 ) -> ServiceClient:
     """The service with the config's engines; on several ranks the trainer is sharded over
     them and neither engine spreads over the cores (the ranks already use them). With
-    generator ranks (`remote`), `generator` is theirs; the trainer ranks' own engines (a KL
-    reference) are Temper's."""
+    generator ranks (`remote`), `generator` is theirs, and a KL reference loads there too
+    (`create_scoring_client`)."""
     trainer, generator = config.trainer, config.generator
     if remote is None:
         check_generator_ranks(generator, ranks=ranks, field="RLJob.Config.generator")

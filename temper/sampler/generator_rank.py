@@ -3,10 +3,12 @@
 The main thread follows the sync control group (trainer rank 0): `Start` builds an empty
 model of the trainer's shape and the generator on it (Temper's engine, or vLLM in its own
 process), `Weights` receives a version's buckets from every trainer rank's channel in turn
-(weight_transfer.py), `Commit` makes it the version sampled from, `Stop` ends the job. The
-buckets land straight in Temper's engine's model, while no request runs; with `overlap_sync`,
-or for vLLM (which takes whole tensors), in a second copy while requests on the current
-version still run, which `Commit` then loads into the generator.
+(weight_transfer.py), `Commit` makes it the version sampled from, `Reference` (before or
+after `Start`) loads a KL reference (a plain model that only scores, from a sampler
+checkpoint), `Stop` ends the job. The buckets land straight in Temper's engine's model, while
+no request runs; with `overlap_sync`, or for vLLM (which takes whole tensors), in a second
+copy while requests on the current version still run, which `Commit` then loads into the
+generator.
 
 One thread per linked trainer rank answers its calls (generate, score) under one lock, so the
 engine runs one batch at a time, and each call waits until the version it names is committed.
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from temper.api.threads import pin_thread_count
 from temper.distributed.placement import Link, Roles
@@ -38,12 +41,15 @@ from temper.sampler.remote import (
     Commit,
     Failure,
     GenerateCall,
+    Reference,
+    ReferenceScoreCall,
     ScoreCall,
     Start,
     Stop,
     Weights,
     WeightsCall,
 )
+from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.weight_source import WeightSource
 
 
@@ -63,6 +69,7 @@ class GeneratorRank:
         device: torch.device,
         overlap_sync: bool = False,
         on_start: Callable[[Any], None] | None = None,
+        load_reference: Callable[[str, torch.dtype], nn.Module] | None = None,
     ) -> None:
         """`backend`: Temper's engine (set up by `engine`; the default) or vLLM.
         `overlap_sync`: receive new weights into a second copy while sampling (see the
@@ -73,6 +80,8 @@ class GeneratorRank:
         self._overlap_sync = overlap_sync
         self._next: WeightSource | None = None  # the second copy (overlap_sync, vLLM)
         self._on_start = on_start
+        self._load_reference = load_reference
+        self._reference: nn.Module | None = None  # the KL reference (scores only)
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
         self._changed = threading.Condition()  # guards the engine and the version
@@ -83,20 +92,6 @@ class GeneratorRank:
 
     def serve(self) -> None:
         """Serve until trainer rank 0 says the job is done; raises if a peer fails."""
-        start = self._next_command()
-        if isinstance(start, Stop):
-            return
-        assert isinstance(start, Start), start
-        if self._on_start is not None:
-            self._on_start(start.model_config)
-        empty_model = functools.partial(
-            materialize, start.model_config, device=self._device, dtype=start.dtype, init="empty"
-        )
-        self._engine = self._backend.generator(
-            engine=self._engine_config, model=empty_model(), tokenizer=start.tokenizer
-        )
-        if keeps_second_copy(overlap_sync=self._overlap_sync, backend=self._backend.config):
-            self._next = WeightSource(empty_model())
         thread_count = torch.get_num_threads()
         threads = [
             threading.Thread(target=self._serve_link, args=(link, thread_count), daemon=True)
@@ -106,11 +101,7 @@ class GeneratorRank:
             thread.start()
         try:
             while not isinstance(command := self._next_command(), Stop):
-                if isinstance(command, Weights):
-                    self._receive(command.version)
-                else:
-                    assert isinstance(command, Commit), command
-                    self._commit(command.version)
+                self._follow(command)
         except BaseException as error:
             self._end(f"the generator rank stopped: {error}")
             raise
@@ -118,11 +109,38 @@ class GeneratorRank:
             self._end("the job ended")
             # The links' threads answer nothing more; vLLM's engine process must go before
             # this one can exit.
-            self._engine.close()
+            if self._engine is not None:
+                self._engine.close()
         for thread in threads:
             thread.join()
         if self._link_errors:
             raise self._link_errors[0]
+
+    def _follow(self, command: object) -> None:
+        if isinstance(command, Start):
+            self._start(command)
+        elif isinstance(command, Weights):
+            self._receive(command.version)
+        elif isinstance(command, Reference):
+            self._set_reference(command.directory, dtype=command.dtype)
+        else:
+            assert isinstance(command, Commit), command
+            self._commit(command.version)
+
+    def _start(self, start: Start) -> None:
+        """The generator on an empty model of the trainer's shape (its first weights fill it)."""
+        if self._on_start is not None:
+            self._on_start(start.model_config)
+        empty_model = functools.partial(
+            materialize, start.model_config, device=self._device, dtype=start.dtype, init="empty"
+        )
+        engine = self._backend.generator(
+            engine=self._engine_config, model=empty_model(), tokenizer=start.tokenizer
+        )
+        if keeps_second_copy(overlap_sync=self._overlap_sync, backend=self._backend.config):
+            self._next = WeightSource(empty_model())
+        with self._changed:
+            self._engine = engine
 
     def _next_command(self) -> Any:
         box: list[Any] = [None]
@@ -172,6 +190,14 @@ class GeneratorRank:
                 self._version = version
                 self._changed.notify_all()
 
+    def _set_reference(self, directory: str, *, dtype: torch.dtype) -> None:
+        if self._load_reference is None:
+            raise RuntimeError("this generator rank was started without a way to load a reference")
+        model = self._load_reference(directory, dtype)
+        with self._changed:
+            self._reference = model
+            self._changed.notify_all()
+
     def _end(self, why: str) -> None:
         with self._changed:
             if self._ended is None:
@@ -193,6 +219,8 @@ class GeneratorRank:
             )
 
     def _answer(self, call: object) -> object:
+        if isinstance(call, ReferenceScoreCall):
+            return self._answer_reference(call)
         with self._changed:
             try:
                 assert isinstance(call, GenerateCall | ScoreCall | WeightsCall), call
@@ -217,6 +245,27 @@ class GeneratorRank:
                 else:
                     result = self._engine.score(call.sequences, temperature=call.temperature)
                 return Answer(version=self._engine.version, result=result)
+            except ValueError as error:
+                return Failure("ValueError", str(error))
+            except Exception as error:
+                return Failure("RuntimeError", f"{type(error).__name__}: {error}")
+
+    def _answer_reference(self, call: ReferenceScoreCall) -> object:
+        """Scores on the KL reference, once it has loaded; one call at a time with the
+        engine's (the same lock)."""
+        with self._changed:
+            try:
+                self._changed.wait_for(lambda: self._reference is not None or self._ended)
+                if self._ended is not None:
+                    return Failure("RuntimeError", self._ended)
+                assert self._reference is not None
+                result = score_sequences(
+                    self._reference,
+                    call.sequences,
+                    temperature=call.temperature,
+                    max_tokens=self._engine_config.max_score_tokens,
+                )
+                return Answer(version=self._version, result=result)
             except ValueError as error:
                 return Failure("ValueError", str(error))
             except Exception as error:

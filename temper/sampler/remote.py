@@ -19,6 +19,10 @@ version (`send_weights`, which the weight-sync layer calls as soon as it is aske
 version), and switches once the old version's requests have run (`commit_weights`, after the
 same barrier): the transfer overlaps sampling.
 
+A KL reference (`load_reference`) loads on the generator ranks too, from the sampler
+weights the trainer saved (a path every rank sees), and only scores: the trainer ranks hold
+no second model for it.
+
 A failed link (a generator rank that died, or no answer within the placement's timeout) is a
 RuntimeError naming the generator rank; the job stops and can resume from its last
 checkpoint.
@@ -26,9 +30,11 @@ checkpoint.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -64,6 +70,14 @@ class ScoreCall:
 
 
 @dataclass(frozen=True)
+class ReferenceScoreCall:
+    """Score on the generator's KL reference (`Reference`), which has no version."""
+
+    sequences: list[list[int]]
+    temperature: float
+
+
+@dataclass(frozen=True)
 class WeightsCall:
     """Send back the generator's weights (checks on small models)."""
 
@@ -89,6 +103,15 @@ class Weights:
     """Buckets of this version's weights follow (into the second copy, with overlap_sync)."""
 
     version: int
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Load the sampler weights saved in `directory` (a path every rank sees), in `dtype`, as
+    the KL reference, which only scores: a model without a KV cache, never updated."""
+
+    directory: str
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -121,6 +144,7 @@ class RemoteGenerator:
         self,
         *,
         roles: Roles,
+        links: RemoteLinks,
         model_config: Any,
         dtype: torch.dtype,
         tokenizer: Tokenizer | None,
@@ -133,13 +157,9 @@ class RemoteGenerator:
         tells the generator ranks which model to build."""
         self.overlaps_sync = overlap_sync
         """Weights are sent ahead (`send_weights`) while the current version samples."""
-        self._roles = roles
-        self._links = [link for link in roles.links if link.trainer == roles.rank]
+        self._roles, self._links = roles, links
         self._vocab_size = model_config.vocab_size
         self._version = -1  # no weights sent yet
-        self._closed = False
-        self._failure: str | None = None  # why a link failed; every later call says it again
-        self._talking = threading.Lock()
         self._lead = roles.rank == roles.trainer_ranks[0]
         self._sender = BucketSender(
             channel=roles.weight_channels[roles.trainer_world.rank],
@@ -148,7 +168,7 @@ class RemoteGenerator:
             device=device,
         )
         if self._lead:
-            self._control(Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer))
+            _control(roles, Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer))
 
     @property
     def model(self) -> nn.Module | None:
@@ -163,21 +183,26 @@ class RemoteGenerator:
         return self._vocab_size
 
     def describe(self) -> str:
-        generators = ", ".join(str(link.generator) for link in self._links)
-        return f"remote generator on rank(s) {generators} of {self._roles.generator_ranks}"
+        return f"remote generator on {self._links.describe()}"
 
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        return self._call(
+        self._check_weights()
+        return self._links.call(
             list(requests), lambda part: GenerateCall(version=self._version, requests=part)
         )
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        return self._call(
+        self._check_weights()
+        return self._links.call(
             [list(sequence) for sequence in sequences],
             lambda part: ScoreCall(version=self._version, sequences=part, temperature=temperature),
         )
+
+    def _check_weights(self) -> None:
+        if self._version < 0:
+            raise RuntimeError("no weights were sent to the generator ranks yet")
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Send `source` and sample from it from now on (collective over the trainer ranks;
@@ -193,7 +218,7 @@ class RemoteGenerator:
         each send theirs on their own channel). With `overlaps_sync` the generators go on
         sampling the current version meanwhile, until `commit_weights`."""
         if self._lead:
-            self._control(Weights(version=version))
+            _control(self._roles, Weights(version=version))
         self._sender.send(_pieces(source))
 
     def commit_weights(self, *, version: int) -> None:
@@ -202,7 +227,7 @@ class RemoteGenerator:
         if self.overlaps_sync:
             self._trainers_idle()
         if self._lead:
-            self._control(Commit(version=version))
+            _control(self._roles, Commit(version=version))
         self._version = version
 
     def _trainers_idle(self) -> None:
@@ -215,7 +240,7 @@ class RemoteGenerator:
         """Each linked generator's weights of the current version, on CPU (checks on small
         models)."""
         call = WeightsCall(version=self._version)
-        return self._exchange([(link, call) for link in self._links])
+        return self._links.exchange([(link, call) for link in self._links.links])
 
     def sleep(self) -> None:
         """Nothing to release: the generators do not share this rank's memory."""
@@ -224,57 +249,72 @@ class RemoteGenerator:
         pass
 
     def close(self) -> None:
-        """Tell this rank's generators it is done (trainer rank 0: and the job); each trainer
-        rank calls it once at the end."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._talking:
-            for link in self._links:
-                self._send(link, Stop())
-        if self._lead:
-            self._control(Stop())
+        """Nothing of its own to end (`RemoteGenerators.close` ends the links and the job)."""
 
-    # -- the links --------------------------------------------------------------------------
 
-    def _call(self, items: list, make: Callable[[list], object]) -> list:
+class RemoteLinks:
+    """A trainer rank's links to its generator ranks, shared by the policy's generator and a
+    KL reference: a call is split over them in order, one exchange at a time (clients read
+    from several threads), and a failed link fails every later call."""
+
+    def __init__(self, roles: Roles) -> None:
+        self.links = [link for link in roles.links if link.trainer == roles.rank]
+        self._generator_ranks = roles.generator_ranks
+        self._closed = False
+        self._failure: str | None = None  # why a link failed; every later call says it again
+        self._talking = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def describe(self) -> str:
+        generators = ", ".join(str(link.generator) for link in self.links)
+        return f"rank(s) {generators} of {self._generator_ranks}"
+
+    def call(self, items: list, make: Callable[[list], object]) -> list:
         """Split `items` over the links in order, one call each, and join the answers."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-        if self._closed:
-            raise RuntimeError("this remote generator is closed (the job ended)")
-        if self._version < 0:
-            raise RuntimeError("no weights were sent to the generator ranks yet")
         parts = [
-            items[Ranks(rank=index, world_size=len(self._links)).split(len(items))]
-            for index in range(len(self._links))
+            items[Ranks(rank=index, world_size=len(self.links)).split(len(items))]
+            for index in range(len(self.links))
         ]
-        calls = [(link, make(part)) for link, part in zip(self._links, parts, strict=True) if part]
-        return [answer for part in self._exchange(calls) for answer in part]
+        calls = [(link, make(part)) for link, part in zip(self.links, parts, strict=True) if part]
+        return [answer for part in self.exchange(calls) for answer in part]
 
-    def _exchange(self, calls: list[tuple[Link, object]]) -> list[Any]:
-        with self._talking:  # one exchange at a time on the links (clients read from threads)
-            return self._exchange_now(calls)
+    def exchange(self, calls: list[tuple[Link, object]]) -> list[Any]:
+        """Send every call, then read the answers in order."""
+        with self._talking:
+            if self._failure is not None:
+                raise RuntimeError(self._failure)
+            if self._closed:
+                raise RuntimeError("the generator ranks' links are closed (the job ended)")
+            for link, call in calls:
+                self._send(link, call)
+            return [self._answer(link, call) for link, call in calls]
 
-    def _exchange_now(self, calls: list[tuple[Link, object]]) -> list[Any]:
-        for link, call in calls:
-            self._send(link, call)
-        answers = []
-        for link, call in calls:
-            answer = self._receive(link)
-            if isinstance(answer, Failure):
-                error = ValueError if answer.kind == "ValueError" else RuntimeError
-                raise error(f"generator rank {link.generator}: {answer.message}")
-            if isinstance(answer, Answer):
-                expected = getattr(call, "version", answer.version)
-                if answer.version != expected:  # a broken contract, never a silent sample
-                    raise RuntimeError(
-                        f"generator rank {link.generator} answered from policy version "
-                        f"{answer.version}, not the {expected} asked for"
-                    )
-                answer = answer.result
-            answers.append(answer)
-        return answers
+    def close(self) -> None:
+        """Tell this rank's generators it is done (once; nothing after a failed link)."""
+        with self._talking:
+            if self._closed:
+                return
+            self._closed = True
+            for link in self.links:
+                self._send(link, Stop())
+
+    def _answer(self, link: Link, call: object) -> Any:
+        answer = self._receive(link)
+        if isinstance(answer, Failure):
+            error = ValueError if answer.kind == "ValueError" else RuntimeError
+            raise error(f"generator rank {link.generator}: {answer.message}")
+        if isinstance(answer, Answer):
+            expected = getattr(call, "version", answer.version)
+            if answer.version != expected:  # a broken contract, never a silent sample
+                raise RuntimeError(
+                    f"generator rank {link.generator} answered from policy version "
+                    f"{answer.version}, not the {expected} asked for"
+                )
+            answer = answer.result
+        return answer
 
     def _send(self, link: Link, message: object) -> None:
         self._on_link(link, lambda: dist.send_object_list([message], group=link.group, group_dst=1))
@@ -296,13 +336,62 @@ class RemoteGenerator:
             )
             raise RuntimeError(self._failure) from error
 
-    def _control(self, message: object) -> None:
-        dist.broadcast_object_list([message], group=self._roles.sync_control, group_src=0)
+
+class RemoteReference:
+    """A KL reference on the generator ranks (`RemoteGenerators.load_reference`): a
+    `Generator` that only scores (`compute_logprobs`), over the policy's links."""
+
+    holds_one_version = False
+
+    def __init__(self, links: RemoteLinks, *, name: str, vocab_size: int) -> None:
+        self._links, self._name, self._vocab_size = links, name, vocab_size
+
+    @property
+    def model(self) -> nn.Module | None:
+        return None
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def describe(self) -> str:
+        return f"KL reference {self._name} on {self._links.describe()} (scores only)"
+
+    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        raise ValueError(
+            f"{self._name} was loaded on the generator ranks as a KL reference, which only "
+            "scores (compute_logprobs); sample with a client from create_sampling_client"
+        )
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        return self._links.call(
+            [list(sequence) for sequence in sequences],
+            lambda part: ReferenceScoreCall(sequences=part, temperature=temperature),
+        )
+
+    def update_weights(self, source: WeightUpdate, *, version: int) -> None:
+        raise ValueError("a KL reference keeps the weights it was loaded with")
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class RemoteGenerators:
     """A trainer rank's way to the generator ranks: makes the one `RemoteGenerator` of the
-    job's training client, and ends the generator ranks' service at the end."""
+    job's training client (and any KL reference), and ends the generator ranks' service at
+    the end."""
 
     def __init__(
         self,
@@ -316,6 +405,9 @@ class RemoteGenerators:
         self.roles = roles
         self._bucket_bytes, self._transfer_dtype = bucket_bytes, transfer_dtype
         self._device, self._overlap_sync = device, overlap_sync
+        self._links = RemoteLinks(roles)
+        self._lead = roles.rank == roles.trainer_ranks[0]
+        self._ended = False
         self.generator: RemoteGenerator | None = None
 
     def connect(
@@ -329,6 +421,7 @@ class RemoteGenerators:
             )
         self.generator = RemoteGenerator(
             roles=self.roles,
+            links=self._links,
             model_config=model_config,
             dtype=dtype,
             tokenizer=tokenizer,
@@ -339,14 +432,30 @@ class RemoteGenerators:
         )
         return self.generator
 
+    def load_reference(self, directory: str, *, dtype: torch.dtype) -> RemoteReference:
+        """The generator ranks load the sampler weights saved in `directory` (a path every
+        rank sees) in `dtype`, as a KL reference that scores sequences; its generator here
+        (collective over the trainer ranks, before or after `connect`)."""
+        if self._lead:
+            _control(self.roles, Reference(directory=directory, dtype=dtype))
+        config = json.loads((Path(directory) / "config.json").read_text())
+        return RemoteReference(self._links, name=directory, vocab_size=config["vocab_size"])
+
     def close(self) -> None:
-        """Every trainer rank calls it once at the end (also when nothing was sampled)."""
-        if self.generator is not None:
-            self.generator.close()
+        """Every trainer rank calls it once at the end (also when nothing was sampled): its
+        links end, and trainer rank 0 ends the job (unless a generator rank failed: then
+        nothing more is sent)."""
+        if self._ended or self._links.failed:
             return
-        if self.roles.rank == self.roles.trainer_ranks[0]:
-            message = [Stop()]
-            dist.broadcast_object_list(message, group=self.roles.sync_control, group_src=0)
+        self._ended = True
+        self._links.close()
+        if self._lead:
+            _control(self.roles, Stop())
+
+
+def _control(roles: Roles, message: object) -> None:
+    """Trainer rank 0 to every generator rank (and the other trainer ranks' copies of it)."""
+    dist.broadcast_object_list([message], group=roles.sync_control, group_src=0)
 
 
 def _pieces(source: WeightUpdate) -> Iterator[WeightPiece]:

@@ -7,6 +7,8 @@ ranks sample, weights are streamed in buckets after every step.
   are the single-process run's, logprobs within float rounding (another batch shape).
 - Async mode: sampling never runs more than max_staleness versions behind; with
   `overlap_sync` (weights sent while the old version samples) the run is bitwise the same.
+- The KL reference (every run has a KL penalty) loads and scores on the generator ranks: no
+  trainer rank loads it, and its logprobs are bitwise the colocated run's.
 - Settings that do not fit the world fail on every rank before any collective.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from temper.client.service_client import ServiceClient
 from temper.distributed.placement import Placement
 from temper.distributed.weight_pieces import WeightRows, as_rows
 from temper.observability import read_metrics
@@ -25,12 +28,14 @@ from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
 LOGPROB_KEYS = ("rollout/entropy", "mismatch/kl", "optim/grad_norm", "mismatch/logprob_diff_max")
+KL_KEYS = "kl/"
+"""Means of log-ratios that start at 0: float rounding of the logprobs (1e-7) is their size."""
 
 
 def rl_config(
     *, placement: str = "colocated", generators: int = 1, overlap_sync: bool = False, **changes
 ) -> RLJob.Config:
-    settings = dict(steps=3, prompts_per_step=4, eval_every=3, eval_problems=8)
+    settings = dict(steps=3, prompts_per_step=4, eval_every=3, eval_problems=8, kl_coef=0.05)
     config = tiny_rl_config(**(settings | changes))
     config.warmup.steps = 2
     config.placement = Placement.Config(
@@ -65,8 +70,21 @@ def _check_syncs(checks: list[tuple[int, bool]]) -> None:
     remote.RemoteGenerator.commit_weights = commit
 
 
+def _count_local_samplers(loads: list[str]) -> None:
+    """Patch the service so that every sampler loaded on this rank from a path is recorded."""
+    create = ServiceClient.create_sampling_client
+
+    def counted(self, model_path=None, base_model=None):
+        loads.append(model_path)
+        return create(self, model_path=model_path, base_model=base_model)
+
+    ServiceClient.create_sampling_client = counted
+
+
 def _rank_main(rank: int, directory, configs: dict) -> dict:
     skip_plots()
+    loads: list[str] = []
+    _count_local_samplers(loads)
     errors = {}
     for name, config in configs.pop("bad", {}).items():
         try:
@@ -74,11 +92,18 @@ def _rank_main(rank: int, directory, configs: dict) -> dict:
         except ValueError as error:
             errors[name] = str(error)
     checks: dict[str, list[tuple[int, bool]]] = {}  # per run: (version, equal) per generator
-    results = {}
+    results, local_references = {}, {}
     for name, config in configs.items():
         _check_syncs(checks.setdefault(name, []))
         results[name] = RLJob(config).run(run_dir=directory / name)
-    return {"errors": errors, "results": results, "checks": checks}
+        local_references[name] = sum("kl_reference" in str(path) for path in loads)
+        loads.clear()
+    return {
+        "errors": errors,
+        "results": results,
+        "checks": checks,
+        "local_references": local_references,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +131,14 @@ def three_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def colocated_two(tmp_path_factory):
     directory = tmp_path_factory.mktemp("colocated")
-    spawn(
+    results = spawn(
         _rank_main,
         world_size=2,
         out_dir=tmp_path_factory.mktemp("ranks2"),
         args=(directory, {"run": rl_config()}),
     )
+    # The check below means something: colocated, each rank loads the reference itself.
+    assert all(result["local_references"]["run"] == 1 for result in results)
     return directory / "run"
 
 
@@ -167,6 +194,13 @@ def test_two_trainers_one_generator_equal_the_colocated_run_bitwise(three_ranks,
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
+def test_the_kl_reference_loads_on_the_generator_ranks_only(three_ranks, colocated_two):
+    results, directory = three_ranks
+    for name in ("two_plus_one", "one_plus_two", "async", "async_overlap"):
+        assert all(result["local_references"][name] == 0 for result in results), name
+        assert any("kl/k1" in r for r in read_metrics(directory / name / "metrics.jsonl"))
+
+
 def test_one_trainer_two_generators_match_one_process(three_ranks, single):
     _, directory = three_ranks
     _, single_dir = single
@@ -177,6 +211,8 @@ def test_one_trainer_two_generators_match_one_process(three_ranks, single):
         for key, value in record_one.items():
             if key.startswith(LOGPROB_KEYS):
                 assert record_split[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+            elif key.startswith(KL_KEYS):
+                assert record_split[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
             else:  # the same tokens and rewards
                 assert record_split[key] == value, key
 

@@ -2,7 +2,8 @@
 generator rank on gloo; vLLM in its own engine process, as on every generator rank): after
 every sync the weights vLLM was given are bitwise the trainer's, and the logprobs vLLM reports
 for its samples are the trainer's own for those tokens (weights that had not arrived would
-be far off). `make test-vllm`."""
+be far off). Its KL reference is scored on the generator rank by Temper's code beside vLLM.
+`make test-vllm`."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def test_vllm_is_given_exactly_the_trainers_weights_after_every_step(vllm_run):
 
 
 def test_vllm_samples_from_the_trainers_weights(vllm_run):
-    _, run_dir = vllm_run
+    results, run_dir = vllm_run
+    assert results[0]["local_references"]["run"] == 0  # the KL reference is the generator's
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert len(records) == 2
     # vLLM's logprob of each sampled token against the trainer's (on the steps that trained
     # on some group: a step whose rewards are all equal has nothing to compare)
     diffs = [r["mismatch/logprob_diff_max"] for r in records if "mismatch/logprob_diff_max" in r]
     assert diffs and max(diffs) < 1e-3, diffs
+    assert all("kl/k1" in r for r in records if "mismatch/logprob_diff_max" in r)

@@ -2,7 +2,8 @@
 ranks stop with an error naming the generator rank instead of hanging, and the run resumes
 from its last checkpoint on a fresh world and finishes (that a resumed run equals one that
 never stopped is tested for colocated runs in tests/rl/ and tests/distributed/test_rl_spmd.py;
-this resume goes through the same checkpoint code)."""
+this resume goes through the same checkpoint code). The run has a KL penalty: the fresh
+generator rank loads the saved reference again."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 
 from temper.distributed.placement import Placement
 from temper.rl.job import RLJob
-from temper.sampler import generator_rank
+from temper.sampler import generator_rank, remote
 from tests.distributed.rl_runs import skip_plots
 from tests.distributed.spawn import _entry, free_port, spawn
 from tests.rl.conftest import comparable_metrics, tiny_rl_config
@@ -23,7 +24,9 @@ CALLS_BEFORE_DYING = 3  # the warm-up's evaluation, RL steps 0 and 1 (2 trainer 
 
 
 def rl_config() -> RLJob.Config:
-    config = tiny_rl_config(steps=4, prompts_per_step=4, eval_every=10, eval_problems=8)
+    config = tiny_rl_config(
+        steps=4, prompts_per_step=4, eval_every=10, eval_problems=8, kl_coef=0.05
+    )
     config.warmup.steps = 2
     config.checkpoint_every = 3  # after the warm-up and RL step 0
     config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, timeout_s=60)
@@ -37,8 +40,8 @@ def _dying_run(rank: int, run_dir) -> str | None:
     calls = []
 
     def answer_then_die(self, call):
-        calls.append(call)
-        if len(calls) > CALLS_BEFORE_DYING * 2:
+        calls.append(isinstance(call, remote.GenerateCall))  # not the reference's scores
+        if sum(calls) > CALLS_BEFORE_DYING * 2:
             os._exit(17)  # as if the process were killed: no goodbye on any link
         return answer(self, call)
 
@@ -84,6 +87,8 @@ def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(t
     spawn(_resumed_run, world_size=3, out_dir=tmp_path / "resumed", args=(run_dir,))
     steps = [record["step"] for record in comparable_metrics(run_dir)]
     assert steps == list(range(2 + 4))  # each step once: the failed run's tail was cut
+    resumed = [r for r in comparable_metrics(run_dir) if r["step"] >= 3]
+    assert any("kl/k1" in record for record in resumed)  # scored on the reloaded reference
     assert json.loads((run_dir / "run_state" / "state.json").read_text())["step"] == 6
 
 

@@ -276,15 +276,16 @@ def test_overlap_sync_adds_a_copy_of_the_weights_on_each_generator_rank():
     assert overlap.role("trainer") == plain.role("trainer")
 
 
-def test_a_disaggregated_kl_reference_sits_on_every_trainer_rank():
-    """The job scores the KL reference in a local engine on each trainer rank."""
+def test_a_disaggregated_kl_reference_sits_on_the_generator_ranks_without_a_kv_cache():
+    """The generator ranks load the KL reference as whole weights that only score."""
     split = {"placement": "disaggregated", "generator_ranks": 4}
     plain, with_kl = plan_memory(_big(**split)), plan_memory(_big(**split, kl_reference=True))
-    assert with_kl.role("generator").steady_bytes == plain.role("generator").steady_bytes
-    reference = _rows(with_kl, "trainer")["KL reference sampler (local)"]
-    generator = _rows(plain, "generator")
-    assert generator["generator weights"] < reference < 2 * generator["generator weights"]
-    assert with_kl.role("trainer").steady_bytes == plain.role("trainer").steady_bytes + reference
+    assert with_kl.role("trainer") == plain.role("trainer")
+    reference = _rows(with_kl, "generator")["KL reference weights"]
+    assert reference == _rows(plain, "generator")["generator weights"]
+    assert (
+        with_kl.role("generator").steady_bytes == plain.role("generator").steady_bytes + reference
+    )
 
 
 def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
