@@ -18,6 +18,10 @@ process groups both roles use (torch makes groups collectively over the whole wo
 - one link per (trainer rank, generator rank) pair that exchange sample requests (gloo).
   Trainer rank t sends to the generators `t, t + T, t + 2T, ...` (mod G when there are fewer
   generators than trainers), so every generator serves and every trainer is served.
+
+With `generator_tp` > 1 (vLLM's tensor parallelism), the generator ranks come in groups of
+that many: the first of each group is the one the channels and links reach, and runs the
+engine over the group's devices; the others only lend it theirs (`Roles.device_lenders`).
 """
 
 from __future__ import annotations
@@ -57,10 +61,18 @@ class Roles:
     links: tuple[Link, ...]
     """This rank's request links (a trainer's to its generators, a generator's to its
     trainers)."""
+    device_lenders: tuple[int, ...] = ()
+    """Generator ranks that run no engine: each lends its device to the tensor-parallel
+    engine of the generator rank before it (generator_tp > 1)."""
 
     @property
     def is_generator(self) -> bool:
-        return self.rank in self.generator_ranks
+        """A rank of the generator side (one that runs an engine, or lends it a device)."""
+        return self.rank in self.generator_ranks or self.rank in self.device_lenders
+
+    @property
+    def lends_device(self) -> bool:
+        return self.rank in self.device_lenders
 
     @property
     def trainer_ranks(self) -> tuple[int, ...]:
@@ -81,8 +93,9 @@ class Placement(Configurable):
         generator_ranks: int = 1
         """Disaggregated: how many ranks generate (the last ones of the world)."""
         generator_tp: int = 1
-        """Tensor-parallel degree of each generator (1: every generator rank holds whole
-        weights; Temper's engine has no tensor parallelism)."""
+        """Disaggregated: ranks (devices) each generator engine spans with tensor parallelism
+        (vLLM only: Temper's engine has none). The first rank of each group of
+        `generator_tp` runs the engine over the group's devices; the others lend it theirs."""
         bucket_mb: float = 256.0
         """Weight sync: the most MiB of weights sent at once (a larger tensor is split by rows)."""
         transfer_dtype: Literal["float32", "bfloat16"] | None = None
@@ -106,10 +119,16 @@ class Placement(Configurable):
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"Placement.Config.{name} must be an int >= 1, got {value!r}")
-            if self.generator_tp != 1:
+            if self.mode == "colocated" and self.generator_tp != 1:
                 raise ValueError(
-                    f"Placement.Config.generator_tp={self.generator_tp}: Temper's generator "
-                    "has no tensor parallelism; use 1 (each generator rank holds whole weights)"
+                    f"Placement.Config.generator_tp={self.generator_tp} is for mode "
+                    "'disaggregated' (colocated ranks each run a whole generator)"
+                )
+            if self.generator_ranks % self.generator_tp:
+                raise ValueError(
+                    f"Placement.Config.generator_tp={self.generator_tp} must divide "
+                    f"generator_ranks={self.generator_ranks} (each engine spans generator_tp "
+                    "ranks)"
                 )
             if not isinstance(self.overlap_sync, bool):
                 raise ValueError(
@@ -153,7 +172,10 @@ class Placement(Configurable):
         assert self.disaggregated, "split() is for a disaggregated placement"
         timeout = timedelta(seconds=self.config.timeout_s)
         trainers = tuple(range(self.num_trainers))
-        generators = tuple(range(self.num_trainers, self.world_size))
+        tp = self.config.generator_tp
+        everyone = range(self.num_trainers, self.world_size)
+        generators = tuple(everyone[::tp])  # each runs an engine over its group's devices
+        lenders = tuple(rank for rank in everyone if rank not in generators)
         world = TrainerWorld(
             ranks=trainers,
             group=dist.new_group(list(trainers), timeout=timeout),
@@ -180,6 +202,7 @@ class Placement(Configurable):
             generator_ranks=generators,
             weight_channels=tuple(channels),
             links=tuple(links),
+            device_lenders=lenders,
         )
 
 

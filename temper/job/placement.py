@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -65,10 +66,24 @@ def serve_generator(
 ) -> None:
     """Run this generator rank until the trainer ranks are done (`on_start(model config)`
     once it knows the model). vLLM runs in its own engine process: in this one it would
-    join the job's process group as if it were its own."""
+    join the job's process group as if it were its own. With `generator_tp` > 1 it spans
+    this rank's device and the next ranks' (which lend them: they return at once)."""
+    tp = placement.generator_tp
+    if roles.lends_device:
+        print(
+            f"generator rank {roles.rank}: lends its device to the tensor-parallel engine of "
+            f"rank {max(r for r in roles.generator_ranks if r < roles.rank)} (tp {tp})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     if generator.backend == "vllm":
-        vllm = dataclasses.replace(generator.vllm, engine_process="separate")
+        vllm = dataclasses.replace(
+            generator.vllm, engine_process="separate", tensor_parallel_size=tp
+        )
         generator = dataclasses.replace(generator, vllm=vllm)
+        if tp > 1 and torch.device(device).type == "cuda":
+            _lend_group_devices(tp)
     GeneratorRank(
         roles=roles,
         engine=rank_sampler(sampler),
@@ -78,6 +93,23 @@ def serve_generator(
         on_start=on_start,
         load_reference=functools.partial(_load_reference, device=rank_device(device)),
     ).serve()
+
+
+def _lend_group_devices(tp: int) -> None:
+    """vLLM's processes (started by this rank) see this rank's GPU and the next `tp - 1`
+    local ranks' (torchrun gives local rank i GPU i; the group must sit on one node)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", str(torch.cuda.device_count())))
+    if local_rank + tp > local_ranks:
+        raise ValueError(
+            f"Placement.Config.generator_tp={tp}: the engine of local rank {local_rank} would "
+            f"span local ranks {local_rank}..{local_rank + tp - 1}, past this node's "
+            f"{local_ranks}; a tensor-parallel group must sit on one node (make "
+            "generator_ranks per node a multiple of generator_tp)"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(local_ranks)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local_rank : local_rank + tp])
 
 
 def _load_reference(directory: str, dtype: torch.dtype, *, device: torch.device) -> nn.Module:

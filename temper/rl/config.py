@@ -176,6 +176,17 @@ def _check_config(config: RLJobConfig) -> None:
             f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "
             "must fit the sampler's cache"
         )
+    placement, generator = config.placement, config.generator
+    if placement.generator_tp > 1 and generator.backend != "vllm":
+        raise ValueError(
+            f"{name}.placement.generator_tp={placement.generator_tp} needs "
+            f"{name}.generator.backend='vllm' (Temper's engine has no tensor parallelism)"
+        )
+    if placement.mode == "disaggregated" and generator.vllm.tensor_parallel_size != 1:
+        raise ValueError(
+            f"{name}.generator.vllm.tensor_parallel_size is set by the placement on generator "
+            f"ranks: use {name}.placement.generator_tp (--placement.generator_tp) instead"
+        )
     if config.sleep_generator and config.mode != "sync":
         raise ValueError(
             f"{name}.sleep_generator needs mode='sync': in mode='async' sampling runs while "

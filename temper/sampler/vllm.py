@@ -24,7 +24,10 @@ vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weight
 (`_refresh_output_layer` rebuilds it; tests/sampler/test_vllm.py fails without it). vLLM's
 CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
 original is put back after the engine is built, since the trainer in this process sets its
-own thread counts; so are the global random generators vLLM seeds.
+own thread counts; so are the global random generators vLLM seeds. With tensor parallelism on
+CPU, vLLM binds each worker to its own cores, which it takes from NUMA nodes unless told: on a
+machine with fewer NUMA nodes than workers, the cores this process may use are split between
+them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, unless already set).
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
         if not self._inline:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if config.tensor_parallel_size > 1 and _dtype_device(model).type == "cpu":
+            _bind_cpu_workers(config.tensor_parallel_size)
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):
@@ -458,3 +463,27 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.start)
+
+
+def _dtype_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _bind_cpu_workers(num_workers: int) -> None:
+    """Give each of vLLM's CPU workers its own block of this process's cores (see the
+    module docstring), unless the user bound them."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) >= num_workers:
+        return  # vLLM binds a worker per NUMA node
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < num_workers:
+        raise ValueError(
+            f"VllmGenerator.Config.tensor_parallel_size={num_workers} needs a CPU core per "
+            f"worker; this process may use {len(cores)}"
+        )
+    size = len(cores) // num_workers
+    blocks = [cores[index * size : (index + 1) * size] for index in range(num_workers)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(str(core) for core in block) for block in blocks
+    )

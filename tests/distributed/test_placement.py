@@ -27,7 +27,11 @@ ENGINE = SamplerEngine.Config(max_batch=8, max_seq_len=32)
     [
         ({"mode": "split"}, "mode must be 'colocated' or 'disaggregated'"),
         ({"generator_ranks": 0}, "generator_ranks must be an int >= 1"),
-        ({"generator_tp": 2}, "no tensor parallelism"),
+        ({"generator_tp": 2}, "generator_tp=2 is for mode 'disaggregated'"),
+        (
+            {"mode": "disaggregated", "generator_ranks": 3, "generator_tp": 2},
+            "generator_tp=2 must divide generator_ranks=3",
+        ),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
         ({"timeout_s": -1}, "timeout_s must be > 0"),
         ({"overlap_sync": "yes"}, "overlap_sync must be true or false"),

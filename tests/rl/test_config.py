@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from temper.distributed.placement import Placement
 from temper.rl.job import RLJob
+from temper.sampler.generator import GeneratorChoice
+from temper.sampler.vllm import VllmGenerator
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -22,6 +25,23 @@ from temper.trainer.sharding import Sharding
         ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine'"),
         ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
         ({"sleep_generator": True, "mode": "async"}, "sleep_generator needs mode='sync'"),
+        (
+            {
+                "placement": Placement.Config(
+                    mode="disaggregated", generator_ranks=2, generator_tp=2
+                )
+            },
+            r"placement.generator_tp=2 needs RLJob.Config.generator.backend='vllm'",
+        ),
+        (
+            {
+                "placement": Placement.Config(mode="disaggregated"),
+                "generator": GeneratorChoice.Config(
+                    backend="vllm", vllm=VllmGenerator.Config(tensor_parallel_size=2)
+                ),
+            },
+            "tensor_parallel_size is set by the placement on generator ranks",
+        ),
         (
             {"trainer": TrainerEngine.Config(sharding=Sharding.Config())},
             r"trainer.sharding is set by the loop on several ranks; configure it through "
