@@ -23,7 +23,7 @@ from temper.api.futures import APIFuture, Worker
 from temper.api.prompt_targets import PromptTargets
 from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from temper.client.weight_sync import Snapshot
-from temper.sampler.generator import Generator
+from temper.sampler.generator import Generator, score_each_alone
 from temper.sampler.requests import SampleRequest
 from temper.tokenizer import Tokenizer
 
@@ -84,7 +84,8 @@ class SamplingClient:
     def batch(self) -> Iterator[None]:
         """`sample` calls inside the block decode as one batch, sent when the block ends
         (without it, the first may start alone while the rest are still being sent, and its
-        logprobs then round differently). Read no result inside the block."""
+        logprobs then round differently); `compute_logprobs` calls likewise go as one.
+        Read no result inside the block."""
         with self._worker.batch():
             yield
 
@@ -105,7 +106,9 @@ class SamplingClient:
                     f"vocabulary; valid ids are 0..{vocab_size - 1}"
                 )
             return self._worker.submit(lambda: [None])
-        return self._worker.submit(self._compute_logprobs, tokens)
+        # Concurrent calls go in one batch, each sequence still scored alone (the same
+        # numbers whatever the timing); a generator on other ranks answers them in one trip.
+        return self._worker.submit_batched((self, "logprobs"), tokens, self._compute_logprobs)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -124,6 +127,7 @@ class SamplingClient:
         with self._snapshot.reading(requests=requests) as engine:
             return engine.generate(requests)
 
-    def _compute_logprobs(self, tokens: list[int]) -> list[float | None]:
+    def _compute_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
         with self._snapshot.reading() as engine:
-            return [None, *engine.score([tokens])[0].tolist()]
+            scores = score_each_alone(engine, sequences)
+        return [[None, *score.tolist()] for score in scores]

@@ -81,6 +81,18 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
+def score_each_alone(
+    generator: Generator, sequences: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """`score` of each sequence as if it were alone (a batch's padding would round the
+    numbers differently). A generator whose calls are round trips to other ranks does it in
+    one call where it can (its `score_alone`)."""
+    score_alone = getattr(generator, "score_alone", None)
+    if score_alone is not None:
+        return score_alone(sequences)
+    return [generator.score([sequence])[0] for sequence in sequences]
+
+
 class GeneratorChoice(Configurable):
     """Which generator backend sampling clients get, and the vLLM backend's settings."""
 

@@ -259,12 +259,15 @@ class GeneratorRank:
                 if self._ended is not None:
                     return Failure("RuntimeError", self._ended)
                 assert self._reference is not None
-                result = score_sequences(
-                    self._reference,
-                    call.sequences,
-                    temperature=call.temperature,
-                    max_tokens=self._engine_config.max_score_tokens,
-                )
+                result = [
+                    score_sequences(
+                        self._reference,
+                        [sequence],
+                        temperature=call.temperature,
+                        max_tokens=self._engine_config.max_score_tokens,
+                    )[0]
+                    for sequence in call.sequences
+                ]
                 return Answer(version=self._version, result=result)
             except ValueError as error:
                 return Failure("ValueError", str(error))

@@ -71,7 +71,8 @@ class ScoreCall:
 
 @dataclass(frozen=True)
 class ReferenceScoreCall:
-    """Score on the generator's KL reference (`Reference`), which has no version."""
+    """Score on the generator's KL reference (`Reference`), which has no version; each
+    sequence alone, as one `compute_logprobs` call would be."""
 
     sequences: list[list[int]]
     temperature: float
@@ -370,10 +371,14 @@ class RemoteReference:
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
     ) -> list[torch.Tensor]:
+        """Each sequence is scored alone on the generator rank (`score_alone`)."""
         return self._links.call(
             [list(sequence) for sequence in sequences],
             lambda part: ReferenceScoreCall(sequences=part, temperature=temperature),
         )
+
+    def score_alone(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return self.score(sequences)
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         raise ValueError("a KL reference keeps the weights it was loaded with")

@@ -220,6 +220,19 @@ def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, 
     assert good.result().sequences[0].tokens
 
 
+def test_concurrent_logprobs_share_a_call_and_equal_lone_ones(service):
+    client = service.create_training_client("tiny")
+    sampler = client.save_weights_and_get_sampling_client()
+    prompts = [ModelInput.from_ints([1 + i, 2, 3 + 2 * i, 4][: 2 + i % 3]) for i in range(5)]
+    alone = [sampler.compute_logprobs(prompt).result() for prompt in prompts]
+    with sampler.batch():  # one batch, whatever the timing
+        futures = [sampler.compute_logprobs(prompt) for prompt in prompts]
+        bad = sampler.compute_logprobs(ModelInput.from_ints([1, 10_000]))
+    assert [future.result() for future in futures] == alone  # bitwise: each scored alone
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        bad.result()  # and the others did not fail with it
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"device='cuda'.*no CUDA device"):
