@@ -46,11 +46,13 @@ def kl_estimate(log_ratio_N: torch.Tensor, *, estimator: KLEstimator) -> torch.T
 def submit_reference_logprobs(
     reference_client, trajectories: Sequence[Trajectory]
 ) -> list[APIFuture]:
-    """One `compute_logprobs` request per trajectory, all sent before any is read."""
-    return [
-        reference_client.compute_logprobs(ModelInput.from_ints(t.prompt + t.completion))
-        for t in trajectories
-    ]
+    """One `compute_logprobs` request per trajectory, all sent before any is read, as one
+    batch (on generator ranks: one round trip)."""
+    with reference_client.batch():
+        return [
+            reference_client.compute_logprobs(ModelInput.from_ints(t.prompt + t.completion))
+            for t in trajectories
+        ]
 
 
 @dataclass(frozen=True)
