@@ -95,6 +95,31 @@ def run_recipe(module: str, *, server: ServerProcess, cwd: Path, args: dict[str,
     return run_cookbook(["-m", module, *arguments], server=server, cwd=cwd)
 
 
+# Runs `python ARGUMENTS` (a script, or -m module) and then leaves without the interpreter's
+# shutdown: the SDK's daemon threads can still hold stderr then, and CPython aborts (SIGABRT,
+# "could not acquire lock ... at interpreter shutdown") after the recipe has finished.
+EXIT_WITHOUT_SHUTDOWN = """
+import os, runpy, sys
+code = 0
+try:
+    if sys.argv[1] == "-m":
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exit:
+    code = exit.code if isinstance(exit.code, int) else (exit.code is not None)
+except BaseException:
+    import traceback
+    traceback.print_exc()
+    code = 1
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 def run_cookbook(arguments: list[str], *, server: ServerProcess, cwd: Path) -> str:
     """Run `python ARGUMENTS` with the SDK pointed at `server` and no network; its output."""
     no_proxy = "127.0.0.1,localhost"
@@ -108,7 +133,7 @@ def run_cookbook(arguments: list[str], *, server: ServerProcess, cwd: Path) -> s
         **{name: no_proxy for name in ("NO_PROXY", "no_proxy")},
     }
     result = subprocess.run(
-        [sys.executable, *arguments],
+        [sys.executable, "-c", EXIT_WITHOUT_SHUTDOWN, *arguments],
         cwd=cwd,
         env=env,
         capture_output=True,
