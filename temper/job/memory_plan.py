@@ -425,7 +425,11 @@ class _Rows:
             rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv))
         elif settings.kl_reference:  # whole weights that only score: no KV cache
             whole = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
-            item = f"KL reference weights, whole {self.generator_dtype}: scores only, no KV cache"
+            where = " on each engine's first rank" if tp > 1 else ""
+            item = (
+                f"KL reference weights, whole {self.generator_dtype}{where}: scores only, "
+                "no KV cache"
+            )
             rows.append(PlanRow(item=item, num_bytes=whole))
         return rows
 
