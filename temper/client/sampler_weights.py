@@ -170,6 +170,17 @@ def load_sampler_weights(
     return load_sampler_directory(directory, name=str(parsed), device=device, dtype=dtype)
 
 
+def sampler_vocab_size(directory: Path) -> int:
+    """Vocabulary size of the model a sampler checkpoint directory holds, read without its
+    weights (a LoRA checkpoint has no config.json: its base model's)."""
+    info = json.loads((directory / SAMPLER_FILE).read_text())
+    if info["lora"] is None:
+        source = ModelSource.Config(path=str(directory))
+    else:
+        source = resolve_base_model(info["base_model"], device="cpu", dtype="float32")
+    return dataclasses.replace(source, weights="deferred").build().model.config.vocab_size
+
+
 def load_sampler_directory(
     directory: Path, *, name: str, device: str, dtype: str
 ) -> SamplerWeights:

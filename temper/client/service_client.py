@@ -22,6 +22,7 @@ from temper.client.sampler_weights import (
     SamplerWeights,
     load_sampler_weights,
     resolve_base_model,
+    sampler_vocab_size,
 )
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase, SharedBases
@@ -164,7 +165,9 @@ class ServiceClient:
                 f"tinker://{parsed.run_id}/sampler_weights/<name> (from save_weights_for_sampler)"
             )
         reference = self.remote.load_reference(
-            str(directory.resolve()), dtype=parse_dtype(self.dtype)
+            str(directory.resolve()),
+            dtype=parse_dtype(self.dtype),
+            vocab_size=sampler_vocab_size(directory),
         )
         return SamplingClient(
             snapshot=Snapshot(engine=reference, version=reference.version),

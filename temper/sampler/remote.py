@@ -30,11 +30,9 @@ checkpoint.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -437,14 +435,15 @@ class RemoteGenerators:
         )
         return self.generator
 
-    def load_reference(self, directory: str, *, dtype: torch.dtype) -> RemoteReference:
+    def load_reference(
+        self, directory: str, *, dtype: torch.dtype, vocab_size: int
+    ) -> RemoteReference:
         """The generator ranks load the sampler weights saved in `directory` (a path every
         rank sees) in `dtype`, as a KL reference that scores sequences; its generator here
         (collective over the trainer ranks, before or after `connect`)."""
         if self._lead:
             _control(self.roles, Reference(directory=directory, dtype=dtype))
-        config = json.loads((Path(directory) / "config.json").read_text())
-        return RemoteReference(self._links, name=directory, vocab_size=config["vocab_size"])
+        return RemoteReference(self._links, name=directory, vocab_size=vocab_size)
 
     def close(self) -> None:
         """Every trainer rank calls it once at the end (also when nothing was sampled): its

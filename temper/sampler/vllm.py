@@ -150,7 +150,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
         if not self._inline:
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        if config.tensor_parallel_size > 1 and _dtype_device(model).type == "cpu":
+        if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
             _bind_cpu_workers(config.tensor_parallel_size)
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
@@ -465,7 +465,7 @@ class _DropMessage(logging.Filter):
         return not record.getMessage().startswith(self.start)
 
 
-def _dtype_device(model: nn.Module) -> torch.device:
+def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 

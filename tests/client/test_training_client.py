@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from temper.client.sampler_weights import sampler_vocab_size
 from temper.models.common.logprobs import forward_logprobs
 
 ADAM = AdamParams(learning_rate=1e-2)
@@ -161,6 +162,10 @@ def test_saved_sampler_weights_load_in_a_new_sampling_client(service, lora):
         torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
     )
     assert from_disk.get_tokenizer().encode("12=") == client.get_tokenizer().encode("12=")
+    # What a KL reference on generator ranks is told of it, read without its weights (a LoRA
+    # checkpoint has no config.json).
+    _, directory = service.storage.existing(path)
+    assert sampler_vocab_size(directory) == client.engine.model.config.vocab_size
 
 
 def test_info_and_base_models(service, tmp_path):
