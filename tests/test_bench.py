@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from temper.sampler.cpu.decoding import CpuDecoding
+
 ROOT = Path(__file__).parents[1]
 
 
@@ -80,7 +82,8 @@ def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
     report = run_bench("sampler.py", *flags, tmp_path=tmp_path)
     (case,) = report["cases"]
     assert case["batch"] == 1 and case["hf_tokens_per_s"] > 0
-    assert case["temper_cpu_processes"] == 1  # the engine's default
+    # The engine's default: a process per core (batch 1 never splits, so none starts).
+    assert case["temper_cpu_processes"] == CpuDecoding.Config().num_processes()
     assert case["rl_job_threads"] == 1  # RLJobConfig().sampler.cpu
     assert case["speedup_vs_hf"] == case["temper_speedup_vs_hf"] > 0
     assert case["rl_job_speedup_vs_hf"] > 0

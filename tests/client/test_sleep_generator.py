@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from temper.api import AdamParams, Datum, ModelInput, SamplingParams
 from temper.client.service_client import ServiceClient
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 
 TOKENS = [1, 2, 3, 4, 5, 6]
@@ -13,7 +14,9 @@ TOKENS = [1, 2, 3, 4, 5, 6]
 def _run(tmp_path, *, sleep: bool) -> dict:
     service = ServiceClient(
         storage_dir=tmp_path / f"sleep-{sleep}",
-        sampler=SamplerEngine.Config(max_batch=8, max_seq_len=32),
+        sampler=SamplerEngine.Config(
+            max_batch=8, max_seq_len=32, cpu=CpuDecoding.Config(processes=1)
+        ),
         sleep_generator=sleep,
     )
     client = service.create_training_client("tiny")

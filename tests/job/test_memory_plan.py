@@ -23,6 +23,7 @@ from temper.job.memory_plan import (
 )
 from temper.models import materialize
 from temper.models.lora import apply_lora
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.trainer import LoraConfig
 from tests.distributed import training
@@ -126,7 +127,9 @@ def test_kv_cache_is_what_the_engine_allocates(batch, max_batch):
         decoder=config,
     )
     model = materialize(config, dtype="bfloat16")
-    engine = SamplerEngine.Config(max_batch=max_batch or batch, max_seq_len=96).build(model=model)
+    engine = SamplerEngine.Config(
+        max_batch=max_batch or batch, max_seq_len=96, cpu=CpuDecoding.Config(processes=1)
+    ).build(model=model)
     assert _rows(plan)["KV cache"] == engine.cache.nbytes
 
 

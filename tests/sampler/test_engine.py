@@ -11,9 +11,13 @@ import torch
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import forward_logprobs
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.reference import greedy_decode
 from temper.tokenizer import build_builtin_tokenizer
+
+ONE_PROCESS = CpuDecoding.Config(processes=1)
+"""The engine alone: these tests read its own state (cache, slots, decode path)."""
 
 VOCAB = 31
 
@@ -32,7 +36,9 @@ def model():
 
 
 def _engine(model, **config):
-    return SamplerEngine.Config(**{"max_batch": 8, "max_seq_len": 96, **config}).build(model=model)
+    return SamplerEngine.Config(
+        **{"max_batch": 8, "max_seq_len": 96, "cpu": ONE_PROCESS, **config}
+    ).build(model=model)
 
 
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [2, 2, 2, 2, 2], [5, 6], [30, 0, 1]]
@@ -159,7 +165,7 @@ def test_more_samples_than_slots_share_one_prefill(model, monkeypatch):
 def test_stop_token_ids_eos_and_empty_stop():
     tokenizer = build_builtin_tokenizer("letters")
     model = _model(vocab_size=tokenizer.vocab_size)
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=64).build(
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu=ONE_PROCESS).build(
         model=model, tokenizer=tokenizer
     )
     prompt = tokenizer.encode("hello")
@@ -173,7 +179,7 @@ def test_stop_token_ids_eos_and_empty_stop():
     assert stopped.sequences[0].tokens == tokens[: first + 1]
     assert stopped.sequences[0].stop_reason == "stop"
 
-    eos_engine = SamplerEngine.Config(max_batch=4, max_seq_len=64).build(
+    eos_engine = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu=ONE_PROCESS).build(
         model=model, tokenizer=dataclasses.replace(_FakeEos(), eos_token_id=stop_token)
     )
     at_eos = eos_engine.sample(prompt, SamplingParams(max_tokens=20, temperature=0))
@@ -190,7 +196,7 @@ class _FakeEos:
 def test_stop_string_spanning_tokens_is_included_and_ends_generation():
     tokenizer = build_builtin_tokenizer("letters")
     model = _model(vocab_size=tokenizer.vocab_size, seed=8)
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=64).build(
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu=ONE_PROCESS).build(
         model=model, tokenizer=tokenizer
     )
     prompt = tokenizer.encode("Once")
@@ -278,7 +284,7 @@ def test_bf16_engine_logprobs_track_its_own_scoring():
 
 
 def test_cache_memory_is_known_up_front(model):
-    config = SamplerEngine.Config(max_batch=16, max_seq_len=128)
+    config = SamplerEngine.Config(max_batch=16, max_seq_len=128, cpu=ONE_PROCESS)
     expected = config.kv_cache_bytes(model.config, dtype=torch.float32)
     # 2 (k and v) x 4 layers x 16 slots x 2 kv heads x 128 positions x 32 dims x 4 bytes
     assert expected == 2 * 4 * 16 * 2 * 128 * 32 * 4

@@ -13,7 +13,11 @@ from temper import ModelInput, SamplingParams, ServiceClient
 from temper.api import PromptTargets
 from temper.models import materialize, qwen3_size
 from temper.sampler import prompt_scoring
+from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
+
+ONE_PROCESS = CpuDecoding.Config(processes=1)
+"""The engine alone: these tests read its own state (cache, slots, decode path)."""
 
 VOCAB = 31
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0)
@@ -27,7 +31,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return SamplerEngine.Config(max_batch=8, max_seq_len=64).build(model=model)
+    return SamplerEngine.Config(max_batch=8, max_seq_len=64, cpu=ONE_PROCESS).build(model=model)
 
 
 def full_forward_logprobs(model, prompt) -> torch.Tensor:

@@ -63,13 +63,14 @@ class CpuDecoding(Configurable, Decoding):
         split step was slower, docs/sampler.md)."""
         decode_shard_min_rows: int = 16
         """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
-        processes: int | Literal["auto"] = 1
+        processes: int | Literal["auto"] = "auto"
         """Generate calls split their requests over up to this many processes: the
         engine's own and helpers started on first use, each with its own KV cache, reading
         the same weights through shared memory (see helper_processes.py). Tokens are those
-        of one process (logprobs to float rounding, as with any batch composition). 'auto':
-        one per core this process may run on. Only calls with at least process_min_rows
-        samples per part split."""
+        of one process (logprobs to float rounding, as with any batch composition). 'auto'
+        (the default): one per core this process may run on. Only calls with at least
+        process_min_rows samples per part split, so small calls never start a helper; 1:
+        never split."""
         process_min_rows: int = 16
         """With processes > 1, the fewest samples per process worth splitting a call for."""
 

@@ -29,12 +29,15 @@ child interpreters that import only this module (helper_launch.py): not forked (
 has threads and OpenMP pools), and unlike multiprocessing's spawn they never re-run the
 parent's `__main__`, so scripts need no `if __name__ == "__main__":` guard. A helper that
 cannot start, cannot take the weights, or dies is dropped with a warning, and
-its share runs in the engine's own process: the call still returns the same results.
+its share runs in the engine's own process: the call still returns the same results. So do
+weights too large for the shared-memory filesystem's free space (checked before they move:
+writing past its end would kill the process with SIGBUS, not raise).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -125,8 +128,12 @@ class HelperProcesses:
 
         The requests must be validated and seeded already (see the module docstring)."""
         remote = parts[1:]
+        try:
+            weights = self._weights_message(model, generation=generation, version=version)
+        except _NoRoomToShare as error:
+            self._fail(str(error))
+            return [response for part in parts for response in local(part)]
         self._grow(len(remote))
-        weights = self._weights_message(model, generation=generation, version=version)
         sent: list[tuple[ChildProcess, Sequence[SampleRequest]]] = []
         leftover: list[Sequence[SampleRequest]] = []
         for helper, part in zip(self._helpers, remote, strict=False):
@@ -194,6 +201,7 @@ class HelperProcesses:
             return (None, version)
         # Sending shares each tensor's storage; the first time, that moves it into shared
         # memory (new pointers, same values). Move them now so the record below is final.
+        _check_room_to_share(tensors)
         for tensor in tensors:
             tensor.share_memory_()
         self._sent = _WeightsSent(
@@ -211,6 +219,38 @@ class HelperProcesses:
             )
         self._failed = True
         self.close()
+
+
+SHARED_MEMORY_DIR = "/dev/shm"
+"""Where torch puts the storage it shares (Linux); a container's is often only 64 MiB."""
+
+
+class _NoRoomToShare(RuntimeError):
+    pass
+
+
+def _check_room_to_share(tensors: list[torch.Tensor]) -> None:
+    """Raise `_NoRoomToShare` if the tensors' storage not yet shared would not fit in the
+    shared-memory filesystem: past its end, writing into a shared page kills the process with
+    SIGBUS instead of raising."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    needed = sum(s.nbytes() for s in storages.values() if not s.is_shared())
+    free = shared_memory_free_bytes()
+    if free is not None and needed > free:
+        raise _NoRoomToShare(
+            f"the weights need {needed / 2**20:.0f} MiB of shared memory to reach helper "
+            f"processes, and {SHARED_MEMORY_DIR} has {free / 2**20:.0f} MiB free (in a "
+            "container, raise it: docker run --shm-size)"
+        )
+
+
+def shared_memory_free_bytes() -> int | None:
+    """Free bytes of the shared-memory filesystem; None where there is none to check."""
+    try:
+        stats = os.statvfs(SHARED_MEMORY_DIR)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 def _pointers(tensors: list[torch.Tensor]) -> tuple[int, ...]:

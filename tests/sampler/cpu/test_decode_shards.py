@@ -36,7 +36,7 @@ def _generate(model, requests, *, decode_shards, max_batch=12):
     engine = SamplerEngine.Config(
         max_batch=max_batch,
         max_seq_len=64,
-        cpu=CpuDecoding.Config(decode_shards=decode_shards, num_threads=1),
+        cpu=CpuDecoding.Config(decode_shards=decode_shards, num_threads=1, processes=1),
     ).build(model=model)
     return engine, engine.generate(requests)
 
@@ -130,7 +130,7 @@ def test_bf16_packed_decode_with_shards():
 
 def test_shards_run_on_worker_threads_under_inference_mode(model):
     engine = SamplerEngine.Config(
-        max_batch=8, max_seq_len=32, cpu=CpuDecoding.Config(decode_shards=2)
+        max_batch=8, max_seq_len=32, cpu=CpuDecoding.Config(decode_shards=2, processes=1)
     ).build(model=model)
     seen = []
     original = engine._decode_rows
@@ -167,7 +167,7 @@ def test_auto_splits_by_threads_and_rows_per_shard():
 def test_auto_follows_the_engine_thread_setting(model):
     def engine(num_threads):
         cpu = CpuDecoding.Config(
-            decode_shards="auto", decode_shard_min_rows=4, num_threads=num_threads
+            decode_shards="auto", decode_shard_min_rows=4, num_threads=num_threads, processes=1
         )
         return SamplerEngine.Config(max_batch=8, max_seq_len=32, cpu=cpu).build(model=model)
 

@@ -47,18 +47,26 @@ def test_bad_cpu_settings_name_the_field_path(field, value, valid):
 def test_the_cpu_settings_are_one_nested_config():
     config = SamplerEngine.Config()
     assert config.cpu == CpuDecoding.Config()
-    assert (config.cpu.processes, config.cpu.decode_shards, config.cpu.num_threads) == (1, 1, None)
+    assert (config.cpu.processes, config.cpu.decode_shards, config.cpu.num_threads) == (
+        "auto",
+        1,
+        None,
+    )
     assert CpuDecoding.Config(processes=3).num_processes() == 3
     assert CpuDecoding.Config(processes="auto").num_processes() >= 1
     with pytest.raises(TypeError, match=r"SamplerEngine\.Config\.cpu must be a CpuDecoding"):
         SamplerEngine.Config(cpu={"processes": 2})
 
 
+ONE = CpuDecoding.Config(processes=1)
+"""The engine alone (its decode path is what these tests read)."""
+
+
 def test_the_decode_path_is_chosen_when_the_engine_is_built():
     model = _model()
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32).build(model=model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE).build(model=model)
     assert isinstance(engine.decoding, CpuDecoding) and engine.decoding.twin == "fused"
-    off = CpuDecoding.Config(fused_projections=False)
+    off = CpuDecoding.Config(fused_projections=False, processes=1)
     engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=off).build(model=model)
     assert engine.decoding.twin == "none"
     assert engine.decoding.decoder(engine.weights) is model
@@ -70,7 +78,7 @@ def test_the_decode_path_is_chosen_when_the_engine_is_built():
 
 def test_a_twin_is_made_again_only_for_a_new_weights_generation():
     model = _model()
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32).build(model=model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE).build(model=model)
     first = engine.decoding.decoder(engine.weights)
     assert isinstance(first, FusedDecoder)
     assert engine.decoding.decoder(engine.weights) is first

@@ -31,7 +31,9 @@ _REQUESTS = [
 
 def _engine(model, *, max_batch=16, max_seq_len=64, **cpu):
     config = SamplerEngine.Config(
-        max_batch=max_batch, max_seq_len=max_seq_len, cpu=CpuDecoding.Config(**cpu)
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+        cpu=CpuDecoding.Config(**{"processes": 1, **cpu}),
     )
     return config.build(model=model)
 

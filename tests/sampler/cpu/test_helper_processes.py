@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
+from temper.sampler.cpu import helper_processes
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.helper_processes import HelperProcesses, _balanced_ranges
 from temper.sampler.cpu.process_split import ProcessSplitSampler
@@ -36,7 +37,7 @@ def _model(tokenizer, *, seed=3):
 
 
 def _engine(model, tokenizer, **cpu):
-    cpu = CpuDecoding.Config(**{"num_threads": 1, "process_min_rows": 4, **cpu})
+    cpu = CpuDecoding.Config(**{"num_threads": 1, "process_min_rows": 4, "processes": 1, **cpu})
     config = SamplerEngine.Config(max_batch=16, max_seq_len=48, cpu=cpu)
     return config.build(model=model, tokenizer=tokenizer)
 
@@ -192,6 +193,21 @@ def test_a_helper_that_dies_is_dropped_with_a_warning_and_its_part_runs_here(tok
         expected, got = _generate_both(single, split, requests, entropy_seed=6)
     _assert_same(got, expected)
     assert split.helpers.num_running == 0
+    assert len(split.helpers.plan(requests)) == 1  # no more splitting
+
+
+def test_weights_too_large_for_shared_memory_stay_here_with_a_warning(tokenizer, monkeypatch):
+    # Past the shared-memory filesystem's end a write into a shared page is SIGBUS, not an
+    # error: the weights must not move there, and the call must still return its results.
+    monkeypatch.setattr(helper_processes, "shared_memory_free_bytes", lambda: 1024)
+    model = _model(tokenizer)
+    single, split = _engine(model, tokenizer), _engine(model, tokenizer, processes=2)
+    requests = _requests(tokenizer)
+    with pytest.warns(RuntimeWarning, match=r"MiB of shared memory .* has 0 MiB free"):
+        expected, got = _generate_both(single, split, requests, entropy_seed=7)
+    _assert_same(got, expected)
+    assert split.helpers.num_running == 0
+    assert not any(p.is_shared() for p in model.parameters())
     assert len(split.helpers.plan(requests)) == 1  # no more splitting
 
 

@@ -34,7 +34,9 @@ def _model(*, seed=5, dtype="bfloat16", tie_embeddings=True):
 
 
 def _engine(model, **cpu):
-    config = SamplerEngine.Config(max_batch=4, max_seq_len=64, cpu=CpuDecoding.Config(**cpu))
+    config = SamplerEngine.Config(
+        max_batch=4, max_seq_len=64, cpu=CpuDecoding.Config(**{"processes": 1, **cpu})
+    )
     return config.build(model=model)
 
 
