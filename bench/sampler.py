@@ -20,10 +20,11 @@ keeps the medians. Prints one JSON line, with the load average before and after.
 
 Every CPU case runs Temper at two settings, side by side with HF in the same rounds:
 - `temper_*` (the headline, `speedup_vs_hf`): the engine's defaults (`SamplerEngine.Config()
-  .cpu`: the process's threads, one process, decode steps unsplit), unless the flags say
-  otherwise: `--tiny-threads 1` is the fastest one-process setting on a 2-core VM,
-  `--decode-shards auto` splits decode steps over the threads, `--cpu-processes N` splits
-  calls over helper processes;
+  .cpu`: a process per core for calls of at least 32 samples, each on its share of the
+  process's threads; smaller calls on all of them in one process; decode steps unsplit),
+  unless the flags say otherwise: `--tiny-threads 1` runs every part on one thread,
+  `--decode-shards auto` splits decode steps over the threads, `--cpu-processes 1` keeps
+  every call in one process;
 - `rl_job_*`: what an RL job samples with (`RLJobConfig().sampler.cpu`: one process per core,
   each on one thread), at the same batch.
 
@@ -315,7 +316,7 @@ def main() -> None:
         default=None,
         type=auto_or_int,
         help="SamplerEngine.Config.cpu.processes for the CPU cases ('auto' or an int; default: "
-        "the engine's default, 1)",
+        "the engine's default, 'auto')",
     )
     parser.add_argument(
         "--batches",
