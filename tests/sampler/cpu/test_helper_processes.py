@@ -5,6 +5,7 @@ through shared memory, bad input, a helper that dies, and how requests are split
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import signal
 import subprocess
@@ -232,6 +233,19 @@ def test_small_calls_and_cuda_settings_do_not_split(pair, tokenizer):
     tiny = [SampleRequest(prompt=[1, 2], num_samples=2)] * 3  # 6 samples < 2 x min rows
     assert len(split.helpers.plan(tiny)) == 1
     assert type(_engine(split.model, tokenizer)) is SamplerEngine  # processes=1: no wrapper
+
+
+def test_by_default_a_cpu_engine_splits_over_a_process_per_core(tokenizer, monkeypatch):
+    model = _model(tokenizer)
+    config = SamplerEngine.Config(max_batch=16, max_seq_len=48)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    sampler = config.build(model=model, tokenizer=tokenizer)
+    assert isinstance(sampler, ProcessSplitSampler) and sampler.helpers.max_helpers == 1
+    # A call under 2 x process_min_rows samples (one prompt, a small group) starts nothing.
+    sampler.sample([1, 2, 3], SamplingParams(max_tokens=2, seed=0), num_samples=8)
+    assert sampler.helpers.num_running == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert type(config.build(model=model, tokenizer=tokenizer)) is SamplerEngine
 
 
 def test_the_engines_part_of_a_split_call_runs_on_its_share_of_the_threads(tokenizer, monkeypatch):
