@@ -17,7 +17,7 @@ import datetime
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 import torch
@@ -116,10 +116,9 @@ class TemperServer(Configurable):
         dtype: Literal["float32", "bfloat16"] = "float32"
         """Parameter dtype."""
         compute_threads: int | None = None
-        """torch intra-op threads for training and sampling with --device cpu. None: one
+        """torch threads, and at most as many sampler processes, with --device cpu. None: one
         fewer than torch's default (OMP_NUM_THREADS, else the physical cores), at least 1, so
-        the HTTP event loop and the clients on this machine keep a core; requests wait on
-        both, and a step spends more on them than the last compute thread saves."""
+        the HTTP event loop and the clients on this machine keep a core (requests wait on it)."""
         poll_seconds: float = 20.0
         """Longest hold of a retrieve_future long poll before answering try_again."""
         result_ttl_s: float = 900.0
@@ -242,16 +241,19 @@ class TemperServer(Configurable):
         if backend is None:
             from temper.client.service_client import ServiceClient
 
+            sampler = config.sampler
             if config.device == "cpu":
                 # Before the backend starts its worker threads: they read this once.
                 torch.set_num_threads(config.cpu_threads())
-
+                # Sampler helper processes ('auto': a core each) keep within those cores.
+                cpu = sampler.cpu.with_auto_processes_at_most(config.cpu_threads())
+                sampler = replace(sampler, cpu=cpu)
             backend = ServiceClient(
                 storage_dir=storage.root,
                 device=config.device,
                 dtype=config.dtype,
                 trainer=config.trainer,
-                sampler=config.sampler,
+                sampler=sampler,
                 generator=config.generator,
                 multi_lora=config.multi_lora,
             )

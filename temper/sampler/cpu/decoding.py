@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -109,6 +109,13 @@ class CpuDecoding(Configurable, Decoding):
                 return self.processes
             affinity = getattr(os, "sched_getaffinity", None)
             return len(affinity(0)) if affinity else os.cpu_count() or 1
+
+        def with_auto_processes_at_most(self, cores: int) -> CpuDecoding.Config:
+            """This config, with 'auto' processes resolved to no more than `cores` (for a
+            caller that keeps cores for other work); an explicit count is kept."""
+            if self.processes != "auto":
+                return self
+            return replace(self, processes=min(cores, self.num_processes()))
 
     def __init__(self, config: Config, *, model: nn.Module, batch_hint: int) -> None:
         """`batch_hint`: the rows a decode step usually has (the engine's slots), which
