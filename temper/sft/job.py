@@ -124,11 +124,12 @@ class SFTJob(Configurable):
         """Most tokens generated per greedy held-out reply."""
         sampler: SamplerEngine.Config = field(
             default_factory=lambda: SamplerEngine.Config(
-                max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1)
+                max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1, processes=1)
             )
         )
         """Temper's engine behind the sampling clients (greedy held-out replies; generator
-        backend 'temper')."""
+        backend 'temper'). One process on CPU: the evaluations are short and far apart, and
+        a helper process's start (1-2 s) would cost a smoke run more than it saves."""
         generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
         """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
         `generator.vllm`)."""
