@@ -302,20 +302,40 @@ def _stopped_run(command: str, *, cwd: Path, env: dict[str, str], where: str) ->
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell's command starts with Ctrl-C at its default; the test process's own
+        # signal state (a thread of an earlier test may have blocked or ignored SIGINT) must
+        # not leak into the run.
+        preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + TIMEOUT_S
     while process.poll() is None and not state.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
+    signals = "(it had already exited)"
     if process.poll() is None:
+        signals = _signal_masks(process.pid)
         process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=TIMEOUT_S)
     result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if process.returncode != 130 or not state.exists():
         note = (
             f"exit status {process.returncode}; expected 130, stopped by Ctrl-C after its first "
-            "checkpoint (a run that finishes first needs more steps)"
+            f"checkpoint (a run that finishes first needs more steps); when signalled: {signals}"
         )
         _fail(_failure(where, f"stopped-run `{command}`", result, note))
+
+
+def _default_sigint() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks (Linux /proc), for a failure."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "(no /proc)"
+    return ", ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def _python_script(chain: list[Block]) -> str:
