@@ -243,11 +243,11 @@ class TemperServer(Configurable):
 
             sampler = config.sampler
             if config.device == "cpu":
+                threads = config.cpu_threads()  # read once: it depends on torch's count
                 # Before the backend starts its worker threads: they read this once.
-                torch.set_num_threads(config.cpu_threads())
+                torch.set_num_threads(threads)
                 # Sampler helper processes ('auto': a core each) keep within those cores.
-                cpu = sampler.cpu.with_auto_processes_at_most(config.cpu_threads())
-                sampler = replace(sampler, cpu=cpu)
+                sampler = replace(sampler, cpu=sampler.cpu.with_auto_processes_at_most(threads))
             backend = ServiceClient(
                 storage_dir=storage.root,
                 device=config.device,

@@ -58,13 +58,13 @@ def test_the_cpu_settings_are_one_nested_config():
         SamplerEngine.Config(cpu={"processes": 2})
 
 
-ONE = CpuDecoding.Config(processes=1)
+ONE_PROCESS = CpuDecoding.Config(processes=1)
 """The engine alone (its decode path is what these tests read)."""
 
 
 def test_the_decode_path_is_chosen_when_the_engine_is_built():
     model = _model()
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE).build(model=model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE_PROCESS).build(model=model)
     assert isinstance(engine.decoding, CpuDecoding) and engine.decoding.twin == "fused"
     off = CpuDecoding.Config(fused_projections=False, processes=1)
     engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=off).build(model=model)
@@ -78,7 +78,7 @@ def test_the_decode_path_is_chosen_when_the_engine_is_built():
 
 def test_a_twin_is_made_again_only_for_a_new_weights_generation():
     model = _model()
-    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE).build(model=model)
+    engine = SamplerEngine.Config(max_batch=4, max_seq_len=32, cpu=ONE_PROCESS).build(model=model)
     first = engine.decoding.decoder(engine.weights)
     assert isinstance(first, FusedDecoder)
     assert engine.decoding.decoder(engine.weights) is first
