@@ -58,9 +58,10 @@ $(VENV)/.installed-vllm: pyproject.toml Makefile $(VENV)/.installed-test
 
 vllm: $(VENV)/.installed-vllm
 
-# The vLLM backend's tests (CPU); .ci/run runs them after `make test`.
+# The vLLM backend's tests (CPU); .ci/run runs them after `make test`. On the same two workers:
+# the 3-minute RL run on vLLM goes beside the other files (4:06 instead of 4:30 on 2 cores).
 test-vllm: $(VENV)/.installed-vllm
-	$(BIN)/python -m pytest -q -m vllm
+	$(BIN)/python -m pytest -q -m vllm -n $(PYTEST_WORKERS) --dist loadfile
 
 # README.md and docs/*.md run as printed (tests/test_docs.py; also part of `make test`).
 docs-check: $(VENV)/.installed-test
