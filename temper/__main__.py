@@ -9,10 +9,25 @@ before temper.cli imports torch. A value already in the environment is kept.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from temper.cli import main
+from temper import cli
+
+
+def main() -> int:
+    """The `temper` command (cli.main); a reader that goes away early (`temper ... | head`)
+    ends it quietly, as it does any other command-line tool."""
+    try:
+        code = cli.main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at devnull so that Python's own flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

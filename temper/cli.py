@@ -18,6 +18,7 @@ import inspect
 import pathlib
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,8 +68,9 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
 
 
 def function_command(fn: Callable[..., int | None], *, name: str) -> Command:
-    """A command whose flags are `fn`'s parameters, described by its docstring's first line."""
-    description = (fn.__doc__ or "").strip().split("\n", 1)[0]
+    """A command whose flags are `fn`'s parameters, described by its docstring's first
+    paragraph."""
+    description = " ".join((fn.__doc__ or "").strip().split("\n\n", 1)[0].split())
     return Command(description=description, run=functools.partial(run_function, fn, name=name))
 
 
@@ -286,7 +288,15 @@ def main(
 
 def _usage(table: dict[str, Command]) -> str:
     width = max(len(name) for name in table)
-    lines = [f"  {name.ljust(width)}  {command.description}" for name, command in table.items()]
+    lines = [
+        textwrap.fill(
+            command.description,
+            width=96,
+            initial_indent=f"  {name.ljust(width)}  ",
+            subsequent_indent=" " * (width + 4),
+        )
+        for name, command in table.items()
+    ]
     return (
         "usage: temper COMMAND [ARGS...]\n\ncommands:\n"
         + "\n".join(lines)

@@ -35,3 +35,24 @@ def test_the_command_sets_a_passive_wait_policy_unless_one_is_set():
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     assert _run(environment) == "PASSIVE ServiceClient"
     assert _run({**environment, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE ServiceClient"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    # `temper plan --help | head -1`, with the reader gone before the help is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "temper", "plan", "--help"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

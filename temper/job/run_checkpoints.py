@@ -93,7 +93,9 @@ class RunCheckpoints:
         logger.summary(summary, title=title)
         # plot_metrics returns the figures, then the index.html that shows them all.
         _, weights_dir = self.training.service.storage.existing(sampler_path)
+        # Paths are printed whole (no wrapping at the console's width), so they can be copied.
         logger.console.print(
             f"plots: {plots[-1]}\nsampler weights: {weights_dir} ({sampler_path})\n"
-            f"sample them: temper sample --model {self.run_dir} --prompt ..."
+            f"sample them: temper sample --model {self.run_dir} --prompt ...",
+            soft_wrap=True,
         )

@@ -146,8 +146,13 @@ def _check_config(config: RLJobConfig) -> None:
         if getattr(config, field_name) < 1:
             raise ValueError(f"{name}.{field_name} must be >= 1, got {getattr(config, field_name)}")
     for field_name in ("steps", "max_staleness", "checkpoint_every", "eval_problems"):
-        if getattr(config, field_name) < (1 if field_name == "eval_problems" else 0):
-            raise ValueError(f"{name}.{field_name} is out of range: {getattr(config, field_name)}")
+        least = 1 if field_name == "eval_problems" else 0
+        if getattr(config, field_name) < least:
+            raise ValueError(
+                f"{name}.{field_name} must be >= {least}, got {getattr(config, field_name)}"
+            )
+    if not config.learning_rate >= 0:  # NaN too; 0 is allowed (a run that only samples)
+        raise ValueError(f"{name}.learning_rate must be >= 0, got {config.learning_rate}")
     if config.prompts_per_step % config.num_substeps:
         raise ValueError(
             f"{name}.prompts_per_step ({config.prompts_per_step}) must be divisible by "

@@ -374,6 +374,16 @@ def test_top_level_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) 
     assert main([]) == 2
 
 
+def test_top_level_help_gives_each_command_its_whole_first_paragraph(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # `plan`'s docstring opens with a three-line sentence: all of it is shown, wrapped.
+    assert "KV cache, weight-sync buffers, activations) for a model" in out
+    assert "and whether it fits the GPU." in out
+
+
 def test_function_command_parses_keyword_only_flags(capsys: pytest.CaptureFixture[str]) -> None:
     def echo(*, text: str, times: int = 1) -> int:
         """Print text several times."""

@@ -18,12 +18,14 @@ from temper.trainer.sharding import Sharding
         ({"group_size": 1}, "group_size must be >= 2"),
         ({"prompts_per_step": 6, "num_substeps": 4}, r"prompts_per_step \(6\) must be divisible"),
         ({"num_substeps": 0}, "num_substeps must be >= 1"),
-        ({"mode": "async", "max_staleness": -1}, "max_staleness is out of range"),
+        ({"mode": "async", "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
+        ({"steps": -5}, "steps must be >= 0, got -5"),
+        ({"learning_rate": -1.0}, "learning_rate must be >= 0, got -1.0"),
         ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
         ({"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
         ({"mode": "eager"}, "mode must be 'sync' or 'async'"),
         ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine'"),
-        ({"checkpoint_every": -1}, "checkpoint_every is out of range"),
+        ({"checkpoint_every": -1}, "checkpoint_every must be >= 0"),
         ({"sleep_generator": True, "mode": "async"}, "sleep_generator needs mode='sync'"),
         (
             {

@@ -14,11 +14,15 @@ from temper.config import load_config
 from temper.observability import read_metrics
 
 
-def test_smoke_recipe_learns_and_writes_run_dir(tmp_path):
+def test_smoke_recipe_learns_and_writes_run_dir(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = ["train", "sum_digits_smoke", "--run-dir", str(run_dir), "--seed", "1"]
     argv += ["--metrics.display", "none", "--eval_problems", "32"]
     assert main(argv) == 0
+    # The closing lines name the outputs whole, however narrow the console: a copyable path.
+    out = capsys.readouterr().out
+    assert f"sample them: temper sample --model {run_dir} --prompt ...\n" in out, out
+    assert f"plots: {run_dir / 'plots' / 'index.html'}\n" in out, out
 
     records = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["train/loss"] for r in records if "train/loss" in r]
