@@ -66,12 +66,44 @@ def verdict(plan: MemoryPlan) -> str:
     return f"{'fits' if plan.fits else 'DOES NOT FIT'}: {peaks}; {budget}"
 
 
+_REMEDIES = (
+    ("activations", "--activation-checkpointing full, or fewer --micro-batch-tokens"),
+    ("logits", "fewer --micro-batch-tokens"),
+    ("KV cache", "a smaller --max-batch or --max-seq-len"),
+    ("generator weights", "--placement disaggregated with --generator-ranks and --generator-tp"),
+    ("LoRA merge", "room elsewhere (the merge holds the largest adapted weight in fp32 3 times)"),
+    ("weight-sync", "a smaller --bucket-mb"),
+)
+"""What shrinks a plan's row, by how its item starts (flags of `temper plan`, and the job's
+fields of the same names). Anything else (weights, moments, gradients, FSDP's gathered
+blocks) shrinks with more ranks or LoRA."""
+_MORE_RANKS = "more ranks (--nproc-per-node, --nnodes), or LoRA (--lora-rank)"
+
+
+def advice(plan: MemoryPlan) -> list[str]:
+    """For each role over the budget: its largest item at its peak, and what shrinks it."""
+    lines = []
+    for role in plan.roles:
+        if role.peak_bytes <= plan.usable_bytes:
+            continue
+        held = [row for row in role.rows if row.phase in ("always", role.peak_phase)]
+        largest = max(held, key=lambda row: row.num_bytes)
+        remedy = next((r for prefix, r in _REMEDIES if largest.item.startswith(prefix)), None)
+        lines.append(
+            f"{role.role}: over by {format_bytes(role.peak_bytes - plan.usable_bytes)}; the "
+            f"largest item {_PHASE_WORDS.get(role.peak_phase, 'held')} is {largest.item} "
+            f"({format_bytes(largest.num_bytes)}): try {remedy or _MORE_RANKS}"
+        )
+    return lines
+
+
 def plan_text(plan: MemoryPlan) -> str:
-    """The headline, a table per role and the verdict, as plain text."""
+    """The headline, a table per role and the verdict (with advice when it does not fit), as
+    plain text."""
     parts = [headline(plan)]
     for role in plan.roles:
         parts += ["", f"{role.role}: {role.description}", _rendered(role_table(role))]
-    parts += ["", verdict(plan)]
+    parts += ["", verdict(plan), *advice(plan)]
     return "\n".join(parts)
 
 

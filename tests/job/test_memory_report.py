@@ -40,6 +40,27 @@ def test_plan_text_has_a_table_per_role_and_no_trailing_spaces():
     assert text.isascii()
 
 
+def test_a_plan_that_does_not_fit_names_its_largest_item_and_what_shrinks_it():
+    # README's example: 8B with LoRA on 2 x 8 ranks peaks over an 80 GiB GPU in activations.
+    over = plan_text(plan_memory(PlanSettings(model="8B", nnodes=2, lora_rank=32)))
+    assert "DOES NOT FIT" in over
+    advice = over.splitlines()[-1]
+    assert advice.startswith("colocated: over by ") and "activations (estimate)" in advice
+    assert "--activation-checkpointing full" in advice
+    # Following it, the plan fits and gives no advice.
+    fits = PlanSettings(model="8B", nnodes=2, lora_rank=32, activation_checkpointing="full")
+    assert plan_text(plan_memory(fits)).splitlines()[-1].startswith("fits: ")
+
+
+def test_an_over_budget_generator_is_told_to_shrink_its_kv_cache():
+    settings = PlanSettings(
+        model="32B", nproc_per_node=2, placement="disaggregated", generator_ranks=1
+    )
+    advice = plan_text(plan_memory(settings)).splitlines()[-1]
+    assert advice.startswith("generator: over by ")
+    assert "KV cache" in advice and "--max-batch or --max-seq-len" in advice
+
+
 @pytest.mark.parametrize(
     ("num_bytes", "text"),
     [(0, "0"), (1536, "1.5 KiB"), (11 * 2**20, "11.0 MiB"), (int(2.25 * 2**30), "2.25 GiB")],
