@@ -34,7 +34,7 @@ Train from a recipe's config; the options below override its fields.
 
   temper train [RECIPE] [--config-file PATH] [--run-dir DIR] [--nproc N] [--FIELD VALUE ...]
   temper train --resume RUN_DIR [--nproc N]
-  temper train RECIPE --run-dir SHARED_DIR --nnodes 2 --nproc-per-node 8 \
+  temper train RECIPE --run-dir SHARED_DIR --nnodes 2 --nproc-per-node 8 \\
       --rdzv-endpoint NODE0_HOST:29500        (the same command on every node)
 
   RECIPE              a name from `temper recipes`, module:function or path/to/file.py:function

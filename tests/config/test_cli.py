@@ -197,6 +197,8 @@ def test_help_shows_field_docstrings_and_train_options(
         "--run-dir",
     ]:
         assert text in out
+    # The multi-node example is a shell command continued on a second line, as typed.
+    assert re.search(r"--nproc-per-node 8 \\\n +--rdzv-endpoint NODE0_HOST:29500", out), out
 
 
 def test_unknown_field_fails_naming_it(
