@@ -91,7 +91,7 @@ def advice(plan: MemoryPlan) -> list[str]:
         remedy = next((r for prefix, r in _REMEDIES if largest.item.startswith(prefix)), None)
         lines.append(
             f"{role.role}: over by {format_bytes(role.peak_bytes - plan.usable_bytes)}; the "
-            f"largest item {_PHASE_WORDS.get(role.peak_phase, 'held')} is {largest.item} "
+            f"largest item {_PHASE_WORDS[role.peak_phase]} is {largest.item} "
             f"({format_bytes(largest.num_bytes)}): try {remedy or _MORE_RANKS}"
         )
     return lines

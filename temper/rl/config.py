@@ -134,6 +134,19 @@ class RLJobConfig(Configurable.Config):
         return self.warmup.steps + self.steps
 
 
+_LEAST = {
+    "prompts_per_step": 1,
+    "num_substeps": 1,
+    "max_tokens": 1,
+    "eval_every": 1,
+    "eval_problems": 1,
+    "steps": 0,
+    "max_staleness": 0,
+    "checkpoint_every": 0,
+}
+"""The smallest valid value of each integer count of the config."""
+
+
 def _check_config(config: RLJobConfig) -> None:
     """Bad settings fail when the config is made, before any model is built."""
     name = "RLJob.Config"
@@ -142,11 +155,7 @@ def _check_config(config: RLJobConfig) -> None:
             f"{name}.group_size must be >= 2 (GRPO compares members of a group), "
             f"got {config.group_size}"
         )
-    for field_name in ("prompts_per_step", "num_substeps", "max_tokens", "eval_every"):
-        if getattr(config, field_name) < 1:
-            raise ValueError(f"{name}.{field_name} must be >= 1, got {getattr(config, field_name)}")
-    for field_name in ("steps", "max_staleness", "checkpoint_every", "eval_problems"):
-        least = 1 if field_name == "eval_problems" else 0
+    for field_name, least in _LEAST.items():
         if getattr(config, field_name) < least:
             raise ValueError(
                 f"{name}.{field_name} must be >= {least}, got {getattr(config, field_name)}"
