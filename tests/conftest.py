@@ -1,4 +1,5 @@
-"""Test-wide settings: deterministic CPU torch, GPU tests skipped without a GPU."""
+"""Test-wide settings: deterministic CPU torch, GPU tests skipped without a GPU, and the
+longest test files first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,25 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+RUN_FIRST = (
+    "tests/test_docs.py",  # ~250 s: README and docs blocks, many of them CLI runs
+    "tests/rl/test_multiturn_job.py",  # ~200 s: two multi-turn recipes that must learn
+    "tests/rl/test_vllm_job.py",  # ~190 s, one test: RL on vLLM learns like RL on Temper
+    "tests/rl/test_job.py",  # ~130 s: the default recipe must learn
+    "tests/test_bench.py",  # ~90 s: every bench script runs once
+    "tests/distributed/test_disaggregated_vllm.py",  # ~75 s: vLLM on its own rank
+)
+"""Test files that take over a minute (on the 2-core CI machine), longest first. `make test`
+runs files whole on two workers (`--dist loadfile`), each worker taking the next file in
+collection order (`--no-loadscope-reorder`), so these start first: a long file that starts
+last keeps one worker busy while the other idles (xdist's own reordering, by number of
+tests, put the one-test vLLM RL file last)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = {path: rank for rank, path in enumerate(RUN_FIRST)}
+    # Stable: the other files keep their order, and every file its tests' order.
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(RUN_FIRST)))
     import torch
 
     if torch.cuda.is_available():

@@ -17,7 +17,7 @@ from temper.sampler.generator import GeneratorChoice
 from temper.tokenizer import build_builtin_tokenizer
 from tests.client.test_sampling_snapshots import _data
 
-pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
 from temper.sampler.vllm import VllmGenerator  # noqa: E402

@@ -17,7 +17,7 @@ from temper.sampler.generator import GeneratorChoice
 from tests.distributed.spawn import spawn
 from tests.distributed.test_disaggregated import _rank_main, rl_config
 
-pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
 from temper.sampler.vllm import VllmGenerator  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from temper.cli import main
 from temper.observability import read_metrics
 
-pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = ["--steps", "400", "--eval_every", "100", "--eval_problems", "256"]

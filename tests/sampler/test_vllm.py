@@ -21,7 +21,7 @@ from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.generator import Generator
 from temper.tokenizer import build_builtin_tokenizer
 
-pytest.importorskip("vllm", reason="the vllm extra is not installed (make test-vllm)")
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
 from temper.sampler import vllm as vllm_backend  # noqa: E402
