@@ -206,9 +206,12 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
         waiting = deque(states)
-        decoder = self.decoding.decoder(self.weights)
         try:
             with self.decoding.threads(num_threads):
+                # Made on the call's threads too: on the process's default threads a twin's
+                # copies (torch.cat) wake a second thread, whose core a helper process may be
+                # decoding on (1.9 ms vs 49 ms to build the tiny model's on a busy 2-core box).
+                decoder = self.decoding.decoder(self.weights)
                 while waiting or self.slots.num_active:
                     if waiting and self.slots.num_free:
                         self._admit(waiting)
