@@ -37,12 +37,12 @@ demo: $(VENV)/.installed-core
 	@echo "More commands (README.md): source $(VENV)/bin/activate, then temper --help"
 
 # Two workers, a test file each at a time (its module fixtures stay in one worker): on the
-# 2-core CI machine the suite takes about 15 minutes instead of 19 (many tests wait on ranks,
-# servers and subprocesses). Files are taken in collection order, the longest first
-# (tests/conftest.py RUN_FIRST), not xdist's order by test count. The vLLM backend's tests
-# run too once `make vllm` has installed it (without it they are skipped): .ci/run installs
-# it first, so its 3-minute RL file shares the workers with the rest instead of running in a
-# second pass of its own. PYTEST_WORKERS=0 runs it in one process.
+# 2-core CI machine the suite, vLLM tests included, takes about 16 minutes for 30 minutes of
+# CPU (many tests wait on ranks, servers and subprocesses). Files are taken in collection
+# order, the longest first (tests/conftest.py RUN_FIRST), not xdist's order by test count.
+# The vLLM backend's tests run too once `make vllm` has installed it (without it they are
+# skipped): .ci/run installs it first, so its 3-minute RL file shares the workers with the
+# rest instead of running in a second pass of its own. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed-test
