@@ -92,6 +92,19 @@ def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
 
 
 @pytest.mark.slow
+def test_multiturn_reports_concurrency_and_the_prefix_cache(tmp_path):
+    flags = ["--episodes", "4", "--repeats", "1", "--warmup-steps", "20"]  # several turns
+    report = run_bench("multiturn.py", *flags, tmp_path=tmp_path)
+    cases = ("concurrent", "concurrent_no_prefix_cache", "naive")
+    assert all(report[case]["episodes_per_s"] > 0 for case in cases)
+    # The same episodes: without the cache every turn prefills the conversation again.
+    with_cache = report["concurrent"]["prefilled_tokens_per_episode"]
+    assert report["concurrent_no_prefix_cache"]["prefilled_tokens_per_episode"] > with_cache
+    assert report["speedup"] > 0 and report["prefix_cache_speedup"] > 0
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_multi_lora_reports_memory_and_mixed_speed_per_client_count(tmp_path):
     flags = ["--clients", "1", "2", "--models", "tiny", "--rounds", "1", "--rank", "2"]
     flags += ["--total-batch", "4", "--max-tokens", "4", "--seq-len", "32"]

@@ -7,7 +7,12 @@ free, waiting requests (oldest first) are prefilled together, one row per prompt
 their keys/values straight into the cache. A prompt is prefilled once however many samples
 it has: its other samples copy its cached rows, and samples that find no free slot yet keep a
 copy of the prompt's cache until they start. Each sample draws its first token from the
-prompt's last logits.
+prompt's last logits. Requests admitted together with the same prompt (an episode runner
+sends each episode of a group as its own request) share one prefill the same way.
+
+A prompt that extends a finished sequence still in the prefix cache (the next turn of a
+multi-turn episode) starts from that sequence's keys/values and prefills only its new tokens
+(prefix_cache.py); a round with no such prompt prefills exactly as without the cache.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from temper.sampler.kv_cache import KVCache, PrefillAttention
+from temper.sampler.kv_cache import ExtendAttention, KVCache, PrefillAttention
+from temper.sampler.prefix_cache import CachedPrefix, PrefixCache
 from temper.sampler.prompt_scoring import (
     prompt_logprobs,
     target_prompt_logprobs,
@@ -36,6 +42,7 @@ class Admission:
 
     config: Any
     cache: KVCache
+    prefix_cache: PrefixCache
     slots: SlotTable
     tokenizer: Tokenizer | None
     device: torch.device
@@ -65,18 +72,28 @@ class Admission:
 
     def _admit(self, waiting: deque[RequestState]) -> None:
         starting: list[tuple[RequestState, SlotOwner]] = []  # each sample that starts now
-        prefill_rows: list[tuple[RequestState, int]] = []  # (request, its first in `starting`)
+        # (request, its first in `starting`, the cached prefix it extends)
+        prefill_rows: list[tuple[RequestState, int, CachedPrefix | None]] = []
+        twins: dict[int, RequestState] = {}  # a request's prompt is prefilled by its twin's
+        by_prompt: dict[tuple[int, ...], RequestState] = {}  # the rows' shareable prompts
         budget, free = self.config.max_prefill_tokens, self.slots.num_free
         for state in waiting:
             if free == 0:
                 break
             if state.num_waiting == 0:
                 continue
-            if not state.prefilled:
-                if prefill_rows and len(state.prompt) > budget:
+            key = _sharing_key(state.request)
+            if not state.prefilled and key in by_prompt:
+                twins[id(state)] = by_prompt[key]
+            elif not state.prefilled:
+                cached = self._cached_prefix(state.request)
+                new_tokens = len(state.prompt) - (cached.length if cached else 0)
+                if prefill_rows and new_tokens > budget:
                     break  # keep arrival order: later requests wait for the next round
-                budget -= len(state.prompt)
-                prefill_rows.append((state, len(starting)))
+                budget -= new_tokens
+                prefill_rows.append((state, len(starting), cached))
+                if key is not None:
+                    by_prompt[key] = state
             take = min(state.num_waiting, free)
             for _ in range(take):
                 starting.append((state, self._owner(state, sample_index=state.num_admitted)))
@@ -87,10 +104,16 @@ class Admission:
             prompt_lens=[len(state.prompt) for state, _ in starting],
         )
         claims = [(state, slot) for (state, _), slot in zip(starting, slots, strict=True)]
-        to_prefill = [(state, slots[first]) for state, first in prefill_rows]
+        to_prefill = [(state, slots[first], cached) for state, first, cached in prefill_rows]
         if to_prefill:
             self._prefill(to_prefill)
-        self._place_prompts(claims, prefill_slots={id(s): slot for s, slot in to_prefill})
+        prefill_slots = {id(state): slot for state, slot, _ in to_prefill}
+        for state, _ in claims:
+            twin = twins.get(id(state))
+            if twin is not None:  # the same prompt: its twin's logits and cache rows
+                state.first_logits_V = twin.first_logits_V
+                prefill_slots[id(state)] = prefill_slots[id(twin)]
+        self._place_prompts(claims, prefill_slots=prefill_slots)
         while waiting and waiting[0].num_waiting == 0:
             waiting.popleft()
         for state, _ in claims:
@@ -109,24 +132,46 @@ class Admission:
             self._num_python_rows += 1
         return owner
 
-    def _prefill(self, rows: list[tuple[RequestState, int]]) -> None:
-        lengths = [len(state.prompt) for state, _ in rows]
+    def _cached_prefix(self, request: SampleRequest) -> CachedPrefix | None:
+        """The longest cached sequence the request's prompt extends, if it may use one."""
+        if not self.prefix_cache.enabled or _needs_prompt_hidden_states(request):
+            return None
+        return self.prefix_cache.longest(request.prompt, adapter=request.adapter)
+
+    def _prefill(self, rows: list[tuple[RequestState, int, CachedPrefix | None]]) -> None:
+        """Prefill each row's prompt into its slot, after its cached prefix if it has one."""
+        starts = [0 if cached is None else cached.length for _, _, cached in rows]
+        lengths = [len(state.prompt) - starts[row] for row, (state, _, _) in enumerate(rows)]
         tokens_BT = torch.zeros((len(rows), max(lengths)), dtype=torch.long)
-        for row, (state, _) in enumerate(rows):
-            tokens_BT[row, : lengths[row]] = torch.tensor(state.prompt)
+        for row, (state, _, _) in enumerate(rows):
+            tokens_BT[row, : lengths[row]] = torch.tensor(state.prompt[starts[row] :])
         tokens_BT = tokens_BT.to(self.device)
-        slots_B = torch.tensor([slot for _, slot in rows], device=self.device)
+        slots_B = torch.tensor([slot for _, slot, _ in rows], device=self.device)
+        lengths_B = torch.tensor(lengths, device=self.device)
+        positions_BT, attention = None, PrefillAttention(self.cache, slots_B)
+        if any(starts):
+            for _, slot, cached in rows:
+                if cached is not None:
+                    k_LKTH, v_LKTH = cached.keys_values()
+                    self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
+            starts_B = torch.tensor(starts, device=self.device)
+            positions_BT = starts_B[:, None] + torch.arange(tokens_BT.shape[1], device=self.device)
+            attention = ExtendAttention(
+                self.cache, slots_B, starts_B=starts_B, lengths_B=lengths_B,
+                positions_BT=positions_BT,
+            )  # fmt: skip
         model = self.model
         adapter_rows = self._adapter_rows
         if adapter_rows is not None:
-            index = [state.request.adapter for state, _ in rows]
+            index = [state.request.adapter for state, _, _ in rows]
             one = self._one_adapter
             adapter_rows.set(one if one is not None else torch.tensor(index, device=self.device))
-        hidden_BTD = model.hidden_states(tokens_BT, attention=PrefillAttention(self.cache, slots_B))
-        last_B = torch.tensor(lengths, device=self.device) - 1
-        last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), last_B]
+        hidden_BTD = model.hidden_states(tokens_BT, positions_BT=positions_BT, attention=attention)
+        last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), lengths_B - 1]
         logits_BV = model.logits(last_hidden_BD).float()
-        for row, (state, _) in enumerate(rows):
+        # Rows with prompt logprobs never start from a cached prefix (`_cached_prefix`), so
+        # theirs are whole prompts from position 0.
+        for row, (state, _, _) in enumerate(rows):
             state.first_logits_V = logits_BV[row]
             request, hidden_TD = state.request, hidden_BTD[row, : lengths[row]]
             if adapter_rows is not None:  # prompt scoring: this row's adapter only
@@ -167,3 +212,20 @@ class Admission:
         for state, slot in claims:
             if state.num_waiting and state.prefix is None:
                 state.prefix = self.cache.read_prefix(slot=slot, length=len(state.prompt))
+
+
+def _needs_prompt_hidden_states(request: SampleRequest) -> bool:
+    """Prompt logprobs of any kind: the request's prefill must compute every position."""
+    return bool(
+        request.prompt_logprobs
+        or request.topk_prompt_logprobs
+        or request.target_prompt_logprobs is not None
+    )
+
+
+def _sharing_key(request: SampleRequest) -> tuple[int, ...] | None:
+    """Requests admitted together with equal keys prefill their prompt once (an episode
+    runner sends a group's identical first prompts as separate requests); None: no sharing."""
+    if _needs_prompt_hidden_states(request):
+        return None
+    return (request.adapter, *request.prompt)

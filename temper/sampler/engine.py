@@ -11,6 +11,9 @@ How a call to `generate` runs:
   its first token from the prompt's last logits.
 - Decode: one forward over all active slots per step; finished sequences free their slot at
   once, and the next waiting sample takes it (continuous batching).
+- Prefix cache: a finished sequence's keys/values are kept (prefix_cache.py, up to
+  `prefix_cache_mib`), so a later prompt that extends it (a multi-turn episode's next turn)
+  prefills only its new tokens. Emptied when the weights change.
 
 Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
 row's random draw depends only on its seed and how many tokens it has drawn, so seeded
@@ -43,6 +46,7 @@ from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
+from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
@@ -63,6 +67,10 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Prompt tokens prefilled in one forward (a longer single prompt still runs alone)."""
         max_score_tokens: int = 16384
         """Tokens per forward in `score()`."""
+        prefix_cache_mib: float = 256
+        """Memory for the keys/values of finished sequences, so a prompt that extends one (the
+        next turn of a multi-turn episode) prefills only its new tokens; emptied when the
+        weights change (temper/sampler/prefix_cache.py). 0 turns it off."""
         cuda_graphs: Literal["auto", "off"] = "auto"
         """'auto' replays decode steps as CUDA graphs on a CUDA device (no effect on CPU)."""
         graph_batch_sizes: tuple[int, ...] = ()
@@ -77,6 +85,11 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                     raise ValueError(
                         f"SamplerEngine.Config.{name} must be >= 1, got {getattr(self, name)}"
                     )
+            if not self.prefix_cache_mib >= 0:
+                raise ValueError(
+                    "SamplerEngine.Config.prefix_cache_mib must be >= 0 (0 turns the prefix "
+                    f"cache off), got {self.prefix_cache_mib}"
+                )
             if any(size < 1 or size > self.max_batch for size in self.graph_batch_sizes):
                 raise ValueError(
                     "SamplerEngine.Config.graph_batch_sizes must lie in 1..max_batch "
@@ -134,6 +147,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self.slots = SlotTable(
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
+        self.prefix_cache = PrefixCache(max_bytes=int(config.prefix_cache_mib * 2**20))
         # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
         self._adapter_rows = getattr(model, "multi_lora_rows", None)
         self._one_adapter: int | None = None  # the slot of every row of this call, if one
@@ -172,8 +186,15 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         if self._static_decoder is not None and self._static_decoder.model is not self.model:
             self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
 
+    def forget_prefixes(self, *, adapter: int) -> None:
+        """Drop the cached prefixes of one adapter slot: a multi-LoRA sampler calls this
+        before it loads another adapter into the slot (no weights generation counts that)."""
+        self.prefix_cache.drop_adapter(adapter)
+
     def sleep(self) -> None:
-        """Release the KV cache until `wake_up` (the weights stay: they may be the trainer's)."""
+        """Release the KV cache and the prefix cache until `wake_up` (the weights stay: they
+        may be the trainer's)."""
+        self.prefix_cache.clear()
         self.cache.release()
         self._static_decoder = None  # CUDA graphs hold the cache's pointers
 
@@ -205,6 +226,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self._one_adapter = adapters.pop() if len(adapters) == 1 else None
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
+        self.prefix_cache.follow(self.weights.generation)
         waiting = deque(states)
         try:
             with self.decoding.threads(num_threads):
@@ -383,6 +405,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             )
             if owner.matcher is not None or owner.topk is not None:
                 self._num_python_rows -= 1
+        if self.prefix_cache.enabled:
+            self._keep_prefixes(finished, tokens=tokens, counts=counts)
         remaining = slots.num_active - len(finished)
         holes = [slot for slot in finished if slot < remaining]
         if holes:
@@ -392,3 +416,18 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             self.cache.copy_slots(sources=movers, targets=holes, length=length)
             slots.move(sources=movers, targets=holes)
         slots.release_last(len(finished))
+
+    def _keep_prefixes(
+        self, finished: list[int], *, tokens: list[list[int]], counts: list[int]
+    ) -> None:
+        """Store the finished sequences' keys/values in the prefix cache: the prompt and every
+        sampled token but the last (never fed through the model), in one gather."""
+        k_LFKCH, v_LFKCH = self.cache.read_prefixes(
+            slots=finished, length=int(self.slots.positions_S[finished].max())
+        )
+        for row, slot in enumerate(finished):
+            state = self.slots.owners[slot].state
+            self.prefix_cache.store(
+                [*state.prompt, *tokens[row][: counts[row] - 1]],
+                adapter=state.request.adapter, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH, row=row,
+            )  # fmt: skip

@@ -1,7 +1,8 @@
 """A static, preallocated KV cache and the attention backends that fill and read it.
 
 Shapes: L layers, S slots (sequences decoded at once), K key/value heads, C cache positions
-per slot, H head dim, B rows of a forward, N query heads, T tokens.
+per slot, H head dim, B rows of a forward, N query heads, T tokens, R the real (unpadded)
+tokens of a right-padded forward.
 
 The cache is allocated once, at its full size, when the engine is built (its byte size is
 known and reported up front); weight updates and requests never reallocate it. On CPU its
@@ -98,12 +99,16 @@ class KVCache:
         order, all layers) in one gather per tensor; the two must not share a slot."""
         if len(sources) == 1:
             source, target = slice(sources[0], sources[0] + 1), slice(targets[0], targets[0] + 1)
-        else:
-            device = self.k_LSKCH.device
-            source = torch.tensor(sources, device=device)
-            target = torch.tensor(targets, device=device)
-        self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
-        self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
+            self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
+            self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
+            return
+        device = self.k_LSKCH.device
+        source_N = torch.tensor(sources, device=device)
+        target_N = torch.tensor(targets, device=device)
+        for cache_LSKCH in (self.k_LSKCH, self.v_LSKCH):
+            # index_select + index_copy_: on CPU 1.6x faster than advanced indexing here.
+            prefix_LSKCH = cache_LSKCH[:, :, :, :length]
+            prefix_LSKCH.index_copy_(1, target_N, prefix_LSKCH.index_select(1, source_N))
 
     def read_prefix(self, *, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one slot's first `length` positions, [L, K, length, H] each."""
@@ -116,6 +121,18 @@ class KVCache:
         length = k_LKTH.shape[2]
         self.k_LSKCH[:, slot, :, :length] = k_LKTH
         self.v_LSKCH[:, slot, :, :length] = v_LKTH
+
+    def read_prefixes(
+        self, *, slots: Sequence[int], length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the first `length` positions of several slots, [L, len(slots), K,
+        length, H] each, in one gather per tensor (`index_select`: several times faster on
+        CPU than advanced indexing here)."""
+        index = torch.tensor(slots, device=self.k_LSKCH.device)
+        return (
+            self.k_LSKCH[:, :, :, :length].index_select(1, index),
+            self.v_LSKCH[:, :, :, :length].index_select(1, index),
+        )
 
 
 class PrefillAttention:
@@ -132,6 +149,60 @@ class PrefillAttention:
         self.cache.k_LSKCH[layer_index, self.slots_B, :, :length] = k_BKTH
         self.cache.v_LSKCH[layer_index, self.slots_B, :, :length] = v_BKTH
         return causal_attention(q_BNTH, k_BKTH, v_BKTH)
+
+
+class ExtendAttention:
+    """Prompts whose first `starts_B[b]` positions are already in their slots (a cached
+    prefix, prefix_cache.py): row b's T tokens (right-padded past `lengths_B[b]`) sit at
+    positions starts_B[b] + t. Stores the real tokens' keys/values after the prefix and
+    attends causally over prefix and row; padded queries' outputs are never read."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots_B: torch.Tensor,
+        *,
+        starts_B: torch.Tensor,
+        lengths_B: torch.Tensor,
+        positions_BT: torch.Tensor,
+    ) -> None:
+        self.cache = cache
+        self.slots_B = slots_B
+        self.width = int((starts_B + lengths_B).max())
+        visible_BTC = torch.arange(self.width, device=slots_B.device) <= positions_BT[..., None]
+        self.visible_B1TC = visible_BTC[:, None]
+        # The real tokens, and the flat row of (slot, kv head, position) each of their heads
+        # goes to in a layer's [S * K * C, H] view (padding is not written: past a long
+        # cached prefix it could run off the end of the slot).
+        offsets_T = torch.arange(positions_BT.shape[1], device=slots_B.device)
+        self.rows_R, self.columns_R = torch.nonzero(offsets_T < lengths_B[:, None], as_tuple=True)
+        num_kv_heads = cache.k_LSKCH.shape[2]
+        heads_K = torch.arange(num_kv_heads, device=slots_B.device)
+        flat_RK = (slots_B[self.rows_R, None] * num_kv_heads + heads_K) * cache.max_seq_len
+        self.flat_index_N = (flat_RK + positions_BT[self.rows_R, self.columns_R, None]).reshape(-1)
+
+    def attend(
+        self, layer_index: int, q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
+    ) -> torch.Tensor:
+        head_dim = k_BKTH.shape[-1]
+        for new_BKTH, cache_SKCH in (
+            (k_BKTH, self.cache.k_LSKCH[layer_index]),
+            (v_BKTH, self.cache.v_LSKCH[layer_index]),
+        ):
+            new_RKH = new_BKTH.transpose(1, 2)[self.rows_R, self.columns_R]
+            cache_SKCH.view(-1, head_dim).index_copy_(
+                0, self.flat_index_N, new_RKH.reshape(-1, head_dim)
+            )
+        k_BKCH = self.cache.k_LSKCH[layer_index, self.slots_B, :, : self.width]
+        v_BKCH = self.cache.v_LSKCH[layer_index, self.slots_B, :, : self.width]
+        return F.scaled_dot_product_attention(
+            q_BNTH,
+            k_BKCH,
+            v_BKCH,
+            attn_mask=self.visible_B1TC,
+            scale=head_dim**-0.5,
+            enable_gqa=q_BNTH.shape[1] != k_BKCH.shape[1],
+        )
 
 
 _MIN_CPU_WIDTH = 16

@@ -275,6 +275,7 @@ class MultiLoraSampler(Configurable):
             if key in slot_of:
                 continue
             slot = self._free_slot(keep=set(slot_of.values()))
+            self.engine.forget_prefixes(adapter=slot)  # they were computed with the old adapter
             load_adapter(self.engine.model, slot, config=adapter.config, tensors=adapter.tensors)
             self.num_loads += 1
             self._resident[slot] = weakref.ref(adapter)

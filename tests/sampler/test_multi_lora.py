@@ -191,3 +191,25 @@ def test_scoring_uses_the_adapter(base_and_adapters):
         theirs = ENGINE.build(model=merged[who]).score(sequences)
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_slot_given_another_adapter_forgets_its_cached_prefixes(base_and_adapters):
+    base, adapters, _ = base_and_adapters
+    one_slot = _sampler(base, max_resident_adapters=1)
+    first, second = (one_slot.register(config=c, tensors=t, version=0) for c, t in adapters[:2])
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    (turn,) = one_slot.generate([SampleRequest(prompt=[3, 4, 5], params=params)], adapter=first)
+    follow_up = SampleRequest(prompt=[3, 4, 5, *turn.sequences[0].tokens, 1], params=params)
+    ours = one_slot.generate([follow_up], adapter=second)  # loaded into the first's slot
+    assert one_slot.engine.prefix_cache.num_hits == 0
+    fresh = _sampler(base)
+    again = fresh.register(config=adapters[1][0], tensors=adapters[1][1], version=0)
+    theirs = fresh.generate([follow_up], adapter=again)
+    assert _tokens_and_logprobs(ours)[0] == _tokens_and_logprobs(theirs)[0]
+    # The first adapter's own next turn, loaded back, starts from scratch too; its turn
+    # after that reuses what it just computed.
+    (again,) = one_slot.generate([follow_up], adapter=first)
+    assert one_slot.engine.prefix_cache.num_hits == 0
+    next_turn = [*follow_up.prompt, *again.sequences[0].tokens, 2]
+    one_slot.generate([SampleRequest(prompt=next_turn, params=params)], adapter=first)
+    assert one_slot.engine.prefix_cache.num_hits == 1

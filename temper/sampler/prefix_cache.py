@@ -1,0 +1,146 @@
+"""Keys and values of finished sequences, kept so that a prompt extending one prefills only
+its new tokens.
+
+Shapes: L layers, K key/value heads, T tokens, H head dim.
+
+A multi-turn episode asks for its next action with a prompt that is its last request's prompt
+and completion plus the environment's observation: without this cache every turn prefills the
+whole conversation again (in the multi-turn recipes, four fifths of sampling time). When a
+sequence finishes, the engine stores the keys/values it has computed (its prompt and every
+sampled token but the last, which was never fed through the model); when a prompt arrives, the
+longest stored sequence it starts with gives its first positions, and only the rest is
+prefilled (admission.py, `ExtendAttention` in kv_cache.py).
+
+The sequences that finish together are stored as one block (one gather from the KV cache);
+an entry is a row of its block, and memory is counted per entry, by its own length. Entries
+are found by a chain of hashes over their tokens (one per prefix length), so a lookup
+costs one dict probe per prompt position, and a hit is confirmed token by token. Keys and
+values depend on the weights: the engine empties the cache when its weights generation changes,
+and a multi-LoRA sampler drops an adapter slot's entries when it loads another adapter there.
+Entries of the same adapter slot only match each other. The cache holds at most `max_bytes`;
+the least recently used entries go first. Requests that ask for prompt logprobs do not use it
+(they need every prompt position's hidden state).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class CachedPrefix:
+    """One stored sequence: row `row` of a block of sequences stored together, F of them
+    with C >= len(tokens) positions each (a view is made only when the entry is used)."""
+
+    tokens: tuple[int, ...]
+    adapter: int
+    k_LFKCH: torch.Tensor
+    v_LFKCH: torch.Tensor
+    row: int
+    nbytes: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This sequence's keys and values, [L, K, length, H] each."""
+        length = self.length
+        return self.k_LFKCH[:, self.row, :, :length], self.v_LFKCH[:, self.row, :, :length]
+
+
+def prefix_hashes(tokens: Sequence[int], *, adapter: int) -> list[int]:
+    """hashes[n - 1] identifies tokens[:n] (with the adapter slot), for every n."""
+    hashes, value = [], hash(("prefix", adapter))
+    for token in tokens:
+        value = hash((value, token))
+        hashes.append(value)
+    return hashes
+
+
+class PrefixCache:
+    def __init__(self, *, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.num_hits = 0
+        self.num_hit_tokens = 0
+        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # by hash, LRU first
+        self._generation: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def follow(self, generation: int) -> None:
+        """Empty the cache if the weights changed since the entries were computed."""
+        if generation != self._generation:
+            self.clear()
+            self._generation = generation
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def drop_adapter(self, adapter: int) -> None:
+        """Forget the entries of one adapter slot (its weights are about to change)."""
+        for key, entry in list(self._entries.items()):
+            if entry.adapter == adapter:
+                self._remove(key)
+
+    def longest(self, prompt: Sequence[int], *, adapter: int) -> CachedPrefix | None:
+        """The longest stored sequence that `prompt` starts with and extends by at least one
+        token (the prompt's last position must be computed for its logits)."""
+        if not self._entries or len(prompt) < 2:
+            return None
+        hashes = prefix_hashes(prompt[:-1], adapter=adapter)
+        for length in range(len(hashes), 0, -1):
+            entry = self._entries.get(hashes[length - 1])
+            if (
+                entry is not None
+                and entry.adapter == adapter
+                and entry.tokens == tuple(prompt[:length])
+            ):
+                self._entries.move_to_end(hashes[length - 1])
+                self.num_hits += 1
+                self.num_hit_tokens += length
+                return entry
+        return None
+
+    def store(
+        self,
+        tokens: Sequence[int],
+        *,
+        adapter: int,
+        k_LFKCH: torch.Tensor,
+        v_LFKCH: torch.Tensor,
+        row: int,
+    ) -> None:
+        """Keep the keys/values of `tokens`: row `row` of k_LFKCH and v_LFKCH (a block of
+        sequences stored together, held until the last of its entries goes)."""
+        num_layers, _, num_kv_heads, width, head_dim = k_LFKCH.shape
+        assert 0 < len(tokens) <= width
+        nbytes = 2 * num_layers * num_kv_heads * len(tokens) * head_dim * k_LFKCH.element_size()
+        if nbytes > self.max_bytes:
+            return
+        key = prefix_hashes(tokens, adapter=adapter)[-1]
+        if key in self._entries:
+            self._remove(key)
+        self._entries[key] = CachedPrefix(
+            tokens=tuple(tokens), adapter=adapter, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH, row=row,
+            nbytes=nbytes,
+        )  # fmt: skip
+        self.nbytes += nbytes
+        while self.nbytes > self.max_bytes:
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: int) -> None:
+        self.nbytes -= self._entries.pop(key).nbytes
