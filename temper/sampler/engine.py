@@ -67,7 +67,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Prompt tokens prefilled in one forward (a longer single prompt still runs alone)."""
         max_score_tokens: int = 16384
         """Tokens per forward in `score()`."""
-        prefix_cache_mib: float = 256
+        prefix_cache_mib: float = 256.0
         """Memory for the keys/values of finished sequences, so a prompt that extends one (the
         next turn of a multi-turn episode) prefills only its new tokens; emptied when the
         weights change (temper/sampler/prefix_cache.py). 0 turns it off."""
@@ -170,9 +170,12 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
 
     def describe(self) -> str:
         mib = self.cache.nbytes / 2**20
+        prefixes = (
+            f"up to {self.config.prefix_cache_mib:g} MiB" if self.prefix_cache.enabled else "off"
+        )
         return (
             f"KV cache {mib:.1f} MiB: {self.config.max_batch} slots x {self.config.max_seq_len} "
-            f"positions, {str(self.dtype).removeprefix('torch.')}"
+            f"positions, {str(self.dtype).removeprefix('torch.')}; prefix cache {prefixes}"
         )
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
@@ -422,12 +425,11 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     ) -> None:
         """Store the finished sequences' keys/values in the prefix cache: the prompt and every
         sampled token but the last (never fed through the model), in one gather."""
-        k_LFKCH, v_LFKCH = self.cache.read_prefixes(
-            slots=finished, length=int(self.slots.positions_S[finished].max())
-        )
-        for row, slot in enumerate(finished):
-            state = self.slots.owners[slot].state
-            self.prefix_cache.store(
-                [*state.prompt, *tokens[row][: counts[row] - 1]],
-                adapter=state.request.adapter, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH, row=row,
-            )  # fmt: skip
+        states = [self.slots.owners[slot].state for slot in finished]
+        sequences = [
+            [*state.prompt, *row_tokens[: count - 1]]
+            for state, row_tokens, count in zip(states, tokens, counts, strict=True)
+        ]
+        k_LFKCH, v_LFKCH = self.cache.read_prefixes(slots=finished, length=max(map(len, sequences)))
+        adapters = [state.request.adapter for state in states]
+        self.prefix_cache.store(sequences, adapters=adapters, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH)

@@ -99,16 +99,12 @@ class KVCache:
         order, all layers) in one gather per tensor; the two must not share a slot."""
         if len(sources) == 1:
             source, target = slice(sources[0], sources[0] + 1), slice(targets[0], targets[0] + 1)
-            self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
-            self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
-            return
-        device = self.k_LSKCH.device
-        source_N = torch.tensor(sources, device=device)
-        target_N = torch.tensor(targets, device=device)
-        for cache_LSKCH in (self.k_LSKCH, self.v_LSKCH):
-            # index_select + index_copy_: on CPU 1.6x faster than advanced indexing here.
-            prefix_LSKCH = cache_LSKCH[:, :, :, :length]
-            prefix_LSKCH.index_copy_(1, target_N, prefix_LSKCH.index_select(1, source_N))
+        else:
+            device = self.k_LSKCH.device
+            source = torch.tensor(sources, device=device)
+            target = torch.tensor(targets, device=device)
+        self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
+        self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
 
     def read_prefix(self, *, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of one slot's first `length` positions, [L, K, length, H] each."""
@@ -125,14 +121,16 @@ class KVCache:
     def read_prefixes(
         self, *, slots: Sequence[int], length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of the first `length` positions of several slots, [L, len(slots), K,
-        length, H] each, in one gather per tensor (`index_select`: several times faster on
-        CPU than advanced indexing here)."""
+        """A copy of the first `length` positions of several slots (ascending), [L,
+        len(slots), K, length, H] each, in one copy per tensor."""
+        if slots[-1] - slots[0] == len(slots) - 1:  # a range (all finished at once): a slice
+            span = slice(slots[0], slots[-1] + 1)
+            return (
+                self.k_LSKCH[:, span, :, :length].clone(),
+                self.v_LSKCH[:, span, :, :length].clone(),
+            )
         index = torch.tensor(slots, device=self.k_LSKCH.device)
-        return (
-            self.k_LSKCH[:, :, :, :length].index_select(1, index),
-            self.v_LSKCH[:, :, :, :length].index_select(1, index),
-        )
+        return self.k_LSKCH[:, index, :, :length], self.v_LSKCH[:, index, :, :length]
 
 
 class PrefillAttention:

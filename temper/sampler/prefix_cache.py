@@ -12,7 +12,9 @@ longest stored sequence it starts with gives its first positions, and only the r
 prefilled (admission.py, `ExtendAttention` in kv_cache.py).
 
 The sequences that finish together are stored as one block (one gather from the KV cache);
-an entry is a row of its block, and memory is counted per entry, by its own length. Entries
+an entry is a row of its block, and memory is counted per entry, by its own length. A block is
+hashed only when a lookup first needs it, so an RL step that samples single-turn problems
+(every sequence stored, none looked up before the weights change) pays for the gather alone. Entries
 are found by a chain of hashes over their tokens (one per prefix length), so a lookup
 costs one dict probe per prompt position, and a hit is confirmed token by token. Keys and
 values depend on the weights: the engine empties the cache when its weights generation changes,
@@ -62,6 +64,17 @@ def prefix_hashes(tokens: Sequence[int], *, adapter: int) -> list[int]:
     return hashes
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Block:
+    """Sequences stored together, not yet indexed."""
+
+    sequences: Sequence[Sequence[int]]
+    adapters: Sequence[int]
+    k_LFKCH: torch.Tensor
+    v_LFKCH: torch.Tensor
+    bytes_per_position: int
+
+
 class PrefixCache:
     def __init__(self, *, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -71,6 +84,7 @@ class PrefixCache:
         self.num_hits = 0
         self.num_hit_tokens = 0
         self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # by hash, LRU first
+        self._pending: list[_Block] = []  # stored, newest last, indexed when first needed
         self._generation: int | None = None
 
     @property
@@ -78,6 +92,7 @@ class PrefixCache:
         return self.max_bytes > 0
 
     def __len__(self) -> int:
+        self._index()
         return len(self._entries)
 
     def follow(self, generation: int) -> None:
@@ -88,10 +103,12 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._pending.clear()
         self.nbytes = 0
 
     def drop_adapter(self, adapter: int) -> None:
         """Forget the entries of one adapter slot (its weights are about to change)."""
+        self._index()
         for key, entry in list(self._entries.items()):
             if entry.adapter == adapter:
                 self._remove(key)
@@ -99,6 +116,7 @@ class PrefixCache:
     def longest(self, prompt: Sequence[int], *, adapter: int) -> CachedPrefix | None:
         """The longest stored sequence that `prompt` starts with and extends by at least one
         token (the prompt's last position must be computed for its logits)."""
+        self._index()
         if not self._entries or len(prompt) < 2:
             return None
         hashes = prefix_hashes(prompt[:-1], adapter=adapter)
@@ -117,30 +135,45 @@ class PrefixCache:
 
     def store(
         self,
-        tokens: Sequence[int],
+        sequences: Sequence[Sequence[int]],
         *,
-        adapter: int,
+        adapters: Sequence[int],
         k_LFKCH: torch.Tensor,
         v_LFKCH: torch.Tensor,
-        row: int,
     ) -> None:
-        """Keep the keys/values of `tokens`: row `row` of k_LFKCH and v_LFKCH (a block of
-        sequences stored together, held until the last of its entries goes)."""
+        """Keep the keys/values of several sequences: sequence f's are row f of k_LFKCH and
+        v_LFKCH, positions 0..len-1 (the block is held until the last of its entries goes).
+
+        They are hashed only when a lookup needs them: a single-turn RL step stores every
+        sequence it samples and looks none up before its weights change."""
         num_layers, _, num_kv_heads, width, head_dim = k_LFKCH.shape
-        assert 0 < len(tokens) <= width
-        nbytes = 2 * num_layers * num_kv_heads * len(tokens) * head_dim * k_LFKCH.element_size()
-        if nbytes > self.max_bytes:
-            return
-        key = prefix_hashes(tokens, adapter=adapter)[-1]
-        if key in self._entries:
-            self._remove(key)
-        self._entries[key] = CachedPrefix(
-            tokens=tuple(tokens), adapter=adapter, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH, row=row,
-            nbytes=nbytes,
+        assert all(0 < len(tokens) <= width for tokens in sequences)
+        per_position = 2 * num_layers * num_kv_heads * head_dim * k_LFKCH.element_size()
+        block = _Block(
+            sequences=sequences, adapters=adapters, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH,
+            bytes_per_position=per_position,
         )  # fmt: skip
-        self.nbytes += nbytes
-        while self.nbytes > self.max_bytes:
-            self._remove(next(iter(self._entries)))
+        self._pending.append(block)
+        self.nbytes += per_position * sum(map(len, sequences))
+        if self.nbytes > self.max_bytes:
+            self._index()
+            while self.nbytes > self.max_bytes:
+                self._remove(next(iter(self._entries)))
+
+    def _index(self) -> None:
+        """Enter the pending blocks' sequences, oldest first."""
+        for block in self._pending:
+            for row, (tokens, adapter) in enumerate(
+                zip(block.sequences, block.adapters, strict=True)
+            ):
+                key = prefix_hashes(tokens, adapter=adapter)[-1]
+                if key in self._entries:
+                    self._remove(key)  # the same tokens again: the newer copy stays
+                self._entries[key] = CachedPrefix(
+                    tokens=tuple(tokens), adapter=adapter, k_LFKCH=block.k_LFKCH,
+                    v_LFKCH=block.v_LFKCH, row=row, nbytes=block.bytes_per_position * len(tokens),
+                )  # fmt: skip
+        self._pending.clear()
 
     def _remove(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes

@@ -151,9 +151,9 @@ def test_prompt_logprob_requests_compute_every_position(model):
 
 
 def test_the_least_recently_used_entries_go_first():
-    def store(cache, tokens, *, adapter=0):
+    def store(cache, tokens):
         k_LFKCH = torch.zeros(1, 1, 1, len(tokens), 4)  # 16 bytes a position
-        cache.store(tokens, adapter=adapter, k_LFKCH=k_LFKCH, v_LFKCH=k_LFKCH.clone(), row=0)
+        cache.store([tokens], adapters=[0], k_LFKCH=k_LFKCH, v_LFKCH=k_LFKCH.clone())
 
     cache = PrefixCache(max_bytes=2 * 4 * 4 * 10)  # room for 10 positions
     for tokens in ([1, 2, 3], [4, 5, 6, 7], [8, 9]):
