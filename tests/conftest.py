@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 RUN_FIRST = (
     "tests/test_docs.py",  # ~250 s: README and docs blocks, many of them CLI runs
-    "tests/rl/test_multiturn_job.py",  # ~200 s: two multi-turn recipes that must learn
+    "tests/rl/test_multiturn_job.py",  # ~160 s: two multi-turn recipes that must learn
     "tests/rl/test_vllm_job.py",  # ~190 s, one test: RL on vLLM learns like RL on Temper
     "tests/rl/test_job.py",  # ~130 s: the default recipe must learn
     "tests/test_bench.py",  # ~90 s: every bench script runs once
