@@ -102,6 +102,8 @@ class PlanSettings:
     max_batch: int | None = None
     """KV-cache slots of each generator engine (--sampler.max_batch); the engine allocates
     them all up front. None: the engine's share of `batch`."""
+    prefix_cache_mib: float = 32.0
+    """The most each generator engine's prefix cache holds (--sampler.prefix_cache_mib)."""
     micro_batch_tokens: int = TrainerEngine.Config.max_tokens_per_microbatch
     """Padded tokens per forward/backward (--trainer.max_tokens_per_microbatch)."""
     activation_checkpointing: Literal["none", "full"] = "none"
@@ -125,6 +127,8 @@ class PlanSettings:
     CUDA graphs, fragmentation)."""
 
     def __post_init__(self) -> None:
+        if not self.prefix_cache_mib >= 0:
+            raise ValueError(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
         positive = ("nnodes", "nproc_per_node", "generator_tp", "batch", "max_seq_len")
         positive += ("micro_batch_tokens", "bucket_mb", "lora_rank", "max_batch")
         for name in positive:
@@ -416,13 +420,19 @@ class _Rows:
             rows = [PlanRow(item=item, num_bytes=weights)]
         kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
+        prefix = int(settings.prefix_cache_mib * 2**20)
+        if prefix:
+            item = "prefix cache, at most"
+            rows.append(PlanRow(item=item, num_bytes=prefix))
         if not colocated and settings.overlap_sync:
             item = "second copy of the weights (overlap_sync, vLLM)"
             rows.append(PlanRow(item=item, num_bytes=weights))
         if colocated and settings.mode == "async":
-            rows.append(PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv))
+            rows.append(
+                PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv + prefix)
+            )
         if settings.kl_reference and colocated:
-            rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv))
+            rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv + prefix))
         elif settings.kl_reference:  # whole weights that only score: no KV cache
             whole = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
             where = " on each engine's first rank" if tp > 1 else ""

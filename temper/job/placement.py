@@ -163,6 +163,8 @@ def memory_plan_line(
         batch=batch,
         max_seq_len=sampler.max_seq_len,
         max_batch=sampler.max_batch,
+        # vLLM's prefix cache lives in its own KV cache.
+        prefix_cache_mib=sampler.prefix_cache_mib if generator.backend == "temper" else 0.0,
         micro_batch_tokens=trainer.max_tokens_per_microbatch,
         activation_checkpointing=sharding.activation_checkpointing,
         bucket_mb=max(1, round(config.bucket_mb)),

@@ -67,10 +67,12 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Prompt tokens prefilled in one forward (a longer single prompt still runs alone)."""
         max_score_tokens: int = 16384
         """Tokens per forward in `score()`."""
-        prefix_cache_mib: float = 256.0
+        prefix_cache_mib: float = 32.0
         """Memory for the keys/values of finished sequences, so a prompt that extends one (the
         next turn of a multi-turn episode) prefills only its new tokens; emptied when the
-        weights change (temper/sampler/prefix_cache.py). 0 turns it off."""
+        weights change (temper/sampler/prefix_cache.py). 0 turns it off. The default holds
+        16k positions of the tiny model (2 KiB each), about 290 of Qwen3-0.6B in bf16 (112
+        KiB each): raise it with the model and the episodes in flight."""
         cuda_graphs: Literal["auto", "off"] = "auto"
         """'auto' replays decode steps as CUDA graphs on a CUDA device (no effect on CPU)."""
         graph_batch_sizes: tuple[int, ...] = ()
@@ -117,6 +119,10 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                 return engine
             return ProcessSplitSampler(engine, processes=processes)
 
+        def prefix_cache_bytes(self) -> int:
+            """The most the prefix cache holds (what a memory estimate counts for it)."""
+            return int(self.prefix_cache_mib * 2**20)
+
         def kv_cache_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
             """Bytes the KV cache will take for a model, known before anything is allocated."""
             return self.kv_cache_shape(model_config).nbytes(dtype)
@@ -147,7 +153,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self.slots = SlotTable(
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
-        self.prefix_cache = PrefixCache(max_bytes=int(config.prefix_cache_mib * 2**20))
+        self.prefix_cache = PrefixCache(max_bytes=config.prefix_cache_bytes())
         # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
         self._adapter_rows = getattr(model, "multi_lora_rows", None)
         self._one_adapter: int | None = None  # the slot of every row of this call, if one

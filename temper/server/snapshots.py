@@ -181,9 +181,11 @@ class SnapshotRetention:
 
 
 def sampler_copy_bytes(decoder: DecoderConfig, *, sampler: SamplerEngine.Config, dtype: str) -> int:
-    """What one sampler copy of `decoder` holds: its weights and its KV cache."""
+    """What one sampler copy of `decoder` holds: its weights, its KV cache and at most its
+    prefix cache."""
     model = materialize(decoder, device="meta", dtype=dtype, init="empty")  # allocates nothing
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     max_seq_len = min(sampler.max_seq_len, decoder.max_seq_len)
     sampler = dataclasses.replace(sampler, max_seq_len=max_seq_len)
-    return weight_bytes + sampler.kv_cache_bytes(decoder, dtype=parse_dtype(dtype))
+    kv_bytes = sampler.kv_cache_bytes(decoder, dtype=parse_dtype(dtype))
+    return weight_bytes + kv_bytes + sampler.prefix_cache_bytes()

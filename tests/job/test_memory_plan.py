@@ -263,7 +263,9 @@ def test_disaggregated_moves_the_generator_off_the_trainer_ranks():
 def test_async_and_kl_reference_each_add_a_sampler():
     base = plan_memory(_big()).role("colocated")
     sampler = _rows(plan_memory(_big()))
-    one_copy = sampler["generator weights"] + sampler["KV cache"]
+    prefix = "prefix cache"
+    one_copy = sampler["generator weights"] + sampler["KV cache"] + sampler[prefix]
+    assert sampler[prefix] == 32 * 2**20  # the engine's default
     for changes in ({"mode": "async"}, {"kl_reference": True}):
         assert plan_memory(_big(**changes)).role("colocated").steady_bytes == (
             base.steady_bytes + one_copy

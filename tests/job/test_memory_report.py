@@ -15,7 +15,7 @@ def test_startup_line_of_a_rank_lists_its_items_and_the_verdict():
     line = describe_for_rank(plan, rank=3)
     # Without activation checkpointing an 8192-token micro-batch is too much.
     assert line.startswith(
-        "memory plan, rank 3 (colocated): steady 18.49 GiB, peak 74.18 GiB while training, "
+        "memory plan, rank 3 (colocated): steady 18.52 GiB, peak 74.21 GiB while training, "
         "72.00 GiB usable (DOES NOT FIT): base weights (frozen), 1/16 of bfloat16 976.4 MiB;"
     )
     assert "; KV cache: 16 slots x 1024 tokens 2.25 GiB;" in line

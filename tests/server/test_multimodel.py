@@ -286,9 +286,9 @@ def test_sample_only_model_refuses_training_and_samples(service, grader_dir, mod
 
 
 def test_over_budget_is_503_naming_budget_and_holder(model_dir, teacher_dir, tmp_path):
-    # The student's LoRA training model is estimated at about 263 MiB (the base weights and
-    # the multi-LoRA sampler with the default KV cache its LoRA models share, its adapters),
-    # the teacher's sampler at 64 MiB: one fits 300 MiB, not both.
+    # The student's LoRA training model is estimated at about 292 MiB (the base weights and
+    # the multi-LoRA sampler with the default KV and prefix caches its LoRA models share, its
+    # adapters), the teacher's sampler at 96 MiB: one fits 300 MiB, not both.
     server = start_server(
         model_dir,
         tmp_path / "storage",
