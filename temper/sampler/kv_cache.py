@@ -193,14 +193,21 @@ class ExtendAttention:
             )
         k_BKCH = self.cache.k_LSKCH[layer_index, self.slots_B, :, : self.width]
         v_BKCH = self.cache.v_LSKCH[layer_index, self.slots_B, :, : self.width]
-        return F.scaled_dot_product_attention(
-            q_BNTH,
-            k_BKCH,
-            v_BKCH,
-            attn_mask=self.visible_B1TC,
-            scale=head_dim**-0.5,
-            enable_gqa=q_BNTH.shape[1] != k_BKCH.shape[1],
-        )
+        return _masked_attention(q_BNTH, k_BKCH, v_BKCH, visible_B1TC=self.visible_B1TC)
+
+
+def _masked_attention(
+    q_BNTH: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, visible_B1TC: torch.Tensor
+) -> torch.Tensor:
+    """SDPA over cache positions, each query seeing the positions `visible_B1TC` marks."""
+    return F.scaled_dot_product_attention(
+        q_BNTH,
+        k_BKCH,
+        v_BKCH,
+        attn_mask=visible_B1TC,
+        scale=q_BNTH.shape[-1] ** -0.5,
+        enable_gqa=q_BNTH.shape[1] != k_BKCH.shape[1],
+    )
 
 
 _MIN_CPU_WIDTH = 16
@@ -259,14 +266,7 @@ class DecodeAttention:
         v_BKCH = v_SKCH[self.slots, :, : self.width]
         if q_BN1H.device.type == "cpu":
             return _grouped_attention(q_BN1H, k_BKCH, v_BKCH, hidden_B11C=self.hidden_B11C)
-        return F.scaled_dot_product_attention(
-            q_BN1H,
-            k_BKCH,
-            v_BKCH,
-            attn_mask=self.visible_B11C,
-            scale=head_dim**-0.5,
-            enable_gqa=q_BN1H.shape[1] != num_kv_heads,
-        )
+        return _masked_attention(q_BN1H, k_BKCH, v_BKCH, visible_B1TC=self.visible_B11C)
 
 
 def _grouped_attention(
