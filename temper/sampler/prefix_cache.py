@@ -1,7 +1,8 @@
 """Keys and values of finished sequences, kept so that a prompt extending one prefills only
 its new tokens.
 
-Shapes: L layers, K key/value heads, T tokens, H head dim.
+Shapes: L layers, F sequences stored together, K key/value heads, C positions, T tokens, H
+head dim.
 
 A multi-turn episode asks for its next action with a prompt that is its last request's prompt
 and completion plus the environment's observation: without this cache every turn prefills the
@@ -12,10 +13,10 @@ longest stored sequence it starts with gives its first positions, and only the r
 prefilled (admission.py, `ExtendAttention` in kv_cache.py).
 
 The sequences that finish together are stored as one block (one gather from the KV cache);
-an entry is a row of its block, and memory is counted per entry, by its own length. A block is
-hashed only when a lookup first needs it, so an RL step that samples single-turn problems
-(every sequence stored, none looked up before the weights change) pays for the gather alone. Entries
-are found by a chain of hashes over their tokens (one per prefix length), so a lookup
+an entry is a row of its block, and memory is counted per entry, by its own length. A block
+is hashed only when a lookup first needs it, so an RL step that samples single-turn problems
+(every sequence stored, none looked up before the weights change) pays for the gather alone.
+Entries are found by a chain of hashes over their tokens (one per prefix length), so a lookup
 costs one dict probe per prompt position, and a hit is confirmed token by token. Keys and
 values depend on the weights: the engine empties the cache when its weights generation changes,
 and a multi-LoRA sampler drops an adapter slot's entries when it loads another adapter there.
