@@ -1,10 +1,16 @@
 """SnapshotRetention's rules on a fake clock: the least recently sampled snapshot goes first
 when the copies would exceed the budget, a model's newest is never evicted for memory, and an
-idle one expires; each gone id remembers why."""
+idle one expires; each gone id remembers why. And what one sampler copy is counted at."""
 
 from __future__ import annotations
 
-from temper.server.snapshots import MIB, SnapshotRetention
+import dataclasses
+
+import torch
+
+from temper.models import materialize, qwen3_size
+from temper.sampler.engine import SamplerEngine
+from temper.server.snapshots import MIB, SnapshotRetention, sampler_copy_bytes
 
 
 class Clock:
@@ -55,3 +61,16 @@ def test_an_idle_snapshot_expires_and_a_used_one_does_not():
     assert retention.evict_idle() == ["idle"]
     assert "expired after 10 s without a sample" in retention.use("idle")
     assert retention.use("not-a-snapshot") is None  # base model and checkpoint sessions
+
+
+def test_a_sampler_copy_counts_its_weights_kv_cache_and_prefix_cache_budget():
+    decoder = qwen3_size("tiny", vocab_size=29)
+    without = SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=0)
+    meta = materialize(decoder, device="meta", init="empty")
+    weights = sum(p.numel() for p in meta.parameters()) * 4  # fp32
+    kv_bytes = without.kv_cache_bytes(decoder, dtype=torch.float32)
+    assert sampler_copy_bytes(decoder, sampler=without, dtype="float32") == weights + kv_bytes
+    with_prefixes = dataclasses.replace(without, prefix_cache_mib=8)
+    assert sampler_copy_bytes(decoder, sampler=with_prefixes, dtype="float32") == (
+        weights + kv_bytes + 8 * MIB
+    )
