@@ -57,6 +57,7 @@ from temper.job.model_bytes import ModelShapes, activation_bytes, kv_cache_bytes
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
+from temper.sampler.engine import SamplerEngine
 from temper.trainer.engine import TrainerEngine
 
 Placement = Literal["colocated", "disaggregated"]
@@ -102,7 +103,7 @@ class PlanSettings:
     max_batch: int | None = None
     """KV-cache slots of each generator engine (--sampler.max_batch); the engine allocates
     them all up front. None: the engine's share of `batch`."""
-    prefix_cache_mib: float = 32.0
+    prefix_cache_mib: float = SamplerEngine.Config.prefix_cache_mib
     """The most each generator engine's prefix cache holds (--sampler.prefix_cache_mib)."""
     micro_batch_tokens: int = TrainerEngine.Config.max_tokens_per_microbatch
     """Padded tokens per forward/backward (--trainer.max_tokens_per_microbatch)."""
