@@ -21,7 +21,9 @@ keeps the medians. Prints one JSON line, with the load average before and after.
 Every CPU case runs Temper at two settings, side by side with HF in the same rounds:
 - `temper_*` (the headline, `speedup_vs_hf`): the engine's defaults (`SamplerEngine.Config()
   .cpu`: a process per core for calls of at least 32 samples, each on its share of the
-  process's threads; smaller calls on all of them in one process; decode steps unsplit),
+  process's threads; smaller calls in one process, on one thread if their decode steps are
+  small (`num_threads='auto'`), else on all of them; decode steps unsplit; `*_threads` is
+  what each process ran on),
   unless the flags say otherwise: `--tiny-threads 1` runs every part on one thread,
   `--decode-shards auto` splits decode steps over the threads, `--cpu-processes 1` keeps
   every call in one process;
@@ -164,6 +166,7 @@ def _compare(
                 # On CPU the engine's decode path (chosen at build) says whether it decodes
                 # on packed weights; the plain path (CUDA) has no twin.
                 "packed": getattr(_local_engine(engine).decoding, "twin", None) == "packed",
+                "threads": _threads(engine, rows=batch),
             }
     finally:
         for engine in engines.values():
@@ -195,6 +198,16 @@ def rl_job_cpu() -> CpuDecoding.Config:
 def _local_engine(sampler) -> SamplerEngine:
     """The engine itself (a split sampler holds one for its own part)."""
     return getattr(sampler, "engine", sampler)
+
+
+def _threads(sampler, *, rows: int) -> int:
+    """The threads each process of a `rows`-row call decodes on (`cpu.num_threads` resolved)."""
+    helpers = getattr(sampler, "helpers", None)
+    if helpers is not None and rows >= 2 * helpers.min_rows:
+        return helpers.threads  # a split call: every part on its share
+    decoding = _local_engine(sampler).decoding
+    auto = getattr(decoding, "auto_threads", lambda rows: None)(rows=rows)  # CUDA: none
+    return auto or torch.get_num_threads()
 
 
 def auto_or_int(value: str) -> int | str:
@@ -237,7 +250,7 @@ def run_case(
             device=device,
             repeats=repeats,
             cpus=cpus,
-            hf_threads=cpu.num_threads,
+            hf_threads=cpu.num_threads if isinstance(cpu.num_threads, int) else None,
         )
         hf_tps = measured["hf"]["tokens_per_s"]
         result = {
@@ -252,7 +265,7 @@ def run_case(
             ours_tps = measured[name]["tokens_per_s"]
             result.update(
                 {
-                    f"{name}_threads": settings.num_threads or torch.get_num_threads(),
+                    f"{name}_threads": measured[name]["threads"],
                     f"{name}_decode_shards": settings.decode_shards,
                     f"{name}_cpu_processes": settings.num_processes(),
                     f"{name}_packed_linear": measured[name]["packed"],

@@ -43,9 +43,9 @@ class Decoding:
         return weights.model
 
     @contextlib.contextmanager
-    def threads(self, num_threads: int | None) -> Iterator[None]:
+    def threads(self, num_threads: int | None, *, rows: int) -> Iterator[None]:
         """Around a generate call: torch's threads as they are."""
-        del num_threads  # only the CPU wing sets threads
+        del num_threads, rows  # only the CPU wing sets threads
         yield
 
     def map_rows(self, step: Callable[[range], Result], num_rows: int) -> list[Result]:

@@ -238,7 +238,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self.prefix_cache.follow(self.weights.generation)
         waiting = deque(states)
         try:
-            with self.decoding.threads(num_threads):
+            rows = min(sum(request.num_samples for request in requests), self.config.max_batch)
+            with self.decoding.threads(num_threads, rows=rows):
                 # Made on the call's threads too: on the process's default threads a twin's
                 # copies (torch.cat) wake a second thread, whose core a helper process may be
                 # decoding on (1.9 ms vs 49 ms to build the tiny model's on a busy 2-core box).

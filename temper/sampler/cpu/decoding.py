@@ -38,13 +38,23 @@ _FIELD = "SamplerEngine.Config.cpu"
 
 Twin = Literal["packed", "fused", "none"]
 
+SMALL_STEP_WORK = 2**29
+"""With `num_threads='auto'`, a generate call whose decode steps multiply fewer than this many
+weights by rows (its rows, up to the engine's slots, times the model's parameters) runs on one
+thread. Measured on a 2-core VM (fp32, docs/sampler.md): one thread was faster at every size
+under it (the tiny model 1.5-2.6x at batch 1-64, a 98 MiB model 1.1-1.2x at batch 1-16) and
+two at every size over it (the 98 MiB model at batch 64, a 388 MiB one at 16-64, the 0.6B
+shape in bf16 at 1 and 8)."""
+
 
 class CpuDecoding(Configurable, Decoding):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        num_threads: int | None = None
-        """CPU threads (torch intra-op) while generating; None keeps the process setting.
-        Small models decode faster on 1: waking another thread costs more than it saves."""
+        num_threads: int | Literal["auto"] | None = "auto"
+        """CPU threads (torch intra-op) while generating. 'auto' (the default): one for a
+        call whose decode steps are small (rows x parameters under `SMALL_STEP_WORK`: their
+        ops are too small to split, and waking another thread costs more than it saves),
+        else the process's; None: always the process's; an int: that many."""
         packed_linear: Literal["auto", "on", "off"] = "auto"
         """Decode linear layers from weights prepacked for oneDNN (a copy: as much memory
         again, and one pass over the weights whenever they change). 'auto' packs bf16
@@ -75,11 +85,12 @@ class CpuDecoding(Configurable, Decoding):
         """With processes > 1, the fewest samples per process worth splitting a call for."""
 
         def __post_init__(self) -> None:
-            if self.num_threads is not None and (
+            if self.num_threads not in (None, "auto") and (
                 not _is_int(self.num_threads) or self.num_threads < 1
             ):
                 raise ValueError(
-                    f"{_FIELD}.num_threads must be an int >= 1 or None, got {self.num_threads!r}"
+                    f"{_FIELD}.num_threads must be 'auto', an int >= 1 or None, got "
+                    f"{self.num_threads!r}"
                 )
             if self.packed_linear not in ("auto", "on", "off"):
                 raise ValueError(
@@ -123,6 +134,7 @@ class CpuDecoding(Configurable, Decoding):
         self.config = config
         self.batch_hint = batch_hint
         self.twin = _pick_twin(config, dtype=next(model.parameters()).dtype)
+        self.num_parameters = sum(parameter.numel() for parameter in model.parameters())
         """What decode steps run on, chosen here once (see the module docstring)."""
         self.shards = DecodeShards(
             setting=config.decode_shards, min_rows=config.decode_shard_min_rows
@@ -152,10 +164,11 @@ class CpuDecoding(Configurable, Decoding):
         return FusedDecoder(model) if fuses else model
 
     @contextlib.contextmanager
-    def threads(self, num_threads: int | None) -> Iterator[None]:
-        """Around a generate call: torch on `num_threads` threads, else the config's, else
-        as it is; restored afterwards."""
-        num_threads = num_threads or self.config.num_threads
+    def threads(self, num_threads: int | None, *, rows: int) -> Iterator[None]:
+        """Around a generate call of `rows` rows at most per decode step: torch on
+        `num_threads` threads, else the config's (see `Config.num_threads`); restored
+        afterwards."""
+        num_threads = num_threads or self.auto_threads(rows=rows)
         previous = torch.get_num_threads()
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -163,6 +176,13 @@ class CpuDecoding(Configurable, Decoding):
             yield
         finally:
             torch.set_num_threads(previous)
+
+    def auto_threads(self, *, rows: int) -> int | None:
+        """The config's thread count for a call of `rows` rows, 'auto' resolved (None: the
+        process's threads)."""
+        if self.config.num_threads != "auto":
+            return self.config.num_threads
+        return 1 if rows * self.num_parameters < SMALL_STEP_WORK else None
 
     def map_rows(self, step: Callable[[range], Result], num_rows: int) -> list[Result]:
         """`step` over consecutive row groups of a decode step, at once (one group: no

@@ -286,7 +286,7 @@ def serve(connection: Connection) -> None:
         config, tokenizer = connection.recv()
     except (EOFError, OSError):
         return
-    torch.set_num_threads(config.cpu.num_threads or 1)
+    torch.set_num_threads(config.cpu.num_threads)  # an int: ProcessSplitSampler sets it
     engine = None  # built from the first weights (the config is one process: no helpers)
     while True:
         try:

@@ -77,7 +77,11 @@ class ProcessSplitSampler(OnePromptSampling):
         cpu = engine.config.cpu
         # Every process of a split call, the engine's part included, runs on this many
         # threads, so the parts do not crowd each other's cores.
-        threads = cpu.num_threads or max(1, torch.get_num_threads() // processes)
+        threads = (
+            cpu.num_threads
+            if isinstance(cpu.num_threads, int)
+            else max(1, torch.get_num_threads() // processes)
+        )
         helper_config = replace(engine.config, cpu=replace(cpu, processes=1, num_threads=threads))
         self.helpers = HelperProcesses(
             max_helpers=processes - 1,

@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
-from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.cpu.decoding import SMALL_STEP_WORK, CpuDecoding
 from temper.sampler.cpu.fused_decoder import FusedDecoder
 from temper.sampler.decoding import Decoding
 from temper.sampler.engine import SamplerEngine
@@ -25,8 +26,9 @@ def _model(seed=3):
 @pytest.mark.parametrize(
     ("field", "value", "valid"),
     [
-        ("num_threads", 0, "an int >= 1 or None"),
-        ("num_threads", 1.5, "an int >= 1 or None"),
+        ("num_threads", 0, "'auto', an int >= 1 or None"),
+        ("num_threads", 1.5, "'auto', an int >= 1 or None"),
+        ("num_threads", "all", "'auto', an int >= 1 or None"),
         ("packed_linear", "always", "'auto', 'on' or 'off'"),
         ("fused_projections", "yes", "True or False"),
         ("decode_shards", 0, "'auto' or an int >= 1"),
@@ -50,7 +52,7 @@ def test_the_cpu_settings_are_one_nested_config():
     assert (config.cpu.processes, config.cpu.decode_shards, config.cpu.num_threads) == (
         "auto",
         1,
-        None,
+        "auto",
     )
     assert CpuDecoding.Config(processes=3).num_processes() == 3
     assert CpuDecoding.Config(processes="auto").num_processes() >= 1
@@ -60,6 +62,40 @@ def test_the_cpu_settings_are_one_nested_config():
 
 ONE_PROCESS = CpuDecoding.Config(processes=1)
 """The engine alone (its decode path is what these tests read)."""
+
+
+def test_auto_threads_put_small_calls_on_one_thread_and_large_ones_on_the_process_threads(
+    monkeypatch,
+):
+    def threads_seen(num_threads, num_samples, *, parameters=None):
+        cpu = CpuDecoding.Config(num_threads=num_threads, processes=1)
+        engine = SamplerEngine.Config(max_batch=8, max_seq_len=32, cpu=cpu).build(model=_model())
+        if parameters is not None:
+            monkeypatch.setattr(engine.decoding, "num_parameters", parameters)
+        seen = set()
+        decode_step = engine._decode_step
+        monkeypatch.setattr(
+            engine, "_decode_step", lambda d: (seen.add(torch.get_num_threads()), decode_step(d))
+        )
+        params = SamplingParams(max_tokens=3, stop=[], seed=0)
+        engine.sample([1, 2], params, num_samples=num_samples)
+        assert torch.get_num_threads() == 3  # restored after the call
+        return seen
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        # The tiny model (~0.2M parameters) at 8 rows: far under the line.
+        assert threads_seen("auto", 8) == {1}
+        # A model of SMALL_STEP_WORK / 4 parameters: small at 3 rows, large from 4.
+        assert threads_seen("auto", 3, parameters=SMALL_STEP_WORK // 4) == {1}
+        assert threads_seen("auto", 4, parameters=SMALL_STEP_WORK // 4) == {3}
+        # Rows count up to the engine's slots (8): 16 samples run 8 rows at a time.
+        assert threads_seen("auto", 16, parameters=SMALL_STEP_WORK // 9) == {1}
+        assert threads_seen(None, 8) == {3}  # always the process's
+        assert threads_seen(2, 8, parameters=SMALL_STEP_WORK) == {2}
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_the_decode_path_is_chosen_when_the_engine_is_built():
