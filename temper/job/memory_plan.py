@@ -91,8 +91,9 @@ class PlanSettings:
     placement: Placement = "colocated"
     """colocated: every rank trains a shard and generates; disaggregated: `generator_ranks`
     ranks generate and the others train."""
-    generator_ranks: int = 0
-    """disaggregated: ranks that only generate (the rest train)."""
+    generator_ranks: int | None = None
+    """disaggregated: ranks that only generate (the rest train); None: 1 when disaggregated
+    (as `temper train`'s --placement.generator_ranks), 0 when colocated."""
     generator_tp: int = 1
     """disaggregated: tensor-parallel degree of each generator engine."""
     batch: int = 256
@@ -150,6 +151,9 @@ class PlanSettings:
 
     def _check_placement(self) -> None:
         world = self.world_size
+        if self.generator_ranks is None:  # resolved once: frozen from here on
+            ranks = 1 if self.placement == "disaggregated" else 0
+            object.__setattr__(self, "generator_ranks", ranks)
         if self.placement == "colocated":
             if self.generator_ranks != 0 or self.generator_tp != 1:
                 raise ValueError(
@@ -162,7 +166,8 @@ class PlanSettings:
             raise ValueError(
                 f"generator_ranks={self.generator_ranks} must be in 1..{world - 1} with "
                 f"placement 'disaggregated' on {world} ranks (nnodes {self.nnodes} x "
-                f"nproc_per_node {self.nproc_per_node}): at least one rank must train"
+                f"nproc_per_node {self.nproc_per_node}): at least one rank generates and one "
+                "trains"
             )
         if self.generator_ranks % self.generator_tp:
             raise ValueError(

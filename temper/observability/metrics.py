@@ -37,7 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from temper.config.configurable import Configurable
-from temper.observability.progress import Phase, PhaseProgress
+from temper.observability.progress import Phase, PhaseLines, PhaseProgress
 
 Display = Literal["progress", "table", "none"]
 RESERVED_KEYS = ("step", "time")
@@ -51,8 +51,9 @@ class MetricsLogger(Configurable):
     @dataclasses.dataclass(kw_only=True)
     class Config(Configurable.Config):
         display: Display = "progress"
-        """Console output: 'progress' (a progress bar plus a table every `table_every` steps),
-        'table' (tables only) or 'none' (no progress bar, tables or `summary()`; a job's own
+        """Console output: 'progress' (a progress bar plus a table every `table_every` steps;
+        off a terminal, a progress line per tenth of a phase or per minute), 'table' (tables
+        only) or 'none' (no progress bar, tables or `summary()`; a job's own
         few lines, such as the paths it wrote, still print)."""
 
         table_every: int = 10
@@ -108,11 +109,12 @@ class MetricsLogger(Configurable):
         self._last_table_step: int | None = None
         self._closed = False
         self._phase = Phase(description, first_step=0, num_steps=total_steps)
-        self._progress: PhaseProgress | None = None
-        # Off a terminal (CI logs, pipes) a live bar can only be drawn once, at the end, squeezed
-        # to 80 columns; the periodic tables already tell the story there.
-        if config.display == "progress" and self.console.is_terminal:
-            self._progress = PhaseProgress(console=self.console)
+        self._progress: PhaseProgress | PhaseLines | None = None
+        # Off a terminal (CI logs, pipes, a cluster job's output file) a live bar could only be
+        # drawn once, at the end: the progress prints as plain lines there instead.
+        if config.display == "progress":
+            progress = PhaseProgress if self.console.is_terminal else PhaseLines
+            self._progress = progress(console=self.console)
             self._progress.begin(self._phase)
 
     @property

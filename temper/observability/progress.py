@@ -11,6 +11,11 @@ The line is laid out so that a narrow terminal crops the metrics (with an ellips
 step count or the ETA: the description, step count, a short bar and the ETA have fixed widths
 and the metrics column takes what is left. There is no elapsed-time column on the live line
 (the finished-phase line reports it).
+
+Off a terminal (a log file, a pipe, CI, a cluster job's output) a live bar cannot be redrawn,
+so `PhaseLines` prints the same progress as plain lines instead: the phase's first step, then
+one line per tenth of the phase or per minute, whichever comes first, each with its elapsed
+time and ETA, and the finished-phase line.
 """
 
 from __future__ import annotations
@@ -99,12 +104,84 @@ class PhaseProgress:
         self._progress.remove_task(self._task)
         self._progress.refresh()  # else the print below repeats the last frame drawn
         self._task = None
-        seconds = int(time.monotonic() - self._phase_started)
-        elapsed = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
         total = f"/{int(task.total)}" if task.total is not None else ""
+        elapsed = _clock(time.monotonic() - self._phase_started)
         line = f"{task.description} done: {int(task.completed)}{total} steps in {elapsed}"
         metrics = task.fields["metrics"]
         self.console.print(Text(f"{line}  {metrics}" if metrics else line))
+
+
+class PhaseLines:
+    """The progress of `PhaseProgress` as plain printed lines, for a console that is not a
+    terminal (same methods)."""
+
+    EVERY_S = 60.0
+    """The most seconds between two lines of a phase."""
+
+    def __init__(self, *, console: Console) -> None:
+        self.console = console
+        self._phase: Phase | None = None
+        self._started = self._last_line = time.monotonic()
+        self._first_done = 0  # steps done before this session's first update (a resumed phase)
+        self._done: int | None = None  # steps done at the last update; None: none yet
+        self._metrics = ""
+
+    def begin(self, phase: Phase) -> None:
+        """From now on count `phase`; the previous one, if it logged, ends with its line."""
+        self._end_current()
+        self._phase = phase
+        self._started = self._last_line = time.monotonic()
+        self._done = None
+
+    def update(self, step: int, shown: Sequence[tuple[str, str]]) -> None:
+        """`step` (of the run) is done; `shown` are the (name, formatted value) pairs."""
+        phase = self._phase
+        assert phase is not None, "begin() a phase before update()"
+        done = step - phase.first_step + 1
+        self._metrics = "  ".join(f"{name} {value}" for name, value in shown)
+        previous, self._done = self._done, done
+        if phase.num_steps is not None and done >= phase.num_steps:
+            self._end_current()
+            return
+        now = time.monotonic()
+        if previous is None:
+            self._first_done = done - 1
+        elif now - self._last_line < self.EVERY_S and not (
+            phase.num_steps and done * 10 // phase.num_steps > previous * 10 // phase.num_steps
+        ):
+            return  # neither a new tenth of the phase nor a minute since the last line
+        self._last_line = now
+        self.console.print(Text(self._line(done, seconds=now - self._started)))
+
+    def stop(self) -> None:
+        """Nothing is live: the last line printed stays."""
+
+    def _line(self, done: int, *, seconds: float) -> str:
+        phase = self._phase
+        assert phase is not None
+        total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
+        timing = f"{_clock(seconds)} elapsed"
+        steps_here = done - self._first_done
+        if phase.num_steps is not None and steps_here > 0:
+            timing += f", eta {_clock(seconds / steps_here * (phase.num_steps - done))}"
+        line = f"{phase.description} step {done}{total}  ({timing})"
+        return f"{line}  {self._metrics}" if self._metrics else line
+
+    def _end_current(self) -> None:
+        phase, done = self._phase, self._done
+        if phase is None or done is None:
+            return
+        self._done = None
+        total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
+        elapsed = _clock(time.monotonic() - self._started)
+        line = f"{phase.description} done: {done}{total} steps in {elapsed}"
+        self.console.print(Text(f"{line}  {self._metrics}" if self._metrics else line))
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 class _StepColumn(ProgressColumn):

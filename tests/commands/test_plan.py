@@ -33,10 +33,17 @@ def test_plan_says_when_it_does_not_fit(capsys):
 
 
 def test_bad_settings_are_a_clean_error_naming_the_field(capsys):
-    assert main(["plan", "--model", "8B", "--placement", "disaggregated"]) == 2
+    split = ["plan", "--model", "8B", "--placement", "disaggregated"]
+    assert main([*split, "--generator-ranks", "8"]) == 2
     err = capsys.readouterr().err
-    assert "temper plan: error: generator_ranks=0 must be in 1..7" in err
+    assert "temper plan: error: generator_ranks=8 must be in 1..7" in err
     assert "Traceback" not in err
+
+
+def test_disaggregated_has_one_generator_rank_unless_told(capsys):
+    # As in `temper train`, whose --placement.generator_ranks defaults to 1.
+    assert main(["plan", "--model", "8B", "--placement", "disaggregated"]) == 0
+    assert "generator: 1 generator rank" in capsys.readouterr().out
 
 
 def _documented_plans() -> list[tuple[str, str]]:

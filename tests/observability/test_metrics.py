@@ -216,14 +216,42 @@ def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> Non
     assert titles == ["rl step 3", "rl step 11", "rl step 23", "rl step 31"]
 
 
-def test_progress_bar_is_not_drawn_off_a_terminal(tmp_path: Path) -> None:
+def test_off_a_terminal_progress_is_a_line_per_tenth_of_each_phase(tmp_path: Path) -> None:
     console, buffer = captured_console()
     assert not console.is_terminal
     config = MetricsLogger.Config(table_every=0, progress_keys=("train/loss",), jsonl=False)
-    with config.build(run_dir=tmp_path, total_steps=50, description="sft", console=console) as lg:
-        for step in range(50):
+    with config.build(run_dir=tmp_path, total_steps=60, description="sft", console=console) as lg:
+        lg.begin_phase("warm-up", first_step=0, num_steps=10)
+        for step in range(10):
             lg.log(step, {"train/loss": 0.5, "train/lr": 1e-3})
-    assert buffer.getvalue().strip() == ""
+        lg.begin_phase("GRPO", first_step=10, num_steps=50)
+        for step in range(10, 35):  # stopped halfway: no "done" line
+            lg.log(step, {"train/loss": 0.25})
+    lines = buffer.getvalue().splitlines()
+    assert "\r" not in buffer.getvalue() and "\x1b" not in buffer.getvalue()  # no live bar
+    warmup = [line for line in lines if line.startswith("warm-up")]
+    assert [line.split("  ")[0] for line in warmup[:-1]] == [
+        f"warm-up step {done}/10" for done in range(1, 10)
+    ]
+    assert warmup[-1].startswith("warm-up done: 10/10 steps in 0:00:0")
+    grpo = [line.split("  ")[0] for line in lines if line.startswith("GRPO")]
+    assert grpo == [f"GRPO step {done}/50" for done in (1, 5, 10, 15, 20, 25)]
+    last = [line for line in lines if line.startswith("GRPO")][-1]
+    assert re.search(r"\(0:00:\d\d elapsed, eta 0:00:\d\d\)  train/loss 0\.25$", last), last
+    assert "train/lr" not in buffer.getvalue()
+
+
+def test_off_a_terminal_slow_steps_print_a_line_a_minute(tmp_path: Path, monkeypatch) -> None:
+    console, buffer = captured_console()
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    config = MetricsLogger.Config(table_every=0, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=1000, description="rl", console=console) as lg:
+        for step in range(4):
+            clock[0] += 45.0  # 45 s a step: lines at steps 1, 3 (90 s after 1), not 2 or 4
+            lg.log(step, {"loss": 1.0})
+    steps = [line.split("  ")[0] for line in buffer.getvalue().splitlines()]
+    assert steps == ["rl step 1/1000", "rl step 3/1000"]
 
 
 def test_progress_bar_on_a_terminal_shows_chosen_keys(tmp_path: Path) -> None:

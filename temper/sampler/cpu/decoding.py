@@ -51,9 +51,9 @@ class CpuDecoding(Configurable, Decoding):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         num_threads: int | Literal["auto"] | None = "auto"
-        """CPU threads (torch intra-op) while generating. 'auto' (the default): one for a
-        call whose decode steps are small (rows x parameters under `SMALL_STEP_WORK`: their
-        ops are too small to split, and waking another thread costs more than it saves),
+        """CPU threads (torch intra-op) while generating. 'auto' (the engine's default): one
+        for a call whose decode steps are small (rows x parameters under `SMALL_STEP_WORK`:
+        their ops are too small to split, and waking another thread costs more than it saves),
         else the process's; None: always the process's; an int: that many."""
         packed_linear: Literal["auto", "on", "off"] = "auto"
         """Decode linear layers from weights prepacked for oneDNN (a copy: as much memory
