@@ -79,8 +79,8 @@ class SnapshotRetention:
                 copy_mib,
             )
         log.info(
-            "sampling snapshots: %.1f MiB per older snapshot, budget %.0f MiB (%d copies), "
-            "idle expiry %g s",
+            "sampling snapshots: %.1f MiB per older snapshot (a sampler copy: weights, KV "
+            "cache, prefix cache), budget %.0f MiB (%d copies), idle expiry %g s",
             copy_mib,
             budget_mib,
             self.num_copies_in_budget,
