@@ -17,7 +17,10 @@ an entry is a row of its block, and memory is counted per entry, by its own leng
 is hashed only when a lookup first needs it, so an RL step that samples single-turn problems
 (every sequence stored, none looked up before the weights change) pays for the gather alone.
 Entries are found by a chain of hashes over their tokens (one per prefix length), so a lookup
-costs one dict probe per prompt position, and a hit is confirmed token by token. Keys and
+costs one dict probe per prompt position, and a hit is confirmed token by token. A prompt may
+also share only the start of an entry (two conversations with one system prompt, a request
+that rewrites a conversation's end): every `BLOCK` tokens of an entry are indexed too, so such
+a prompt copies the longest whole blocks they have in common. Keys and
 values depend on the weights: the engine empties the cache when its weights generation changes,
 and a multi-LoRA sampler drops an adapter slot's entries when it loads another adapter there.
 Entries of the same adapter slot only match each other. The cache holds at most `max_bytes`;
@@ -29,9 +32,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+BLOCK = 16
+"""Partial matches are found at multiples of this many tokens (an entry of n tokens adds n /
+BLOCK index keys, not n)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +92,7 @@ class PrefixCache:
         self.num_hits = 0
         self.num_hit_tokens = 0
         self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # by hash, LRU first
+        self._blocks: dict[int, int] = {}  # hash of an entry's first k * BLOCK tokens -> its key
         self._pending: list[_Block] = []  # stored, newest last, indexed when first needed
         self._generation: int | None = None
 
@@ -104,6 +112,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._blocks.clear()
         self._pending.clear()
         self.nbytes = 0
 
@@ -115,22 +124,28 @@ class PrefixCache:
                 self._remove(key)
 
     def longest(self, prompt: Sequence[int], *, adapter: int) -> CachedPrefix | None:
-        """The longest stored sequence that `prompt` starts with and extends by at least one
-        token (the prompt's last position must be computed for its logits)."""
+        """The longest cached start of `prompt` that leaves at least its last token to
+        compute (its position gives the logits): a whole stored sequence, or the first
+        multiple of BLOCK tokens of one (then an entry cut to that length)."""
         self._index()
         if not self._entries or len(prompt) < 2:
             return None
         hashes = prefix_hashes(prompt[:-1], adapter=adapter)
         for length in range(len(hashes), 0, -1):
-            entry = self._entries.get(hashes[length - 1])
+            key = hashes[length - 1]
+            if key not in self._entries and length % BLOCK == 0:
+                key = self._blocks.get(key, key)  # an entry this prompt shares blocks with
+            entry = self._entries.get(key)
             if (
                 entry is not None
                 and entry.adapter == adapter
-                and entry.tokens == tuple(prompt[:length])
+                and entry.tokens[:length] == tuple(prompt[:length])
             ):
-                self._entries.move_to_end(hashes[length - 1])
+                self._entries.move_to_end(key)
                 self.num_hits += 1
                 self.num_hit_tokens += length
+                if entry.length > length:
+                    return replace(entry, tokens=entry.tokens[:length])
                 return entry
         return None
 
@@ -167,9 +182,12 @@ class PrefixCache:
             for row, (tokens, adapter) in enumerate(
                 zip(block.sequences, block.adapters, strict=True)
             ):
-                key = prefix_hashes(tokens, adapter=adapter)[-1]
+                hashes = prefix_hashes(tokens, adapter=adapter)
+                key = hashes[-1]
                 if key in self._entries:
                     self._remove(key)  # the same tokens again: the newer copy stays
+                for length in range(BLOCK, len(tokens), BLOCK):
+                    self._blocks[hashes[length - 1]] = key  # the newest entry with them
                 self._entries[key] = CachedPrefix(
                     tokens=tuple(tokens), adapter=adapter, k_LFKCH=block.k_LFKCH,
                     v_LFKCH=block.v_LFKCH, row=row, nbytes=block.bytes_per_position * len(tokens),
@@ -177,4 +195,10 @@ class PrefixCache:
         self._pending.clear()
 
     def _remove(self, key: int) -> None:
-        self.nbytes -= self._entries.pop(key).nbytes
+        entry = self._entries.pop(key)
+        self.nbytes -= entry.nbytes
+        if len(entry.tokens) > BLOCK:
+            hashes = prefix_hashes(entry.tokens, adapter=entry.adapter)
+            for length in range(BLOCK, entry.length, BLOCK):
+                if self._blocks.get(hashes[length - 1]) == key:
+                    del self._blocks[hashes[length - 1]]

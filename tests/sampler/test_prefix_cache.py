@@ -13,7 +13,7 @@ from temper.models import materialize, qwen3_size
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.prefix_cache import PrefixCache
+from temper.sampler.prefix_cache import BLOCK, PrefixCache
 
 VOCAB = 31
 
@@ -161,6 +161,50 @@ def test_the_least_recently_used_entries_go_first():
     assert cache.nbytes == 2 * 4 * 4 * 8
     cache.drop_adapter(0)
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_a_prompt_sharing_whole_blocks_with_an_entry_copies_those_blocks():
+    cache = PrefixCache(max_bytes=2**20)
+    stored = list(range(1, 41))  # 40 tokens: blocks end at 16 and 32
+    k_LFKCH = torch.arange(40.0).reshape(1, 1, 1, 40, 1)
+    cache.store([stored], adapters=[0], k_LFKCH=k_LFKCH, v_LFKCH=-k_LFKCH)
+    shares_35 = [*stored[:35], 0, 0]
+    hit = cache.longest(shares_35, adapter=0)
+    assert hit.length == 2 * BLOCK and hit.tokens == tuple(stored[: 2 * BLOCK])
+    keys, values = hit.keys_values()
+    assert keys.flatten().tolist() == list(range(2 * BLOCK)) and torch.equal(values, -keys)
+    assert cache.longest([*stored[:20], 0], adapter=0).length == BLOCK
+    assert cache.longest([*stored[:15], 0, 0], adapter=0) is None  # no whole block in common
+    assert cache.longest([*stored[:35], 0], adapter=1) is None  # another adapter's slot
+    assert cache.longest([*stored, 7], adapter=0).length == 40  # the whole entry wins
+    cache.clear()
+    assert cache.longest(shares_35, adapter=0) is None
+    cache.store([stored], adapters=[0], k_LFKCH=k_LFKCH, v_LFKCH=-k_LFKCH)
+    cache.drop_adapter(0)  # an entry that goes takes its block keys with it
+    assert cache.longest(shares_35, adapter=0) is None and not cache._blocks
+
+
+def test_two_conversations_with_one_system_prompt_share_its_blocks(model, monkeypatch):
+    prefilled = []
+    prefill = Admission._prefill
+    monkeypatch.setattr(
+        Admission,
+        "_prefill",
+        lambda self, rows: (
+            prefilled.append([len(s.prompt) - (c.length if c else 0) for s, _, c in rows]),
+            prefill(self, rows),
+        )[1],
+    )
+    system = [(5 * i + 2) % VOCAB for i in range(37)]  # 37 tokens: two whole blocks
+    params = SamplingParams(max_tokens=4, seed=3)
+    engine = _engine(model)
+    first = SampleRequest(prompt=[*system, 1, 2, 3], params=params)
+    second = SampleRequest(prompt=[*system, 9, 8], params=params)
+    engine.generate([first])
+    (warm,) = engine.generate([second])
+    assert prefilled == [[40], [39 - 2 * BLOCK]]
+    (cold,) = _engine(model, prefix_cache_mib=0).generate([second])
+    _assert_same_sample(warm.sequences[0], cold.sequences[0])
 
 
 def test_prefix_cache_mib_is_checked():
