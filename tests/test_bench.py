@@ -104,6 +104,18 @@ def test_multiturn_reports_concurrency_and_the_prefix_cache(tmp_path):
     assert left_behind(tmp_path) == []
 
 
+def test_prefix_cache_prefills_a_shared_system_prompt_once(tmp_path):
+    flags = ["--calls", "3", "--requests", "2", "--system-tokens", "40", "--repeats", "1"]
+    report = run_bench("prefix_cache.py", *flags, tmp_path=tmp_path)
+    # Calls 2 and 3 copy the system prompt's two whole blocks (32 of 40 tokens) per request.
+    prefilled = report["prefilled_tokens_per_call"]
+    assert prefilled["uncached"] == 2 * 48
+    assert prefilled["cached"] == pytest.approx((3 * 96 - 4 * 32) / 3, abs=0.05)
+    assert report["cached_s"] > 0 and report["uncached_s"] > 0
+    assert "prefix_cache_mib=0.0" in report["configs"]["uncached"]
+    assert left_behind(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_multi_lora_reports_memory_and_mixed_speed_per_client_count(tmp_path):
     flags = ["--clients", "1", "2", "--models", "tiny", "--rounds", "1", "--rank", "2"]
