@@ -9,6 +9,7 @@ nothing: every error names the datum index and the field.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,18 @@ from temper.trainer.shared_prefix import (
     packed_size,
     worth_packing,
 )
+
+
+def _check_not_a_misspelling(name: str, *, allowed: Iterable[str], where: str) -> None:
+    """Inputs the loss does not read are ignored, as Tinker does (the cookbook keeps a "mask"
+    on its datums), but one that looks like a misspelled input would silently train on
+    something else (a `weight` ignored trains every token), so that one fails."""
+    close = difflib.get_close_matches(name, sorted(allowed), n=1, cutoff=0.8)
+    if close:
+        raise ValueError(
+            f"{where}: loss_fn_inputs[{name!r}] is not an input of this loss; did you mean "
+            f"{close[0]!r}? (its inputs: {', '.join(sorted(allowed))}; other names are ignored)"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,6 +120,7 @@ def prepare(
         # In name order, so an error names the same input whatever order the wire gave.
         for name, value in sorted(datum.loss_fn_inputs.items()):
             if name not in allowed:
+                _check_not_a_misspelling(name, allowed=allowed, where=where)
                 continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
             shape = tuple(value.shape)
             if name in topk and len(shape) == 2 and shape[0] == length and shape[1] >= 1:

@@ -134,6 +134,20 @@ TRAINING_CASES = {
         ValueError,
         r"datum 1: loss_fn_inputs is missing \['target_tokens'\]",
     ),
+    "a misspelled input": (
+        lambda c: c.forward_backward(
+            [
+                Datum(
+                    model_input=ModelInput.from_ints([1, 2]),
+                    loss_fn_inputs={"target_tokens": [2, 3], "weight": [1.0, 1.0]},
+                )
+            ],
+            "cross_entropy",
+        ),
+        ValueError,
+        r"datum 0: loss_fn_inputs\['weight'\] is not an input of this loss; did you mean "
+        r"'weights'\? \(its inputs: target_tokens, weights; other names are ignored\)",
+    ),
     "weights too short": (
         lambda c: c.forward_backward([_datum([1, 2, 3], weights=[1.0])], "cross_entropy"),
         ValueError,
