@@ -20,6 +20,7 @@ import pathlib
 import re
 import types
 import typing
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Protocol
 
@@ -239,6 +240,14 @@ def check_root_config(config: Any, *, recipe: str | None) -> None:
 
 def override_config(config: Any, *, args: Sequence[str], prog: str) -> Any:
     """A copy of `config` with command-line field overrides applied (tyro; exits on errors)."""
+    with warnings.catch_warnings():
+        # A recipe's own class in a union field (a task or env source of your own) is not one
+        # of the union's members; tyro warns, then takes its fields as they are, as intended.
+        warnings.filterwarnings("ignore", ".*does not match any type in Union", UserWarning)
+        return _tyro_overrides(config, args=args, prog=prog)
+
+
+def _tyro_overrides(config: Any, *, args: Sequence[str], prog: str) -> Any:
     return tyro.cli(
         type(config),
         default=config,

@@ -10,6 +10,9 @@ list -> tuple, str -> Path/Enum. bool is not an int here.
 
 A union of several dataclasses carries no type tag on disk; the member whose fields are exactly
 the saved keys is chosen, and two members with the same field names are rejected as ambiguous.
+A value of a class the union does not name (your own task or env source in a recipe file, which
+the job runs like a built-in one) is saved with its class under `CLASS_KEY`, and loads back only
+from a module already imported: the recipe's own, which loading the run's recipe imports.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import enum
 import importlib
 import json
 import pathlib
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -45,13 +49,21 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return _to_json(config, path="")
 
 
+CLASS_KEY = "__config_class__"
+"""The key naming the class of a saved union value that is none of the union's members."""
+
+
 def _to_json(value: Any, *, path: str) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            field.name: _to_json(getattr(value, field.name), path=_join(path, field.name))
-            for field in dataclasses.fields(value)
-            if field.init
-        }
+        hints = typing.get_type_hints(type(value))
+        saved = {}
+        for field in dataclasses.fields(value):
+            if field.init:
+                item = getattr(value, field.name)
+                saved[field.name] = _to_json(item, path=_join(path, field.name))
+                if _outside_union(hints[field.name], item):
+                    saved[field.name] = {CLASS_KEY: _class_name(type(item)), **saved[field.name]}
+        return saved
     # Enum before str/int: a StrEnum is also a str, but its value is what gets saved.
     if isinstance(value, enum.Enum):
         return _to_json(value.value, path=path)
@@ -70,6 +82,35 @@ def _to_json(value: Any, *, path: str) -> Any:
         f"field '{path}': cannot save {type(value).__qualname__} value {value!r} as JSON; "
         "config fields hold dataclasses, lists, tuples, dicts, enums, paths and scalars"
     )
+
+
+def _outside_union(tp: Any, value: Any) -> bool:
+    """`value` is a module-level dataclass of a type the union annotation `tp` does not name."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return False
+    cls = type(value)
+    named = dataclasses.is_dataclass(value) and cls not in typing.get_args(tp)
+    return named and "<locals>" not in cls.__qualname__
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _imported_class(name: Any, *, path: str) -> type:
+    """The dataclass `module:QualName` from a module already imported (nothing is imported
+    here: a recipe file's module is, when its run's recipe is loaded)."""
+    module_name, _, qualname = name.partition(":") if isinstance(name, str) else ("", "", "")
+    target: Any = sys.modules.get(module_name)
+    for part in qualname.split(".") if target is not None else ():
+        target = getattr(target, part, None)
+    if not (isinstance(target, type) and dataclasses.is_dataclass(target)):
+        raise ValueError(
+            f"field '{path}': saved as {name!r}, a config class that is not loaded; it is "
+            "found in the module of the run's recipe ('module:function' or 'file.py:function'), "
+            "which loading the run's config.json imports"
+        )
+    return target
 
 
 def config_from_dict(cls: type, data: Any) -> Any:
@@ -147,6 +188,9 @@ def _from_dataclass(cls: type, value: Any, *, path: str) -> Any:
 def _from_union(members: tuple[Any, ...], value: Any, *, tp: Any, path: str) -> Any:
     if value is None:
         return _expect(type(None) in members, None, tp=tp, value=value, path=path)
+    if isinstance(value, dict) and CLASS_KEY in value:
+        fields = {key: item for key, item in value.items() if key != CLASS_KEY}
+        return _from_dataclass(_imported_class(value[CLASS_KEY], path=path), fields, path=path)
     members = tuple(member for member in members if member is not type(None))
     if len(members) == 1:
         return _from_json(members[0], value, path=path)
@@ -260,6 +304,8 @@ def load_config(path: str | pathlib.Path) -> LoadedConfig:
     if recipe is not None and not isinstance(recipe, str):
         raise ValueError(f"{path}: recipe must be a string or null, got {recipe!r}")
     cls = _import_config_class(document["config_class"], recipe=recipe, source=path)
+    if recipe is not None and recipes.is_recipe_spec(recipe) and CLASS_KEY in json.dumps(document):
+        recipes.get_recipe(recipe)  # imports the recipe's module: its classes are saved by name
     return LoadedConfig(recipe=recipe, config=config_from_dict(cls, document["config"]))
 
 

@@ -184,7 +184,12 @@ def _check_config(config: RLJobConfig) -> None:
         )
     if config.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")
-    if config.env is not None and config.episodes.max_context > config.sampler.max_seq_len:
+    max_context = config.episodes.max_context
+    if (
+        config.env is not None
+        and max_context is not None
+        and max_context > config.sampler.max_seq_len
+    ):
         raise ValueError(
             f"{name}.episodes.max_context ({config.episodes.max_context}) exceeds "
             f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "

@@ -57,15 +57,20 @@ class EnvStepError(RuntimeError):
     """An environment's `step` raised (or returned something other than a StepResult)."""
 
 
+DEFAULT_MAX_CONTEXT = 256
+"""`EpisodeRunner.Config.max_context` of a runner built without the sampler's max_seq_len."""
+
+
 class EpisodeRunner(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         max_turns: int = 8
         """Most actions per episode; an episode still running after them ends ("max_turns")."""
-        max_context: int = 256
+        max_context: int | None = None
         """Most tokens in an episode's context (prompt, actions, observations); an episode
         without room for one more action token ends ("context"). At most the sampler's
-        `max_seq_len`."""
+        `max_seq_len`; None: all of it (the RL job passes its `sampler.max_seq_len`; a runner
+        built alone takes `DEFAULT_MAX_CONTEXT`)."""
         env_workers: int = 8
         """Threads that run env steps (a slow step holds up only its own episode)."""
         batch_window_s: float = 0.002
@@ -79,7 +84,7 @@ class EpisodeRunner(Configurable):
 
         def __post_init__(self) -> None:
             for name in ("max_turns", "max_context", "env_workers"):
-                if getattr(self, name) < 1:
+                if getattr(self, name) is not None and getattr(self, name) < 1:
                     raise ValueError(
                         f"EpisodeRunner.Config.{name} must be >= 1, got {getattr(self, name)}"
                     )
@@ -93,8 +98,10 @@ class EpisodeRunner(Configurable):
                     f"EpisodeRunner.Config.batch_window_s must be >= 0, got {self.batch_window_s}"
                 )
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
+    def __init__(self, config: Config, *, max_seq_len: int | None = None) -> None:
+        """`max_seq_len`: the sampler's, what `max_context=None` means."""
+        max_context = config.max_context or max_seq_len or DEFAULT_MAX_CONTEXT
+        self.config = dataclasses.replace(config, max_context=max_context)
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.env_workers, thread_name_prefix="env-step"
         )

@@ -278,7 +278,7 @@ class _RLRun:
             )
         else:
             self.env_source = config.env.build(tokenizer=self.tokenizer)
-            self.episodes = config.episodes.build()
+            self.episodes = config.episodes.build(max_seq_len=config.sampler.max_seq_len)
             self.evaluate = HeldoutSuccess(
                 training=self.training,
                 envs=self.env_source.heldout_envs(config.eval_problems),

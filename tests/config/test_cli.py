@@ -22,7 +22,7 @@ import pytest
 
 from temper.checkpoint.run_state import RunState, save_run_state
 from temper.cli import function_command, main
-from temper.config import Configurable, config_to_dict, load_config
+from temper.config import Configurable, config_to_dict, load_config, serialize
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -302,6 +302,47 @@ def test_config_file_reproduces_run_and_accepts_overrides(tmp_path: pathlib.Path
     again = load_config(third / "config.json")
     assert again.config == dataclasses.replace(saved.config, num_steps=9)
     assert again.recipe == SPEC
+
+
+OWN_OPTIMIZER_RECIPE = f"""
+import dataclasses
+
+from temper.config import Configurable
+from {__name__} import DummyJob
+
+
+class Lion(Configurable):
+    @dataclasses.dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        learning_rate: float = 1e-4
+        \"\"\"Step size.\"\"\"
+
+
+def mine():
+    return DummyJob.Config(optimizer=Lion.Config())
+"""
+
+
+def test_a_recipe_files_own_class_in_a_union_field_reruns_from_config_json(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Like your own task or env source in the RL job's `task`/`env`: a class the union does not
+    # name is saved with its class, and loads back once the run's recipe file is imported.
+    # DummyJob stands for RLJob, whose package (temper) config.json may import.
+    monkeypatch.setattr(serialize, "TRUSTED_PACKAGES", (*serialize.TRUSTED_PACKAGES, "tests"))
+    recipe_file = tmp_path / "my_recipes.py"
+    recipe_file.write_text(OWN_OPTIMIZER_RECIPE)
+    first, second = tmp_path / "a", tmp_path / "b"
+    argv = ["train", f"{recipe_file}:mine", "--run-dir", str(first)]
+    assert main([*argv, "--optimizer.learning_rate", "0.5"]) == 0
+    saved = json.loads((first / "config.json").read_text())["config"]["optimizer"]
+    (module,) = [m for m in sys.modules if m.startswith("temper_recipe_file_my_recipes_")]
+    assert saved == {"__config_class__": f"{module}:Lion.Config", "learning_rate": 0.5}
+    del sys.modules[module]  # as in a new process: --config-file imports the recipe file again
+    argv = ["train", "--config-file", str(first / "config.json"), "--run-dir", str(second)]
+    assert main(argv) == 0
+    assert json.loads((second / "ran.json").read_text())["optimizer"] == saved  # a Lion again
+    del sys.modules[module]
 
 
 def test_default_run_dir_is_under_runs(

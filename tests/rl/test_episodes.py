@@ -138,3 +138,18 @@ def test_seeded_episodes_repeat_whatever_order_steps_finish_in(training):
 def test_turn_batching_must_be_a_known_mode():
     with pytest.raises(ValueError, match=r"turn_batching must be 'as_ready' or 'by_turn'"):
         EpisodeRunner.Config(turn_batching="lockstep")
+
+
+def test_max_context_defaults_to_the_samplers_whole_context():
+    from temper.rl.config import RLJobConfig
+    from temper.rl.envs import GuessNumber
+    from temper.rl.episodes import DEFAULT_MAX_CONTEXT
+
+    # The job's defaults fit together for any env: the sampler's 64 positions, not 256.
+    config = RLJobConfig(env=GuessNumber.Config())
+    assert config.episodes.max_context is None and config.sampler.max_seq_len == 64
+    assert config.episodes.build(max_seq_len=64).config.max_context == 64
+    assert EpisodeRunner.Config(max_context=32).build(max_seq_len=64).config.max_context == 32
+    assert EpisodeRunner.Config().build().config.max_context == DEFAULT_MAX_CONTEXT
+    with pytest.raises(ValueError, match=r"episodes.max_context \(128\) exceeds"):
+        RLJobConfig(env=GuessNumber.Config(), episodes=EpisodeRunner.Config(max_context=128))
