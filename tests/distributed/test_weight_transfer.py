@@ -180,7 +180,9 @@ def test_peak_extra_memory_stays_within_a_few_buckets_not_the_model_size(synced)
     for rank, result in enumerate(synced):
         # Each trainer rank sends its own rows (nothing gathered) through its bucket; the
         # generator receives into its bucket and copies into the model. Measured (MiB):
-        # 2.9-3.0 per trainer rank, 3.6 on the generator; a whole-dict gather adds 39-52.
-        assert result["peak"] < 3 * BUCKET, (rank, result["peak"] / MiB)
+        # 2.9-3.0 per trainer rank, 3.6 on the generator, once 6.04 there in a full CI run
+        # (RSS also counts what the allocator and gloo's threads touch under load); a
+        # whole-dict gather adds 39-52, the model itself is over 14 buckets.
+        assert result["peak"] < 4 * BUCKET, (rank, result["peak"] / MiB)
     for rank in (0, 1):  # the check has teeth: a whole-dict gather adds the model's size
         assert synced[rank]["whole"] > 0.8 * model_bytes, (rank, synced[rank]["whole"] / MiB)
