@@ -55,13 +55,16 @@ CLASS_KEY = "__config_class__"
 
 def _to_json(value: Any, *, path: str) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        hints = typing.get_type_hints(type(value))
+        try:
+            hints = typing.get_type_hints(type(value))
+        except NameError:  # an annotation only a type checker resolves: nothing to tag
+            hints = {}
         saved = {}
         for field in dataclasses.fields(value):
             if field.init:
                 item = getattr(value, field.name)
                 saved[field.name] = _to_json(item, path=_join(path, field.name))
-                if _outside_union(hints[field.name], item):
+                if _outside_union(hints.get(field.name), item):
                     saved[field.name] = {CLASS_KEY: _class_name(type(item)), **saved[field.name]}
         return saved
     # Enum before str/int: a StrEnum is also a str, but its value is what gets saved.
