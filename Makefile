@@ -37,7 +37,7 @@ demo: $(VENV)/.installed-core
 	@echo "More commands (README.md): source $(VENV)/bin/activate, then temper --help"
 
 # Two workers, a test file each at a time (its module fixtures stay in one worker): on the
-# 2-core CI machine the suite, vLLM tests included, takes about 14 minutes for 25 minutes of
+# 2-core CI machine the suite, vLLM tests included, takes 13.5-16 minutes for 25-30 minutes of
 # CPU (many tests wait on ranks, servers and subprocesses). Files are taken in collection
 # order, the longest first (tests/conftest.py RUN_FIRST), not xdist's order by test count.
 # The vLLM backend's tests run too once `make vllm` has installed it (without it they are
