@@ -92,8 +92,8 @@ def _outside_union(tp: Any, value: Any) -> bool:
     if typing.get_origin(tp) not in (typing.Union, types.UnionType):
         return False
     cls = type(value)
-    named = dataclasses.is_dataclass(value) and cls not in typing.get_args(tp)
-    return named and "<locals>" not in cls.__qualname__
+    foreign = dataclasses.is_dataclass(value) and cls not in typing.get_args(tp)
+    return foreign and "<locals>" not in cls.__qualname__
 
 
 def _class_name(cls: type) -> str:
@@ -296,7 +296,8 @@ def save_config(path: str | pathlib.Path, config: Any, *, recipe: str | None) ->
 
 def load_config(path: str | pathlib.Path) -> LoadedConfig:
     """Read a `save_config` file back into the same config object (equal to the saved one)."""
-    document = json.loads(pathlib.Path(path).read_text())
+    text = pathlib.Path(path).read_text()
+    document = json.loads(text)
     expected_keys = {"recipe", "config_class", "config"}
     if not isinstance(document, dict) or document.keys() != expected_keys:
         keys = sorted(document) if isinstance(document, dict) else type(document).__name__
@@ -307,7 +308,7 @@ def load_config(path: str | pathlib.Path) -> LoadedConfig:
     if recipe is not None and not isinstance(recipe, str):
         raise ValueError(f"{path}: recipe must be a string or null, got {recipe!r}")
     cls = _import_config_class(document["config_class"], recipe=recipe, source=path)
-    if recipe is not None and recipes.is_recipe_spec(recipe) and CLASS_KEY in json.dumps(document):
+    if recipe is not None and recipes.is_recipe_spec(recipe) and CLASS_KEY in text:
         recipes.get_recipe(recipe)  # imports the recipe's module: its classes are saved by name
     return LoadedConfig(recipe=recipe, config=config_from_dict(cls, document["config"]))
 

@@ -104,11 +104,10 @@ class PhaseProgress:
         self._progress.remove_task(self._task)
         self._progress.refresh()  # else the print below repeats the last frame drawn
         self._task = None
-        total = f"/{int(task.total)}" if task.total is not None else ""
-        elapsed = _clock(time.monotonic() - self._phase_started)
-        line = f"{task.description} done: {int(task.completed)}{total} steps in {elapsed}"
-        metrics = task.fields["metrics"]
-        self.console.print(Text(f"{line}  {metrics}" if metrics else line))
+        assert self._phase is not None  # the task is the phase's
+        seconds = time.monotonic() - self._phase_started
+        done, metrics = int(task.completed), task.fields["metrics"]
+        self.console.print(_finished(self._phase, done=done, seconds=seconds, metrics=metrics))
 
 
 class PhaseLines:
@@ -172,10 +171,15 @@ class PhaseLines:
         if phase is None or done is None:
             return
         self._done = None
-        total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
-        elapsed = _clock(time.monotonic() - self._started)
-        line = f"{phase.description} done: {done}{total} steps in {elapsed}"
-        self.console.print(Text(f"{line}  {self._metrics}" if self._metrics else line))
+        seconds = time.monotonic() - self._started
+        self.console.print(_finished(phase, done=done, seconds=seconds, metrics=self._metrics))
+
+
+def _finished(phase: Phase, *, done: int, seconds: float, metrics: str) -> Text:
+    """The line a phase's progress ends with: its steps, its time and its last metrics."""
+    total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
+    line = f"{phase.description} done: {done}{total} steps in {_clock(seconds)}"
+    return Text(f"{line}  {metrics}" if metrics else line)
 
 
 def _clock(seconds: float) -> str:

@@ -191,7 +191,7 @@ def _check_config(config: RLJobConfig) -> None:
         and max_context > config.sampler.max_seq_len
     ):
         raise ValueError(
-            f"{name}.episodes.max_context ({config.episodes.max_context}) exceeds "
+            f"{name}.episodes.max_context ({max_context}) exceeds "
             f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "
             "must fit the sampler's cache"
         )

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from temper.models.common.attention import causal_attention
+from temper.models.common.attention import causal_attention, masked_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,21 +192,7 @@ class ExtendAttention:
             )
         k_BKCH = self.cache.k_LSKCH[layer_index, self.slots_B, :, : self.width]
         v_BKCH = self.cache.v_LSKCH[layer_index, self.slots_B, :, : self.width]
-        return _masked_attention(q_BNTH, k_BKCH, v_BKCH, visible_B1TC=self.visible_B1TC)
-
-
-def _masked_attention(
-    q_BNTH: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, visible_B1TC: torch.Tensor
-) -> torch.Tensor:
-    """SDPA over cache positions, each query seeing the positions `visible_B1TC` marks."""
-    return F.scaled_dot_product_attention(
-        q_BNTH,
-        k_BKCH,
-        v_BKCH,
-        attn_mask=visible_B1TC,
-        scale=q_BNTH.shape[-1] ** -0.5,
-        enable_gqa=q_BNTH.shape[1] != k_BKCH.shape[1],
-    )
+        return masked_attention(q_BNTH, k_BKCH, v_BKCH, visible_B1TC=self.visible_B1TC)
 
 
 _MIN_CPU_WIDTH = 16
@@ -266,7 +251,7 @@ class DecodeAttention:
         v_BKCH = v_SKCH[self.slots, :, : self.width]
         if q_BN1H.device.type == "cpu":
             return _grouped_attention(q_BN1H, k_BKCH, v_BKCH, hidden_B11C=self.hidden_B11C)
-        return _masked_attention(q_BN1H, k_BKCH, v_BKCH, visible_B1TC=self.visible_B11C)
+        return masked_attention(q_BN1H, k_BKCH, v_BKCH, visible_B1TC=self.visible_B11C)
 
 
 def _grouped_attention(

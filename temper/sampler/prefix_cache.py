@@ -197,7 +197,7 @@ class PrefixCache:
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
         self.nbytes -= entry.nbytes
-        if len(entry.tokens) > BLOCK:
+        if entry.length > BLOCK:
             hashes = prefix_hashes(entry.tokens, adapter=entry.adapter)
             for length in range(BLOCK, entry.length, BLOCK):
                 if self._blocks.get(hashes[length - 1]) == key:

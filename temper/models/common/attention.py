@@ -13,7 +13,7 @@ to its KV cache and attends over the cache. The model itself never holds a cache
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,26 @@ class AttentionBackend(Protocol):
 def causal_attention(
     q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
 ) -> torch.Tensor:
+    return _attention(q_BNTH, k_BKTH, v_BKTH, is_causal=True)
+
+
+def masked_attention(
+    q_BNTH: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, visible_B1TC: torch.Tensor
+) -> torch.Tensor:
+    """Attention over C key positions (a KV cache's), each query seeing those `visible_B1TC`
+    marks True."""
+    return _attention(q_BNTH, k_BKCH, v_BKCH, attn_mask=visible_B1TC)
+
+
+def _attention(
+    q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor, **mask: Any
+) -> torch.Tensor:
+    """SDPA at the head dim's scale, with grouped key/value heads when there are fewer."""
     return F.scaled_dot_product_attention(
         q_BNTH,
         k_BKTH,
         v_BKTH,
-        is_causal=True,
+        **mask,
         scale=q_BNTH.shape[-1] ** -0.5,
         enable_gqa=q_BNTH.shape[1] != k_BKTH.shape[1],
     )

@@ -134,8 +134,8 @@ class CpuDecoding(Configurable, Decoding):
         self.config = config
         self.batch_hint = batch_hint
         self.twin = _pick_twin(config, dtype=next(model.parameters()).dtype)
-        self.num_parameters = sum(parameter.numel() for parameter in model.parameters())
         """What decode steps run on, chosen here once (see the module docstring)."""
+        self.num_parameters = sum(parameter.numel() for parameter in model.parameters())
         self.shards = DecodeShards(
             setting=config.decode_shards, min_rows=config.decode_shard_min_rows
         )
