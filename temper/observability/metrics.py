@@ -236,15 +236,21 @@ class MetricsLogger(Configurable):
         every = self.config.table_every
         if self.config.display == "none" or every == 0:
             return False
-        # Print when the step crosses a multiple of `table_every`, so logging every k steps or
-        # resuming mid-interval still gives tables at round steps.
-        return self._last_table_step is None or step // every > self._last_table_step // every
+        # Print when the steps done (step + 1) cross a multiple of `table_every`, so a phase of
+        # 100 steps ends on a table and logging every k steps or resuming mid-interval still
+        # gives one per interval.
+        if self._last_table_step is None:
+            return True
+        return (step + 1) // every > (self._last_table_step + 1) // every
 
     def _latest_table(self, step: int) -> Table:
         phase = self._phase
         total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
+        # Counted in steps done, as the progress lines are; `step` (the metrics' index) is shown
+        # beside it once a phase no longer starts at 0.
         run_step = f" (run step {step})" if phase.first_step > 0 else ""
-        title = Text(f"{phase.description} step {step - phase.first_step}{total}{run_step}")
+        done = step - phase.first_step + 1
+        title = Text(f"{phase.description} step {done}{total}{run_step}")
         table = Table(title=title, title_justify="left")
         table.add_column("group", style="bold")
         table.add_column("metrics")

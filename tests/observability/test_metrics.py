@@ -107,8 +107,8 @@ def test_table_is_printed_every_n_steps(tmp_path: Path) -> None:
             lg.log(step, metrics)
     output = buffer.getvalue()
     titles = [line.strip() for line in output.splitlines() if line.strip().startswith("sft step")]
-    assert titles == ["sft step 0/10", "sft step 3/10", "sft step 6/10", "sft step 9/10"]
-    assert "loss 0.1   lr 0.0003" in output  # four significant digits, integral -> whole
+    assert titles == ["sft step 1/10", "sft step 3/10", "sft step 6/10", "sft step 9/10"]
+    assert "loss 0.1111   lr 0.0003" in output  # four significant digits
     assert "accuracy 0.1235 @4" in output  # a value from an earlier step is marked with it
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -122,7 +122,7 @@ def test_a_phase_is_counted_in_its_own_steps_in_the_tables(tmp_path: Path) -> No
         lg.begin_phase("GRPO", first_step=2, num_steps=4)
         lg.log(2, {"loss": 0.5})
     words = " ".join(buffer.getvalue().split())  # a title may wrap to the table's width
-    assert "SFT warm-up step 0/2" in words and "GRPO step 0/4 (run step 2)" in words
+    assert "SFT warm-up step 1/2" in words and "GRPO step 1/4 (run step 2)" in words
     assert "/6" not in words
 
 
@@ -206,14 +206,14 @@ def test_long_metrics_are_cropped_before_the_step_count_and_eta(tmp_path: Path) 
     assert len(line) <= 80
 
 
-def test_tables_land_on_round_steps_when_logging_sparsely(tmp_path: Path) -> None:
+def test_a_table_per_interval_when_logging_sparsely(tmp_path: Path) -> None:
     console, buffer = captured_console()
     config = MetricsLogger.Config(display="table", table_every=10, jsonl=False)
     with config.build(run_dir=tmp_path, total_steps=None, description="rl", console=console) as lg:
         for step in range(3, 40, 4):  # a resumed run that logs every 4th step
             lg.log(step, {"loss": 1.0})
     titles = [line.strip() for line in buffer.getvalue().splitlines() if "rl step" in line]
-    assert titles == ["rl step 3", "rl step 11", "rl step 23", "rl step 31"]
+    assert titles == ["rl step 4", "rl step 12", "rl step 20", "rl step 32", "rl step 40"]
 
 
 def test_off_a_terminal_progress_is_a_line_per_tenth_of_each_phase(tmp_path: Path) -> None:
