@@ -120,6 +120,11 @@ def sample(
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
     context = base.model.config.max_seq_len
+    if len(prompt_tokens) >= context:
+        raise ValueError(
+            f"--prompt has {len(prompt_tokens)} tokens, but the model's context is {context} "
+            f"tokens, which must also leave room for one new token; shorten the prompt"
+        )
     if len(prompt_tokens) + max_tokens > context:
         print(
             f"note: the prompt has {len(prompt_tokens)} tokens and the model's context is "
