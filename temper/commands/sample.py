@@ -119,6 +119,13 @@ def sample(
     prompt_tokens = base.tokenizer.encode(prompt)
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
+    if base.tokenizer.unk_token_id in prompt_tokens:
+        unknown = sorted(set(base.tokenizer.unknown_pieces(prompt)))
+        print(
+            f"note: --prompt has text the tokenizer encodes as its unknown token (pieces not in "
+            f"the vocabulary: {unknown[:20]})",
+            file=sys.stderr,
+        )
     context = base.model.config.max_seq_len
     if len(prompt_tokens) >= context:
         raise ValueError(

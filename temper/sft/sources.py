@@ -128,9 +128,17 @@ class ConversationSource:
             raise ValueError(f"{conversation.where}: {error}") from None
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in rendered.tokens:
+            unknown = sorted(
+                {
+                    piece
+                    for message in conversation.messages
+                    for piece in self.tokenizer.unknown_pieces(message["content"])
+                }
+            )
             raise ValueError(
                 f"{conversation.where}: tokenizer {self.tokenizer.name_or_path!r} encodes part "
-                f"of this conversation as its unknown token; use a tokenizer that covers the text"
+                f"of this conversation as its unknown token (pieces not in the vocabulary: "
+                f"{unknown[:20]}); use a tokenizer that covers the text"
             )
         return rendered
 

@@ -190,11 +190,13 @@ class Tokenizer:
 
     def _encode_error(self, texts: Sequence[str], error: Exception) -> ValueError:
         """A ValueError naming the pieces of `texts` that a vocabulary without <unk> lacks."""
-        unknown = sorted({piece for text in texts for piece in self._unknown_pieces(text)})
+        unknown = sorted({piece for text in texts for piece in self.unknown_pieces(text)})
         detail = f"pieces not in the vocabulary: {unknown[:20]}" if unknown else str(error)
         return ValueError(f"tokenizer {self.name_or_path!r} cannot encode the text; {detail}")
 
-    def _unknown_pieces(self, text: str) -> list[str]:
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The pieces of `text` (after pre-tokenization) that are not in the vocabulary: what a
+        vocabulary without <unk> cannot encode, and what one with it encodes as <unk>."""
         pre_tokenizer = self._backend.pre_tokenizer
         if pre_tokenizer is None:
             return []

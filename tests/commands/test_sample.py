@@ -98,6 +98,15 @@ def test_bad_input_is_a_clean_error(model_dir, capsys, flags, message):
     assert error.startswith("temper sample: error: ") and message in error
 
 
+def test_prompt_text_outside_the_vocabulary_is_named(tmp_path, capsys):
+    path = tmp_path / "words"
+    init_model_dir(path, tokenizer="words", seed=3)
+    argv = ["sample", "--model", str(path), "--prompt", "the zebra run", "-n", "1"]
+    assert main([*argv, "--max-tokens", "2"]) == 0
+    note = "encodes as its unknown token (pieces not in the vocabulary: ['zebra'])"
+    assert note in capsys.readouterr().err
+
+
 def test_missing_model_dir_is_a_clean_error(tmp_path, capsys):
     assert main(["sample", "--model", str(tmp_path / "nope"), "--prompt", "Hi"]) == 2
     assert "temper sample: error: --model" in capsys.readouterr().err

@@ -107,3 +107,19 @@ def test_sample_dataset_is_what_its_generator_writes():
     lines = (data_dir / "conversations_sample.jsonl").read_text().splitlines()
     expected = generator["conversations"](count=300, seed=0)
     assert [json.loads(line)["messages"] for line in lines] == expected
+
+
+def test_text_outside_the_vocabulary_is_named_before_training(tmp_path, capsys):
+    messages = [
+        {"role": "user", "content": "Swap cat"},
+        {"role": "assistant", "content": "Cat zebra"},
+    ]
+    unknown = json.dumps({"messages": messages})
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text(f"{unknown}\n{unknown}\n")
+    run_dir = tmp_path / "run"
+    argv = ["train", "sft_conversations", "--run-dir", str(run_dir)]
+    assert main([*argv, "--conversations.path", str(dataset)]) == 1
+    error = capsys.readouterr().err
+    assert f"{dataset}:" in error and "not in the vocabulary: ['Swap', 'zebra']" in error
+    assert not run_dir.exists()

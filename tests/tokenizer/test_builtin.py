@@ -112,6 +112,7 @@ def test_words_unknown_word_is_unk() -> None:
     tokenizer = build_builtin_tokenizer("words")
     ids = tokenizer.encode("the zebra\t")
     assert ids == [tokenizer.token_to_id("the"), tokenizer.token_to_id(" "), 3, 3]
+    assert tokenizer.unknown_pieces("the zebra\t") == ["zebra", "\t"]
 
 
 @pytest.mark.parametrize(("name", "text"), [("digits", "1 + x"), ("letters", "caf\u00e9")])
