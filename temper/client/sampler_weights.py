@@ -62,6 +62,14 @@ def resolve_base_model(name: str, *, device: str, dtype: str) -> ModelSource.Con
     )
 
 
+def recorded_base_model(name: str) -> str:
+    """`name` as run.json and sampler weights record it: a model directory by its absolute path
+    (they are read from other working directories: `temper sample`, another process), a named
+    size as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
 @dataclass(frozen=True)
 class SamplerWeights:
     model: nn.Module

@@ -21,6 +21,7 @@ from temper.checkpoint.storage import CheckpointStorage, check_name
 from temper.client.sampler_weights import (
     SamplerWeights,
     load_sampler_weights,
+    recorded_base_model,
     resolve_base_model,
     sampler_vocab_size,
 )
@@ -197,6 +198,7 @@ class ServiceClient:
         run_id: str | None = None,
     ) -> TrainingClient:
         source = resolve_base_model(base_model, device=self.device, dtype=self.dtype)
+        base_model = recorded_base_model(base_model)
         shared, weights = None, None
         if self.trainer_config.sharding is not None:
             # Sharded loading: the model is built on the meta device, sharded, and each rank
@@ -258,7 +260,10 @@ class ServiceClient:
             existing = self.storage.read_run(run_id)
         except FileNotFoundError:
             existing = None
-        if existing is not None and (existing["base_model"], existing["lora"]) != (
+        if existing is not None and (
+            recorded_base_model(existing["base_model"]),
+            existing["lora"],
+        ) != (
             info["base_model"],
             info["lora"],
         ):

@@ -32,7 +32,7 @@ from temper.api.types import (
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
-from temper.client.sampler_weights import save_sampler_weights
+from temper.client.sampler_weights import recorded_base_model, save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import AdapterFeed, RemoteFeed, SamplerFeed, WeightSync
@@ -262,7 +262,7 @@ class TrainingClient:
     def _load_state(self, path: CheckpointPath, *, with_optimizer: bool) -> LoadWeightsResponse:
         run = self.service.storage.read_run(path.run_id)
         ours = None if self.engine.lora is None else dataclasses.asdict(self.engine.lora)
-        if run["base_model"] != self.base_model or run["lora"] != ours:
+        if recorded_base_model(run["base_model"]) != self.base_model or run["lora"] != ours:
             raise ValueError(
                 f"{path} was saved from base model {run['base_model']!r} with LoRA {run['lora']}, "
                 f"but this client trains {self.base_model!r} with LoRA {ours}"

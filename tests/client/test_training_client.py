@@ -182,6 +182,24 @@ def test_info_and_base_models(service, tmp_path):
     assert sampler.sample(ModelInput.from_ints([1, 2]), 1, SamplingParams(max_tokens=2)).result()
 
 
+def test_lora_weights_of_a_relative_base_dir_load_from_another_directory(tmp_path, monkeypatch):
+    from temper.checkpoint.model_source import init_model_dir
+
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    init_model_dir("m", tokenizer="digits")
+    service = ServiceClient(storage_dir="storage")
+    client = service.create_lora_training_client("m", rank=4)  # relative, as a CLI user types
+    _train(client, _data(client.get_tokenizer()), 2)
+    path = client.save_weights_for_sampler("final").result().path
+    state = client.save_state("state").result().path
+    monkeypatch.chdir(tmp_path)
+    elsewhere = ServiceClient(storage_dir="work/storage")
+    prompt, params = ModelInput.from_ints([1, 2]), SamplingParams(max_tokens=2, temperature=0)
+    assert elsewhere.create_sampling_client(model_path=path).sample(prompt, 1, params).result()
+    assert elsewhere.create_training_client_from_state(state).get_info().is_lora
+
+
 def test_bad_names_and_paths_are_refused(service):
     client = service.create_training_client("tiny")
     with pytest.raises(ValueError, match="neither a model directory nor a named size"):
