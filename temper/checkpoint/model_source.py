@@ -12,7 +12,7 @@ own shards (sharded_load.py).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +21,7 @@ import torch
 from temper.checkpoint.hf import empty_pretrained, load_pretrained, save_pretrained
 from temper.checkpoint.sharded_load import DeferredWeights
 from temper.config.configurable import Configurable
+from temper.config.local_paths import LOCAL_PATH
 from temper.models.build import materialize
 from temper.models.registry import family
 from temper.tokenizer import Tokenizer, build_builtin_tokenizer, load_tokenizer
@@ -33,7 +34,7 @@ class ModelSource(Configurable):
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        path: str | None = None
+        path: str | None = field(default=None, metadata=LOCAL_PATH)
         """HF model directory to load; unset: a random model of `size` with `tokenizer`."""
         family: str = "qwen3"
         """Model family of a random model (HF model_type)."""

@@ -29,6 +29,7 @@ import tyro.constructors
 
 from temper.config import recipes, serialize
 from temper.config.configurable import Configurable
+from temper.config.local_paths import make_local_paths_absolute
 
 TRAIN_USAGE = """\
 Train from a recipe's config; the options below override its fields.
@@ -124,6 +125,7 @@ def parse_train_argv(
     check_root_config(config, recipe=recipe_name)
     subject = recipe_arg or (f"--config-file {config_file}" if config_file else recipe_name)
     config = override_config(config, args=overrides, prog=f"{prog} {subject}")
+    make_local_paths_absolute(config)
     run_dir = options.get("--run-dir")
     if run_dir is None and launch["nnodes"] > 1:
         raise ValueError(

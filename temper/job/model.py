@@ -18,6 +18,7 @@ from temper.checkpoint.model_source import DType
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
+from temper.config.local_paths import LOCAL_PATH
 from temper.distributed.ranks import Ranks
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.generator import GeneratorChoice
@@ -34,7 +35,7 @@ def default_device() -> str:
 class ModelChoice(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        base_model: str = "tiny"
+        base_model: str = field(default="tiny", metadata=LOCAL_PATH)
         """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:letters',
         'tiny:words')."""
         lora_rank: int | None = None

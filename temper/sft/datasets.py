@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from temper.config.configurable import Configurable
+from temper.config.local_paths import LOCAL_PATH
 from temper.tasks.jsonl import JsonLine, read_jsonl
 from temper.tokenizer.renderers import Message, RendererName, TrainOn, check_messages
 
@@ -95,9 +96,9 @@ class ConversationDataset(Configurable):
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        path: str = ""
+        path: str = field(default="", metadata=LOCAL_PATH)
         """JSONL file of conversations, one {"messages": [...]} object per line."""
-        heldout_path: str | None = None
+        heldout_path: str | None = field(default=None, metadata=LOCAL_PATH)
         """A separate JSONL file of held-out conversations; None holds out part of `path`."""
         heldout_fraction: float = 0.1
         """Share of `path` held out when there is no `heldout_path`, in (0, 1)."""

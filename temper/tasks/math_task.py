@@ -13,9 +13,10 @@ hash of each question in `path`.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from temper.config.configurable import Configurable
+from temper.config.local_paths import LOCAL_PATH
 from temper.tasks.gsm8k_format import MathRow, final_number, read_gsm8k_jsonl, same_number
 from temper.tasks.problem import Problem, Split, check_heldout_percent, split_of
 
@@ -25,9 +26,9 @@ QUESTION_SLOT = "{question}"
 class Math(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
-        path: str
+        path: str = field(metadata=LOCAL_PATH)
         """GSM8K-format JSONL file: one {"question": ..., "answer": "... #### 42"} per line."""
-        heldout_path: str | None = None
+        heldout_path: str | None = field(default=None, metadata=LOCAL_PATH)
         """A separate held-out file (e.g. GSM8K's test split); unset: hold out by hash."""
         heldout_percent: int = 10
         """Without `heldout_path`: share of `path`'s questions (by hash) held out, in percent."""
