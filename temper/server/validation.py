@@ -21,7 +21,7 @@ from temper.server.errors import BadRequest
 from temper.server.provenance import behaviour_data, check_spans
 from temper.server.stability import StabilityStore
 from temper.server.wire import ForwardBackwardCall, SampleCall
-from temper.trainer.inputs import prepare
+from temper.trainer.inputs import misspelled_input, prepare
 
 MAX_NUM_SAMPLES = 4096
 MAX_TAGS = 64
@@ -76,6 +76,7 @@ def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
     if not data:
         return False
     allowed = set(spec.required_inputs) | set(spec.optional_inputs)
+    unread: set[str] = set()  # names the loss ignores, unless one is a misspelling
     ids: list[int] = []
     values: list[float] = []
     for datum in data:
@@ -85,6 +86,7 @@ def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
         inputs = datum.loss_fn_inputs
         if any(name not in inputs for name in spec.required_inputs):
             return False
+        unread |= inputs.keys() - allowed
         ids += tokens
         # [T], or for top-K inputs [T, K] with one K for all of the datum's.
         topk_shapes = {tuple(inputs[n].shape) for n in spec.topk_inputs if n in inputs}
@@ -97,6 +99,8 @@ def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
             if tuple(tensor.shape) != expected:
                 return False
             (ids if name == "target_tokens" else values).extend(tensor.data)
+    if any(misspelled_input(name, allowed=allowed) for name in unread):
+        return False
     ids_array = np.asarray(ids)
     if ids_array.dtype.kind != "i":  # float target ids: let the engine check they are whole
         return False

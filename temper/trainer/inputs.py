@@ -27,15 +27,21 @@ from temper.trainer.shared_prefix import (
 )
 
 
-def _check_not_a_misspelling(name: str, *, allowed: Iterable[str], where: str) -> None:
-    """Inputs the loss does not read are ignored, as Tinker does (the cookbook keeps a "mask"
-    on its datums), but one that looks like a misspelled input would silently train on
-    something else (a `weight` ignored trains every token), so that one fails."""
+def misspelled_input(name: str, *, allowed: Iterable[str]) -> str | None:
+    """The input of `allowed` that `name` (not one of them) looks like a misspelling of, or
+    None. Inputs the loss does not read are ignored, as Tinker does (the cookbook keeps a
+    "mask" on its datums), but a misspelled one would silently train on something else (a
+    `weight` ignored trains every token), so that one fails."""
     close = difflib.get_close_matches(name, sorted(allowed), n=1, cutoff=0.8)
-    if close:
+    return close[0] if close else None
+
+
+def _check_not_a_misspelling(name: str, *, allowed: Iterable[str], where: str) -> None:
+    close = misspelled_input(name, allowed=allowed)
+    if close is not None:
         raise ValueError(
             f"{where}: loss_fn_inputs[{name!r}] is not an input of this loss; did you mean "
-            f"{close[0]!r}? (its inputs: {', '.join(sorted(allowed))}; other names are ignored)"
+            f"{close!r}? (its inputs: {', '.join(sorted(allowed))}; other names are ignored)"
         )
 
 

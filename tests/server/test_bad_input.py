@@ -130,6 +130,10 @@ def bad_training_requests(model_id: str, vocab: int, max_seq_len: int):
          body([1, 2, 3], {"target_tokens": targets, "logprobs": tensor([0.0] * 3)},
               loss_fn="gspo"),
          400, "datum 0: loss_fn_inputs is missing ['advantages']"),
+        ("misspelled input name", "forward_backward",
+         body([1, 2, 3], {"target_tokens": targets, "weight": tensor([1.0] * 3)}), 400,
+         "datum 0: loss_fn_inputs['weight'] is not an input of this loss; did you mean "
+         "'weights'?"),
         ("unknown loss", "forward_backward", body([1, 2, 3], loss_fn="sft"), 400,
          "unknown loss_fn 'sft'"),
         ("config key the loss does not take", "forward_backward",
