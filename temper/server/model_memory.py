@@ -71,6 +71,9 @@ class ModelMemory:
         with self._lock:
             assert key not in self._held, key
             released = self._release_idle()
+            pinned_bytes = sum(h.num_bytes for h in self._held.values() if h.pinned)
+            if pinned_bytes + num_bytes > self.budget_bytes:  # releasing samplers cannot help
+                raise OverBudget(self._refusal(base_model, what=what, num_bytes=num_bytes))
             releasable = sorted(
                 (k for k, h in self._held.items() if not h.pinned),
                 key=lambda k: self._held[k].last_used,
@@ -135,6 +138,12 @@ class ModelMemory:
         return key
 
     def _refusal(self, base_model: str, *, what: str, num_bytes: int) -> str:
+        if num_bytes > self.budget_bytes:  # finishing sessions cannot help
+            return (
+                f"base model {base_model} cannot be loaded: {what} needs "
+                f"{num_bytes / MIB:.1f} MiB, more than the whole model memory budget "
+                f"(--model-memory-mb {self.budget_bytes / MIB:g}); raise --model-memory-mb"
+            )
         holders = "; ".join(
             f"{holder.what} on {holder.base_model} ({holder.num_bytes / MIB:.1f} MiB)"
             for holder in self._held.values()

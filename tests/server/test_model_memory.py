@@ -36,6 +36,22 @@ def test_least_recently_used_sampler_makes_room_and_pinned_models_never_do():
     assert ledger.admit("c", base_model="C", what="sampler", num_bytes=60 * MIB, pinned=False) == []
 
 
+def test_what_cannot_fit_once_samplers_are_released_releases_none_of_them():
+    clock = Clock()
+    ledger = memory(clock)
+    ledger.admit("s", base_model="A", what="sampler", num_bytes=30 * MIB, pinned=False)
+    ledger.admit("t", base_model="A", what="training", num_bytes=50 * MIB, pinned=True)
+    with pytest.raises(OverBudget, match=r"held by sampler on A \(30.0 MiB\); training on A"):
+        ledger.admit("u", base_model="A", what="training", num_bytes=60 * MIB, pinned=True)
+    with pytest.raises(
+        OverBudget,
+        match=r"needs 120.0 MiB, more than the whole model memory "
+        r"budget \(--model-memory-mb 100\); raise --model-memory-mb$",
+    ):
+        ledger.admit("u", base_model="A", what="training", num_bytes=120 * MIB, pinned=True)
+    assert ledger.loaded() == {"A": 80 * MIB}  # the sampler still loaded
+
+
 def test_idle_samplers_are_released_and_training_models_are_not():
     clock = Clock()
     ledger = memory(clock)
