@@ -27,7 +27,7 @@ from temper.client.sampler_weights import (
 )
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase, SharedBases
-from temper.client.training_client import TrainingClient
+from temper.client.training_client import TrainingClient, training_kind
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
 from temper.models.build import parse_dtype
@@ -269,8 +269,8 @@ class ServiceClient:
         ):
             raise ValueError(
                 f"run_id {run_id!r} exists already with base model {existing['base_model']!r} "
-                f"and LoRA {existing['lora']}, but this client trains {info['base_model']!r} "
-                f"with LoRA {info['lora']}; choose another run_id"
+                f"and {training_kind(existing['lora'])}, but this client trains "
+                f"{info['base_model']!r} with {training_kind(info['lora'])}; choose another run_id"
             )
         self.storage.write_run(run_id, info)
 

@@ -264,8 +264,9 @@ class TrainingClient:
         ours = None if self.engine.lora is None else dataclasses.asdict(self.engine.lora)
         if recorded_base_model(run["base_model"]) != self.base_model or run["lora"] != ours:
             raise ValueError(
-                f"{path} was saved from base model {run['base_model']!r} with LoRA {run['lora']}, "
-                f"but this client trains {self.base_model!r} with LoRA {ours}"
+                f"{path} was saved from base model {run['base_model']!r} with "
+                f"{training_kind(run['lora'])}, but this client trains {self.base_model!r} with "
+                f"{training_kind(ours)}"
             )
         engine = self.engine
         with self._weight_sync.changing():
@@ -303,6 +304,11 @@ class TrainingClient:
             worker=self._sampler_worker,
             tokenizer=self.tokenizer,
         )
+
+
+def training_kind(lora: Mapping[str, object] | None) -> str:
+    """How a run trains, from its run.json's `lora` entry, for error messages."""
+    return "full fine-tuning" if lora is None else f"LoRA {lora}"
 
 
 def _datum_list(data: Iterable[Datum]) -> list[Datum]:

@@ -463,7 +463,7 @@ def foreign(service):
         ("tinker://{run}/weights/missing", FileNotFoundError, "no checkpoint at tinker://"),
         ("tinker://../weights/x", ValueError, "run id '..' is not a valid name"),
         ("{rank 8}", ValueError, r"saved from base model 'tiny' with LoRA \{'rank': 8"),
-        ("{full}", ValueError, "saved from base model 'tiny' with LoRA None"),
+        ("{full}", ValueError, "saved from base model 'tiny' with full fine-tuning, but"),
         ("{letters}", ValueError, "saved from base model 'tiny:letters'"),
         (
             "tinker://{run}/sampler_weights/snap",
@@ -507,7 +507,8 @@ def test_a_load_that_fails_midway_keeps_gradients_and_moments(client):
 def test_a_run_id_of_another_configuration_is_refused(service, client):
     run_file = service.storage.root / client.model_id / "run.json"
     saved = run_file.read_text()
-    with pytest.raises(ValueError, match=rf"run_id '{client.model_id}' exists already"):
+    message = rf"run_id '{client.model_id}' exists already.* with full fine-tuning; choose"
+    with pytest.raises(ValueError, match=message):
         service.create_training_client("tiny", run_id=client.model_id)
     assert run_file.read_text() == saved
     # The same configuration may continue the run (e.g. a new process resuming it).
