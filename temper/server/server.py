@@ -79,7 +79,7 @@ class TemperServer(Configurable):
         sampling sessions stay valid and load it again); a base model with no training model
         and no sampler left is unloaded."""
         host: str = "127.0.0.1"
-        """Address to bind. Any address other than loopback requires --api-key."""
+        """Address to bind. Any address other than loopback requires --key-file or --api-key."""
         port: int = 8000
         """TCP port."""
         storage: str = "~/.cache/temper/checkpoints"
