@@ -41,7 +41,7 @@ class ModelSource(Configurable):
         size: str = "tiny"
         """Named size of a random model (tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B)."""
         tokenizer: str = "digits"
-        """Built-in vocabulary of a random model (digits, letters, words)."""
+        """Built-in vocabulary of a random model (digits, letters, words, bytes)."""
         seed: int = 0
         """Seed of a random model's initialization."""
         dtype: DType = "float32"

@@ -15,7 +15,7 @@ def init_model(
     /,
     *,
     size: str = "tiny",
-    tokenizer: Literal["digits", "letters", "words"] = "digits",
+    tokenizer: Literal["digits", "letters", "words", "bytes"] = "digits",
     family: Literal["qwen3"] = "qwen3",
     dtype: Literal["float32", "bfloat16"] = "float32",
     seed: int = 0,

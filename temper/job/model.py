@@ -37,7 +37,7 @@ class ModelChoice(Configurable):
     class Config(Configurable.Config):
         base_model: str = field(default="tiny", metadata=LOCAL_PATH)
         """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:letters',
-        'tiny:words')."""
+        'tiny:words', 'tiny:bytes')."""
         lora_rank: int | None = None
         """LoRA rank; None trains every parameter."""
         lora_seed: int | None = None

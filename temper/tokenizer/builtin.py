@@ -12,8 +12,12 @@ covers. The ids start with the ChatML special tokens, the same in each vocabular
 - "letters": one token per printable ASCII character and newline; no <unk>.
 - "words": a few hundred simple English words (lower case and capitalized), one token per other
   printable ASCII character; a letter run that is not a word, and any other character, is <unk>.
+- "bytes": one token per UTF-8 byte (byte-level, as GPT-2 and Qwen write bytes, with no
+  merges): any text encodes, at a token per byte. For trying chat data, or a tinker-cookbook
+  recipe, on a tiny random model.
 
-"words" is a WordLevel model with its <unk>. "digits" and "letters" have no <unk>, and a
+"bytes" is a BPE model without merges over the 256 byte characters. "words" is a WordLevel
+model with its <unk>. "digits" and "letters" have no <unk>, and a
 WordLevel model must name one, so they are Unigram models over single characters (every piece
 scored alike, so each character is its own token) with the role names as added tokens: they
 declare no unknown token, and text they cannot cover fails to encode (Tokenizer names the
@@ -85,7 +89,7 @@ def builtin_names() -> tuple[str, ...]:
 
 
 def build_builtin_tokenizer(name: str) -> Tokenizer:
-    """The built-in vocabulary `name` ("digits", "letters" or "words") as a Tokenizer."""
+    """The built-in vocabulary `name` ("digits", "letters", "words" or "bytes") as a Tokenizer."""
     if name not in _BUILDERS:
         raise ValueError(
             f"unknown built-in tokenizer name {name!r}; valid names are {list(builtin_names())}"
@@ -118,6 +122,26 @@ def _words() -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
     return _word_level(pieces, split_pattern="[A-Za-z]+|[^A-Za-z]", unk_token=UNK_TOKEN)
 
 
+def _bytes() -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    entries = [*CHATML_SPECIAL_TOKENS, *byte_characters()]
+    vocab = {piece: token_id for token_id, piece in enumerate(entries)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(
+        [tokenizers.AddedToken(token, special=True, normalized=False) for token in entries[:3]]
+    )
+    return backend, _tokenizer_config(unk_token=None)
+
+
+def byte_characters() -> list[str]:
+    """The character byte-level tokenizers write for each byte value 0-255: printable Latin-1
+    bytes as themselves, the others as the characters from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)]
+
+
 def _word_level(
     pieces: list[str], *, split_pattern: str, unk_token: str | None
 ) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
@@ -142,7 +166,12 @@ def _word_level(
     backend.add_special_tokens(
         [tokenizers.AddedToken(token, special=True, normalized=False) for token in special_tokens]
     )
-    config = {
+    return backend, _tokenizer_config(unk_token=unk_token)
+
+
+def _tokenizer_config(*, unk_token: str | None) -> dict[str, Any]:
+    """tokenizer_config.json of a built-in vocabulary."""
+    return {
         # PreTrainedTokenizerFast wraps tokenizer.json as is, in transformers 4 and 5 alike.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -153,9 +182,8 @@ def _word_level(
         "clean_up_tokenization_spaces": False,
         "chat_template": CHATML_TEMPLATE,
     }
-    return backend, config
 
 
 _BUILDERS: MappingProxyType[str, Callable[[], tuple[tokenizers.Tokenizer, dict[str, Any]]]] = (
-    MappingProxyType({"digits": _digits, "letters": _letters, "words": _words})
+    MappingProxyType({"digits": _digits, "letters": _letters, "words": _words, "bytes": _bytes})
 )

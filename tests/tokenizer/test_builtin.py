@@ -19,6 +19,7 @@ SAMPLE_TEXTS = {
     "digits": ["12+30=42", "7 * 6 = 42\n", "(1-2)/3?: 4,5.", "user\n9\nassistant\n"],
     "letters": ["Hello, World!\n", "  a  b\n\nc ", "x = {'k': [1, 2]} # ~`^|\\"],
     "words": ["The cat can see the dog.", "What is 12 plus 30?\n42", "zebra Zebra, a!"],
+    "bytes": ["Gr\u00fc\u00dfe, \u4e16\u754c!\n", "\ttabs\r\n and  spaces ", "emoji \U0001f600."],
 }
 MESSAGES = [
     {"role": "system", "content": "1,2"},
@@ -47,12 +48,12 @@ def auto_tokenizers(saved_dirs: dict[str, Path]) -> dict[str, Any]:
 
 
 def test_names_and_unknown_name() -> None:
-    assert builtin_names() == ("digits", "letters", "words")
-    with pytest.raises(ValueError, match=r"'bytes'.*\['digits', 'letters', 'words'\]"):
-        build_builtin_tokenizer("bytes")
+    assert builtin_names() == ("digits", "letters", "words", "bytes")
+    with pytest.raises(ValueError, match=r"'utf8'.*\['digits', 'letters', 'words', 'bytes'\]"):
+        build_builtin_tokenizer("utf8")
 
 
-@pytest.mark.parametrize("name", ["digits", "letters", "words"])
+@pytest.mark.parametrize("name", ["digits", "letters", "words", "bytes"])
 def test_special_tokens_come_first(name: str) -> None:
     tokenizer = build_builtin_tokenizer(name)
     expected = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
@@ -69,6 +70,24 @@ def test_vocabulary_sizes_stay_small() -> None:
     assert sizes["digits"] < 40
     assert sizes["letters"] == 3 + len(PRINTABLE)
     assert 500 < sizes["words"] < 1000
+    assert sizes["bytes"] == 3 + 256
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text())
+def test_bytes_round_trip_any_text_one_token_per_byte(text: str) -> None:
+    tokenizer = build_builtin_tokenizer("bytes")
+    ids = tokenizer.encode(text)
+    assert ids == [3 + byte for byte in text.encode()]
+    assert tokenizer.decode(ids) == text
+
+
+def test_byte_characters_are_the_byte_level_alphabet() -> None:
+    from tokenizers import pre_tokenizers
+
+    from temper.tokenizer.builtin import byte_characters
+
+    assert sorted(byte_characters()) == sorted(pre_tokenizers.ByteLevel.alphabet())
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,7 +140,7 @@ def test_characters_outside_alphabet_are_named(name: str, text: str) -> None:
         build_builtin_tokenizer(name).encode(text)
 
 
-@pytest.mark.parametrize("name", ["digits", "letters"])
+@pytest.mark.parametrize("name", ["digits", "letters", "bytes"])
 def test_vocabularies_without_unk_declare_none(name: str, saved_dirs: dict[str, Path]) -> None:
     """A declared but absent <unk> makes `tokenizers` fail inside and vLLM warn."""
     saved = json.loads((saved_dirs[name] / "tokenizer.json").read_text())
@@ -129,7 +148,7 @@ def test_vocabularies_without_unk_declare_none(name: str, saved_dirs: dict[str, 
     assert build_builtin_tokenizer(name).unk_token_id is None
 
 
-@pytest.mark.parametrize("name", ["digits", "letters", "words"])
+@pytest.mark.parametrize("name", ["digits", "letters", "words", "bytes"])
 def test_saved_dir_loads_back_identically(name: str, saved_dirs: dict[str, Path]) -> None:
     built = build_builtin_tokenizer(name)
     loaded = load_tokenizer(saved_dirs[name])
@@ -142,7 +161,7 @@ def test_saved_dir_loads_back_identically(name: str, saved_dirs: dict[str, Path]
         assert loaded.decode(loaded.encode(text)) == built.decode(built.encode(text))
 
 
-@pytest.mark.parametrize("name", ["digits", "letters", "words"])
+@pytest.mark.parametrize("name", ["digits", "letters", "words", "bytes"])
 def test_transformers_loads_saved_dir_with_same_ids(
     name: str, saved_dirs: dict[str, Path], auto_tokenizers: dict[str, Any]
 ) -> None:
@@ -157,7 +176,7 @@ def test_transformers_loads_saved_dir_with_same_ids(
         assert reference.decode(ids) == tokenizer.decode(ids)
 
 
-@pytest.mark.parametrize("name", ["digits", "letters", "words"])
+@pytest.mark.parametrize("name", ["digits", "letters", "words", "bytes"])
 def test_transformers_chat_template_renders_chatml(
     name: str, saved_dirs: dict[str, Path], auto_tokenizers: dict[str, Any]
 ) -> None:
