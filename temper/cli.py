@@ -95,6 +95,7 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
             return _train_on_ranks(invocation)
         if invocation.nproc is not None:
             _check_runs_on_ranks(invocation)
+            _check_world_size(invocation)
         # On several nodes rank 0 prepares it under torchrun (the others find it there).
         if not invocation.resume and invocation.nnodes == 1:
             config_cli.prepare_run_dir(
@@ -185,6 +186,14 @@ def _check_runs_on_ranks(invocation: config_cli.TrainInvocation) -> None:
     job_class = type(invocation.config)._owner
     if not getattr(job_class, "runs_on_ranks", False):
         raise ValueError(f"{job_class.__qualname__} runs in one process only (no --nproc/torchrun)")
+
+
+def _check_world_size(invocation: config_cli.TrainInvocation) -> None:
+    """`--nproc N`: settings that cannot fit N x nnodes ranks fail here, in a second, instead
+    of on every rank after torchrun has started them."""
+    check_ranks = getattr(invocation.config.build(), "check_ranks", None)
+    if check_ranks is not None:
+        check_ranks(world_size=invocation.nproc * invocation.nnodes)
 
 
 def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:

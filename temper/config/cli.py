@@ -58,7 +58,9 @@ _TRAIN_OPTIONS = ("--config-file", "--run-dir", "--resume", *LAUNCH_OPTIONS)
 
 class Job(Protocol):
     """What a root config builds: something that runs into a run directory. A job that can run
-    on several ranks (under torchrun, `--nproc N`) says so with `runs_on_ranks = True`."""
+    on several ranks (under torchrun, `--nproc N`) says so with `runs_on_ranks = True`, and may
+    check its settings against the world size before torchrun starts with
+    `check_ranks(*, world_size)` (a ValueError)."""
 
     def run(self, *, run_dir: pathlib.Path) -> object: ...
 

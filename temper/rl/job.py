@@ -125,9 +125,8 @@ class RLJob(Configurable):
     def run(self, *, run_dir: Path, resume: bool = False) -> RLResult | None:
         """Train into `run_dir`; with `resume`, continue from its last checkpoint. Returns
         None on the generator ranks of a disaggregated placement (they only sample)."""
-        placement = Placement(self.config.placement, world_size=Ranks.world_size_now())
         # Before any collective or model, on every rank alike:
-        _check_ranks(self.config, num_ranks=placement.num_trainers)
+        placement = self.check_ranks(world_size=Ranks.world_size_now())
         if not placement.disaggregated:
             return self._run(run_dir=Path(run_dir), resume=resume, placement=placement)
         config = self.config
@@ -152,6 +151,14 @@ class RLJob(Configurable):
                 )
             finally:
                 remote.close()
+
+    def check_ranks(self, *, world_size: int) -> Placement:
+        """The settings that depend on the number of ranks (degrees, the placement's split,
+        `prompts_per_step`), checked without any collective: by every rank, and by `temper
+        train --nproc N` before it starts torchrun. Raises ValueError naming the field."""
+        placement = Placement(self.config.placement, world_size=world_size)
+        _check_ranks(self.config, num_ranks=placement.num_trainers)
+        return placement
 
     def _run(
         self,

@@ -32,13 +32,27 @@ def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     assert (run_dir / "plots" / "learning.png").is_file()
 
 
-def test_degrees_that_do_not_fit_nproc_fail_on_every_rank_and_leave_no_run_dir(tmp_path, capfd):
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--sharding.dims.dp_shard", "3"], "ParallelDims: dp_replicate (1) x dp_shard (3)"),
+        (["--prompts_per_step", "7"], "RLJob.Config.prompts_per_step=7 must be divisible"),
+        (
+            ["--placement.mode", "disaggregated", "--placement.generator_ranks", "2"],
+            "Placement.Config.generator_ranks=2 leaves no trainer rank",
+        ),
+    ],
+)
+def test_settings_that_do_not_fit_nproc_fail_before_torchrun_starts(
+    override, message, tmp_path, capfd
+):
+    # (Every rank checks them too, before any collective: test_rl_spmd.py, test_disaggregated.py.)
     run_dir = tmp_path / "run"
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    assert main([*argv, "--sharding.dims.dp_shard", "3"]) != 0
+    assert main([*argv, *override]) == 2
     err = capfd.readouterr().err
-    for rank in (0, 1):
-        assert f"error (rank {rank}): ParallelDims: dp_replicate (1) x dp_shard (3)" in err
+    assert err.startswith(f"temper train: error: {message}")
+    assert "torch.distributed" not in err  # no rank was started
     assert not run_dir.exists()
 
 
