@@ -118,13 +118,16 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
                 "--run-dir",
                 str(invocation.run_dir),
             ]
-        code = launch.run_under_torchrun(
-            nproc=invocation.nproc,
-            nnodes=invocation.nnodes,
-            rdzv_endpoint=invocation.rdzv_endpoint,
-            run_id=invocation.run_dir.name,
-            args=["train", *args],
-        )
+        try:
+            code = launch.run_under_torchrun(
+                nproc=invocation.nproc,
+                nnodes=invocation.nnodes,
+                rdzv_endpoint=invocation.rdzv_endpoint,
+                run_id=invocation.run_dir.name,
+                args=["train", *args],
+            )
+        except KeyboardInterrupt:
+            return _interrupted(invocation.run_dir, nproc=invocation.nproc)
         if code != 0 and not invocation.resume and invocation.nnodes == 1:
             _remove_if_only_config(invocation.run_dir)
         return code
@@ -146,12 +149,13 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     return 0
 
 
-def _interrupted(run_dir: pathlib.Path) -> int:
+def _interrupted(run_dir: pathlib.Path, *, nproc: int | None = None) -> int:
     """Ctrl-C during a run: how to continue it (when it can be) instead of a traceback; 130
     as shells use."""
     if has_run_state(run_dir):
+        on_ranks = "" if nproc is None else f" --nproc {nproc}"
         advice = (
-            f"`temper train --resume {run_dir}` continues from the run's last full-state "
+            f"`temper train --resume {run_dir}{on_ranks}` continues from the run's last full-state "
             "checkpoint (saved every `checkpoint_every` steps)"
         )
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -123,8 +124,34 @@ def run_under_torchrun(
     run_id: str = "temper",
 ) -> int:
     """Run `temper ARGS` on `nproc` ranks of this machine (of `nnodes`, see
-    `torchrun_command`); returns torchrun's exit code."""
+    `torchrun_command`); returns torchrun's exit code.
+
+    torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process only
+    (not every rank at once, each with its own KeyboardInterrupt traceback). SIGINT or SIGTERM
+    here terminates torchrun, which stops its ranks; a second one kills the session. Then
+    KeyboardInterrupt is raised here, once no rank is left. (Before, `subprocess.run` killed
+    torchrun alone on Ctrl-C, and its ranks trained on to the end, orphaned.)"""
     command = torchrun_command(
         nproc=nproc, args=args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, run_id=run_id
     )
-    return subprocess.run(command, env=torchrun_environment(nproc=nproc), check=False).returncode
+    process = subprocess.Popen(
+        command, env=torchrun_environment(nproc=nproc), start_new_session=True
+    )
+    signals: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        signals.append(signum)
+        if len(signals) == 1:
+            process.terminate()
+        else:
+            os.killpg(process.pid, signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if signals:
+        raise KeyboardInterrupt
+    return code

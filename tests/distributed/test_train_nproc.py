@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +159,45 @@ def test_the_torchrun_command_for_several_nodes_uses_the_rendezvous():
         assert part in command
     assert "--rdzv-id=run-x" in command and "--nproc-per-node=8" in command
     assert "--standalone" in torchrun_command(nproc=2, args=["train"])
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (from /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if proc.name.isdigit() and text in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
+    """SIGINT to `temper train --nproc 2` ends torchrun and both ranks (before, torchrun was
+    killed alone and the ranks trained on, orphaned) and prints the resume command."""
+    run_dir = tmp_path / "run"
+    argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
+    argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
+    command = subprocess.Popen(
+        [sys.executable, "-m", "temper", *argv],
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "run_state" / "state.json").exists():
+            assert command.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        command.send_signal(signal.SIGINT)
+        # A rank left running would hold stderr open: communicate would time out.
+        err = command.communicate(timeout=60)[1]
+        assert command.returncode == 130, err
+        assert f"temper train --resume {run_dir} --nproc 2" in err
+        assert _processes_naming(str(run_dir)) == []
+    finally:
+        for pid in _processes_naming(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
