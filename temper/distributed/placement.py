@@ -119,21 +119,29 @@ class Placement(Configurable):
                 value = getattr(self, name)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"Placement.Config.{name} must be an int >= 1, got {value!r}")
-            if self.mode == "colocated" and self.generator_tp != 1:
+            if not isinstance(self.overlap_sync, bool):
                 raise ValueError(
-                    f"Placement.Config.generator_tp={self.generator_tp} is for mode "
-                    "'disaggregated' (colocated ranks each run a whole generator)"
+                    "Placement.Config.overlap_sync must be true or false, got "
+                    f"{self.overlap_sync!r}"
                 )
+            if self.mode == "colocated":
+                # Each would be silently ignored: colocated, every rank generates.
+                for name, default in (
+                    ("generator_ranks", 1),
+                    ("generator_tp", 1),
+                    ("overlap_sync", False),
+                ):
+                    if getattr(self, name) != default:
+                        raise ValueError(
+                            f"Placement.Config.{name}={getattr(self, name)} is for mode "
+                            "'disaggregated' (colocated ranks each run a whole generator): "
+                            "add --placement.mode disaggregated"
+                        )
             if self.generator_ranks % self.generator_tp:
                 raise ValueError(
                     f"Placement.Config.generator_tp={self.generator_tp} must divide "
                     f"generator_ranks={self.generator_ranks} (each engine spans generator_tp "
                     "ranks)"
-                )
-            if not isinstance(self.overlap_sync, bool):
-                raise ValueError(
-                    "Placement.Config.overlap_sync must be true or false, got "
-                    f"{self.overlap_sync!r}"
                 )
             if not self.bucket_mb > 0:
                 raise ValueError(f"Placement.Config.bucket_mb must be > 0, got {self.bucket_mb}")

@@ -28,6 +28,8 @@ ENGINE = SamplerEngine.Config(max_batch=8, max_seq_len=32)
         ({"mode": "split"}, "mode must be 'colocated' or 'disaggregated'"),
         ({"generator_ranks": 0}, "generator_ranks must be an int >= 1"),
         ({"generator_tp": 2}, "generator_tp=2 is for mode 'disaggregated'"),
+        ({"generator_ranks": 2}, "generator_ranks=2 is for mode 'disaggregated'"),
+        ({"overlap_sync": True}, "overlap_sync=True is for mode 'disaggregated'"),
         (
             {"mode": "disaggregated", "generator_ranks": 3, "generator_tp": 2},
             "generator_tp=2 must divide generator_ranks=3",
