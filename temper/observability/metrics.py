@@ -100,8 +100,12 @@ class MetricsLogger(Configurable):
         # TensorBoard first: a missing extra must fail before any file or live display opens.
         self._tensorboard_writer = _open_tensorboard(self.run_dir) if config.tensorboard else None
         self._jsonl_file: IO[str] | None = None
+        # Names a resumed run logged before it stopped (a finished warm-up's loss): not warned
+        # about at close as never logged.
+        self._logged_before: set[str] = set()
         if config.jsonl:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._logged_before = _names_in(self.run_dir / METRICS_FILE_NAME)
             self._jsonl_file = (self.run_dir / METRICS_FILE_NAME).open("a", encoding="utf-8")
         self._latest: dict[str, tuple[int, float]] = {}  # name -> (step logged, value)
         self._warned_non_finite: set[str] = set()
@@ -188,7 +192,11 @@ class MetricsLogger(Configurable):
             self._jsonl_file.close()
         if self._tensorboard_writer is not None:
             self._tensorboard_writer.close()
-        never_logged = [key for key in self.config.progress_keys if key not in self._latest]
+        never_logged = [
+            key
+            for key in self.config.progress_keys
+            if key not in self._latest and key not in self._logged_before
+        ]
         if never_logged and warn_unlogged and self._last_step is not None:
             warnings.warn(
                 f"MetricsLogger.Config.progress_keys {never_logged} were never logged "
@@ -320,6 +328,23 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
                 )
             records.append(record)
     return records
+
+
+def _names_in(path: Path) -> set[str]:
+    """Metric names in an existing metrics.jsonl (none if there is no file); a line that does
+    not parse (the one a crash cut short) is skipped."""
+    if not path.is_file():
+        return set()
+    names: set[str] = set()
+    with path.open(encoding="utf-8") as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                names.update(name for name in record if name not in RESERVED_KEYS)
+    return names
 
 
 def _check_name(name: Any) -> str:

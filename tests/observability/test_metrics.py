@@ -347,6 +347,22 @@ def test_unused_progress_key_is_warned_at_close(tmp_path: Path) -> None:
     assert len(caught) == 1 and "'eval/acc'" in str(caught[0].message)
 
 
+def test_a_resumed_run_is_not_warned_about_keys_it_logged_before_it_stopped(
+    tmp_path: Path,
+) -> None:
+    config = quiet_config(progress_keys=("warmup/loss", "reward/mean"))
+    logger = config.build(run_dir=tmp_path, total_steps=4, description="rl")
+    with pytest.raises(KeyboardInterrupt), logger:  # stopped after the warm-up
+        logger.log(0, {"warmup/loss": 1.0})
+        raise KeyboardInterrupt
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Resumed after the warm-up: only RL steps are logged now.
+        with config.build(run_dir=tmp_path, total_steps=4, description="rl") as logger:
+            logger.log(1, {"reward/mean": 0.5})
+    assert caught == []
+
+
 def test_a_run_stopped_early_is_not_warned_about_keys_it_had_no_time_to_log(
     tmp_path: Path,
 ) -> None:
