@@ -130,6 +130,15 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
             return _interrupted(invocation.run_dir, nproc=invocation.nproc)
         if code != 0 and not invocation.resume and invocation.nnodes == 1:
             _remove_if_only_config(invocation.run_dir)
+        if code != 0 and invocation.nnodes == 1 and has_run_state(invocation.run_dir):
+            # torchrun stops the other ranks as soon as one fails, often before they could
+            # say so: the way on is said here, once.
+            print(
+                f"temper train: a rank failed (torchrun's report above); `temper train --resume "
+                f"{invocation.run_dir} --nproc {invocation.nproc}` continues from the run's last "
+                "full-state checkpoint",
+                file=sys.stderr,
+            )
         return code
     config_path = invocation.run_dir / "config.json"
     if invocation.resume:

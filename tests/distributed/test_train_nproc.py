@@ -201,3 +201,35 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
     finally:
         for pid in _processes_naming(str(run_dir)):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+def test_a_rank_that_dies_ends_the_run_with_the_resume_command(tmp_path):
+    """torchrun stops the other ranks at once, before they can say anything: the command says
+    how to go on."""
+    run_dir = tmp_path / "run"
+    argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
+    argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
+    command = subprocess.Popen(
+        [sys.executable, "-m", "temper", *argv],
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "run_state" / "state.json").exists():
+            assert command.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        (rank_1,) = [
+            pid
+            for pid in _processes_naming(str(run_dir))
+            if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+        ]
+        os.kill(rank_1, signal.SIGKILL)
+        err = command.communicate(timeout=60)[1]
+        assert command.returncode != 0
+        assert f"`temper train --resume {run_dir} --nproc 2` continues" in err
+    finally:
+        for pid in _processes_naming(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
