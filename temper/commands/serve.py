@@ -23,7 +23,7 @@ def serve(argv: Sequence[str]) -> int:
 
         from temper.server import TemperServer
         from temper.server.request_log import configure_logging
-        from temper.server.security import check_bind
+        from temper.server.security import check_bind, check_port_free
     except ImportError as error:
         print(
             f"temper serve: error: {error}; install the server extra: pip install 'temper[server]'",
@@ -61,6 +61,7 @@ def serve(argv: Sequence[str]) -> int:
     if nproc is not None:
         try:  # refuse what every rank would refuse before starting them
             check_bind(config.host, config.api_key, key_file=config.key_file)
+            check_port_free(config.host, config.port)
             serve_ranks.check_one_model(config)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
@@ -69,6 +70,7 @@ def serve(argv: Sequence[str]) -> int:
     configure_logging(config.log_level)
     try:
         check_bind(config.host, config.api_key, key_file=config.key_file)
+        check_port_free(config.host, config.port)
         server = config.build()
     except (ValueError, FileNotFoundError) as error:
         print(f"temper serve: error: {error}", file=sys.stderr)

@@ -9,6 +9,7 @@ without keys is refused at startup: the server runs arbitrary training on this m
 from __future__ import annotations
 
 import ipaddress
+import socket
 from typing import Annotated
 
 from fastapi import Depends
@@ -37,6 +38,21 @@ def check_bind(host: str, api_key: str | None, *, key_file: str | None = None) -
             f"--host {host} is not a loopback address; serving there requires --key-file FILE "
             "(temper users add) or --api-key tml-... (clients send it as TINKER_API_KEY)"
         )
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, before any model loads, a `--host`/`--port` that something already listens on
+    (uvicorn would find out only after the models had loaded, and say so in a traceback)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise ValueError(
+                f"cannot listen on --host {host} --port {port}: {error.strerror or error}; stop "
+                "what holds that port or choose another --port"
+            ) from None
 
 
 async def current_user(request: Request) -> User:

@@ -121,7 +121,15 @@ def prepare(
             _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
-            raise ValueError(f"{where}: loss_fn_inputs is missing {missing}")
+            unread = sorted(set(datum.loss_fn_inputs) - allowed)
+            hints = [
+                f"{close[0]!r} for {name!r}"
+                for name in missing
+                for close in [difflib.get_close_matches(name, unread, n=1, cutoff=0.8)]
+                if close
+            ]
+            hint = f" (did you write {', '.join(hints)}?)" if hints else ""
+            raise ValueError(f"{where}: loss_fn_inputs is missing {missing}{hint}")
         topk_shape, topk_name = None, ""  # the first input named in `topk`, and its shape
         # In name order, so an error names the same input whatever order the wire gave.
         for name, value in sorted(datum.loss_fn_inputs.items()):

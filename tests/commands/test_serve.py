@@ -19,3 +19,18 @@ def test_serve_help_flows_docstrings_and_names_the_sharding_subcommand(monkeypat
     # Union members are named after their owner class, as in `temper train`.
     assert "trainer.sharding:sharding" in out
     assert "trainer.sharding:config" not in out
+
+
+def test_a_port_in_use_is_refused_before_any_model_loads(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        # The model directory does not exist: the port is checked first.
+        argv = ["serve", "--model", str(tmp_path / "absent"), "--port", str(port)]
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on --host 127.0.0.1 --port {port}" in err
+    assert "choose another --port" in err and "absent" not in err

@@ -130,6 +130,11 @@ def bad_training_requests(model_id: str, vocab: int, max_seq_len: int):
          body([1, 2, 3], {"target_tokens": targets, "logprobs": tensor([0.0] * 3)},
               loss_fn="gspo"),
          400, "datum 0: loss_fn_inputs is missing ['advantages']"),
+        ("misspelled required input", "forward_backward",
+         body([1, 2, 3], {"target_tokens": targets, "logprobs": tensor([0.0] * 3),
+                          "advantage": tensor([1.0] * 3)}, loss_fn="importance_sampling"),
+         400, "datum 0: loss_fn_inputs is missing ['advantages'] (did you write 'advantage' "
+              "for 'advantages'?)"),
         ("misspelled input name", "forward_backward",
          body([1, 2, 3], {"target_tokens": targets, "weight": tensor([1.0] * 3)}), 400,
          "datum 0: loss_fn_inputs['weight'] is not an input of this loss; did you mean "
