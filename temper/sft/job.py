@@ -217,7 +217,11 @@ class SFTJob(Configurable):
                 training, source, state=state, logger=logger, checkpoints=checkpoints
             )
             self._show_examples(logger, examples[:4])
-            return self._finish(service, state=state, logger=logger, checkpoints=checkpoints)
+            conversations = isinstance(source, ConversationSource)
+            template = source.renderer.chat_template if conversations else None
+            return self._finish(
+                service, state=state, logger=logger, checkpoints=checkpoints, template=template
+            )
 
     def _train(
         self,
@@ -257,13 +261,17 @@ class SFTJob(Configurable):
         state: SFTState,
         logger: MetricsLogger,
         checkpoints: RunCheckpoints,
+        template: str | None,
     ) -> SFTResult:
-        """Save the final weights, export and plot them, print the summary."""
+        """Save the final weights, export and plot them, print the summary. An export carries
+        `template`, the chat format trained on, when it is not the tokenizer's own."""
         config, run_dir, accuracies = self.config, logger.run_dir, state.accuracies
         sampler_path = checkpoints.save_final()
         model_dir = None
         if config.export == "hf":
             model_dir = export_model_dir(service, sampler_path, out_dir=run_dir / "model")
+            if template is not None:
+                Tokenizer.replace_chat_template(model_dir, template)
         final_loss = logger.latest["eval/loss"]
         checkpoints.report(
             logger,

@@ -16,6 +16,7 @@ Unusual choices:
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -110,6 +111,20 @@ class Tokenizer:
         (directory / CONFIG_FILE).write_text(
             json.dumps(self._config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
         )
+
+    @staticmethod
+    def replace_chat_template(path: str | Path, template: str) -> None:
+        """Make `template` the chat template of the tokenizer directory `path`: in its
+        tokenizer config, with any `chat_template.jinja` (which would win) removed. Files are
+        replaced, never written through, so a directory hard-linked to a checkpoint's (an
+        export) leaves the checkpoint's files as they were."""
+        directory = Path(path)
+        config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+        config["chat_template"] = template
+        staged = directory / f".{CONFIG_FILE}.new"
+        staged.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        os.replace(staged, directory / CONFIG_FILE)
+        (directory / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids.

@@ -12,6 +12,9 @@ from temper.checkpoint.hf import load_pretrained
 from temper.cli import main
 from temper.config import load_config
 from temper.observability import read_metrics
+from temper.tokenizer import load_tokenizer
+from temper.tokenizer.builtin import CHATML_TEMPLATE
+from temper.tokenizer.renderers import role_colon
 
 
 def test_smoke_recipe_learns_and_writes_run_dir(tmp_path, capsys):
@@ -73,6 +76,7 @@ def test_conversation_recipe_heldout_loss_falls(tmp_path):
     config = sft_conversations()
     config.steps, config.eval_every = 40, 20
     config.metrics.display = "none"
+    config.export = "hf"
     result = config.build().run(run_dir=tmp_path / "run")
     # From random init the loss per assistant token is about ln(vocab size) = 6.6.
     assert result.initial_heldout_loss > 5.0
@@ -83,6 +87,11 @@ def test_conversation_recipe_heldout_loss_falls(tmp_path):
     assert {"train/loss", "optim/lr", "optim/grad_norm", "eval/accuracy"} <= {
         key for record in records for key in record
     }
+    # The export's chat template is the format trained on; the checkpoint's files, hard-linked
+    # into the export, keep the base tokenizer's.
+    assert load_tokenizer(result.model_dir).chat_template == role_colon.CHAT_TEMPLATE
+    checkpoint_dir = next((tmp_path / "run" / "checkpoints").glob("*/sampler_weights/final"))
+    assert load_tokenizer(checkpoint_dir).chat_template == CHATML_TEMPLATE
 
 
 def test_bad_dataset_fails_before_training_with_the_line(tmp_path, capsys):

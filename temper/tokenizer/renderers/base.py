@@ -47,6 +47,9 @@ class Renderer(Protocol):
     """A chat format over one tokenizer."""
 
     name: str
+    chat_template: str | None
+    """This format as a Jinja chat template, which a model directory trained on it carries;
+    None: the format is the tokenizer's own template (a model family's chat format)."""
 
     def render(self, messages: Sequence[Message], *, train_on: TrainOn) -> WeightedTokens:
         """The whole conversation, with weight 1 on the assistant messages trained on."""

@@ -56,6 +56,7 @@ class Qwen3Renderer:
         self.tokenizer = tokenizer
         self.thinking = thinking
         self.name = "qwen3" if thinking else "qwen3_no_think"
+        self.chat_template: str | None = None  # Qwen3's own, in its tokenizer directory
         self.im_start_id = special_token_id(tokenizer, IM_START, renderer=self.name)
         self.im_end_id = special_token_id(tokenizer, IM_END, renderer=self.name)
 

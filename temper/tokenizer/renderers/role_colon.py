@@ -32,9 +32,24 @@ from temper.tokenizer.tokenizer import Tokenizer
 ROLE_HEADERS = {"system": "System:", "user": "User:", "assistant": "Assistant:"}
 SEPARATOR = "\n\n"
 
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- 'Assistant: ' + message['content'] + eos_token + '\\n\\n' }}"
+    "{%- else %}"
+    "{{- {'system': 'System:', 'user': 'User:'}[message['role']] + ' ' + message['content'] "
+    "+ '\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}"
+)
+"""This format as a chat template (transformers' `apply_chat_template`), for a model directory
+trained on it: its text tokenizes to what `render` and `generation_prompt` give."""
+
 
 class RoleColonRenderer:
     name = "role_colon"
+    chat_template: str | None = CHAT_TEMPLATE
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -197,3 +197,25 @@ def test_qwen3_needs_the_chatml_markers():
         [user("What is two plus two?"), assistant("Four.")]
     )
     assert rendered.num_weighted == len(build_builtin_tokenizer("words").encode(" Four.")) + 1
+
+
+def test_role_colon_chat_template_writes_what_the_renderer_renders(tmp_path):
+    from transformers import AutoTokenizer
+
+    bytes_tokenizer = build_builtin_tokenizer("bytes")
+    bytes_tokenizer.save(tmp_path)
+    renderer = build_renderer("role_colon", tokenizer=bytes_tokenizer)
+    Tokenizer.replace_chat_template(tmp_path, renderer.chat_template)
+    reference = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        user("Où est le ciel?"),
+        assistant("En haut."),
+        user("Et ensuite?"),
+    ]
+    prompt = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert bytes_tokenizer.encode(prompt) == renderer.generation_prompt(messages)
+    whole = [*messages, assistant("Rien.")]
+    text = reference.apply_chat_template(whole, tokenize=False)
+    assert bytes_tokenizer.encode(text) == renderer.render(whole).tokens
+    assert load_tokenizer(tmp_path).chat_template == renderer.chat_template
