@@ -96,6 +96,10 @@ class PlanSettings:
     (as `temper train`'s --placement.generator_ranks), 0 when colocated."""
     generator_tp: int = 1
     """disaggregated: tensor-parallel degree of each generator engine."""
+    dp_replicate: int = 1
+    """Trainer ranks in whole-model groups (--sharding.dims.dp_replicate): weights, gradients
+    and AdamW moments are sharded over trainer ranks / dp_replicate (FSDP when 1; DDP, whole
+    copies on every rank, when it equals the trainer ranks)."""
     batch: int = 256
     """Sequences sampled per step, over all generators (prompts_per_step x group_size)."""
     max_seq_len: int = 2048
@@ -131,7 +135,8 @@ class PlanSettings:
     def __post_init__(self) -> None:
         if not self.prefix_cache_mib >= 0:
             raise ValueError(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
-        positive = ("nnodes", "nproc_per_node", "generator_tp", "batch", "max_seq_len")
+        positive = ("nnodes", "nproc_per_node", "generator_tp", "dp_replicate", "batch")
+        positive += ("max_seq_len",)
         positive += ("micro_batch_tokens", "bucket_mb", "lora_rank", "max_batch")
         for name in positive:
             if getattr(self, name) is not None:  # lora_rank and max_batch may be None
@@ -148,6 +153,7 @@ class PlanSettings:
         if not 0 <= self.headroom < 1:
             raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
         self._check_placement()
+        self._check_replicas()
 
     def _check_placement(self) -> None:
         world = self.world_size
@@ -174,6 +180,18 @@ class PlanSettings:
                 f"generator_tp={self.generator_tp} must divide generator_ranks="
                 f"{self.generator_ranks} (each engine spans generator_tp ranks)"
             )
+
+    def _check_replicas(self) -> None:
+        if self.trainer_ranks % self.dp_replicate:
+            raise ValueError(
+                f"dp_replicate={self.dp_replicate} must divide the {self.trainer_ranks} trainer "
+                "ranks (each whole-model group shards over trainer ranks / dp_replicate)"
+            )
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one copy of the trainer's weights is sharded over."""
+        return self.trainer_ranks // self.dp_replicate
 
     @property
     def world_size(self) -> int:
@@ -283,7 +301,7 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
             RolePlan(
                 role="colocated",
                 num_ranks=world,
-                description=f"{world} ranks, each a trainer shard (1/{world}) and a generator",
+                description=f"{world} ranks, each a {_shard(settings)} and a generator",
                 rows=(*rows.trainer(), *rows.generator(colocated=True), *rows.sender_sync()),
             ),
         )
@@ -294,7 +312,7 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
             RolePlan(
                 role="trainer",
                 num_ranks=trainers,
-                description=f"{trainers} trainer ranks (FSDP over {trainers})",
+                description=f"{trainers} trainer ranks ({_layout(settings)})",
                 rows=(*rows.trainer(), *rows.sender_sync()),
             ),
             RolePlan(
@@ -311,6 +329,23 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
         num_params=decoder.num_params,
         roles=roles,
     )
+
+
+def _shard(settings: PlanSettings) -> str:
+    """What one trainer rank holds of the weights, in a role's description."""
+    ranks, replicas = settings.shard_ranks, settings.dp_replicate
+    if ranks == 1:
+        return f"whole trainer (DDP over {replicas})" if replicas > 1 else "whole trainer"
+    copies = f", {replicas} replicas" if replicas > 1 else ""
+    return f"trainer shard (1/{ranks}{copies})"
+
+
+def _layout(settings: PlanSettings) -> str:
+    """How the trainer ranks hold the weights, in the trainer role's description."""
+    ranks, replicas = settings.shard_ranks, settings.dp_replicate
+    if replicas == 1:
+        return f"FSDP over {ranks}"
+    return f"DDP over {replicas}" if ranks == 1 else f"FSDP over {ranks}, {replicas} replicas"
 
 
 def _check_model(settings: PlanSettings, decoder: DecoderConfig) -> None:
@@ -346,7 +381,7 @@ class _Rows:
 
     def _trainer_state(self) -> list[PlanRow]:
         settings, shapes = self.settings, self.shapes
-        ranks, size = settings.trainer_ranks, _itemsize(self.dtype)
+        ranks, size = settings.shard_ranks, _itemsize(self.dtype)
         share = f"1/{ranks} of " if ranks > 1 else ""
 
         def shard(item: str, *, trainable: bool | None) -> PlanRow:
@@ -370,7 +405,7 @@ class _Rows:
         settings, shapes = self.settings, self.shapes
         ranks, size = settings.trainer_ranks, _itemsize(self.dtype)
         rows = []
-        if ranks > 1:
+        if settings.shard_ranks > 1:
             root, block = shapes.numel(root=True), shapes.numel(prefix="blocks.0.")
             rows.append(
                 PlanRow(

@@ -160,6 +160,7 @@ def memory_plan_line(
         placement=config.mode,
         generator_ranks=config.generator_ranks if disaggregated else 0,
         generator_tp=config.generator_tp,
+        dp_replicate=sharding.dims.dp_replicate,
         batch=batch,
         max_seq_len=sampler.max_seq_len,
         max_batch=sampler.max_batch,

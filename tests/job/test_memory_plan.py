@@ -119,6 +119,28 @@ def test_fsdp_shards_on_two_ranks_match_the_plan(tmp_path):
     assert rows["AdamW moments (2)"] == largest["moments"]
 
 
+def _replicated_bytes(rank: int) -> dict[str, int]:
+    dims = ParallelDims.Config(dp_replicate=2, dp_shard=1)
+    engine = training.engine(dims=dims, lora=LoraConfig(rank=LORA_RANK))
+    held = _trained_bytes(engine)
+    del engine
+    return held
+
+
+def test_ddp_on_two_ranks_holds_whole_copies_as_the_plan_says(tmp_path):
+    ranks = spawn(_replicated_bytes, world_size=2, out_dir=tmp_path)
+    config = training.tiny_model().config
+    settings = _settings(nproc_per_node=2, lora_rank=LORA_RANK, dtype="float32", dp_replicate=2)
+    plan = plan_memory(settings, decoder=config)
+    rows = _rows(plan)
+    assert ranks[0] == ranks[1]
+    assert rows["base weights (frozen)"] == ranks[0]["frozen"]
+    assert rows["LoRA adapters"] == ranks[0]["trainable"]
+    assert rows["AdamW moments (2)"] == ranks[0]["moments"]
+    assert "FSDP gathered" not in " ".join(rows)
+    assert "each a whole trainer (DDP over 2)" in plan.roles[0].description
+
+
 @pytest.mark.parametrize(("batch", "max_batch"), [(5, None), (5, 3)])
 def test_kv_cache_is_what_the_engine_allocates(batch, max_batch):
     config = training.tiny_model().config
@@ -334,6 +356,7 @@ def test_32b_colocated_does_not_fit_and_disaggregated_does():
         ({"dtype": "float8"}, "dtype"),
         ({"headroom": 1.0}, "headroom"),
         ({"max_seq_len": 100_000}, "max_seq_len=100000"),
+        ({"dp_replicate": 3}, "dp_replicate=3 must divide the 16 trainer ranks"),
     ],
 )
 def test_bad_settings_name_the_field(changes, field):
