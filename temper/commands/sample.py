@@ -102,14 +102,18 @@ def sample(
     if n < 1:
         raise ValueError(f"-n must be >= 1, got {n}")
     # Checked before the model loads, so a typo costs nothing.
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop=list(stop) or None,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=list(stop) or None,
+        )
+    except ValueError as error:  # it names the field ("top_p must ..."); say the flag
+        field, _, rest = str(error).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
     directory = model_directory(model)
     if (directory / SAMPLER_FILE).is_file():
         # A run's sampler weights: a HF model, or LoRA adapters over a base model.

@@ -82,10 +82,10 @@ def test_logprobs_table(model_dir, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-        (["--top-p", "0"], "top_p must be in (0, 1]"),
-        (["--top-k", "-3"], "top_k must be an int >= 1"),
-        (["--max-tokens", "0"], "max_tokens must be > 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-k", "-3"], "--top-k must be an int >= 1"),
+        (["--max-tokens", "0"], "--max-tokens must be > 0"),
         (["-n", "0"], "-n must be >= 1"),
         (["--prompt", ""], "encodes to zero tokens"),
         (["--prompt", "caf\u00e9"], "cannot encode the text"),
