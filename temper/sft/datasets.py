@@ -79,7 +79,7 @@ def split_conversations(
     if len(conversations) < 2:
         raise ValueError(
             f"cannot hold out part of {len(conversations)} conversation(s); give a separate "
-            "held-out file or more conversations"
+            "held-out file (--conversations.heldout_path) or more conversations"
         )
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)

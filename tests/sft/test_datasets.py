@@ -45,6 +45,8 @@ def test_missing_file_names_the_path(tmp_path):
         ('{"messages": []}', '"messages" must be a non-empty list'),
         ('{"messages": [{"role": "robot", "content": "x"}]}', "role 'robot' is not one of"),
         ('{"messages": [{"role": "user", "content": 5}]}', "content must be a string"),
+        ('{"messages": [{"role": "user", "text": "x"}]}', r"message 0 is missing \['content'\]"),
+        ('{"messages": [{"content": "x"}]}', r"message 0 is missing \['role'\]"),
         ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
     ],
 )

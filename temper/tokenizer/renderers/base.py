@@ -94,7 +94,13 @@ def check_messages(messages: Sequence[Message]) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"message {index} must be an object, got {type(message).__name__}")
-        role, content = message.get("role"), message.get("content")
+        absent = [key for key in ("role", "content") if key not in message]
+        if absent:
+            raise ValueError(
+                f"message {index} is missing {absent}; a message is "
+                '{"role": ..., "content": "..."}'
+            )
+        role, content = message["role"], message["content"]
         if role not in ROLES:
             raise ValueError(f"message {index}: role {role!r} is not one of {list(ROLES)}")
         if not isinstance(content, str):
