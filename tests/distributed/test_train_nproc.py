@@ -3,12 +3,14 @@ rank 0 writes and prints; bad --nproc values are usage errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,11 +176,10 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
-def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
-    """SIGINT to `temper train --nproc 2` ends torchrun and both ranks (before, torchrun was
-    killed alone and the ranks trained on, orphaned) and prints the resume command."""
-    run_dir = tmp_path / "run"
+@contextlib.contextmanager
+def _run_past_first_checkpoint(run_dir: Path) -> Iterator[subprocess.Popen]:
+    """`temper train --nproc 2` of a long run, once it has saved its first full-state
+    checkpoint; whatever of it is left afterwards is killed."""
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
     argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
     command = subprocess.Popen(
@@ -192,15 +193,24 @@ def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
         while not (run_dir / "run_state" / "state.json").exists():
             assert command.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
+        yield command
+    finally:
+        for pid in _processes_naming(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
+def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
+    """SIGINT to `temper train --nproc 2` ends torchrun and both ranks (before, torchrun was
+    killed alone and the ranks trained on, orphaned) and prints the resume command."""
+    run_dir = tmp_path / "run"
+    with _run_past_first_checkpoint(run_dir) as command:
         command.send_signal(signal.SIGINT)
         # A rank left running would hold stderr open: communicate would time out.
         err = command.communicate(timeout=60)[1]
         assert command.returncode == 130, err
         assert f"temper train --resume {run_dir} --nproc 2" in err
         assert _processes_naming(str(run_dir)) == []
-    finally:
-        for pid in _processes_naming(str(run_dir)):
-            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
@@ -208,19 +218,7 @@ def test_a_rank_that_dies_ends_the_run_with_the_resume_command(tmp_path):
     """torchrun stops the other ranks at once, before they can say anything: the command says
     how to go on."""
     run_dir = tmp_path / "run"
-    argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
-    command = subprocess.Popen(
-        [sys.executable, "-m", "temper", *argv],
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "run_state" / "state.json").exists():
-            assert command.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+    with _run_past_first_checkpoint(run_dir) as command:
         (rank_1,) = [
             pid
             for pid in _processes_naming(str(run_dir))
@@ -230,6 +228,3 @@ def test_a_rank_that_dies_ends_the_run_with_the_resume_command(tmp_path):
         err = command.communicate(timeout=60)[1]
         assert command.returncode != 0
         assert f"`temper train --resume {run_dir} --nproc 2` continues" in err
-    finally:
-        for pid in _processes_naming(str(run_dir)):
-            os.kill(pid, signal.SIGKILL)
