@@ -68,7 +68,8 @@ class EnvSource(Protocol):
         ...
 
     def heldout_envs(self, count: int) -> list[Env]:
-        """A fixed set of held-out environments (independent of the run's seed)."""
+        """A fixed set of held-out environments (independent of the run's seed), made anew for
+        every evaluation: each one plays one episode."""
         ...
 
     def demonstration(self, rng: random.Random) -> Demonstration:

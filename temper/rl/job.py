@@ -55,7 +55,7 @@ from temper.models.common.decoder import DecoderConfig
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.config import RLJobConfig
-from temper.rl.env import Env, EnvSource
+from temper.rl.env import EnvSource
 from temper.rl.episodes import EpisodeRunner, heldout_success
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
@@ -214,30 +214,33 @@ class HeldoutAccuracy:
 
 class HeldoutSuccess:
     """Multi-turn: the share of fixed held-out episodes, played greedily, that succeed (the
-    env's `correct`), each rank playing its part."""
+    env's `correct`), each rank playing its part. Every evaluation plays fresh envs from the
+    source's `heldout_envs`: an env keeps its episode's state, so a played one cannot replay."""
 
     def __init__(
         self,
         *,
         training: TrainingClient,
-        envs: list[Env],
+        source: EnvSource,
+        num_envs: int,
         episodes: EpisodeRunner,
         max_tokens: int,
         ranks: Ranks,
     ) -> None:
-        if not envs:
+        if not source.heldout_envs(num_envs):
             raise ValueError("RLJob: the env source has no held-out environments to evaluate on")
-        self.training, self.envs, self.episodes = training, envs, episodes
-        self.max_tokens, self.ranks = max_tokens, ranks
+        self.training, self.source, self.num_envs = training, source, num_envs
+        self.episodes, self.max_tokens, self.ranks = episodes, max_tokens, ranks
 
     def __call__(self) -> float:
         sampler = self.training.save_weights_and_get_sampling_client()
-        mine = self.envs[self.ranks.split(len(self.envs))]
+        envs = self.source.heldout_envs(self.num_envs)
+        mine = envs[self.ranks.split(len(envs))]
         total = 0.0
         if mine:
             success = heldout_success(self.episodes, sampler, mine, max_tokens=self.max_tokens)
             total = success * len(mine)
-        return self.ranks.sum([total])[0] / len(self.envs)
+        return self.ranks.sum([total])[0] / len(envs)
 
 
 class _RLRun:
@@ -288,7 +291,8 @@ class _RLRun:
             self.episodes = config.episodes.build(max_seq_len=config.sampler.max_seq_len)
             self.evaluate = HeldoutSuccess(
                 training=self.training,
-                envs=self.env_source.heldout_envs(config.eval_problems),
+                source=self.env_source,
+                num_envs=config.eval_problems,
                 episodes=self.episodes,
                 max_tokens=config.max_tokens,
                 ranks=ranks,

@@ -1,16 +1,19 @@
 """The RL job on multi-turn envs: the tool-use and guessing-game recipes learn (held-out, fixed
 seed), and tool failures and timeouts become observations, never a crash, in the asynchronous
-loop too."""
+loop too; held-out evaluations play fresh envs each time."""
 
 from __future__ import annotations
 
 import time
 
 from temper.cli import main
+from temper.client.service_client import ServiceClient
+from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, read_metrics
+from temper.rl.env import StepResult
 from temper.rl.envs import ToolArithmetic
 from temper.rl.episodes import EpisodeRunner
-from temper.rl.job import RLJob
+from temper.rl.job import HeldoutSuccess, RLJob
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -84,3 +87,42 @@ def test_tool_failures_and_timeouts_do_not_stop_a_run(tmp_path, monkeypatch, no_
     assert [r["async/staleness"] for r in rl] == [0.0, 1.0, 1.0]
     assert sum(r["episode/tool_calls"] for r in rl) > 0
     assert sum(r["episode/tool_failures"] for r in rl) > 0
+
+
+class _OneEpisodeEnv:
+    """An env that keeps its episode's state, as most do: it cannot be played twice."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.played = tokenizer, False
+
+    def initial_observation(self) -> list[int]:
+        return self.tokenizer.encode("1:")
+
+    def stop_token_ids(self) -> list[int]:
+        return [self.tokenizer.eos_token_id]
+
+    def step(self, action_tokens) -> StepResult:
+        assert not self.played, "a played env was handed out again"
+        self.played = True
+        return StepResult(reward=1.0, done=True, metrics={"correct": 1.0})
+
+
+class _OneEpisodeSource:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def heldout_envs(self, count: int) -> list[_OneEpisodeEnv]:
+        return [_OneEpisodeEnv(self.tokenizer) for _ in range(count)]
+
+
+def test_every_heldout_evaluation_plays_fresh_envs(tmp_path):
+    training = ServiceClient(storage_dir=str(tmp_path)).create_training_client("tiny")
+    evaluate = HeldoutSuccess(
+        training=training,
+        source=_OneEpisodeSource(training.get_tokenizer()),
+        num_envs=3,
+        episodes=EpisodeRunner.Config(max_turns=2, max_context=16).build(),
+        max_tokens=2,
+        ranks=Ranks.single(),
+    )
+    assert [evaluate(), evaluate()] == [1.0, 1.0]
