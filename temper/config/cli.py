@@ -236,9 +236,15 @@ def check_root_config(config: Any, *, recipe: str | None) -> None:
         )
     owner = type(config)._owner
     if owner is None or not callable(getattr(owner, "run", None)):
+        what = (
+            "it is not nested in a job class (return the job's own Config, e.g. RLJob.Config "
+            "rather than RLJobConfig)"
+            if owner is None
+            else f"its owner {owner.__qualname__} has no run(*, run_dir) method"
+        )
         raise TypeError(
             f"recipe {recipe!r} returned {type(config).__qualname__}, which is not a root config: "
-            f"its owner {getattr(owner, '__qualname__', None)} has no run(*, run_dir) method"
+            f"{what}"
         )
 
 

@@ -23,6 +23,7 @@ import pytest
 from temper.checkpoint.run_state import RunState, save_run_state
 from temper.cli import function_command, main
 from temper.config import Configurable, config_to_dict, load_config, serialize
+from temper.config.cli import check_root_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -464,3 +465,14 @@ def test_a_run_that_fails_at_startup_leaves_no_directory_behind(
     assert main(argv) == 1
     assert "task.path: no such file" in capsys.readouterr().err
     assert not run_dir.exists()  # so the same command works once the input is fixed
+
+
+def test_a_config_outside_a_job_class_is_refused_naming_the_job_config() -> None:
+    # What a recipe returns when it builds RLJobConfig (the settings' base class) instead of
+    # RLJob.Config: a config with no owner to run.
+    @dataclasses.dataclass(kw_only=True)
+    class Loose(Configurable.Config):
+        steps: int = 1
+
+    with pytest.raises(TypeError, match=r"not nested in a job class .*e\.g\. RLJob\.Config"):
+        check_root_config(Loose(), recipe="my_recipes.py:mine")
