@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import queue
 import random
 import threading
@@ -54,7 +55,8 @@ END_REASONS = ("done", "max_turns", "context")
 
 
 class EnvStepError(RuntimeError):
-    """An environment's `step` raised (or returned something other than a StepResult)."""
+    """An environment's `step` raised, or returned something other than a StepResult or one
+    with a field of the wrong kind (a reward that is not a finite number, text as tokens)."""
 
 
 DEFAULT_MAX_CONTEXT = 256
@@ -313,6 +315,9 @@ class RunningEpisodes:
                 f"environment {episode.name()} returned {type(result).__name__} from step in "
                 f"turn {turn}; step must return a StepResult"
             )
+        problem = _bad_step_field(result)
+        if problem is not None:
+            raise EnvStepError(f"environment {episode.name()} in turn {turn}: {problem}")
         episode.env_seconds += seconds
         episode.turn_rewards.append(float(result.reward))
         for name, value in result.metrics.items():
@@ -333,6 +338,30 @@ class RunningEpisodes:
         episode.logprobs += [0.0] * len(observation)
         episode.mask += [0.0] * len(observation)
         return True
+
+
+def _bad_step_field(result: StepResult) -> str | None:
+    """What is wrong with a step's result, naming the field; None if nothing is."""
+    values = {"reward": result.reward, **{f"metrics[{k!r}]": v for k, v in result.metrics.items()}}
+    for name, value in values.items():
+        if not _is_finite_number(value):
+            return f"StepResult.{name} must be a finite number, got {value!r}"
+    observation = result.next_observation
+    if observation is not None and (
+        isinstance(observation, str) or not all(isinstance(t, int) for t in observation)
+    ):
+        return f"StepResult.next_observation must be a list of token ids, got {observation!r}"
+    return None
+
+
+def _is_finite_number(value: object) -> bool:
+    """What float() takes as a number (a bool, a 0-d tensor too), not a string, and finite."""
+    if isinstance(value, str | bytes):
+        return False
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
 
 
 def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:

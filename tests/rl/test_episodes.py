@@ -1,7 +1,8 @@
 """Multi-turn episodes through a real sampling client: a scripted env checks that the trainer
 sees exactly the sampled tokens plus the observation tokens, with loss only on the sampled
 ones, that trainer and sampler agree on every sampled token, that limits end episodes with
-their reason, and that a raising env stops the batch with an error naming it."""
+their reason, and that a raising env, or one returning a bad StepResult field, stops the batch
+with an error naming it."""
 
 from __future__ import annotations
 
@@ -126,6 +127,35 @@ def test_an_env_that_raises_stops_the_batch_with_an_error_naming_it(training):
         _run(training, envs)
     assert "scripted failure" in str(info.value)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class BadResultEnv(ScriptedEnv):
+    """Returns a StepResult with one field of the wrong kind."""
+
+    def __init__(self, tokenizer, **fields):
+        super().__init__(tokenizer)
+        self.fields = fields
+
+    def step(self, action_tokens) -> StepResult:
+        result = super().step(action_tokens)
+        return StepResult(**{**result.__dict__, **self.fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"reward": "yes"}, r"StepResult\.reward must be a finite number, got 'yes'"),
+        ({"reward": float("nan")}, r"StepResult\.reward must be a finite number, got nan"),
+        ({"metrics": {"correct": None}}, r"StepResult\.metrics\['correct'\] must be a finite"),
+        ({"next_observation": "+-"}, r"StepResult\.next_observation must be a list of token ids"),
+    ],
+)
+def test_a_bad_step_result_is_an_error_naming_the_env_and_field(training, fields, message):
+    envs = [ScriptedEnv(training.get_tokenizer()), BadResultEnv(training.get_tokenizer(), **fields)]
+    with pytest.raises(EnvStepError, match=r"BadResultEnv \(group 0, episode 1\) in turn 1: "):
+        _run(training, envs)
+    with pytest.raises(EnvStepError, match=message):
+        _run(training, envs[1:], group_size=1)
 
 
 def test_seeded_episodes_repeat_whatever_order_steps_finish_in(training):
