@@ -49,6 +49,7 @@ def check_free(target: str | Path, *, overwrite: bool) -> Path:
     target = Path(target)
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(
-            f"{target} exists and is not empty; overwrite it with --overwrite (overwrite=True)"
+            f"{target} exists and is not empty; pass overwrite=True to replace it (--overwrite "
+            "on the command line)"
         )
     return target

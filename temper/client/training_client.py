@@ -262,11 +262,12 @@ class TrainingClient:
     def _load_state(self, path: CheckpointPath, *, with_optimizer: bool) -> LoadWeightsResponse:
         run = self.service.storage.read_run(path.run_id)
         ours = None if self.engine.lora is None else dataclasses.asdict(self.engine.lora)
-        if recorded_base_model(run["base_model"]) != self.base_model or run["lora"] != ours:
+        differs = lora_difference(run["lora"], ours)
+        if recorded_base_model(run["base_model"]) != self.base_model or differs is not None:
             raise ValueError(
                 f"{path} was saved from base model {run['base_model']!r} with "
                 f"{training_kind(run['lora'])}, but this client trains {self.base_model!r} with "
-                f"{training_kind(ours)}"
+                f"{training_kind(ours)}" + (f" ({differs})" if differs else "")
             )
         engine = self.engine
         with self._weight_sync.changing():
@@ -309,6 +310,19 @@ class TrainingClient:
 def training_kind(lora: Mapping[str, object] | None) -> str:
     """How a run trains, from its run.json's `lora` entry, for error messages."""
     return "full fine-tuning" if lora is None else f"LoRA {lora}"
+
+
+def lora_difference(
+    saved: Mapping[str, object] | None, ours: Mapping[str, object] | None
+) -> str | None:
+    """How a checkpoint's LoRA settings differ from a client's in what its tensors hold: None
+    if they agree (the seed of the adapters' initial values does not count: loading replaces
+    them), '' if one is full fine-tuning, else the settings that differ."""
+    if saved is None or ours is None:
+        return None if saved is ours else ""
+    keys = sorted(key for key in saved.keys() | ours.keys() if key != "seed")
+    differs = [key for key in keys if saved.get(key) != ours.get(key)]
+    return ", ".join(f"{k} {saved.get(k)!r} saved, {ours.get(k)!r} here" for k in differs) or None
 
 
 def _datum_list(data: Iterable[Datum]) -> list[Datum]:

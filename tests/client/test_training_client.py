@@ -200,6 +200,19 @@ def test_lora_weights_of_a_relative_base_dir_load_from_another_directory(tmp_pat
     assert elsewhere.create_training_client_from_state(state).get_info().is_lora
 
 
+def test_a_lora_checkpoint_loads_into_a_client_seeded_otherwise(service):
+    # The seed only draws the adapters' first values, which loading replaces.
+    trained = service.create_lora_training_client("tiny", rank=4, seed=0)
+    _train(trained, _data(trained.get_tokenizer()), steps=2)
+    path = trained.save_state("s").result().path
+    other = service.create_lora_training_client("tiny", rank=4, seed=1)
+    other.load_state(path).result()
+    assert all(torch.equal(a, b) for a, b in zip(_params(trained), _params(other), strict=True))
+    wider = service.create_lora_training_client("tiny", rank=8, seed=0)
+    with pytest.raises(ValueError, match=r"\(rank 4 saved, 8 here\)$"):
+        wider.load_state(path).result()
+
+
 def test_bad_names_and_paths_are_refused(service):
     client = service.create_training_client("tiny")
     with pytest.raises(ValueError, match="neither a model directory nor a named size"):
