@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from temper.tasks.problem import Problem, Task
+from temper.tasks.problem import Problem, Task, scored
 from temper.tokenizer import Tokenizer
 
 
@@ -93,7 +93,7 @@ class ProblemEnv:
 
     def step(self, action_tokens: Sequence[int]) -> StepResult:
         text = self.tokenizer.decode(action_tokens, skip_special_tokens=True)
-        reward = self.task.reward(self.problem, text)
+        reward = scored(self.task, self.problem, text)
         stopped = bool(action_tokens) and action_tokens[-1] == self.tokenizer.eos_token_id
         return StepResult(
             reward=reward, done=True, metrics={"correct": reward, "stopped": float(stopped)}

@@ -11,7 +11,7 @@ import random
 
 from temper.api.types import ModelInput, SamplingParams
 from temper.client.sampling_client import SamplingClient
-from temper.tasks.problem import Problem, Task
+from temper.tasks.problem import Problem, Task, scored
 from temper.tokenizer import Tokenizer
 
 
@@ -39,5 +39,5 @@ def greedy_accuracy(
     for problem, future in zip(problems, futures, strict=True):
         completion_tokens = future.result().sequences[0].tokens
         completion = tokenizer.decode(completion_tokens, skip_special_tokens=True)
-        examples.append((problem.prompt, completion, task.reward(problem, completion)))
+        examples.append((problem.prompt, completion, scored(task, problem, completion)))
     return sum(reward for _, _, reward in examples) / len(examples), examples

@@ -9,6 +9,7 @@ problem space too small to hold both splits is an error instead of an endless lo
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,23 @@ class Task(Protocol):
     def sample(self, rng: random.Random, *, split: Split) -> Problem: ...
 
     def reward(self, problem: Problem, completion: str) -> float: ...
+
+
+def scored(task: Task, problem: Problem, completion: str) -> float:
+    """`task.reward(problem, completion)` as a float, checked: a reward that is not a finite
+    number is a ValueError naming the task and the problem, not a failure further on (a sum of
+    strings, a NaN advantage)."""
+    reward = task.reward(problem, completion)
+    try:
+        value = float(reward) if not isinstance(reward, str | bytes) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{type(task).__qualname__}.reward returned {reward!r} for problem "
+            f"{problem.prompt!r} and completion {completion!r}; a reward must be a finite number"
+        )
+    return value
 
 
 class GeneratedTask:
