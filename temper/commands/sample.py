@@ -1,8 +1,10 @@
 """`temper sample`: completions of a raw-text prompt from a model directory, for a person to read.
 
-The prompt is encoded as is (no chat template), so a chat model wants the template written
-into it. The sampler is sized to this one call: one KV-cache slot per completion and exactly
-prompt + max_tokens positions, so a large model does not reserve its whole context.
+The prompt is encoded as is (no chat template), unless `--chat FORMAT` makes it a user message
+in that chat format (a renderer: the format an SFT conversations run trained on), whose
+generation prompt is sampled from and whose end-of-reply stop applies. The sampler is sized to
+this one call: one KV-cache slot per completion and exactly prompt + max_tokens positions, so a
+large model does not reserve its whole context.
 Completions are shown with their special tokens (an EOS that ended one is visible).
 `--model` also takes a sampler checkpoint directory (`save_weights_for_sampler`, e.g. a
 run's final weights): a full model, or LoRA adapters merged into the base model it names; and
@@ -11,6 +13,7 @@ a run directory (`temper train --run-dir`), which stands for its newest final sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -28,6 +31,7 @@ from temper.checkpoint.model_source import DType, ModelSource
 from temper.client.sampler_weights import SAMPLER_FILE, load_sampler_directory
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import Tokenizer
+from temper.tokenizer.renderers import RendererName, build_renderer
 
 _NUM_ALTERNATIVES = 3
 """Most likely tokens shown beside each sampled token with --logprobs."""
@@ -81,6 +85,7 @@ def sample(
     dtype: DType = "float32",
     device: str = "cpu",
     logprobs: bool = False,
+    chat: RendererName | None = None,
 ) -> int:
     """Sample completions of a text prompt from a model directory and print them.
 
@@ -98,6 +103,8 @@ def sample(
         dtype: Parameter dtype to load the model in.
         device: Device to run on, e.g. 'cpu' or 'cuda'.
         logprobs: Also print each generated token's logprob and the likeliest alternatives.
+        chat: Send --prompt as a user message in this chat format (the renderer a
+            conversations run trained with, e.g. role_colon); its end-of-reply stop applies.
     """
     if n < 1:
         raise ValueError(f"-n must be >= 1, got {n}")
@@ -121,6 +128,10 @@ def sample(
     else:
         base = ModelSource.Config(path=str(directory), dtype=dtype, device=device).build()
     prompt_tokens = base.tokenizer.encode(prompt)
+    if chat is not None and prompt_tokens:
+        renderer = build_renderer(chat, tokenizer=base.tokenizer)
+        prompt_tokens = renderer.generation_prompt([{"role": "user", "content": prompt}])
+        params = dataclasses.replace(params, stop=_with_chat_stop(stop, renderer.stop))
     if not prompt_tokens:
         raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
     if base.tokenizer.unk_token_id in prompt_tokens:
@@ -158,12 +169,24 @@ def sample(
     _print_completions(
         response.sequences,
         tokenizer=base.tokenizer,
-        prompt=prompt,
+        prompt=base.tokenizer.decode(prompt_tokens) if chat is not None else prompt,
         num_prompt_tokens=len(prompt_tokens),
         seconds=seconds,
         logprobs=logprobs,
     )
     return 0
+
+
+def _with_chat_stop(stop: tuple[str, ...], chat_stop: list[int] | list[str]) -> list:
+    """--stop strings and a chat format's own stop (token ids or strings), as one stop list."""
+    if not stop:
+        return list(chat_stop)
+    if chat_stop and not isinstance(chat_stop[0], str):
+        raise ValueError(
+            f"--stop takes strings, but --chat's format stops at token ids {list(chat_stop)}; "
+            "leave out --stop (the format ends its replies itself)"
+        )
+    return [*stop, *chat_stop]
 
 
 def _print_completions(

@@ -59,6 +59,18 @@ def test_greedy_matches_the_reference_decoder(model_dir, capsys):
     assert _completions(capsys.readouterr().out) == [expected, expected]
 
 
+def test_chat_samples_a_reply_to_the_prompt_in_that_format(model_dir, capsys):
+    argv = ["sample", "--model", str(model_dir), "--prompt", "Hi", "--temperature", "0"]
+    assert main([*argv, "-n", "1", "--max-tokens", "8", "--chat", "role_colon"]) == 0
+    output = capsys.readouterr().out
+    assert "User: Hi" in output and "Assistant:" in output.split(" tokens);")[0]
+    # The random model never writes the format's stop ("\n\nUser:") in 8 tokens.
+    assert _completions(output) == [_greedy_text(model_dir, "User: Hi\n\nAssistant:", max_tokens=8)]
+    # A format that stops at token ids takes no --stop strings.
+    assert main([*argv, "--chat", "qwen3_no_think", "--stop", "x"]) == 2
+    assert "--stop takes strings, but --chat's format stops at token ids" in capsys.readouterr().err
+
+
 def test_stop_string_ends_the_completion(model_dir, capsys):
     greedy = _greedy_text(model_dir, "abc", max_tokens=8)
     stop = greedy[2:4]
@@ -172,3 +184,10 @@ def test_a_tinker_path_is_refused_with_what_to_give_instead(capsys):
     err = capsys.readouterr().err
     assert "a tinker:// path names a checkpoint inside a storage directory" in err
     assert "temper sample --model RUN_DIR" in err
+
+
+def test_chat_stop_joins_the_stop_strings():
+    from temper.commands.sample import _with_chat_stop
+
+    assert _with_chat_stop(("###",), ["\n\nUser:"]) == ["###", "\n\nUser:"]
+    assert _with_chat_stop((), [2]) == [2]
