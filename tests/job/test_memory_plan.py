@@ -97,15 +97,16 @@ def test_one_process_plan_matches_the_trainer_and_sampler_tensors(lora_rank):
     assert rows["AdamW moments (2)"] == held["moments"]
 
 
-def _sharded_bytes(rank: int) -> dict[str, int]:
-    engine = training.engine(dims=ParallelDims.Config(dp_shard=2), lora=LoraConfig(rank=LORA_RANK))
+def _held_bytes(rank: int, dims: ParallelDims.Config) -> dict[str, int]:
+    engine = training.engine(dims=dims, lora=LoraConfig(rank=LORA_RANK))
     held = _trained_bytes(engine)
     del engine
     return held
 
 
 def test_fsdp_shards_on_two_ranks_match_the_plan(tmp_path):
-    ranks = spawn(_sharded_bytes, world_size=2, out_dir=tmp_path)
+    dims = ParallelDims.Config(dp_shard=2)
+    ranks = spawn(_held_bytes, world_size=2, out_dir=tmp_path, args=(dims,))
     config = training.tiny_model().config
     plan = plan_memory(
         _settings(nproc_per_node=2, lora_rank=LORA_RANK, dtype="float32"), decoder=config
@@ -119,16 +120,9 @@ def test_fsdp_shards_on_two_ranks_match_the_plan(tmp_path):
     assert rows["AdamW moments (2)"] == largest["moments"]
 
 
-def _replicated_bytes(rank: int) -> dict[str, int]:
-    dims = ParallelDims.Config(dp_replicate=2, dp_shard=1)
-    engine = training.engine(dims=dims, lora=LoraConfig(rank=LORA_RANK))
-    held = _trained_bytes(engine)
-    del engine
-    return held
-
-
 def test_ddp_on_two_ranks_holds_whole_copies_as_the_plan_says(tmp_path):
-    ranks = spawn(_replicated_bytes, world_size=2, out_dir=tmp_path)
+    dims = ParallelDims.Config(dp_replicate=2, dp_shard=1)
+    ranks = spawn(_held_bytes, world_size=2, out_dir=tmp_path, args=(dims,))
     config = training.tiny_model().config
     settings = _settings(nproc_per_node=2, lora_rank=LORA_RANK, dtype="float32", dp_replicate=2)
     plan = plan_memory(settings, decoder=config)
