@@ -261,11 +261,8 @@ class ServiceClient:
         except FileNotFoundError:
             existing = None
         if existing is not None and (
-            recorded_base_model(existing["base_model"]),
-            existing["lora"],
-        ) != (
-            info["base_model"],
-            info["lora"],
+            recorded_base_model(existing["base_model"]) != info["base_model"]
+            or existing["lora"] != info["lora"]
         ):
             raise ValueError(
                 f"run_id {run_id!r} exists already with base model {existing['base_model']!r} "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import math
 import queue
 import random
 import threading
@@ -49,6 +48,7 @@ from temper.api.types import ModelInput, SamplingParams
 from temper.config.configurable import Configurable
 from temper.rl.env import Env, StepResult
 from temper.rl.rollout import Trajectory
+from temper.tasks.problem import finite_float
 
 END_REASONS = ("done", "max_turns", "context")
 """Why an episode ended, besides reasons an env gives itself (`StepResult.end_reason`)."""
@@ -344,7 +344,7 @@ def _bad_step_field(result: StepResult) -> str | None:
     """What is wrong with a step's result, naming the field; None if nothing is."""
     values = {"reward": result.reward, **{f"metrics[{k!r}]": v for k, v in result.metrics.items()}}
     for name, value in values.items():
-        if not _is_finite_number(value):
+        if finite_float(value) is None:
             return f"StepResult.{name} must be a finite number, got {value!r}"
     observation = result.next_observation
     if observation is not None and (
@@ -352,16 +352,6 @@ def _bad_step_field(result: StepResult) -> str | None:
     ):
         return f"StepResult.next_observation must be a list of token ids, got {observation!r}"
     return None
-
-
-def _is_finite_number(value: object) -> bool:
-    """What float() takes as a number (a bool, a 0-d tensor too), not a string, and finite."""
-    if isinstance(value, str | bytes):
-        return False
-    try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
 
 
 def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:

@@ -79,16 +79,25 @@ class Task(Protocol):
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
+def finite_float(value: object) -> float | None:
+    """`value` as a float if it is a finite number (a bool, a numpy or 0-d tensor scalar too,
+    as float() takes them; not a string), else None."""
+    if isinstance(value, str | bytes):
+        return None
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def scored(task: Task, problem: Problem, completion: str) -> float:
     """`task.reward(problem, completion)` as a float, checked: a reward that is not a finite
     number is a ValueError naming the task and the problem, not a failure further on (a sum of
     strings, a NaN advantage)."""
     reward = task.reward(problem, completion)
-    try:
-        value = float(reward) if not isinstance(reward, str | bytes) else math.nan
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value):
+    value = finite_float(reward)
+    if value is None:
         raise ValueError(
             f"{type(task).__qualname__}.reward returned {reward!r} for problem "
             f"{problem.prompt!r} and completion {completion!r}; a reward must be a finite number"

@@ -108,9 +108,7 @@ class Tokenizer:
         directory = Path(path)
         directory.mkdir(parents=True, exist_ok=True)
         self._backend.save(str(directory / TOKENIZER_FILE))
-        (directory / CONFIG_FILE).write_text(
-            json.dumps(self._config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+        (directory / CONFIG_FILE).write_text(_config_text(self._config), encoding="utf-8")
 
     @staticmethod
     def replace_chat_template(path: str | Path, template: str) -> None:
@@ -122,7 +120,7 @@ class Tokenizer:
         config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
         config["chat_template"] = template
         staged = directory / f".{CONFIG_FILE}.new"
-        staged.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        staged.write_text(_config_text(config), encoding="utf-8")
         os.replace(staged, directory / CONFIG_FILE)
         (directory / CHAT_TEMPLATE_FILE).unlink(missing_ok=True)
 
@@ -228,6 +226,11 @@ class Tokenizer:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load the HF tokenizer directory at `path` (see `Tokenizer.from_dir`)."""
     return Tokenizer.from_dir(path)
+
+
+def _config_text(config: Mapping[str, Any]) -> str:
+    """`tokenizer_config.json` as this module writes it."""
+    return json.dumps(config, indent=2, ensure_ascii=False) + "\n"
 
 
 def _chat_template(config: Mapping[str, Any], *, name_or_path: str) -> str | None:

@@ -121,12 +121,11 @@ def prepare(
             _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
         missing = [name for name in required if name not in datum.loss_fn_inputs]
         if missing:
-            unread = sorted(set(datum.loss_fn_inputs) - allowed)
+            unread = set(datum.loss_fn_inputs) - allowed
             hints = [
-                f"{close[0]!r} for {name!r}"
+                f"{close!r} for {name!r}"
                 for name in missing
-                for close in [difflib.get_close_matches(name, unread, n=1, cutoff=0.8)]
-                if close
+                if (close := misspelled_input(name, allowed=unread)) is not None
             ]
             hint = f" (did you write {', '.join(hints)}?)" if hints else ""
             raise ValueError(f"{where}: loss_fn_inputs is missing {missing}{hint}")
