@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.api.types import Datum, TensorData
+from temper.api.types import Datum, TensorData, numbers_to_tensor
 from temper.losses.base import InputDefault
 from temper.trainer.shared_prefix import (
     Cluster,
@@ -158,7 +158,9 @@ def prepare(
     # views), and values are checked once per name; a bad datum is looked up only when there
     # is one. A call of hundreds of datums costs a few ops, not a few per datum.
     lengths = [len(tokens) for tokens in token_lists]
-    tokens_N = torch.tensor([token for tokens in token_lists for token in tokens])
+    tokens_N = numbers_to_tensor(
+        [token for tokens in token_lists for token in tokens], dtype="int64"
+    )
     inputs: list[dict[str, torch.Tensor]] = [{} for _ in data]
     for name, entries in columns.items():
         for index, tensor_T in _converted_column(name, entries, vocab_size=vocab_size):
@@ -336,19 +338,48 @@ def _packed_batches(
     it alone is split into chunks of members (each runs the prefix again)."""
     lengths = [len(tokens) for tokens in token_lists]
     group: list[Cluster] = []
+    size = _PackedSize()
     for cluster in _fitting_chunks(clusters, lengths=lengths, max_tokens=max_tokens):
-        if group and packed_size([*group, cluster], lengths) > max_tokens:
+        if group and size.with_cluster(cluster, lengths) > max_tokens:
             yield _collate_packed(datums, group, token_lists=token_lists)
-            group = []
+            group, size = [], _PackedSize()
         group.append(cluster)
+        size.add(cluster, lengths)
     if group:
         yield _collate_packed(datums, group, token_lists=token_lists)
+
+
+class _PackedSize:
+    """`packed_size` of a growing list of clusters, kept up to date one cluster at a time."""
+
+    def __init__(self) -> None:
+        self.num_clusters = self.num_rows = self.prefix_width = self.suffix_width = 0
+
+    def with_cluster(self, cluster: Cluster, lengths: Sequence[int]) -> int:
+        """The packed size once `cluster` is added."""
+        prefix_width = max(self.prefix_width, cluster.prefix_len)
+        suffix_width = max(self.suffix_width, _longest_suffix(cluster, lengths))
+        num_rows = self.num_rows + len(cluster.members)
+        return (self.num_clusters + 1) * prefix_width + num_rows * suffix_width
+
+    def add(self, cluster: Cluster, lengths: Sequence[int]) -> None:
+        self.num_clusters += 1
+        self.num_rows += len(cluster.members)
+        self.prefix_width = max(self.prefix_width, cluster.prefix_len)
+        self.suffix_width = max(self.suffix_width, _longest_suffix(cluster, lengths))
+
+
+def _longest_suffix(cluster: Cluster, lengths: Sequence[int]) -> int:
+    return max(lengths[member] for member in cluster.members) - cluster.prefix_len
 
 
 def _fitting_chunks(
     clusters: Sequence[Cluster], *, lengths: Sequence[int], max_tokens: int
 ) -> Iterator[Cluster]:
     for cluster in clusters:
+        if packed_size([cluster], lengths) <= max_tokens:
+            yield cluster  # the common case: the whole cluster fits
+            continue
         chunk: list[int] = []
         for member in cluster.members:
             candidate = Cluster(members=[*chunk, member], prefix_len=cluster.prefix_len)

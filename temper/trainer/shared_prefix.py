@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from temper.api.types import numbers_to_tensor
 from temper.models.common.logprobs import target_logprobs
 
 MIN_SAVING = 0.15
@@ -87,11 +88,12 @@ class PackedLayout:
     num_prefix_rows: int
     prefix_width: int
     suffix_width: int
-    suffix_cluster_R: torch.Tensor
-    """int64: the prefix row each suffix row attends to."""
+    suffix_keys_RX: torch.Tensor
+    """int64: the packed position of each key a suffix row attends over: its prefix row's P,
+    then its own S, then padding up to X (a multiple of KEY_MULTIPLE) that repeats its last
+    position and is masked."""
     suffix_mask_R1SX: torch.Tensor
-    """bool [R, 1, S, X]: which keys (its prefix row's P, then its own S, then zero padding up
-    to X, a multiple of KEY_MULTIPLE) a query sees."""
+    """bool [R, 1, S, X]: which of those keys a query sees."""
     gather_N: torch.Tensor
     """int64: the packed position of every datum token, datums concatenated in order."""
 
@@ -155,19 +157,24 @@ def pack(
         -1, suffix_width, -1
     )
     causal_SS = torch.ones(suffix_width, suffix_width, dtype=torch.bool).tril()
-    num_keys = prefix_width + suffix_width
-    # Zero keys pad the rows to a multiple of KEY_MULTIPLE, hidden by the mask.
-    padding_RSZ = torch.zeros(num_rows, suffix_width, -num_keys % KEY_MULTIPLE, dtype=torch.bool)
+    num_padding = -(prefix_width + suffix_width) % KEY_MULTIPLE
+    padding_RSZ = torch.zeros(num_rows, suffix_width, num_padding, dtype=torch.bool)
     mask_RSX = torch.cat((sees_prefix_RSP, causal_SS.expand(num_rows, -1, -1), padding_RSZ), dim=-1)
+    # The keys behind the mask's columns. Padding repeats the row's last key: masked keys get
+    # zero weight whatever they hold, so any real position does (and gets a zero gradient).
+    prefix_keys_RP = torch.tensor(cluster_R)[:, None] * prefix_width + torch.arange(prefix_width)
+    own_keys_RS = suffix_base + torch.arange(num_rows)[:, None] * suffix_width
+    own_keys_RS = own_keys_RS + torch.arange(suffix_width)
+    padding_keys_RZ = own_keys_RS[:, -1:].expand(-1, num_padding)
     return PackedLayout(
-        tokens_1M=torch.tensor(tokens)[None],
+        tokens_1M=numbers_to_tensor(tokens, dtype="int64")[None],
         positions_1M=torch.cat((positions_GP.reshape(-1), positions_RS.reshape(-1)))[None],
         num_prefix_rows=num_clusters,
         prefix_width=prefix_width,
         suffix_width=suffix_width,
-        suffix_cluster_R=torch.tensor(cluster_R),
+        suffix_keys_RX=torch.cat((prefix_keys_RP, own_keys_RS, padding_keys_RZ), dim=1),
         suffix_mask_R1SX=mask_RSX[:, None],
-        gather_N=torch.tensor(gather),
+        gather_N=numbers_to_tensor(gather, dtype="int64"),
     )
 
 
@@ -177,7 +184,7 @@ class SharedPrefixAttention:
 
     def __init__(self, layout: PackedLayout, *, device: torch.device) -> None:
         self.layout = layout
-        self.cluster_R = layout.suffix_cluster_R.to(device)
+        self.keys_N = layout.suffix_keys_RX.reshape(-1).to(device)
         self.mask_R1SX = layout.suffix_mask_R1SX.to(device)
 
     def attend(
@@ -185,29 +192,31 @@ class SharedPrefixAttention:
     ) -> torch.Tensor:
         del layer_index  # the same layout in every layer
         q_prefix, q_suffix = self._split(q_1QMH)
-        k_prefix, k_suffix = self._split(k_1KMH)
-        v_prefix, v_suffix = self._split(v_1KMH)
+        k_prefix, _ = self._split(k_1KMH)
+        v_prefix, _ = self._split(v_1KMH)
         gqa = q_1QMH.shape[1] != k_1KMH.shape[1]
         scale = q_1QMH.shape[-1] ** -0.5
         out_prefix_GQPH = F.scaled_dot_product_attention(
             q_prefix, k_prefix, v_prefix, is_causal=True, scale=scale, enable_gqa=gqa
         )
-        keys_RKXH = self._keys(k_prefix, k_suffix)
-        values_RKXH = self._keys(v_prefix, v_suffix)
         out_suffix_RQSH = F.scaled_dot_product_attention(
-            q_suffix, keys_RKXH, values_RKXH, attn_mask=self.mask_R1SX, scale=scale, enable_gqa=gqa
+            q_suffix,
+            self._suffix_keys(k_1KMH),
+            self._suffix_keys(v_1KMH),
+            attn_mask=self.mask_R1SX,
+            scale=scale,
+            enable_gqa=gqa,
         )
         return torch.cat((self._merge(out_prefix_GQPH), self._merge(out_suffix_RQSH)), dim=2)
 
-    def _keys(self, prefix_GKPH: torch.Tensor, suffix_RKSH: torch.Tensor) -> torch.Tensor:
-        """Each suffix row's keys (or values): its prefix row's, its own, then zero padding
-        up to the mask's width."""
-        rows, heads, width, head_dim = suffix_RKSH.shape
-        padding = self.mask_R1SX.shape[-1] - prefix_GKPH.shape[2] - width
-        parts = [prefix_GKPH[self.cluster_R], suffix_RKSH]
-        if padding:
-            parts.append(suffix_RKSH.new_zeros(rows, heads, padding, head_dim))
-        return torch.cat(parts, dim=2)
+    def _suffix_keys(self, x_1KMH: torch.Tensor) -> torch.Tensor:
+        """Each suffix row's keys (or values) [R, K, X, H], in one gather: its prefix row's,
+        its own, then padding (`PackedLayout.suffix_keys_RX`)."""
+        heads, head_dim = x_1KMH.shape[1], x_1KMH.shape[-1]
+        rows, width = self.mask_R1SX.shape[0], self.mask_R1SX.shape[-1]
+        # [M, K, H] is the projections' own memory order: the gather copies whole rows.
+        gathered_NKH = x_1KMH[0].transpose(0, 1).index_select(0, self.keys_N)
+        return gathered_NKH.view(rows, width, heads, head_dim).transpose(1, 2)
 
     def _split(self, x_1HMD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, heads, M, H] -> prefix rows [G, heads, P, H] and suffix rows [R, heads, S, H]."""
