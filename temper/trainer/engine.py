@@ -103,7 +103,6 @@ class TrainerEngine(Configurable):
         if weights is not None:
             weights.materialize(model, lora=lora)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = AdamW(self.trainable)
         self.policy_version = 0
         self.device = next(model.parameters()).device
         self.thread_shards = None
@@ -115,6 +114,8 @@ class TrainerEngine(Configurable):
                     f"{config.sharding}); use 1"
                 )
             self.thread_shards = ThreadShards(config.shard_threads)
+        # The optimizer steps in parts on the shard threads too (bitwise the same update).
+        self.optimizer = AdamW(self.trainable, threads=self.thread_shards)
 
     # -- the Tinker verbs ------------------------------------------------------------------
 
@@ -159,7 +160,7 @@ class TrainerEngine(Configurable):
         loss, metrics, weights = result
 
         def surrogate(batch: MicroBatch) -> torch.Tensor:
-            logprobs_N = torch.cat(self._logprobs(batch))
+            logprobs_N = self._logprobs_N(batch)
             rows = [d.index for d in batch.datums]
             return (logprobs_N * torch.cat([weights[row] for row in rows])).sum()
 
@@ -189,7 +190,7 @@ class TrainerEngine(Configurable):
 
     def reset_optimizer(self) -> None:
         """A fresh optimizer (no moments), as after loading weights without optimizer state."""
-        self.optimizer = AdamW(self.trainable)
+        self.optimizer = AdamW(self.trainable, threads=self.thread_shards)
 
     def zero_grad(self) -> None:
         for parameter in self.trainable:
@@ -253,15 +254,17 @@ class TrainerEngine(Configurable):
 
     def _logprobs(self, batch: MicroBatch) -> list[torch.Tensor]:
         """The trainer's logprob of each datum's targets, [T_i] per datum."""
+        return split_per_datum(self._logprobs_N(batch), batch.datums)
+
+    def _logprobs_N(self, batch: MicroBatch) -> torch.Tensor:
+        """The same, datums concatenated in order: [N] (or [N, K])."""
         if batch.layout is not None:
             targets_N = batch.flat_targets(self.device)
-            return split_per_datum(
-                packed_logprobs(self.model, batch.layout, targets_N), batch.datums
-            )
+            return packed_logprobs(self.model, batch.layout, targets_N)
         logprobs_BT = forward_logprobs(
             self.model, batch.tokens_BT.to(self.device), batch.targets_BT.to(self.device)
         )
-        return split_per_datum(logprobs_BT[batch.mask_BT.to(self.device)], batch.datums)
+        return logprobs_BT[batch.mask_BT.to(self.device)]
 
     def _run(
         self,
@@ -301,8 +304,7 @@ class TrainerEngine(Configurable):
 
     def _batch_loss(self, batch: MicroBatch, spec, config, outputs: list) -> torch.Tensor:
         """The batch's summed loss; its datums' outputs go into `outputs`."""
-        per_datum = self._logprobs(batch)
-        logprobs_N = torch.cat(per_datum)  # [N], or [N, K] with K targets per position
+        logprobs_N = self._logprobs_N(batch)  # [N], or [N, K] with K targets per position
         inputs = batch.flat_inputs(self.device)
         if spec.segmented:
             segments_N = batch.segments(self.device)

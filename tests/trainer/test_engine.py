@@ -283,7 +283,7 @@ def test_a_failure_midway_restores_the_accumulated_gradients(monkeypatch):
     engine.forward_backward(_batch(seed=1), "cross_entropy")
     grads = _grads(engine)
     calls = []
-    original = engine._logprobs
+    original = engine._logprobs_N
 
     def failing_third_micro_batch(batch):
         calls.append(1)
@@ -291,7 +291,7 @@ def test_a_failure_midway_restores_the_accumulated_gradients(monkeypatch):
             raise RuntimeError("simulated out-of-memory")
         return original(batch)
 
-    monkeypatch.setattr(engine, "_logprobs", failing_third_micro_batch)
+    monkeypatch.setattr(engine, "_logprobs_N", failing_third_micro_batch)
     with pytest.raises(RuntimeError, match="simulated"):
         engine.forward_backward(_batch(seed=2), "cross_entropy")
     assert len(calls) == 3  # two micro-batches had already back-propagated

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from temper.api.types import AdamParams
+from temper.distributed.thread_shards import ThreadShards
 from temper.trainer.optim import SMALL_TENSOR, AdamW
 
 
@@ -57,3 +58,37 @@ def test_small_cpu_parameters_step_on_one_thread_with_the_same_result():
             assert torch.equal(a, b)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_a_step_in_parts_on_threads_is_bitwise_the_one_call_step():
+    """Split over thread shards, every parameter's update, moments and step count are those
+    of torch's own step (AdamW is elementwise per parameter), over several steps, and the
+    optimizer's state_dict has the same form."""
+    sizes = [(29, 16), (300, 200), (7,), (200, 300), (64, 64), (3, 5)]
+
+    def parameters() -> list[nn.Parameter]:
+        generator = torch.Generator().manual_seed(4)
+        return [nn.Parameter(torch.randn(size, generator=generator)) for size in sizes]
+
+    threads = ThreadShards(2)
+    try:
+        one, parts = AdamW(parameters()), AdamW(parameters(), threads=threads)
+        assert parts.threads is threads
+        params = AdamParams(learning_rate=1e-2, beta2=0.95, weight_decay=0.1, grad_clip_norm=1.0)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(10 + step)
+            gradients = [torch.randn(size, generator=generator) for size in sizes]
+            for optimizer in (one, parts):
+                for parameter, gradient in zip(optimizer.parameters, gradients, strict=True):
+                    parameter.grad = gradient.clone()
+            assert one.step(params) == parts.step(params)
+        for a, b in zip(one.parameters, parts.parameters, strict=True):
+            assert torch.equal(a, b)
+        want, got = one.torch_optimizer.state_dict(), parts.torch_optimizer.state_dict()
+        assert want["param_groups"] == got["param_groups"]
+        for index, state in want["state"].items():
+            assert state.keys() == got["state"][index].keys()
+            for name, value in state.items():
+                assert torch.equal(value, got["state"][index][name]), (index, name)
+    finally:
+        threads.close()
