@@ -27,7 +27,11 @@ from tests.distributed.rl_runs import run_in_process, skip_plots
 from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config
 
-LOGPROB_KEYS = ("rollout/entropy", "mismatch/kl", "optim/grad_norm", "mismatch/logprob_diff_max")
+LOGPROB_KEYS = ("rollout/entropy", "optim/grad_norm")
+MISMATCH_KEYS = "mismatch/"
+"""The sampler-trainer gap (max and KL of the logprob differences): float rounding is its size
+(0-5e-7), so another batch composition of the generators moves it by a rounding step (seen on
+an AVX-512 VM: max 2.4e-7 in one process, 4.8e-7 split), not by a relative amount."""
 KL_KEYS = "kl/"
 """Means of log-ratios that start at 0: float rounding of the logprobs (1e-7) is their size."""
 
@@ -211,6 +215,8 @@ def test_one_trainer_two_generators_match_one_process(three_ranks, single):
         for key, value in record_one.items():
             if key.startswith(LOGPROB_KEYS):
                 assert record_split[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+            elif key.startswith(MISMATCH_KEYS):
+                assert record_split[key] == pytest.approx(value, rel=0, abs=1e-6), key
             elif key.startswith(KL_KEYS):
                 assert record_split[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
             else:  # the same tokens and rewards

@@ -132,14 +132,14 @@ def test_a_failing_shard_leaves_the_accumulated_gradients_untouched(monkeypatch)
     engine = _engine(shard_threads=2)
     engine.forward_backward(_batch(1), "importance_sampling")
     grads = _grads(engine)
-    original = engine._logprobs
+    original = engine._logprobs_N
 
     def failing_second_shard(batch):
         if batch.datums[0].index > 0:
             raise RuntimeError("simulated failure in a shard")
         return original(batch)
 
-    monkeypatch.setattr(engine, "_logprobs", failing_second_shard)
+    monkeypatch.setattr(engine, "_logprobs_N", failing_second_shard)
     with pytest.raises(RuntimeError, match="simulated failure"):
         engine.forward_backward(_batch(2), "importance_sampling")
     for before, parameter in zip(grads, engine.trainable, strict=True):

@@ -52,7 +52,10 @@ def test_guess_number_recipe_learns_binary_search(tmp_path):
     assert final >= after_warmup + 0.3, (after_warmup, final)
     rl = [r for r in records if "reward/mean" in r]
     assert rl[-1]["rollout/accuracy"] > rl[0]["rollout/accuracy"] + 0.1
-    assert max(r["mismatch/logprob_diff_max"] for r in rl) < 1e-4  # on-policy
+    # A step whose groups all had uniform rewards (drop_uniform_groups) trains on nothing and
+    # logs no gap (seen on an AVX-512 VM, where the run's rounding takes another path).
+    gaps = [r["mismatch/logprob_diff_max"] for r in rl if "mismatch/logprob_diff_max" in r]
+    assert gaps and max(gaps) < 1e-4  # on-policy
 
 
 def _flaky_calculator(expression: str) -> str:
