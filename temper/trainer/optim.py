@@ -14,8 +14,8 @@ Given `threads` (the trainer's thread shards, CPU), the foreach step runs as tha
 once, each on its own share of the parameters (balanced by size). Every AdamW operation is
 elementwise with per-parameter scalars, so each parameter's update, moments and step count are
 bitwise those of the one-call step; the state lives in the one torch optimizer either way (its
-state_dict and checkpoints do not change). On the tiny model: 4.9 -> 4.1 ms a step in the RL
-loop (docs/rl.md).
+state_dict and checkpoints do not change). On the tiny model: 4.9-5.0 -> 3.7-4.1 ms a step in
+the RL loop (docs/rl.md).
 """
 
 from __future__ import annotations

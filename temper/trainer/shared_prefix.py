@@ -30,7 +30,7 @@ from temper.models.common.logprobs import target_logprobs
 MIN_SAVING = 0.15
 """Pack only when it saves at least this fraction of the padded layout's positions."""
 KEY_MULTIPLE = 16
-"""Suffix rows attend over a multiple of this many keys (zero keys, masked, fill the rest):
+"""Suffix rows attend over a multiple of this many keys (padding keys, masked, fill the rest):
 torch's CPU attention and softmax kernels take a scalar path for a row length that is not a
 multiple of their 16-float vector (measured: 1.3 ms vs 0.84 ms forward+backward for 64 rows
 of 14 vs 16 keys), and a few masked keys cost nothing elsewhere."""
