@@ -20,6 +20,7 @@ from temper.losses.base import InputDefault
 from temper.trainer.shared_prefix import (
     Cluster,
     PackedLayout,
+    PackedSize,
     cluster_prefixes,
     pack,
     packed_size,
@@ -338,39 +339,16 @@ def _packed_batches(
     it alone is split into chunks of members (each runs the prefix again)."""
     lengths = [len(tokens) for tokens in token_lists]
     group: list[Cluster] = []
-    size = _PackedSize()
+    size = PackedSize()
     for cluster in _fitting_chunks(clusters, lengths=lengths, max_tokens=max_tokens):
-        if group and size.with_cluster(cluster, lengths) > max_tokens:
+        grown = size.plus(cluster, lengths)
+        if group and grown.num_positions > max_tokens:
             yield _collate_packed(datums, group, token_lists=token_lists)
-            group, size = [], _PackedSize()
+            group, grown = [], PackedSize().plus(cluster, lengths)
         group.append(cluster)
-        size.add(cluster, lengths)
+        size = grown
     if group:
         yield _collate_packed(datums, group, token_lists=token_lists)
-
-
-class _PackedSize:
-    """`packed_size` of a growing list of clusters, kept up to date one cluster at a time."""
-
-    def __init__(self) -> None:
-        self.num_clusters = self.num_rows = self.prefix_width = self.suffix_width = 0
-
-    def with_cluster(self, cluster: Cluster, lengths: Sequence[int]) -> int:
-        """The packed size once `cluster` is added."""
-        prefix_width = max(self.prefix_width, cluster.prefix_len)
-        suffix_width = max(self.suffix_width, _longest_suffix(cluster, lengths))
-        num_rows = self.num_rows + len(cluster.members)
-        return (self.num_clusters + 1) * prefix_width + num_rows * suffix_width
-
-    def add(self, cluster: Cluster, lengths: Sequence[int]) -> None:
-        self.num_clusters += 1
-        self.num_rows += len(cluster.members)
-        self.prefix_width = max(self.prefix_width, cluster.prefix_len)
-        self.suffix_width = max(self.suffix_width, _longest_suffix(cluster, lengths))
-
-
-def _longest_suffix(cluster: Cluster, lengths: Sequence[int]) -> int:
-    return max(lengths[member] for member in cluster.members) - cluster.prefix_len
 
 
 def _fitting_chunks(

@@ -125,6 +125,7 @@ class AdamW:
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
 
+        # Consecutive parts balanced by elements (the split the shards use for tokens).
         threads.map(step_part, split_by_tokens([p.numel() for p in params], threads.num_threads))
 
 

@@ -102,19 +102,44 @@ class PackedLayout:
         return self.tokens_1M.shape[1]
 
 
+@dataclass(frozen=True)
+class PackedSize:
+    """The widths and row counts of a packed layout, grown one cluster at a time (a caller
+    that adds clusters in turn pays for each cluster once, not for the whole list again)."""
+
+    num_clusters: int = 0
+    num_rows: int = 0
+    prefix_width: int = 0
+    """The longest prefix."""
+    suffix_width: int = 0
+    """The longest suffix."""
+
+    def plus(self, cluster: Cluster, lengths: Sequence[int]) -> PackedSize:
+        """With `cluster` too; `lengths` holds the token count of every datum it indexes."""
+        longest = max(lengths[member] for member in cluster.members)
+        return PackedSize(
+            num_clusters=self.num_clusters + 1,
+            num_rows=self.num_rows + len(cluster.members),
+            prefix_width=max(self.prefix_width, cluster.prefix_len),
+            suffix_width=max(self.suffix_width, longest - cluster.prefix_len),
+        )
+
+    @property
+    def num_positions(self) -> int:
+        return self.num_clusters * self.prefix_width + self.num_rows * self.suffix_width
+
+    @classmethod
+    def of(cls, clusters: Sequence[Cluster], lengths: Sequence[int]) -> PackedSize:
+        size = cls()
+        for cluster in clusters:
+            size = size.plus(cluster, lengths)
+        return size
+
+
 def packed_size(clusters: Sequence[Cluster], lengths: Sequence[int]) -> int:
     """Positions of the packed layout of these clusters (prefix and suffix rows, padded);
     `lengths` holds the token count of every datum the clusters' members index."""
-    prefix_width, suffix_width = _widths(clusters, lengths)
-    num_rows = sum(len(c.members) for c in clusters)
-    return len(clusters) * prefix_width + num_rows * suffix_width
-
-
-def _widths(clusters: Sequence[Cluster], lengths: Sequence[int]) -> tuple[int, int]:
-    """(longest prefix, longest suffix) over the clusters' members."""
-    prefix_width = max(c.prefix_len for c in clusters)
-    suffix_width = max(lengths[m] - c.prefix_len for c in clusters for m in c.members)
-    return prefix_width, suffix_width
+    return PackedSize.of(clusters, lengths).num_positions
 
 
 def worth_packing(clusters: Sequence[Cluster], lengths: Sequence[int]) -> bool:
@@ -132,7 +157,8 @@ def pack(
     """The packed sequence for datums (their token ids) and their clusters."""
     lengths = [len(t) for t in token_lists]
     num_rows, num_clusters = len(token_lists), len(clusters)
-    prefix_width, suffix_width = _widths(clusters, lengths)
+    size = PackedSize.of(clusters, lengths)
+    prefix_width, suffix_width = size.prefix_width, size.suffix_width
     tokens = [pad_token_id] * (num_clusters * prefix_width + num_rows * suffix_width)
     prefix_lens_R = [0] * num_rows
     cluster_R = [0] * num_rows
