@@ -337,8 +337,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             tokens_B = sampling.draw_tokens(
                 logits_BV,
                 logprobs_BV,
-                uniforms_B=sampling.seeded_uniforms(
-                    slots.seeds_S[rows], slots.num_generated_S[rows]
+                uniforms_B=sampling.stream_uniforms(
+                    slots.stream_starts_S[rows], slots.num_generated_S[rows]
                 ),
                 greedy_B=temperature_B == 0,
                 draw_mode=draw_mode,

@@ -45,7 +45,8 @@ class SlotTable:
         self.last_token_S = zeros(num_slots, dtype=torch.long)
         self.num_generated_S = zeros(num_slots, dtype=torch.long)
         self.max_new_S = zeros(num_slots, dtype=torch.long)
-        self.seeds_S = zeros(num_slots, dtype=torch.long)
+        self.stream_starts_S = zeros(num_slots, dtype=torch.long)
+        """Each sequence's seed, mixed once (`sampling.stream_starts`): its draws' stream."""
         self.temperature_S = zeros(num_slots, dtype=torch.float32)
         self.top_k_S = zeros(num_slots, dtype=torch.long)
         self.top_p_S = zeros(num_slots, dtype=torch.float32)
@@ -65,7 +66,7 @@ class SlotTable:
             self.last_token_S,
             self.num_generated_S,
             self.max_new_S,
-            self.seeds_S,
+            self.stream_starts_S,
             self.temperature_S,
             self.top_k_S,
             self.top_p_S,
@@ -91,7 +92,6 @@ class SlotTable:
         columns = (
             (self.positions_S, prompt_lens),
             (self.max_new_S, [owner.state.max_new_tokens for owner in owners]),
-            (self.seeds_S, [owner.state.seeds[owner.sample_index] for owner in owners]),
             (self.temperature_S, [p.temperature for p in params]),
             (self.top_k_S, [p.top_k for p in params]),
             (self.top_p_S, [p.top_p for p in params]),
@@ -99,6 +99,8 @@ class SlotTable:
         )
         for tensor_S, values in columns:
             tensor_S[rows] = torch.tensor(values, dtype=tensor_S.dtype)
+        seeds = torch.tensor([owner.state.seeds[owner.sample_index] for owner in owners])
+        self.stream_starts_S[rows] = sampling.stream_starts(seeds)
         self.num_generated_S[rows] = 0
         self.greedy[rows] = [p.temperature == 0 for p in params]
         self.sort_widths[rows] = [sampling.row_sort_width(p) for p in params]

@@ -15,6 +15,8 @@ from temper.sampler.sampling import (
     gather_logprobs,
     sampling_logprobs,
     seeded_uniforms,
+    stream_starts,
+    stream_uniforms,
     topk_logprobs,
 )
 
@@ -240,6 +242,19 @@ def test_seeded_uniforms_are_uniform_and_differ_across_seeds_and_counters():
         seeded_uniforms(torch.tensor([1], dtype=torch.int32), torch.tensor([0]))
 
 
+def test_a_stream_mixed_once_gives_the_seeded_uniforms_bitwise():
+    # The engine mixes each sequence's seed once when it starts (SlotTable.stream_starts_S).
+    seeds_B = torch.tensor([0, -1, 7, 2**62, -(2**63), 2**63 - 1])
+    starts_B = stream_starts(seeds_B)
+    for counter in (0, 1, 5, 4095):
+        counters_B = torch.full_like(seeds_B, counter)
+        assert torch.equal(
+            stream_uniforms(starts_B, counters_B), seeded_uniforms(seeds_B, counters_B)
+        )
+    with pytest.raises(TypeError, match=r"starts_B torch\.int32"):
+        stream_uniforms(starts_B.int(), torch.zeros_like(seeds_B))
+
+
 def test_draw_frequencies_match_probabilities_and_truncated_tokens_never_appear():
     num_draws = 40000
     logits = torch.tensor([[2.0, 0.5, 1.0, -1.0, 3.0, 0.0, 1.5]])
@@ -341,8 +356,9 @@ def test_draw_modes_agree_with_the_mixed_path():
         assert torch.equal(rows.draw(logits_BV, logprobs_BV, counters_B=counters_B), mixed)
 
 
-@pytest.mark.parametrize("vocab_size", [29, 1024, 1025, 5000, 151_936])
-def test_two_level_cdf_walk_finds_the_full_cumsum_token(vocab_size):
+@pytest.mark.parametrize("vocab_size", [29, 1024, 1025, 4096, 4097, 5000, 151_936])
+def test_cdf_walk_finds_the_full_cumsum_token(vocab_size):
+    # One level up to ONE_LEVEL_MAX_VOCAB (4096), two levels past it.
     generator = torch.Generator().manual_seed(vocab_size)
     logits_BV = torch.randn(16, vocab_size, generator=generator) * 3
     if vocab_size > 100:
