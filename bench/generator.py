@@ -20,7 +20,7 @@ import os
 import time
 
 import torch
-from timing import interleaved_median_seconds
+from timing import interleaved_median_seconds, require_baseline
 
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
@@ -122,6 +122,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny batch 64 only, 2 rounds")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    require_baseline("transformers")
     repeats = 2 if args.quick else args.repeats
     cases = [("tiny", "float32", b) for b in ((64,) if args.quick else (1, 16, 64, 128))]
     if not args.quick:

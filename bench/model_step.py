@@ -14,7 +14,7 @@ import json
 import tempfile
 
 import torch
-from timing import median_seconds
+from timing import median_seconds, require_baseline
 
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    require_baseline("transformers")
 
     from transformers import AutoModelForCausalLM
 

@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from timing import interleaved_median_seconds, median_seconds
+from timing import interleaved_median_seconds, median_seconds, require_baseline
 
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
@@ -338,6 +338,7 @@ def main() -> None:
         help="batches of the tiny model, comma-separated",
     )
     args = parser.parse_args()
+    require_baseline("transformers")
     cpu = torch.device("cpu")
     rl_job = rl_job_cpu()
     report: dict = {

@@ -47,3 +47,15 @@ def interleaved_median_seconds(
             synchronize(device)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def require_baseline(module: str, *, extra: str = "bench") -> None:
+    """Exit with an install hint (not a traceback) when a baseline's package is missing."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec(module) is None:
+        sys.exit(
+            f"{sys.argv[0]}: its baseline needs `{module}`; install the `{extra}` extra from the "
+            f"repository's directory: .venv/bin/pip install -e '.[{extra}]'"
+        )

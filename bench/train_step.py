@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import median_seconds
+from timing import median_seconds, require_baseline
 
 from temper.api import AdamParams, Datum, ModelInput
 from temper.checkpoint.hf import load_pretrained, save_pretrained
@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    require_baseline("transformers")
     report = {
         "bench": "train_step",
         "threads": torch.get_num_threads(),

@@ -75,7 +75,7 @@ def sample(
     *,
     model: str,
     prompt: str,
-    n: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 4,
+    n: Annotated[int | None, tyro.conf.arg(aliases=("-n",))] = None,
     max_tokens: int = 32,
     temperature: float = 1.0,
     top_k: int = -1,
@@ -93,7 +93,8 @@ def sample(
         model: HF model directory, a run directory (its final weights), or a run's
             checkpoints/<run>/sampler_weights/<name> (LoRA too).
         prompt: Prompt text, encoded as is (no chat template is applied).
-        n: Number of completions.
+        n: Number of completions; default 4, or 1 with --temperature 0 (greedy completions
+            are all alike).
         max_tokens: Most tokens per completion.
         temperature: Sampling temperature; 0 is greedy.
         top_k: Keep the k most likely tokens; -1 keeps all.
@@ -106,6 +107,8 @@ def sample(
         chat: Send --prompt as a user message in this chat format (the renderer a
             conversations run trained with, e.g. role_colon); its end-of-reply stop applies.
     """
+    if n is None:
+        n = 1 if temperature == 0 else 4
     if n < 1:
         raise ValueError(f"-n must be >= 1, got {n}")
     # Checked before the model loads, so a typo costs nothing.

@@ -26,7 +26,8 @@ def serve(argv: Sequence[str]) -> int:
         from temper.server.security import check_bind, check_port_free
     except ImportError as error:
         print(
-            f"temper serve: error: {error}; install the server extra: pip install 'temper[server]'",
+            f"temper serve: error: {error}; install the server extra from the repository's "
+            "directory: .venv/bin/pip install -e '.[server]'",
             file=sys.stderr,
         )
         return 2

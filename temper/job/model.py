@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from temper.checkpoint.model_source import DType
+from temper.client.sampler_weights import resolve_base_model
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
@@ -71,6 +72,7 @@ class ModelChoice(Configurable):
         `storage_dir`, with the job's engine configs (`remote`: the generator ranks of a
         disaggregated placement)."""
         config = self.config
+        self._check_device()
         return ServiceClient(
             storage_dir=storage_dir,
             device=config.device,
@@ -94,6 +96,10 @@ class ModelChoice(Configurable):
         if train_state is not None:
             return service.create_training_client_from_state_with_optimizer(train_state)
         config = self.config
+        try:
+            resolve_base_model(config.base_model, device=config.device, dtype=config.dtype)
+        except ValueError as error:  # named by its flag: the job's user set it there
+            raise ValueError(f"--model.base_model: {error}") from None
         if config.lora_rank is None:
             return service.create_training_client(config.base_model)
         return service.create_lora_training_client(
@@ -101,6 +107,14 @@ class ModelChoice(Configurable):
             rank=config.lora_rank,
             seed=job_seed if config.lora_seed is None else config.lora_seed,
         )
+
+    def _check_device(self) -> None:
+        device = self.config.device
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"--model.device is {device!r}, but this machine has no CUDA device (or torch "
+                "was built without CUDA); pass --model.device cpu"
+            )
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:

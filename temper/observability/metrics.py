@@ -67,8 +67,8 @@ class MetricsLogger(Configurable):
         """Append one JSON object per `log()` call to `run_dir/metrics.jsonl`."""
 
         tensorboard: bool = False
-        """Also write TensorBoard event files to `run_dir/tensorboard` (needs the extra
-        `pip install 'temper[tensorboard]'`)."""
+        """Also write TensorBoard event files to `run_dir/tensorboard` (needs the extra: from
+        the repository's directory, `pip install -e '.[tensorboard]'`)."""
 
         def __post_init__(self) -> None:
             if self.display not in get_args(Display):
@@ -361,7 +361,8 @@ def _open_tensorboard(run_dir: Path) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ImportError(
-            "MetricsLogger.Config.tensorboard=True needs the tensorboard package; install it "
-            "with `pip install 'temper[tensorboard]'` or set tensorboard=False"
+            "MetricsLogger.Config.tensorboard=True needs the tensorboard package; install the "
+            "extra from the repository's directory (`pip install -e '.[tensorboard]'`) or set "
+            "tensorboard=False"
         ) from err
     return SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR_NAME))

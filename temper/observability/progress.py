@@ -150,7 +150,8 @@ class PhaseLines:
         ):
             return  # neither a new tenth of the phase nor a minute since the last line
         self._last_line = now
-        self.console.print(Text(self._line(done, seconds=now - self._started)))
+        # One line per update whatever its length: a log or a pipe has no width to wrap to.
+        self.console.print(Text(self._line(done, seconds=now - self._started)), soft_wrap=True)
 
     def stop(self) -> None:
         """Nothing is live: the last line printed stays."""
@@ -172,7 +173,9 @@ class PhaseLines:
             return
         self._done = None
         seconds = time.monotonic() - self._started
-        self.console.print(_finished(phase, done=done, seconds=seconds, metrics=self._metrics))
+        self.console.print(
+            _finished(phase, done=done, seconds=seconds, metrics=self._metrics), soft_wrap=True
+        )
 
 
 def _finished(phase: Phase, *, done: int, seconds: float, metrics: str) -> Text:

@@ -309,6 +309,11 @@ class _RLRun:
         self.logger = _metrics_logger(
             config.metrics, ranks=ranks, run_dir=run_dir, total_steps=config.total_steps
         )
+        if saved is not None:
+            self.logger.console.print(
+                f"resuming {run_dir} at step {saved.step} of {config.total_steps} (its last "
+                "checkpoint)"
+            )
 
     def warmup(self) -> None:
         """The supervised warm-up steps not done yet, with held-out evaluations every

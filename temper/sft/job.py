@@ -212,7 +212,13 @@ class SFTJob(Configurable):
         with MetricsLogger(
             config.metrics, run_dir=run_dir, total_steps=config.steps, description=self._title()
         ) as logger:
-            logger.console.print(f"held-out loss before training: {state.initial_loss:.4f}")
+            if saved is None:
+                logger.console.print(f"held-out loss before training: {state.initial_loss:.4f}")
+            else:
+                logger.console.print(
+                    f"resuming {run_dir} at step {saved.step} of {config.steps} (its last "
+                    f"checkpoint; held-out loss before training was {state.initial_loss:.4f})"
+                )
             examples = self._train(
                 training, source, state=state, logger=logger, checkpoints=checkpoints
             )

@@ -57,6 +57,9 @@ def test_greedy_matches_the_reference_decoder(model_dir, capsys):
     assert main([*argv, "-n", "2", "--max-tokens", "8"]) == 0
     expected = _greedy_text(model_dir, "abc", max_tokens=8)
     assert _completions(capsys.readouterr().out) == [expected, expected]
+    # Without -n, greedy prints one completion (they would all be alike), sampling four.
+    assert main([*argv, "--max-tokens", "8"]) == 0
+    assert _completions(capsys.readouterr().out) == [expected]
 
 
 def test_chat_samples_a_reply_to_the_prompt_in_that_format(model_dir, capsys):

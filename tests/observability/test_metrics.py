@@ -295,7 +295,7 @@ def test_tensorboard_without_package_names_the_extra(tmp_path: Path, monkeypatch
     # Simulate the extra being absent even where it happens to be installed.
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     config = MetricsLogger.Config(display="none", tensorboard=True)
-    with pytest.raises(ImportError, match=r"pip install 'temper\[tensorboard\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[tensorboard\]'"):
         config.build(run_dir=tmp_path, total_steps=1, description="sft")
     assert not (tmp_path / "metrics.jsonl").exists()
 
@@ -395,3 +395,17 @@ def test_public_api() -> None:
     ]
     fields = MetricsLogger.Config.__dataclass_fields__
     assert {"display", "table_every", "progress_keys", "jsonl", "tensorboard"} <= set(fields)
+
+
+def test_off_a_terminal_a_long_progress_line_is_not_wrapped(tmp_path: Path) -> None:
+    # A log file or a pipe: the console's width (80 by default there) must not cut a line.
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=80, color_system=None)
+    keys = tuple(f"group/metric_{index}" for index in range(6))
+    config = MetricsLogger.Config(table_every=0, progress_keys=keys, jsonl=False)
+    with config.build(run_dir=tmp_path, total_steps=10, description="rl", console=console) as lg:
+        for step in range(10):
+            lg.log(step, dict.fromkeys(keys, 0.123456))
+    lines = buffer.getvalue().splitlines()
+    assert lines and all(line.startswith("rl ") for line in lines), lines
+    assert max(len(line) for line in lines) > 80

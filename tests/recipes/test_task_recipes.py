@@ -10,6 +10,7 @@ import random
 import typing
 
 import pytest
+import torch
 
 from temper.cli import main
 from temper.config import get_recipe, list_recipes
@@ -118,6 +119,15 @@ def test_missing_model_directory_fails_clearly(tmp_path, capsys):
     assert main([*argv, "--model.base_model", str(model_dir)]) == 1
     err = capsys.readouterr().err
     assert str(model_dir) in err and "neither a model directory" in err
+    assert "--model.base_model" in err  # the flag to fix
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's error")
+def test_a_cuda_recipe_on_a_cpu_machine_names_the_device_flag(tmp_path, capsys):
+    argv = ["train", "gsm8k_qwen3_0_6b", "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, "--model.base_model", "tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "--model.device is 'cuda'" in err and "pass --model.device cpu" in err
 
 
 def test_arithmetic_smoke_run_trains_and_evaluates(tmp_path):

@@ -67,12 +67,14 @@ def _final_weights(run_dir):
     ],
 )
 def test_resumed_run_equals_uninterrupted(
-    tmp_path, monkeypatch, no_plots, mode, crash_at, every, lr_schedule
+    tmp_path, monkeypatch, no_plots, capsys, mode, crash_at, every, lr_schedule
 ):
     config = tiny_rl_config(
         mode=mode, checkpoint_every=every, kl_coef=0.05, lr_schedule=lr_schedule
     )
     _check_resume(tmp_path, monkeypatch, config, crash_at=crash_at)
+    resumed_at = crash_at // every * every
+    assert f"at step {resumed_at} of 14 (its last checkpoint)" in capsys.readouterr().out
 
 
 def test_resumed_multiturn_run_equals_uninterrupted(tmp_path, monkeypatch, no_plots):

@@ -46,7 +46,7 @@ def _final_weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("source", ["task", "conversations"])
-def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, source):
+def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, capsys, source):
     monkeypatch.setattr(
         run_checkpoints, "plot_metrics", lambda run_dir: [run_dir / "plots" / "none.png"]
     )
@@ -70,7 +70,10 @@ def test_resumed_sft_run_equals_uninterrupted(tmp_path, monkeypatch, source):
             SFTJob(config).run(run_dir=stopped)
     assert load_run_state(stopped).step == 4
 
+    capsys.readouterr()
     assert main(["train", "--resume", str(stopped)]) == 0
+    out = capsys.readouterr().out
+    assert "at step 4 of 7 (its last checkpoint; held-out loss before training was" in out
     assert [r["step"] for r in _curve(stopped)] == list(range(7))
     assert _curve(stopped) == _curve(straight)
     a, b = _final_weights(straight), _final_weights(stopped)
