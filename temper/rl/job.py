@@ -43,6 +43,7 @@ from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
 from temper.job import ModelChoice, RunCheckpoints, check_generator_ranks, state_to_resume
+from temper.job.long_lived import long_lived_objects_frozen
 from temper.job.memory_plan import Role
 from temper.job.placement import (
     memory_plan_line,
@@ -176,7 +177,7 @@ class RLJob(Configurable):
             role="colocated" if remote is None else "trainer",
             decoder=run.training.engine.model.config,
         )
-        with run.logger:
+        with run.logger, long_lived_objects_frozen():
             run.warmup()
             run.reinforce()
             return run.finish()

@@ -33,6 +33,7 @@ from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.job import ModelChoice, RunCheckpoints, state_to_resume
+from temper.job.long_lived import long_lived_objects_frozen
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
@@ -209,9 +210,12 @@ class SFTJob(Configurable):
             previous=saved,
             ranks=Ranks.single(),
         )
-        with MetricsLogger(
-            config.metrics, run_dir=run_dir, total_steps=config.steps, description=self._title()
-        ) as logger:
+        with (
+            MetricsLogger(
+                config.metrics, run_dir=run_dir, total_steps=config.steps, description=self._title()
+            ) as logger,
+            long_lived_objects_frozen(),
+        ):
             if saved is None:
                 logger.console.print(f"held-out loss before training: {state.initial_loss:.4f}")
             else:
