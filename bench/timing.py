@@ -57,5 +57,5 @@ def require_baseline(module: str, *, extra: str = "bench") -> None:
     if importlib.util.find_spec(module) is None:
         sys.exit(
             f"{sys.argv[0]}: its baseline needs `{module}`; install the `{extra}` extra from the "
-            f"repository's directory: .venv/bin/pip install -e '.[{extra}]'"
+            f"repository's directory: {sys.executable} -m pip install -e '.[{extra}]'"
         )

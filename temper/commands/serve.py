@@ -27,7 +27,7 @@ def serve(argv: Sequence[str]) -> int:
     except ImportError as error:
         print(
             f"temper serve: error: {error}; install the server extra from the repository's "
-            "directory: .venv/bin/pip install -e '.[server]'",
+            f"directory: {sys.executable} -m pip install -e '.[server]'",
             file=sys.stderr,
         )
         return 2

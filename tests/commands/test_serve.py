@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from temper.cli import main
@@ -34,3 +36,11 @@ def test_a_port_in_use_is_refused_before_any_model_loads(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"cannot listen on --host 127.0.0.1 --port {port}" in err
     assert "choose another --port" in err and "absent" not in err
+
+
+def test_without_the_server_extra_the_hint_installs_it_into_this_interpreter(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if the extra were not installed
+    assert main(["serve", "--help"]) == 2
+    err = capsys.readouterr().err
+    # Not `pip install temper[server]`: the `temper` on PyPI is another project.
+    assert f"{sys.executable} -m pip install -e '.[server]'" in err
