@@ -42,6 +42,16 @@ from temper.trainer.engine import TrainerEngine
 DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
 
 
+def check_device(device: str, *, named: str, instead: str) -> None:
+    """Fail on a CUDA device this machine lacks; the error starts with `named` (how the caller
+    set it) and ends with `instead` (what to pass)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{named}, but this machine has no CUDA device (or torch was built without CUDA); "
+            f"{instead}"
+        )
+
+
 class ServiceClient:
     """Creates training and sampling clients on this machine.
 
@@ -67,11 +77,7 @@ class ServiceClient:
         (sampler/remote.py), where the training client's snapshots sample; None: generators
         in this process. `sleep_generator`: each training client's generator releases its KV
         cache while the trainer runs forward_backward."""
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"device={device!r}, but this machine has no CUDA device (or torch was built "
-                "without CUDA); use device='cpu'"
-            )
+        check_device(device, named=f"device={device!r}", instead="use device='cpu'")
         self.storage = CheckpointStorage(storage_dir)
         self.device = device
         self.dtype = dtype

@@ -14,7 +14,6 @@ ignore both and stop on rank 0's word (or when rank 0's connection closes).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from temper.config.cli import without_option
 from temper.distributed import launch
 from temper.distributed.ranks import Ranks
+from temper.job.long_lived import freeze_long_lived_objects
 
 if TYPE_CHECKING:  # the server extra is imported only when serving
     from temper.server import TemperServer
@@ -191,8 +191,7 @@ def freeze_startup_objects() -> None:
     collection would walk all of it again. The server allocates many short-lived objects per
     request, so its full collections come every few dozen RL steps, each about 0.2 s of CPU
     for the tiny model (docs/server.md, "Server CPU per RL step")."""
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived_objects()
 
 
 def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) -> None:

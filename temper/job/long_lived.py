@@ -15,6 +15,13 @@ import gc
 from collections.abc import Iterator
 
 
+def freeze_long_lived_objects() -> None:
+    """Collect, then move what is alive now out of the collector's view (for good, unless
+    `gc.unfreeze()` hands it back)."""
+    gc.collect()
+    gc.freeze()
+
+
 @contextlib.contextmanager
 def long_lived_objects_frozen() -> Iterator[None]:
     """Inside: what is alive on entry (after a collection) is out of the collector's view.
@@ -22,8 +29,7 @@ def long_lived_objects_frozen() -> Iterator[None]:
     collects the cycles an earlier job left behind; unless the process had frozen objects
     already (`temper serve` freezes its own for good), whose choice stands."""
     frozen_before = gc.get_freeze_count() > 0
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived_objects()
     try:
         yield
     finally:

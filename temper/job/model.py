@@ -16,7 +16,7 @@ import torch
 
 from temper.checkpoint.model_source import DType
 from temper.client.sampler_weights import resolve_base_model
-from temper.client.service_client import ServiceClient
+from temper.client.service_client import ServiceClient, check_device
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
@@ -72,7 +72,9 @@ class ModelChoice(Configurable):
         `storage_dir`, with the job's engine configs (`remote`: the generator ranks of a
         disaggregated placement)."""
         config = self.config
-        self._check_device()
+        # Named by its flag: the job's user set it there.
+        named = f"--model.device is {config.device!r}"
+        check_device(config.device, named=named, instead="pass --model.device cpu")
         return ServiceClient(
             storage_dir=storage_dir,
             device=config.device,
@@ -107,14 +109,6 @@ class ModelChoice(Configurable):
             rank=config.lora_rank,
             seed=job_seed if config.lora_seed is None else config.lora_seed,
         )
-
-    def _check_device(self) -> None:
-        device = self.config.device
-        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"--model.device is {device!r}, but this machine has no CUDA device (or torch "
-                "was built without CUDA); pass --model.device cpu"
-            )
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:

@@ -221,7 +221,6 @@ def seeded_uniforms(seeds_B: torch.Tensor, counters_B: torch.Tensor) -> torch.Te
     Output `counter` of a splitmix64 stream whose state starts at mix64(seed); integer ops
     only, so the bits are the same on every device and in every batch.
     """
-    _check_int64(seeds_B=seeds_B, counters_B=counters_B)
     return stream_uniforms(stream_starts(seeds_B), counters_B)
 
 
