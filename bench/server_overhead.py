@@ -28,12 +28,23 @@ this process for the in-process client. `--server-threads N` changes both;
 side at its own defaults. Both counts are printed (`server_threads`, `in_process_threads`,
 `like_for_like`).
 
+On a machine with two cores or more the server runs on cores of its own (the second half of
+this process's cores) and this process, the SDK client and the in-process client, on the
+others (`--pin`, the default there; `--no-pin` shares all cores as before). On a deployment the
+SDK runs on another machine: sharing the server's cores, its HTTP work (about a third of a
+core during a server step here) also slows the server's compute threads (caches, preemption),
+which is the SDK's cost, not the server's. Pinned, each side computes on cores nothing else
+uses, and the compute threads are at most the server's cores. The JSON line prints the cores
+(`pinned`: null, or `bench_cores` and `server_cores`, the latter read back from every server
+thread at the end).
+
     OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10] [--server-threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -148,6 +159,35 @@ def descendants(pid: int, *, excluding: int | None = None) -> list[int]:
     return found
 
 
+def split_cores() -> tuple[set[int], set[int]] | None:
+    """(this process's cores, the server's): the cores this process may use, in two halves;
+    None with fewer than two, or where the OS has no CPU affinity."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` onto `cores` (Linux keeps an affinity per thread; a
+    thread started later inherits its creator's, a child process its parent thread's)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cores)
+
+
+def thread_cores(pid: int) -> list[int]:
+    """The cores any thread of process `pid` may run on."""
+    cores: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            cores |= os.sched_getaffinity(int(tid))
+    return sorted(cores)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -191,10 +231,21 @@ def main() -> None:
         default=None,
         help="torch threads of the in-process client (default: the server's, like for like)",
     )
+    parser.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server on cores of its own, this process (SDK and in-process client) on the "
+        "others (default: on with two cores or more)",
+    )
     args = parser.parse_args()
     for name in ("server_threads", "in_process_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    cores = split_cores() if args.pin is not False else None
+    if args.pin and cores is None:
+        parser.error("--pin needs two cores or more and CPU affinity (Linux)")
 
     import tinker
     import torch
@@ -215,12 +266,18 @@ def main() -> None:
             model=[str(model_dir)], compute_threads=args.server_threads
         )
         server_threads = server_config.cpu_threads()
+        if cores is not None:
+            pin(os.getpid(), cores[0])  # before the server and the SDK start their threads
+            if args.server_threads is None:
+                server_threads = min(server_threads, len(cores[1]))
         # Before the in-process client starts its workers: they read this once.
         torch.set_num_threads(args.in_process_threads or server_threads)
         prompts = [tokenizer.encode(f"{i % 10}{(3 * i) % 10}=") for i in range(args.prompts)]
         process, base_url = start_server(
             model_dir, root / "server-storage", compute_threads=server_threads
         )
+        if cores is not None:
+            pin(process.pid, cores[1])
         service = tinker.ServiceClient(base_url=base_url, api_key="tml-bench")
         remote = service.create_lora_training_client(str(model_dir), rank=16, seed=0).result()
         local = ServiceClient(storage_dir=root / "local-storage").create_lora_training_client(
@@ -256,6 +313,9 @@ def main() -> None:
                     cpu["in_process"].append(own_cpu)
                     cpu["server_idle"].append(server_cpu)  # the server's event loop, idle
         service.close("success").result()
+        pinned = None
+        if cores is not None:
+            pinned = {"bench_cores": sorted(cores[0]), "server_cores": thread_cores(process.pid)}
     finally:
         if process is not None:
             process.terminate()
@@ -272,6 +332,7 @@ def main() -> None:
                 "server_threads": server_threads,
                 "in_process_threads": torch.get_num_threads(),
                 "like_for_like": server_threads == torch.get_num_threads(),
+                "pinned": pinned,
                 "load_average": round(os.getloadavg()[0], 2),
                 "load_average_before": load_before,
                 "in_process_s": round(in_process, 4),

@@ -73,7 +73,21 @@ def test_server_overhead_reports_the_server_process_cpu_and_cleans_up(tmp_path):
     for name in ("in_process", "server", "sdk", "server_idle"):
         assert report[f"cpu_{name}_s"] >= 0
     assert report["cpu_server_over_in_process"] > 0
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= 2:  # pinned by default: the server's threads on cores of their own
+        pinned = report["pinned"]
+        assert pinned["bench_cores"] == cores[: len(cores) // 2]
+        assert pinned["server_cores"] == cores[len(cores) // 2 :]  # read back, every thread
+    else:
+        assert report["pinned"] is None
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_server_overhead_without_pinning_shares_the_cores(tmp_path):
+    flags = ["--steps", "1", "--prompts", "1", "--group-size", "1", "--max-tokens", "1"]
+    report = run_bench("server_overhead.py", *flags, "--no-pin", tmp_path=tmp_path)
+    assert report["pinned"] is None and report["server_s"] > 0
 
 
 @pytest.mark.slow

@@ -110,6 +110,28 @@ class SamplingClient:
         # numbers whatever the timing); a generator on other ranks answers them in one trip.
         return self._worker.submit_batched((self, "logprobs"), tokens, self._compute_logprobs)
 
+    def compute_logprobs_batch(
+        self, prompts: Sequence[ModelInput]
+    ) -> APIFuture[list[list[float | None]]]:
+        """`compute_logprobs` of several sequences, scored together [Temper's choice]: one
+        forward per batch of up to the engine's `max_score_tokens` padded tokens instead of
+        one per sequence (512 short RL sequences on the tiny model: 0.1 s against 4 s). The
+        same list gives the same numbers every time, but a sequence's logprobs may differ in
+        the last bits from `compute_logprobs` of it alone (a batch rounds differently)."""
+        sequences = []
+        for index, prompt in enumerate(prompts):
+            if not isinstance(prompt, ModelInput):
+                raise TypeError(
+                    f"prompts[{index}] must be a ModelInput, got {type(prompt).__name__}"
+                )
+            tokens = prompt.to_ints()
+            if not tokens:
+                raise ValueError(f"compute_logprobs_batch: prompts[{index}] is empty")
+            sequences.append(tokens)
+        self._snapshot.check_usable()
+        _check_vocabulary(sequences, vocab_size=self.engine.vocab_size)
+        return self._worker.submit(self._compute_logprobs_together, sequences)
+
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
@@ -127,7 +149,29 @@ class SamplingClient:
         with self._snapshot.reading(requests=requests) as engine:
             return engine.generate(requests)
 
+    def _compute_logprobs_together(
+        self, sequences: Sequence[list[int]]
+    ) -> list[list[float | None]]:
+        scored = [sequence for sequence in sequences if len(sequence) > 1]  # one token: no forward
+        with self._snapshot.reading() as engine:
+            scores = iter(engine.score(scored) if scored else [])
+        return [[None, *next(scores).tolist()] if len(s) > 1 else [None] for s in sequences]
+
     def _compute_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
         with self._snapshot.reading() as engine:
             scores = score_each_alone(engine, sequences)
         return [[None, *score.tolist()] for score in scores]
+
+
+def _check_vocabulary(sequences: Sequence[list[int]], *, vocab_size: int) -> None:
+    """Every token id in [0, vocab_size), else a ValueError naming the first one outside."""
+    flat = [token for sequence in sequences for token in sequence]
+    if not flat or (min(flat) >= 0 and max(flat) < vocab_size):
+        return
+    for index, sequence in enumerate(sequences):
+        for position, token in enumerate(sequence):
+            if not 0 <= token < vocab_size:
+                raise ValueError(
+                    f"compute_logprobs_batch: prompts[{index}] token {token} at position "
+                    f"{position} is outside the vocabulary; valid ids are 0..{vocab_size - 1}"
+                )

@@ -45,14 +45,15 @@ def kl_estimate(log_ratio_N: torch.Tensor, *, estimator: KLEstimator) -> torch.T
 
 def submit_reference_logprobs(
     reference_client, trajectories: Sequence[Trajectory]
-) -> list[APIFuture]:
-    """One `compute_logprobs` request per trajectory, all sent before any is read, as one
-    batch (on generator ranks: one round trip)."""
-    with reference_client.batch():
-        return [
-            reference_client.compute_logprobs(ModelInput.from_ints(t.prompt + t.completion))
-            for t in trajectories
-        ]
+) -> APIFuture[list[list[float | None]]]:
+    """The reference's logprobs of every trajectory (prompt + completion), scored together in
+    one `compute_logprobs_batch` call (on generator ranks: one round trip). One call per
+    trajectory, each scored alone, took 8 ms a sequence on the tiny model: 4 s a step at 512
+    sequences. The step's trajectories in their order make the batch, so a run (and a resumed
+    one) reproduces its numbers."""
+    return reference_client.compute_logprobs_batch(
+        [ModelInput.from_ints(t.prompt + t.completion) for t in trajectories]
+    )
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class KLPenalty:
 
 def kl_penalty(
     trajectories: Sequence[Trajectory],
-    reference_futures: Sequence[APIFuture],
+    references: Sequence[Sequence[float | None]],
     *,
     coef: float,
     estimator: KLEstimator,
@@ -76,9 +77,9 @@ def kl_penalty(
     tokens of all ranks (as one process holding every trajectory would compute them)."""
     ranks = ranks or Ranks.single()
     log_ratios_C = [torch.zeros(0, dtype=torch.float64)]
-    for trajectory, future in zip(trajectories, reference_futures, strict=True):
+    for trajectory, logprobs in zip(trajectories, references, strict=True):
         # Sampled tokens only: a multi-turn episode's observation tokens carry no penalty.
-        reference = trajectory.action_values(future.result()[len(trajectory.prompt) :])
+        reference = trajectory.action_values(logprobs[len(trajectory.prompt) :])
         log_ratios_C.append(
             torch.tensor(trajectory.action_values(trajectory.sampler_logprobs), dtype=torch.float64)
             - torch.tensor(reference, dtype=torch.float64)

@@ -225,10 +225,10 @@ class RLSteps:
         penalties = [[0.0] * len(t.completion) for t in flat]
         if config.kl_coef > 0:
             with self.timer.phase("reference"):
-                futures = submit_reference_logprobs(self.reference, flat)
+                references = submit_reference_logprobs(self.reference, flat).result()
                 kl = kl_penalty(
                     flat,
-                    futures,
+                    references,
                     coef=config.kl_coef,
                     estimator=config.kl_estimator,
                     ranks=self.ranks,

@@ -259,14 +259,16 @@ class GeneratorRank:
                 if self._ended is not None:
                     return Failure("RuntimeError", self._ended)
                 assert self._reference is not None
+                batches = [[s] for s in call.sequences] if call.alone else [call.sequences]
                 result = [
-                    score_sequences(
+                    score
+                    for batch in batches
+                    for score in score_sequences(
                         self._reference,
-                        [sequence],
+                        batch,
                         temperature=call.temperature,
                         max_tokens=self._engine_config.max_score_tokens,
-                    )[0]
-                    for sequence in call.sequences
+                    )
                 ]
                 return Answer(version=self._version, result=result)
             except ValueError as error:

@@ -69,11 +69,13 @@ class ScoreCall:
 
 @dataclass(frozen=True)
 class ReferenceScoreCall:
-    """Score on the generator's KL reference (`Reference`), which has no version; each
-    sequence alone, as one `compute_logprobs` call would be."""
+    """Score on the generator's KL reference (`Reference`), which has no version: each
+    sequence alone, as one `compute_logprobs` call would be, or (`alone` False) together in
+    the engine's token-budget batches, as `compute_logprobs_batch`."""
 
     sequences: list[list[int]]
     temperature: float
+    alone: bool = True
 
 
 @dataclass(frozen=True)
@@ -369,14 +371,21 @@ class RemoteReference:
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        """Each sequence is scored alone on the generator rank (`score_alone`)."""
-        return self._links.call(
-            [list(sequence) for sequence in sequences],
-            lambda part: ReferenceScoreCall(sequences=part, temperature=temperature),
-        )
+        """The sequences scored together on the generator ranks (each rank's part in its
+        engine's token-budget batches)."""
+        return self._reference_scores(sequences, temperature=temperature, alone=False)
 
     def score_alone(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        return self.score(sequences)
+        """Each sequence scored alone on the generator rank, in one round trip."""
+        return self._reference_scores(sequences, temperature=1.0, alone=True)
+
+    def _reference_scores(
+        self, sequences: Sequence[Sequence[int]], *, temperature: float, alone: bool
+    ) -> list[torch.Tensor]:
+        return self._links.call(
+            [list(sequence) for sequence in sequences],
+            lambda part: ReferenceScoreCall(sequences=part, temperature=temperature, alone=alone),
+        )
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         raise ValueError("a KL reference keeps the weights it was loaded with")

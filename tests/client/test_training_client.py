@@ -269,6 +269,29 @@ def test_concurrent_logprobs_share_a_call_and_equal_lone_ones(service):
         bad.result()  # and the others did not fail with it
 
 
+def test_logprobs_of_a_batch_are_one_engine_score_and_close_to_lone_ones(service):
+    client = service.create_training_client("tiny")
+    sampler = client.save_weights_and_get_sampling_client()
+    prompts = [ModelInput.from_ints([1 + i, 2, 3 + 2 * i, 4, 5][: 2 + i % 4]) for i in range(6)]
+    prompts.append(ModelInput.from_ints([7]))  # one token: nothing to score
+    together = sampler.compute_logprobs_batch(prompts).result()
+    assert together == sampler.compute_logprobs_batch(prompts).result()  # the same every time
+    sequences = [prompt.to_ints() for prompt in prompts[:-1]]
+    scores = sampler.engine.score(sequences)  # the engine's batched forward, bitwise
+    assert together == [*([None, *score.tolist()] for score in scores), [None]]
+    for prompt, logprobs in zip(prompts, together, strict=True):
+        alone = sampler.compute_logprobs(prompt).result()
+        assert logprobs[0] is None and alone[0] is None
+        assert logprobs[1:] == pytest.approx(alone[1:], abs=1e-5)
+    assert sampler.compute_logprobs_batch([]).result() == []
+    with pytest.raises(ValueError, match=r"prompts\[1\] token 10000 at position 1 is outside"):
+        sampler.compute_logprobs_batch([prompts[0], ModelInput.from_ints([1, 10_000])])
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty"):
+        sampler.compute_logprobs_batch([ModelInput.from_ints([])])
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a ModelInput, got list"):
+        sampler.compute_logprobs_batch([[1, 2]])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"device='cuda'.*no CUDA device"):

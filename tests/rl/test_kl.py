@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from temper.api.futures import APIFuture
 from temper.rl.job import RLJob
 from temper.rl.kl import kl_estimate, kl_penalty
 from temper.rl.rollout import Trajectory
@@ -26,21 +25,13 @@ def test_estimators_match_hand_computed_values():
         kl_estimate(d, estimator="k2")
 
 
-def _done(value) -> APIFuture:
-    import concurrent.futures
-
-    future = concurrent.futures.Future()
-    future.set_result(value)
-    return APIFuture(future)
-
-
 def test_penalty_is_centered_per_token_and_scaled_by_the_coefficient():
     trajectories = [
         Trajectory([1, 2], [3, 4], [-1.0, -2.0], 1.0, "stop", {}),
         Trajectory([1, 2], [5], [-0.5], 0.0, "stop", {}),
     ]
     # compute_logprobs answers for prompt + completion: None, then one per later token.
-    references = [_done([None, -0.1, -1.5, -1.0]), _done([None, -0.1, -1.0])]
+    references = [[None, -0.1, -1.5, -1.0], [None, -0.1, -1.0]]
     result = kl_penalty(trajectories, references, coef=0.1, estimator="k1")
     # d = sampler - reference = [0.5, -1.0], [0.5]; mean 0
     assert result.penalties == [pytest.approx([0.05, -0.1]), pytest.approx([0.05])]
