@@ -31,6 +31,7 @@ from temper.commands import serve as serve_command
 from temper.commands import users as users_command
 from temper.config import cli as config_cli
 from temper.config import recipes, serialize
+from temper.config.configurable import missing_packages
 from temper.distributed import launch
 from temper.distributed.ranks import Ranks
 from temper.job import ModelChoice
@@ -96,6 +97,9 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         if invocation.nproc is not None:
             _check_runs_on_ranks(invocation)
             _check_world_size(invocation)
+        missing = missing_packages(invocation.config)
+        if missing:  # found now, not at the setting's first use far into the run
+            raise ValueError("; ".join(missing))
         # On several nodes rank 0 prepares it under torchrun (the others find it there).
         if not invocation.resume and invocation.nnodes == 1:
             config_cli.prepare_run_dir(

@@ -49,6 +49,12 @@ class Configurable:
                 )
             return owner(self, **runtime_objects)
 
+        def missing_packages(self) -> dict[str, str]:
+            """Settings of this config (not of nested ones) that need a package that is not
+            installed: field name -> what to install. Checked before a job starts
+            (`missing_packages` below), so that a run does not fail at its first use."""
+            return {}
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         config_cls = cls.__dict__.get("Config")
@@ -61,3 +67,22 @@ class Configurable:
         if "__dataclass_fields__" not in vars(config_cls):
             raise TypeError(f"{cls.__qualname__}.Config must be a @dataclass(kw_only=True)")
         config_cls._owner = cls
+
+
+def missing_packages(config: Configurable.Config) -> list[str]:
+    """What `config` and the configs nested in it (fields, lists) need installed and is not,
+    one line per setting, named by its flag (`--metrics.tensorboard: ...`)."""
+    lines: list[str] = []
+
+    def visit(value: Any, path: str) -> None:
+        if isinstance(value, Configurable.Config):
+            for name, need in value.missing_packages().items():
+                lines.append(f"--{path}{name} {getattr(value, name)!r} needs {need}")
+            for field in dataclasses.fields(value):
+                visit(getattr(value, field.name), f"{path}{field.name}.")
+        elif isinstance(value, list | tuple):
+            for item in value:
+                visit(item, path)
+
+    visit(config, "")
+    return lines

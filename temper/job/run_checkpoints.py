@@ -87,8 +87,10 @@ class RunCheckpoints:
         sampler_path: str,
         summary: Mapping[str, Mapping[str, Any]],
         title: str,
+        sample_flags: str = "",
     ) -> None:
-        """Plot metrics.jsonl (rank 0), show the summary table and where the outputs are."""
+        """Plot metrics.jsonl (rank 0), show the summary table and where the outputs are
+        (`sample_flags`: what `temper sample` needs besides the model, e.g. the chat format)."""
         plots = self.ranks.on_writer(functools.partial(plot_metrics, self.run_dir))
         logger.summary(summary, title=title)
         # plot_metrics returns the figures, then the index.html that shows them all.
@@ -96,6 +98,6 @@ class RunCheckpoints:
         # Paths are printed whole (no wrapping at the console's width), so they can be copied.
         logger.console.print(
             f"plots: {plots[-1]}\nsampler weights: {weights_dir} ({sampler_path})\n"
-            f"sample them: temper sample --model {self.run_dir} --prompt ...",
+            f"sample them: temper sample --model {self.run_dir} {sample_flags}--prompt ...",
             soft_wrap=True,
         )

@@ -21,6 +21,7 @@ It does not decide which rank logs: in a distributed run build it on rank 0 only
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import numbers
@@ -43,6 +44,9 @@ Display = Literal["progress", "table", "none"]
 RESERVED_KEYS = ("step", "time")
 METRICS_FILE_NAME = "metrics.jsonl"
 TENSORBOARD_DIR_NAME = "tensorboard"
+TENSORBOARD_INSTALL = (
+    "install the extra from the repository's directory: pip install -e '.[tensorboard]'"
+)
 
 
 class MetricsLogger(Configurable):
@@ -69,6 +73,11 @@ class MetricsLogger(Configurable):
         tensorboard: bool = False
         """Also write TensorBoard event files to `run_dir/tensorboard` (needs the extra: from
         the repository's directory, `pip install -e '.[tensorboard]'`)."""
+
+        def missing_packages(self) -> dict[str, str]:
+            if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+                return {"tensorboard": f"the tensorboard package ({TENSORBOARD_INSTALL})"}
+            return {}
 
         def __post_init__(self) -> None:
             if self.display not in get_args(Display):
@@ -361,8 +370,7 @@ def _open_tensorboard(run_dir: Path) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
         raise ImportError(
-            "MetricsLogger.Config.tensorboard=True needs the tensorboard package; install the "
-            "extra from the repository's directory (`pip install -e '.[tensorboard]'`) or set "
-            "tensorboard=False"
+            f"MetricsLogger.Config.tensorboard=True needs the tensorboard package "
+            f"({TENSORBOARD_INSTALL}) or set tensorboard=False"
         ) from err
     return SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR_NAME))

@@ -18,6 +18,7 @@ What differs between them, and what the callers rely on:
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -103,6 +104,11 @@ class GeneratorChoice(Configurable):
         vLLM (install with `make vllm`, README), set up by `vllm` below."""
         vllm: VllmGenerator.Config = field(default_factory=VllmGenerator.Config)
         """The vLLM engine's settings (backend 'vllm' only)."""
+
+        def missing_packages(self) -> dict[str, str]:
+            if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+                return {"backend": "vLLM: install it with `make vllm` (README.md)"}
+            return {}
 
         def __post_init__(self) -> None:
             if self.backend not in ("temper", "vllm"):

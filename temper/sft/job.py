@@ -168,8 +168,8 @@ class SFTJob(Configurable):
                 raise ValueError(
                     "SFTJob.Config.export='hf' writes a full model directory, but "
                     f"model.lora_rank={self.model.lora_rank} trains adapters; use export='none' "
-                    "(the adapters are saved as sampler weights under RUN_DIR/checkpoints "
-                    "either way)"
+                    "(on the command line: --export none; the adapters are saved as sampler "
+                    "weights under RUN_DIR/checkpoints either way)"
                 )
 
     def __init__(self, config: Config) -> None:
@@ -229,8 +229,15 @@ class SFTJob(Configurable):
             self._show_examples(logger, examples[:4])
             conversations = isinstance(source, ConversationSource)
             template = source.renderer.chat_template if conversations else None
+            # `temper sample` renders prompts as the run did only when told the format.
+            sample_flags = f"--chat {source.renderer_name} " if conversations else ""
             return self._finish(
-                service, state=state, logger=logger, checkpoints=checkpoints, template=template
+                service,
+                state=state,
+                logger=logger,
+                checkpoints=checkpoints,
+                template=template,
+                sample_flags=sample_flags,
             )
 
     def _train(
@@ -272,6 +279,7 @@ class SFTJob(Configurable):
         logger: MetricsLogger,
         checkpoints: RunCheckpoints,
         template: str | None,
+        sample_flags: str,
     ) -> SFTResult:
         """Save the final weights, export and plot them, print the summary. An export carries
         `template`, the chat format trained on, when it is not the tokenizer's own."""
@@ -292,6 +300,7 @@ class SFTJob(Configurable):
                 "train/loss": {"final": logger.latest["train/loss"]},
             },
             title=f"SFT done: {config.steps} steps",
+            sample_flags=sample_flags,
         )
         return SFTResult(
             steps=config.steps,

@@ -76,6 +76,7 @@ class TaskSource:
 class ConversationSource:
     def __init__(self, dataset: ConversationDataset, *, tokenizer, seed: int) -> None:
         config = dataset.config
+        self.renderer_name = config.renderer
         self.renderer = build_renderer(config.renderer, tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self._train_on = config.train_on

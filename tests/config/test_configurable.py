@@ -88,3 +88,33 @@ def test_config_must_be_decorated_as_dataclass() -> None:
         class Undecorated(Configurable):
             class Config(Configurable.Config):
                 size: int = 1
+
+
+def test_missing_packages_are_named_by_flag_before_a_run_starts(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from temper.cli import main
+    from temper.config.configurable import missing_packages
+    from temper.rl.job import RLJob
+
+    absent = {"vllm", "tensorboard"}
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in absent else find_spec(name, *a),
+    )
+    config = RLJob.Config()
+    assert missing_packages(config) == []  # the defaults need nothing optional
+    config.generator.backend = "vllm"
+    config.metrics.tensorboard = True
+    lines = missing_packages(config)
+    assert any(line.startswith("--generator.backend 'vllm' needs vLLM") for line in lines)
+    assert any(
+        line.startswith("--metrics.tensorboard True needs the tensorboard") for line in lines
+    )
+    run_dir = tmp_path / "run"
+    argv = ["train", "sum_digits_smoke", "--run-dir", str(run_dir), "--metrics.tensorboard", "True"]
+    assert main(argv) == 2
+    assert "--metrics.tensorboard True needs the tensorboard package" in capsys.readouterr().err
+    assert not run_dir.exists()  # refused before the run directory is made

@@ -72,7 +72,7 @@ def test_config_file_reproduces_the_run_exactly(tmp_path):
     assert (first / "config.json").read_text() == (second / "config.json").read_text()
 
 
-def test_conversation_recipe_heldout_loss_falls(tmp_path):
+def test_conversation_recipe_heldout_loss_falls(tmp_path, capsys):
     config = sft_conversations()
     config.steps, config.eval_every = 40, 20
     config.metrics.display = "none"
@@ -92,6 +92,9 @@ def test_conversation_recipe_heldout_loss_falls(tmp_path):
     assert load_tokenizer(result.model_dir).chat_template == role_colon.CHAT_TEMPLATE
     checkpoint_dir = next((tmp_path / "run" / "checkpoints").glob("*/sampler_weights/final"))
     assert load_tokenizer(checkpoint_dir).chat_template == CHATML_TEMPLATE
+    # The hint to sample the run renders prompts in the format trained on.
+    hint = f"sample them: temper sample --model {tmp_path / 'run'} --chat role_colon --prompt ..."
+    assert hint in capsys.readouterr().out
 
 
 def test_bad_dataset_fails_before_training_with_the_line(tmp_path, capsys):
