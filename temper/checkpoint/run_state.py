@@ -1,6 +1,7 @@
 """Where a job resumes from: the last full-state checkpoint of a run directory.
 
-    <run_dir>/run_state/state.json   {"step": ..., "train_state": "tinker://...", "loop": {...}}
+    <run_dir>/run_state/state.json   {"step": ..., "train_state": "tinker://...", "loop": {...},
+                                      "world_size": ...}
 
 `step` counts the steps done (the resumed run starts there), `train_state` is the training
 client's `save_state` checkpoint (model and optimizer, DCP), and `loop` is whatever else the
@@ -49,6 +50,8 @@ class RunState:
     """`tinker://<run>/weights/<name>`: the training client's model and optimizer state."""
     loop: dict[str, Any]
     """The job's own state (JSON): RNG, phase, anything else a bitwise resume needs."""
+    world_size: int = 1
+    """Processes (torchrun ranks) the run had; a resume on another number is not bitwise."""
 
 
 def save_run_state(run_dir: str | Path, state: RunState) -> None:
@@ -75,7 +78,12 @@ def load_run_state(run_dir: str | Path) -> RunState:
             "the run saved none yet (see its checkpoint_every)"
         )
     data = json.loads(path.read_text())
-    return RunState(step=int(data["step"]), train_state=data["train_state"], loop=data["loop"])
+    return RunState(
+        step=int(data["step"]),
+        train_state=data["train_state"],
+        loop=data["loop"],
+        world_size=int(data.get("world_size", 1)),  # absent before it was recorded
+    )
 
 
 def rng_to_json(rng: random.Random) -> list:

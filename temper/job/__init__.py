@@ -4,7 +4,7 @@ the memory its ranks hold."""
 from temper.job.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice, check_generator_ranks
-from temper.job.run_checkpoints import RunCheckpoints, state_to_resume
+from temper.job.run_checkpoints import RunCheckpoints, other_world_note, state_to_resume
 
 __all__ = [
     "MemoryPlan",
@@ -13,6 +13,7 @@ __all__ = [
     "RunCheckpoints",
     "check_generator_ranks",
     "describe_for_rank",
+    "other_world_note",
     "plan_memory",
     "state_to_resume",
 ]

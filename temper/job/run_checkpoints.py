@@ -23,6 +23,20 @@ from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, plot_metrics
 
 
+def other_world_note(saved: RunState) -> str:
+    """What to add to a resume message when this job has another number of processes than
+    the run had ('' when the same)."""
+    now = Ranks.world_size_now()
+    if saved.world_size == now:
+        return ""
+    processes = "1 process" if now == 1 else f"{now} processes"
+    return (
+        f"; it ran on {saved.world_size} processes and continues on {processes}, which does "
+        f"not reproduce it bitwise (`temper train --resume RUN_DIR --nproc {saved.world_size}` "
+        "resumes it as it ran)"
+    )
+
+
 def state_to_resume(run_dir: Path, *, total_steps: int) -> RunState:
     """The run state `--resume` continues from; a run that did all `total_steps` steps is an
     error (before anything is built or written: a finished run stays as it is)."""
@@ -65,7 +79,12 @@ class RunCheckpoints:
         if not self.due(steps_done):
             return
         path = self.training.save_state(f"step-{steps_done:06d}").result().path
-        run_state = RunState(step=steps_done, train_state=path, loop=state.to_json())
+        run_state = RunState(
+            step=steps_done,
+            train_state=path,
+            loop=state.to_json(),
+            world_size=Ranks.world_size_now(),
+        )
         self.ranks.on_writer(functools.partial(self._record, run_state))
         self.previous = path
 

@@ -42,7 +42,13 @@ from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
-from temper.job import ModelChoice, RunCheckpoints, check_generator_ranks, state_to_resume
+from temper.job import (
+    ModelChoice,
+    RunCheckpoints,
+    check_generator_ranks,
+    other_world_note,
+    state_to_resume,
+)
 from temper.job.long_lived import long_lived_objects_frozen
 from temper.job.memory_plan import Role
 from temper.job.placement import (
@@ -313,7 +319,8 @@ class _RLRun:
         if saved is not None:
             self.logger.console.print(
                 f"resuming {run_dir} at step {saved.step} of {config.total_steps} (its last "
-                "checkpoint)"
+                f"checkpoint{other_world_note(saved)})",
+                soft_wrap=True,
             )
 
     def warmup(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from temper.checkpoint.run_state import load_run_state
@@ -63,3 +64,21 @@ def test_a_resumed_run_replaces_the_checkpoint_it_resumed_from(tmp_path):
     assert (
         _saved_weights(tmp_path, training) == ["step-000002"] and load_run_state(tmp_path).step == 2
     )
+
+
+def test_a_resume_on_another_number_of_processes_says_how_to_resume_as_it_ran(tmp_path):
+    from temper.checkpoint.run_state import RunState, load_run_state, save_run_state
+    from temper.job import other_world_note
+
+    saved = RunState(step=3, train_state="tinker://r/weights/3", loop={}, world_size=2)
+    save_run_state(tmp_path, saved)
+    assert load_run_state(tmp_path) == saved
+    note = other_world_note(load_run_state(tmp_path))  # this test is one process
+    assert "it ran on 2 processes and continues on 1 process" in note
+    assert "--nproc 2" in note
+    assert other_world_note(RunState(step=3, train_state="x", loop={})) == ""
+    state_file = tmp_path / "run_state" / "state.json"
+    old = json.loads(state_file.read_text())
+    del old["world_size"]  # written before the field existed: one process
+    state_file.write_text(json.dumps(old))
+    assert load_run_state(tmp_path).world_size == 1
