@@ -80,7 +80,8 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     run_id: str = "temper",
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m temper ARGS`: N ranks on this machine, on a free
+    """`python -m torch.distributed.run ... -m temper ARGS` (through `torchrun_main`, which
+    ends quietly when stopped by a signal): N ranks on this machine, on a free
     port (`--standalone`), or this node's N ranks of `nnodes` that meet at `rdzv_endpoint`
     (torchrun's c10d rendezvous; every node runs the same command, `run_id` names the job)."""
     if nnodes == 1:
@@ -96,7 +97,7 @@ def torchrun_command(
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "temper.distributed.torchrun_main",
         *where,
         f"--nproc-per-node={nproc}",
         "-m",

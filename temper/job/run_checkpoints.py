@@ -23,17 +23,16 @@ from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, plot_metrics
 
 
-def other_world_note(saved: RunState) -> str:
-    """What to add to a resume message when this job has another number of processes than
-    the run had ('' when the same)."""
+def other_world_note(saved: RunState, *, run_dir: Path) -> str:
+    """A sentence to add to a resume message when this job has another number of processes
+    than the run had ('' when the same)."""
     now = Ranks.world_size_now()
     if saved.world_size == now:
         return ""
-    processes = "1 process" if now == 1 else f"{now} processes"
     return (
-        f"; it ran on {saved.world_size} processes and continues on {processes}, which does "
-        f"not reproduce it bitwise (`temper train --resume RUN_DIR --nproc {saved.world_size}` "
-        "resumes it as it ran)"
+        f" It ran on {saved.world_size} processes and continues on {now}, which does not "
+        f"reproduce it bitwise; `temper train --resume {run_dir} --nproc {saved.world_size}` "
+        "resumes it as it ran."
     )
 
 

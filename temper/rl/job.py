@@ -319,7 +319,7 @@ class _RLRun:
         if saved is not None:
             self.logger.console.print(
                 f"resuming {run_dir} at step {saved.step} of {config.total_steps} (its last "
-                f"checkpoint{other_world_note(saved)})",
+                f"checkpoint).{other_world_note(saved, run_dir=run_dir)}",
                 soft_wrap=True,
             )
 

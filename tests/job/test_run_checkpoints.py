@@ -73,10 +73,10 @@ def test_a_resume_on_another_number_of_processes_says_how_to_resume_as_it_ran(tm
     saved = RunState(step=3, train_state="tinker://r/weights/3", loop={}, world_size=2)
     save_run_state(tmp_path, saved)
     assert load_run_state(tmp_path) == saved
-    note = other_world_note(load_run_state(tmp_path))  # this test is one process
-    assert "it ran on 2 processes and continues on 1 process" in note
-    assert "--nproc 2" in note
-    assert other_world_note(RunState(step=3, train_state="x", loop={})) == ""
+    note = other_world_note(load_run_state(tmp_path), run_dir=tmp_path)  # one process here
+    assert "It ran on 2 processes and continues on 1, which does not reproduce" in note
+    assert f"`temper train --resume {tmp_path} --nproc 2` resumes it as it ran" in note
+    assert other_world_note(RunState(step=3, train_state="x", loop={}), run_dir=tmp_path) == ""
     state_file = tmp_path / "run_state" / "state.json"
     old = json.loads(state_file.read_text())
     del old["world_size"]  # written before the field existed: one process
