@@ -137,7 +137,8 @@ def _learning(shown: Mapping[str, Series], phases: tuple[RunPhase, ...]) -> Figu
         name="learning",
         title="Is it learning?",
         caption="Rollout reward per RL step, greedy accuracy on held-out problems, and the "
-        "training and held-out loss.",
+        "loss: training (SFT steps or an RL run's warm-up) and held-out where the run "
+        "evaluates it.",
         panels=_present(panels),
         phases=phases,
     )
