@@ -71,7 +71,7 @@ class Configurable:
 
 def missing_packages(config: Configurable.Config) -> list[str]:
     """What `config` and the configs nested in it (fields, lists) need installed and is not,
-    one line per setting, named by its flag (`--metrics.tensorboard: ...`)."""
+    one line per setting, named by its flag (`--metrics.tensorboard True needs ...`)."""
     lines: list[str] = []
 
     def visit(value: Any, path: str) -> None:
