@@ -160,10 +160,18 @@ def _load_spec(spec: str) -> RecipeInfo:
         name = spec
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        marked = [value.__name__ for value in vars(module).values() if hasattr(value, _MARK)]
+        # Named as the user wrote it (a file is imported under a private module name), with
+        # the functions defined there: any of them that returns a config is a recipe.
+        defined = [
+            name
+            for name, value in vars(module).items()
+            if inspect.isfunction(value)
+            and value.__module__ == module.__name__
+            and not name.startswith("_")
+        ]
         raise ValueError(
-            f"recipe spec {spec!r}: {module.__name__} has no function {fn_name!r}"
-            + (f"; its recipes: {', '.join(marked)}" if marked else "")
+            f"recipe spec {spec!r}: {location} has no function {fn_name!r}"
+            + (f"; its functions: {', '.join(defined)}" if defined else "")
         )
     if hasattr(fn, _MARK):
         return dataclasses.replace(_info(fn), name=name)

@@ -136,6 +136,11 @@ def test_file_spec_imports_once_and_records_absolute_path(
     info = get_recipe("my_recipes.py:mine")
     assert (info.name, info.description, info.fn()) == (f"{path}:mine", "My own run.", 42)
     assert get_recipe(f"{path}:mine").fn is info.fn
+    # A missing function: the file as written and the functions it defines, recipes or not.
+    with pytest.raises(
+        ValueError, match=r"my_recipes\.py has no function 'nope'; its functions: mine$"
+    ):
+        get_recipe("my_recipes.py:nope")
     del sys.modules[info.fn.__module__]
 
 
