@@ -30,7 +30,7 @@ from temper.api.types import SampleResponse
 from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
-from temper.sampler.vllm import VllmGenerator  # imports vLLM itself only when built
+from temper.sampler.vllm import INSTALL_HINT, VllmGenerator  # vLLM itself: when built
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 
@@ -107,7 +107,7 @@ class GeneratorChoice(Configurable):
 
         def missing_packages(self) -> dict[str, str]:
             if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-                return {"backend": "vLLM: install it with `make vllm` (README.md)"}
+                return {"backend": f"vLLM: {INSTALL_HINT}"}
             return {}
 
         def __post_init__(self) -> None:

@@ -57,7 +57,7 @@ from temper.tokenizer import Tokenizer
 
 # vLLM decodes greedily below this temperature (vllm.sampling_params._SAMPLING_EPS).
 _VLLM_GREEDY_BELOW = 1e-5
-_INSTALL_HINT = "install it with `make vllm` (or pip install -e '.[vllm]'; see README.md)"
+INSTALL_HINT = "install it with `make vllm` (or pip install -e '.[vllm]'; see README.md)"
 
 
 class _InlineEngines:
@@ -439,7 +439,7 @@ def _import_vllm() -> Any:
         import vllm
         import vllm.inputs
     except ImportError as error:
-        raise ImportError(f"generator backend 'vllm' needs vLLM: {_INSTALL_HINT}") from error
+        raise ImportError(f"generator backend 'vllm' needs vLLM: {INSTALL_HINT}") from error
     for name, expected in _EXPECTED_WARNINGS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) for f in logger.filters):
