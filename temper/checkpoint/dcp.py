@@ -9,6 +9,8 @@ parameters that require grad are written (LoRA adapters; the frozen base is not)
 What is unusual here:
 - The directory is written under a temporary sibling name and renamed into place, so a crash
   never leaves a half-written checkpoint, and an overwritten one is replaced whole.
+- No code runs from the checkpoint's files: its index and non-tensor values are read by
+  `dcp_reader` (an allow-list of DCP's classes, and weights_only for values).
 - Tensor names and shapes are checked against the checkpoint's DCP metadata before anything is
   loaded, so a mismatch is a ValueError naming the tensor and leaves the model as it was.
 - An optimizer that has taken no step yet is saved as its param_groups only. DCP's state-dict
@@ -47,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from temper.checkpoint.atomic import check_free, staged_directory
+from temper.checkpoint.dcp_reader import SafeLoadPlanner, SafeReader, read_dcp_index
 from temper.distributed.world import trainer_world
 
 METADATA_FILE = "metadata.json"
@@ -142,7 +145,7 @@ def load_train_state(
     """
     directory = Path(directory)
     metadata = read_train_state_metadata(directory)
-    index = torch_dcp.FileSystemReader(directory).read_metadata()
+    index = read_dcp_index(directory / DCP_METADATA_FILE)
     _check_files(directory, index.storage_data)
     saved = index.state_dict_metadata
     options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
@@ -156,7 +159,8 @@ def load_train_state(
     with _single_process_quiet(), _plain_errors():
         torch_dcp.load(
             state,
-            storage_reader=torch_dcp.FileSystemReader(directory),
+            storage_reader=SafeReader(directory),
+            planner=SafeLoadPlanner(),
             no_dist=_no_dist(),
             process_group=None if _no_dist() else trainer_world().group,
         )

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from temper.checkpoint.atomic import clear_interrupted
+
 CheckpointKind = Literal["weights", "sampler_weights"]
 KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights")
 SCHEME = "tinker://"
@@ -108,6 +110,15 @@ class CheckpointStorage:
                     if entry.is_dir() and _SAFE_NAME.fullmatch(entry.name)
                 ]
         return found
+
+    def clear_interrupted(self, *, older_than_s: float = 0.0) -> list[Path]:
+        """Remove what saves killed midway left under the root (`atomic.clear_interrupted`,
+        for each run's checkpoint folders); returns the directories handled."""
+        handled = []
+        for run_id in self.run_ids():
+            for kind in KINDS:
+                handled += clear_interrupted(self.root / run_id / kind, older_than_s=older_than_s)
+        return handled
 
     def delete(self, path: str | CheckpointPath) -> None:
         _, directory = self.existing(path)

@@ -4,9 +4,15 @@ the memory its ranks hold."""
 from temper.job.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice, check_generator_ranks
-from temper.job.run_checkpoints import RunCheckpoints, other_world_note, state_to_resume
+from temper.job.run_checkpoints import (
+    CHECKPOINTS_DIR,
+    RunCheckpoints,
+    other_world_note,
+    state_to_resume,
+)
 
 __all__ = [
+    "CHECKPOINTS_DIR",
     "MemoryPlan",
     "ModelChoice",
     "PlanSettings",

@@ -17,10 +17,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from temper.checkpoint.atomic import clear_interrupted
 from temper.checkpoint.run_state import LoopState, RunState, load_run_state, save_run_state
+from temper.checkpoint.storage import CheckpointStorage
 from temper.client.training_client import TrainingClient
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, plot_metrics
+
+CHECKPOINTS_DIR = "checkpoints"
+"""A run directory's checkpoint storage (`tinker://` paths of the run's service client)."""
 
 
 def other_world_note(saved: RunState, *, run_dir: Path) -> str:
@@ -36,9 +41,14 @@ def other_world_note(saved: RunState, *, run_dir: Path) -> str:
     )
 
 
-def state_to_resume(run_dir: Path, *, total_steps: int) -> RunState:
+def state_to_resume(run_dir: Path, *, total_steps: int, storage: CheckpointStorage) -> RunState:
     """The run state `--resume` continues from; a run that did all `total_steps` steps is an
-    error (before anything is built or written: a finished run stays as it is)."""
+    error (before anything is built or written: a finished run stays as it is).
+
+    First what a kill during a save left in the run directory and its checkpoint `storage`
+    is cleared up (a staging directory goes; a run state moved aside comes back)."""
+    clear_interrupted(run_dir)
+    storage.clear_interrupted()
     saved = load_run_state(run_dir)
     if saved.step >= total_steps:
         raise ValueError(

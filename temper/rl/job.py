@@ -43,6 +43,7 @@ from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
 from temper.job import (
+    CHECKPOINTS_DIR,
     ModelChoice,
     RunCheckpoints,
     check_generator_ranks,
@@ -268,7 +269,11 @@ class _RLRun:
         self.service = _service_client(
             config, model=model, run_dir=run_dir, ranks=ranks, remote=remote
         )
-        saved = state_to_resume(run_dir, total_steps=config.total_steps) if resume else None
+        saved = (
+            state_to_resume(run_dir, total_steps=config.total_steps, storage=self.service.storage)
+            if resume
+            else None
+        )
         self.training = model.training_client(
             self.service,
             train_state=None if saved is None else saved.train_state,
@@ -467,7 +472,7 @@ def _service_client(
     if ranks.world_size > 1:
         trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
     return model.service_client(
-        storage_dir=run_dir / "checkpoints",
+        storage_dir=run_dir / CHECKPOINTS_DIR,
         sampler=rank_sampler(config.sampler),
         trainer=trainer,
         generator=generator,

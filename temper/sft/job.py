@@ -27,12 +27,13 @@ from typing import Any, Literal
 
 from temper.api.types import AdamParams
 from temper.checkpoint.run_state import truncate_jsonl
+from temper.checkpoint.storage import CheckpointStorage
 from temper.client.sampler_weights import SAMPLER_FILE
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
-from temper.job import ModelChoice, RunCheckpoints, state_to_resume
+from temper.job import CHECKPOINTS_DIR, ModelChoice, RunCheckpoints, state_to_resume
 from temper.job.long_lived import long_lived_objects_frozen
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
@@ -178,12 +179,16 @@ class SFTJob(Configurable):
     def run(self, *, run_dir: Path, resume: bool = False) -> SFTResult:
         """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
         config, run_dir = self.config, Path(run_dir)
-        saved = state_to_resume(run_dir, total_steps=config.steps) if resume else None
+        storage_dir = run_dir / CHECKPOINTS_DIR
+        saved = None
+        if resume:
+            storage = CheckpointStorage(storage_dir)
+            saved = state_to_resume(run_dir, total_steps=config.steps, storage=storage)
         # Load and validate the dataset first: a bad file fails before any model is built.
         dataset = config.conversations.build() if config.source == "conversations" else None
         model = config.model.build()
         service = model.service_client(
-            storage_dir=run_dir / "checkpoints",
+            storage_dir=storage_dir,
             sampler=config.sampler,
             trainer=config.trainer,
             generator=config.generator,
