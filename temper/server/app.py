@@ -34,6 +34,7 @@ from temper.server.errors import (
     Unavailable,
     error_body,
 )
+from temper.server.json_bodies import JsonBodyRoute
 from temper.server.lifetimes import release_memory
 from temper.server.plain_routes import list_problems
 from temper.server.request_log import RequestLog
@@ -92,7 +93,7 @@ async def healthz(_: Request) -> Response:
 def _session_router(server: TemperServer):
     from fastapi import APIRouter
 
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=JsonBodyRoute)
 
     @router.post("/client/config")
     async def client_config() -> Response:

@@ -16,13 +16,12 @@ non-data bodies pass straight through: `retrieve_future` and `healthz` pay nothi
 
 from __future__ import annotations
 
-import json
-
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from temper.server.errors import error_body
+from temper.server.errors import BadRequest, error_body
+from temper.server.json_bodies import parse_json
 
 DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
 SAMPLE_ROUTE = "/api/v1/asample"
@@ -170,10 +169,11 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 
 def _crowded(body: bytes) -> str | None:
     """What in JSON `body` is over MAX_JSON_ITEMS items, else None (also when `body` is not
-    JSON: the route says what is wrong with it). Stops counting at the limit."""
+    JSON, or nests too deep: the route says what is wrong with it). Stops counting at the
+    limit."""
     try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
+        value = parse_json(body)
+    except BadRequest:
         return None
     num_items = 0
     pending: list[tuple[str, object]] = [("body", value)]

@@ -6,12 +6,13 @@ of the server CPU of a FastAPI route (0.14 vs 0.39 ms per request with uvloop + 
 dependency solving, no second validation pass), and the SDK waits on them. Each still parses
 its body with the SDK's own pydantic model and finds the request's user itself (FastAPI's
 app-wide dependency does not run for them); errors raised in the handler go through the app's
-exception handlers like any other route's.
+exception handlers like any other route's. A body is JSON nested at most MAX_JSON_DEPTH deep
+however big it is (json_bodies.py): a small one is validated straight from its bytes, a big
+one parsed by `parse_json` first; both parse with jiter and its one nesting limit.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from temper.server.errors import BadRequest
+from temper.server.json_bodies import parse_json
 from temper.server.security import user_of
 from temper.server.users import User, Users
 
@@ -47,18 +49,7 @@ def plain_post(
 
     async def endpoint(request: Request) -> Response:
         user = user_of(request, users)
-        raw = await request.body()
-        try:
-            if len(raw) <= _DIRECT_JSON_BYTES:
-                body = model.model_validate_json(raw)
-            else:  # 3-7x less time on the event loop for big bodies (300k stop strings)
-                parsed = json.loads(raw)
-                if precheck is not None:
-                    precheck(parsed)
-                body = model.model_validate(parsed)
-        except ValueError as error:  # pydantic's ValidationError is one
-            problem = describe(error) if isinstance(error, pydantic.ValidationError) else error
-            raise BadRequest(f"malformed request: {problem}") from None
+        body = _validated(model, await request.body(), precheck=precheck)
         return await handler(body, user)
 
     return Route(path, endpoint, methods=["POST"], name=handler.__name__)
@@ -66,6 +57,21 @@ def plain_post(
 
 _DIRECT_JSON_BYTES = 64 << 10
 """Bodies up to this size are validated straight from JSON (the fastest for small ones)."""
+
+
+def _validated(model: type[Body], raw: bytes, *, precheck: Callable[[object], None] | None) -> Body:
+    """`raw` as a `model`; BadRequest naming the problems otherwise."""
+    try:
+        if len(raw) <= _DIRECT_JSON_BYTES:
+            return model.model_validate_json(raw)
+        # Parsed first, then validated: 4-5x less time on the event loop for big bodies
+        # (1M prompt tokens: 41 vs 192 ms).
+        parsed = parse_json(raw)
+        if precheck is not None:
+            precheck(parsed)
+        return model.model_validate(parsed)
+    except pydantic.ValidationError as error:
+        raise BadRequest(f"malformed request: {describe(error)}") from None
 
 
 def describe(error: pydantic.ValidationError) -> str:

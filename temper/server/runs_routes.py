@@ -14,6 +14,7 @@ from tinker import types as tinker_types
 from temper.server.catalog import checked
 from temper.server.errors import BadRequest
 from temper.server.expiry import check_ttl
+from temper.server.json_bodies import JsonBodyRoute
 from temper.server.responses import json_response
 from temper.server.security import CurrentUser
 from temper.server.server import TemperServer
@@ -39,7 +40,7 @@ def check_page(*, limit: int, offset: int) -> None:
 
 
 def runs_router(server: TemperServer) -> APIRouter:
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=JsonBodyRoute)
     catalog = server.catalog
 
     @router.get("/training_runs")

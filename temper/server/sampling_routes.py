@@ -26,6 +26,7 @@ from temper.server import request_log, wire
 from temper.server.catalog import new_sampling_session_id
 from temper.server.coalescer import SampleCoalescer
 from temper.server.errors import BadRequest
+from temper.server.json_bodies import JsonBodyRoute
 from temper.server.model_memory import OverBudget
 from temper.server.plain_routes import plain_post
 from temper.server.responses import future_response, json_response, protobuf_answer
@@ -37,7 +38,7 @@ from temper.server.validation import check_prompt_json, check_sample
 
 
 def sampling_router(server: TemperServer) -> APIRouter:
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=JsonBodyRoute)
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(

@@ -16,6 +16,7 @@ from temper.server.catalog import checked, model_id, new_sampling_session_id
 from temper.server.data_bodies import read_forward_backward
 from temper.server.errors import BadRequest
 from temper.server.expiry import check_ttl
+from temper.server.json_bodies import JsonBodyRoute
 from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
 from temper.server.scheduler import Answer
 from temper.server.security import CurrentUser
@@ -30,7 +31,7 @@ from temper.server.validation import (
 
 
 def training_router(server: TemperServer) -> APIRouter:
-    router = APIRouter(prefix="/api/v1")
+    router = APIRouter(prefix="/api/v1", route_class=JsonBodyRoute)
     scheduler = server.scheduler
 
     def queue(served: ServedModel, call, *, user: User, encode, seq_id: int | None) -> str:
