@@ -53,7 +53,13 @@ from typing import Literal
 
 from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.model_source import DType
-from temper.job.model_bytes import ModelShapes, activation_bytes, kv_cache_bytes, logits_bytes
+from temper.job.model_bytes import (
+    ModelShapes,
+    SamplerBytes,
+    TrainerBytes,
+    activation_bytes,
+    logits_bytes,
+)
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
@@ -380,25 +386,21 @@ class _Rows:
         return [*self._trainer_state(), *self._training_step()]
 
     def _trainer_state(self) -> list[PlanRow]:
-        settings, shapes = self.settings, self.shapes
-        ranks, size = settings.shard_ranks, _itemsize(self.dtype)
+        settings = self.settings
+        ranks = settings.shard_ranks
+        held = TrainerBytes.of(self.shapes, dtype=self.dtype, num_ranks=ranks)
         share = f"1/{ranks} of " if ranks > 1 else ""
-
-        def shard(item: str, *, trainable: bool | None) -> PlanRow:
-            return PlanRow(
-                item=item, num_bytes=shapes.shard_numel(ranks, trainable=trainable) * size
-            )
-
         if self.lora:
             rows = [
-                shard(f"base weights (frozen), {share}{self.dtype}", trainable=False),
-                shard(f"LoRA adapters, {share}rank {settings.lora_rank}", trainable=True),
+                PlanRow(item=f"base weights (frozen), {share}{self.dtype}", num_bytes=held.frozen),
+                PlanRow(
+                    item=f"LoRA adapters, {share}rank {settings.lora_rank}", num_bytes=held.trained
+                ),
             ]
         else:
-            rows = [shard(f"weights, {share}{self.dtype}", trainable=None)]
-        trained = shapes.shard_numel(ranks, trainable=True) * size
-        rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=2 * trained))
-        rows.append(PlanRow(item="gradients", num_bytes=trained, phase="training"))
+            rows = [PlanRow(item=f"weights, {share}{self.dtype}", num_bytes=held.weights)]
+        rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=held.moments))
+        rows.append(PlanRow(item="gradients", num_bytes=held.gradients, phase="training"))
         return rows
 
     def _training_step(self) -> list[PlanRow]:
@@ -444,15 +446,17 @@ class _Rows:
         """A generator's weights and KV cache, and the extra samplers async and KL keep."""
         settings = self.settings
         tp = 1 if colocated else settings.generator_tp
-        weights = math.ceil(self.shapes.sampler_numel * _itemsize(self.generator_dtype) / tp)
         slots = settings.max_batch or math.ceil(settings.batch / settings.num_engines)
-        kv = kv_cache_bytes(
+        engine = SamplerBytes.of(
             self.decoder,
+            self.shapes,
             num_slots=slots,
             max_seq_len=settings.max_seq_len,
             dtype=self.generator_dtype,
+            prefix_cache_mib=settings.prefix_cache_mib,
             tp=tp,
         )
+        weights, kv, prefix = engine.weights, engine.kv_cache, engine.prefix_cache
         if colocated and not self.sampler_copy:
             rows = [PlanRow(item="generator weights: the trainer's own (no copy)", num_bytes=0)]
         else:
@@ -461,7 +465,6 @@ class _Rows:
             rows = [PlanRow(item=item, num_bytes=weights)]
         kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
-        prefix = int(settings.prefix_cache_mib * 2**20)
         if prefix:
             item = "prefix cache, at most"
             rows.append(PlanRow(item=item, num_bytes=prefix))
