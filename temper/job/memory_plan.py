@@ -4,8 +4,10 @@
 colocated; trainer and generator ranks when disaggregated) rows of (item, bytes, phase),
 where the phase says when a row is held: `always`, only while `training` (from the first
 backward to the optimizer step), or only during a `sync` (pushing new weights to the
-generator). A role's peak is what it always holds plus its larger phase. memory_report.py
-renders plans; `temper plan` prints them.
+generator). A role's peak is what it always holds plus its larger phase. A job's settings
+come from its configs (`plan_settings`, job/placement.py); memory_report.py renders plans;
+`temper plan RECIPE` prints them and a job logs its rank's. The bytes of each piece come from
+model_bytes.py, which the server's estimates use too.
 
 What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 
@@ -26,11 +28,12 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
   Colocated in one process with full fine-tuning in one dtype, the sampler reads the
   trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
-- Weight sync, `bucketed` (issue #18): two buckets of `bucket_mb` (a tensor larger than a
-  bucket is split by rows) on every rank that sends or receives. `whole` (today's sync): every
-  trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
-  weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
-  size of the largest adapted weight (the weight, B @ A scaled, their sum).
+- Weight sync, `bucketed` (what jobs run): two buckets of `bucket_mb` (a tensor larger than a
+  bucket is split by rows) on every rank that sends or receives. `whole` (`sampler_state_dict`
+  gathering whole tensors, a what-if no job runs): every trainer rank gathers a whole copy,
+  and LoRA merging makes new tensors for every adapted weight while the gathered ones are
+  still alive. Merging LoRA keeps three fp32 tensors the size of the largest adapted weight
+  (the weight, B @ A scaled, their sum).
 - Async mode, colocated: the snapshot of the previous version keeps its own engine (weights
   and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
   Disaggregated generators update in place between requests (no copy), unless they overlap
@@ -46,6 +49,7 @@ prefill and decode scratch, the allocator's fragmentation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +68,7 @@ from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
 from temper.sampler.engine import SamplerEngine
+from temper.tokenizer import build_builtin_tokenizer
 from temper.trainer.engine import TrainerEngine
 
 Placement = Literal["colocated", "disaggregated"]
@@ -77,7 +82,8 @@ _SIZES = MODEL_FAMILIES["qwen3"].sizes
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """What a memory plan is computed from; `temper plan` takes each field as a flag."""
+    """What a memory plan is computed from: a job's configs read by `plan_settings`
+    (job/placement.py), the one mapping `temper plan RECIPE` and a job's startup log share."""
 
     model: str
     """A named Qwen3 size (0.6B, 1.7B, 4B, 8B, 14B, 32B, tiny) or a model directory (its
@@ -121,8 +127,8 @@ class PlanSettings:
     activation_checkpointing: Literal["none", "full"] = "none"
     """--sharding.activation_checkpointing: 'full' keeps only each block's input."""
     weight_sync: WeightSyncMode = "bucketed"
-    """bucketed: weights streamed in `bucket_mb` buckets; whole: today's gather of whole
-    weights on every rank."""
+    """bucketed: weights streamed in `bucket_mb` buckets (what jobs run); whole: every rank
+    gathers whole weights (`sampler_state_dict`)."""
     bucket_mb: int = 256
     """Size of one weight-sync bucket in MiB."""
     overlap_sync: bool = False
@@ -283,14 +289,21 @@ class MemoryPlan:
 
 
 def model_config(model: str) -> DecoderConfig:
-    """The config of a named size or of a model directory's config.json."""
-    if model in _SIZES:
-        return _SIZES[model]
+    """The config of a model directory's config.json, or of a named size: its published
+    shapes, or with a built-in tokenizer ('tiny:letters') that tokenizer's vocabulary, as
+    `temper train` builds it."""
     if Path(model).expanduser().is_dir():
         hf_config = read_hf_config(Path(model).expanduser())
         return family_for_hf_config(hf_config).config_from_hf(hf_config)
+    size, _, tokenizer = model.partition(":")
+    if size in _SIZES and not tokenizer:
+        return _SIZES[size]
+    if size in _SIZES:
+        vocab_size = build_builtin_tokenizer(tokenizer).vocab_size
+        return dataclasses.replace(_SIZES[size], vocab_size=vocab_size)
     raise ValueError(
-        f"model {model!r} is neither a named size ({', '.join(_SIZES)}) nor a model directory"
+        f"model {model!r} is neither a named size ({', '.join(_SIZES)}, optionally with a "
+        "built-in tokenizer: 'tiny:letters') nor a model directory"
     )
 
 
