@@ -384,8 +384,7 @@ class TemperServer(Configurable):
                         what="base weights and sampler its LoRA models share"
                         if shares_sampler
                         else "base weights its LoRA models share",
-                        # The multi-LoRA sampler reads the same weights: its KV cache more.
-                        num_bytes=base.sampler_bytes if shares_sampler else base.weights_bytes,
+                        num_bytes=base.shared_bytes(shared_sampler=shares_sampler),
                         pinned=True,
                     )
                 released += self.memory.admit(
