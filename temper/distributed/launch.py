@@ -55,7 +55,11 @@ def init_from_env(*, device_type: str | None = None) -> RankInfo:
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # device_id binds NCCL's communicators to this rank's GPU at once (no guessing from
+        # the current device of whichever thread makes the first collective).
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
     return RankInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,

@@ -54,6 +54,8 @@ __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperSe
 
 log = logging.getLogger("temper.server")
 Repeated = tyro.conf.UseAppendAction
+STALE_STAGING_S = 600.0
+"""Age past which a checkpoint staging directory in --storage counts as a killed save's."""
 
 
 class TemperServer(Configurable):
@@ -237,6 +239,8 @@ class TemperServer(Configurable):
             idle_seconds=config.model_idle_seconds,
         )
         storage = CheckpointStorage(config.storage)
+        # Saves a killed server left midway; a younger one may be another server's, still saving.
+        storage.clear_interrupted(older_than_s=STALE_STAGING_S)
         self.catalog = CheckpointCatalog(storage)
         if backend is None:
             from temper.client.service_client import ServiceClient
@@ -386,8 +390,7 @@ class TemperServer(Configurable):
                         what="base weights and sampler its LoRA models share"
                         if shares_sampler
                         else "base weights its LoRA models share",
-                        # The multi-LoRA sampler reads the same weights: its KV cache more.
-                        num_bytes=base.sampler_bytes if shares_sampler else base.weights_bytes,
+                        num_bytes=base.shared_bytes(shared_sampler=shares_sampler),
                         pinned=True,
                     )
                 released += self.memory.admit(

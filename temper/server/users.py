@@ -31,6 +31,8 @@ from pathlib import Path
 
 from temper.server.errors import Unauthorized
 
+KEY_FILE_FORMAT = '{"users": [{"name": ..., "key_sha256": ..., "admin": false}, ...]}'
+"""What a key file holds, as its errors describe it."""
 KEY_PREFIX = "tml-"
 """The tinker SDK refuses, client-side, keys that do not start with this."""
 MIN_KEY_LENGTH = 24
@@ -111,16 +113,24 @@ class Users:
 def read_key_file(path: Path) -> list[tuple[User, str]]:
     """The (user, key digest) pairs of a key file (ValueError naming the problem)."""
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ValueError(
             f"key file {path} does not exist; create it with `temper users add`"
         ) from None
-    except (OSError, json.JSONDecodeError) as error:
+    except OSError as error:
         raise ValueError(f"key file {path}: {error}") from None
+    if not text.strip():
+        raise ValueError(
+            f"key file {path} is empty; it must contain {KEY_FILE_FORMAT} (temper users add)"
+        )
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"key file {path}: {error}; it must contain {KEY_FILE_FORMAT}") from None
     entries = raw.get("users") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f'key file {path}: expected {{"users": [...]}}')
+        raise ValueError(f'key file {path}: expected {{"users": [...]}}, as in {KEY_FILE_FORMAT}')
     users, seen_names, seen_digests = [], set(), set()
     for index, entry in enumerate(entries):
         where = f"key file {path}: users[{index}]"
