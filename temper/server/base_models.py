@@ -159,6 +159,11 @@ class BaseModels:
             )
         return model
 
+    def largest_sampler_copy(self, *, lora: bool) -> int:
+        """The most an older sampling snapshot of a trainable model holds (snapshots.py)."""
+        trainable = [model for model in self.models if model.trainable]
+        return max((model.sampler_copy_bytes(lora=lora) for model in trainable), default=0)
+
     def summary(self) -> str:
         described = [
             f"{model.name!r}" + ("" if model.trainable else " (sample-only)")

@@ -269,11 +269,7 @@ class TemperServer(Configurable):
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.ended = EndedIds()
         # One budget for every model's snapshots: each counts as the largest model's copy.
-        lora = config.fine_tuning == "lora"
-        copy_bytes = max(
-            (model.sampler_copy_bytes(lora=lora) for model in self.base_models if model.trainable),
-            default=0,
-        )
+        copy_bytes = self.base_models.largest_sampler_copy(lora=config.fine_tuning == "lora")
         budget_mb = config.snapshot_memory_mb
         self.snapshots = SnapshotRetention(
             copy_bytes=copy_bytes,
