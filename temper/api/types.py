@@ -63,6 +63,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 1, or -1/0 for no limit, got {self.top_k!r}")
+        if self.top_k > _INT64_MAX:  # samplers hold it as an int64
+            raise ValueError(
+                f"top_k must be at most 2**63 - 1 (any top_k of the vocabulary size or more "
+                f"keeps every token), got {self.top_k}"
+            )
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and (
