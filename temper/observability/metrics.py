@@ -81,11 +81,11 @@ class MetricsLogger(Configurable):
             return {}
 
         def __post_init__(self) -> None:
-            name = "MetricsLogger.Config"
-            check_choice(self.display, field=f"{name}.display", choices=get_args(Display))
+            owner = "MetricsLogger.Config"
+            check_choice(self.display, field=f"{owner}.display", choices=get_args(Display))
             check_range(
                 self.table_every,
-                field=f"{name}.table_every",
+                field=f"{owner}.table_every",
                 integer=True,
                 at_least=0,
                 hint="0 turns tables off",

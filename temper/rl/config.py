@@ -159,7 +159,7 @@ def _check_config(config: RLJobConfig) -> None:
     )
     for field_name, least in _LEAST.items():
         check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
-    # 0 is allowed: a run that only samples
+    # 0 is allowed (a run that only samples)
     check_range(config.learning_rate, field=f"{name}.learning_rate", at_least=0)
     if config.prompts_per_step % config.num_substeps:
         raise ValueError(

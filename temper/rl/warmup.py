@@ -39,13 +39,13 @@ class SFTWarmup(Configurable):
         step); 0 = only after the last."""
 
         def __post_init__(self) -> None:
-            name = "SFTWarmup.Config"
-            check_range(self.steps, field=f"{name}.steps", at_least=0)
-            check_range(self.batch_size, field=f"{name}.batch_size", at_least=1)
-            check_range(self.learning_rate, field=f"{name}.learning_rate", greater_than=0)
+            owner = "SFTWarmup.Config"
+            check_range(self.steps, field=f"{owner}.steps", at_least=0)
+            check_range(self.batch_size, field=f"{owner}.batch_size", at_least=1)
+            check_range(self.learning_rate, field=f"{owner}.learning_rate", greater_than=0)
             check_range(
                 self.eval_every,
-                field=f"{name}.eval_every",
+                field=f"{owner}.eval_every",
                 at_least=0,
                 hint="0 = only after the last step",
             )

@@ -166,33 +166,37 @@ class TemperServer(Configurable):
                     "TemperServer.Config: give a model to serve: --model DIR (repeatable), "
                     "--sample-only-model DIR or --models-dir DIR"
                 )
-            name = "TemperServer.Config"
+            owner = "TemperServer.Config"
             memory_defaults = {
                 "model_memory_mb": "half the device's memory",
                 "snapshot_memory_mb": "a quarter of the device's memory",
             }
             for memory, default in memory_defaults.items():
                 value = getattr(self, memory)
-                check_range(value, field=f"{name}.{memory}", at_least=0, also=(None,), hint=default)
+                check_range(
+                    value, field=f"{owner}.{memory}", at_least=0, also=(None,), hint=default
+                )
             check_range(
                 self.poll_seconds,
-                field=f"{name}.poll_seconds",
+                field=f"{owner}.poll_seconds",
                 greater_than=0,
                 at_most=40,
                 hint="the SDK times a poll out at 45 s",
             )
             positive = ("snapshot_idle_seconds", "checkpoint_sweep_seconds", "model_idle_seconds")
             for field_name in (*positive, "max_body_mb"):
-                check_range(getattr(self, field_name), field=f"{name}.{field_name}", greater_than=0)
+                check_range(
+                    getattr(self, field_name), field=f"{owner}.{field_name}", greater_than=0
+                )
             check_range(
                 self.sample_window_s,
-                field=f"{name}.sample_window_s",
+                field=f"{owner}.sample_window_s",
                 at_least=0,
                 at_most=self.sample_max_hold_s,
                 hint="at most sample_max_hold_s",
             )
             check_range(
-                self.compute_threads, field=f"{name}.compute_threads", at_least=1, also=(None,)
+                self.compute_threads, field=f"{owner}.compute_threads", at_least=1, also=(None,)
             )
             for limit in (
                 "max_sessions_per_user",
@@ -200,14 +204,14 @@ class TemperServer(Configurable):
                 "max_sampling_sessions_per_user",
                 "max_queued_requests_per_user",
             ):
-                check_range(getattr(self, limit), field=f"{name}.{limit}", at_least=1)
+                check_range(getattr(self, limit), field=f"{owner}.{limit}", at_least=1)
             check_range(
                 self.session_timeout_s,
-                field=f"{name}.session_timeout_s",
+                field=f"{owner}.session_timeout_s",
                 greater_than=0,
                 hint="the tinker SDK heartbeats every 10 s",
             )
-            check_range(self.port, field=f"{name}.port", integer=True, at_least=0, at_most=65535)
+            check_range(self.port, field=f"{owner}.port", integer=True, at_least=0, at_most=65535)
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
         self.config = config

@@ -77,29 +77,29 @@ class GuessNumber(Configurable):
         slower search (up to 14 guesses in 1..100 against 7), which RL must then unlearn."""
 
         def __post_init__(self) -> None:
-            name = "GuessNumber.Config"
+            owner = "GuessNumber.Config"
             check_span(
-                name, low=("low", self.low), high=("high", self.high), at_least=0, strict=True
+                owner, low=("low", self.low), high=("high", self.high), at_least=0, strict=True
             )
             check_range(
                 self.heldout_percent,
-                field=f"{name}.heldout_percent",
+                field=f"{owner}.heldout_percent",
                 integer=True,
                 at_least=1,
                 at_most=99,
             )
             check_range(
                 self.binary_demonstrations,
-                field=f"{name}.binary_demonstrations",
+                field=f"{owner}.binary_demonstrations",
                 at_least=0,
                 at_most=1,
             )
             check_choice(
                 self.heldout_secrets,
-                field=f"{name}.heldout_secrets",
+                field=f"{owner}.heldout_secrets",
                 choices=("all", "on_search_paths"),
             )
-            check_range(self.turn_penalty, field=f"{name}.turn_penalty", at_least=0)
+            check_range(self.turn_penalty, field=f"{owner}.turn_penalty", at_least=0)
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer

@@ -99,23 +99,23 @@ class ToolArithmetic(Configurable):
         """Share of demonstrations that answer without the calculator."""
 
         def __post_init__(self) -> None:
-            name = "ToolArithmetic.Config"
+            owner = "ToolArithmetic.Config"
             check_span(
-                name,
+                owner,
                 low=("min_digits", self.min_digits),
                 high=("max_digits", self.max_digits),
                 at_least=1,
             )
             check_range(
                 self.heldout_percent,
-                field=f"{name}.heldout_percent",
+                field=f"{owner}.heldout_percent",
                 integer=True,
                 at_least=1,
                 at_most=99,
             )
-            check_range(self.num_terms, field=f"{name}.num_terms", at_least=2)
-            check_range(self.tool_timeout_s, field=f"{name}.tool_timeout_s", greater_than=0)
-            check_range(self.direct_share, field=f"{name}.direct_share", at_least=0, at_most=1)
+            check_range(self.num_terms, field=f"{owner}.num_terms", at_least=2)
+            check_range(self.tool_timeout_s, field=f"{owner}.tool_timeout_s", greater_than=0)
+            check_range(self.direct_share, field=f"{owner}.direct_share", at_least=0, at_most=1)
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
