@@ -56,7 +56,8 @@ def check_range(
         return
     bounds = _bounds(at_least, greater_than, at_most, less_than, integer=integer)
     if integer:
-        valid = _either(also, "a positive int" if bounds == "> 0" else f"an int {bounds}".strip())
+        positive = greater_than == 0 and at_most is None and less_than is None
+        valid = _either(also, "a positive int" if positive else f"an int {bounds}".strip())
         if isinstance(value, bool) or not isinstance(value, int):
             raise WrongTypeError(_message(field, valid, hint, value))
     else:
@@ -150,7 +151,7 @@ def _is_one_of(value: object, options: Sequence[object]) -> bool:
 
 
 def _either(named: Sequence[object], described: str) -> str:
-    """ "'auto', an int >= 1 or None": the named values, what `described` says, None last."""
+    """The named values, then what `described` says, None last: "'auto', an int >= 1 or None"."""
     parts = [repr(option) for option in named if option is not None]
     parts += [described] if described else []
     parts += ["None"] if None in named else []
