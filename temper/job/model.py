@@ -18,6 +18,7 @@ from temper.checkpoint.model_source import DType
 from temper.client.sampler_weights import resolve_base_model
 from temper.client.service_client import ServiceClient, check_device
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.distributed.ranks import Ranks
@@ -50,10 +51,9 @@ class ModelChoice(Configurable):
         """Parameter dtype of the model ('bfloat16' on GPUs)."""
 
         def __post_init__(self) -> None:
-            if self.lora_rank is not None and self.lora_rank < 1:
-                raise ValueError(
-                    f"ModelChoice.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
-                )
+            check_range(
+                self.lora_rank, field="ModelChoice.Config.lora_rank", at_least=1, also=(None,)
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.sampler import sampling
 from temper.sampler.admission import Admission
@@ -82,26 +83,25 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         decode shards, helper processes (temper/sampler/cpu/decoding.py)."""
 
         def __post_init__(self) -> None:
+            owner = "SamplerEngine.Config"
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
-                if getattr(self, name) < 1:
-                    raise ValueError(
-                        f"SamplerEngine.Config.{name} must be >= 1, got {getattr(self, name)}"
-                    )
-            if not self.prefix_cache_mib >= 0:
-                raise ValueError(
-                    "SamplerEngine.Config.prefix_cache_mib must be >= 0 (0 turns the prefix "
-                    f"cache off), got {self.prefix_cache_mib}"
+                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
+            check_range(
+                self.prefix_cache_mib,
+                field=f"{owner}.prefix_cache_mib",
+                at_least=0,
+                hint="0 turns the prefix cache off",
+            )
+            for index, size in enumerate(self.graph_batch_sizes):
+                check_range(
+                    size,
+                    field=f"{owner}.graph_batch_sizes[{index}]",
+                    integer=True,
+                    at_least=1,
+                    at_most=self.max_batch,
+                    hint="at most max_batch",
                 )
-            if any(size < 1 or size > self.max_batch for size in self.graph_batch_sizes):
-                raise ValueError(
-                    "SamplerEngine.Config.graph_batch_sizes must lie in 1..max_batch "
-                    f"({self.max_batch}), got {self.graph_batch_sizes}"
-                )
-            if self.cuda_graphs not in ("auto", "off"):
-                raise ValueError(
-                    f"SamplerEngine.Config.cuda_graphs must be 'auto' or 'off', got "
-                    f"{self.cuda_graphs!r}"
-                )
+            check_choice(self.cuda_graphs, field=f"{owner}.cuda_graphs", choices=("auto", "off"))
             if not isinstance(self.cpu, CpuDecoding.Config):
                 raise TypeError(
                     "SamplerEngine.Config.cpu must be a CpuDecoding.Config, got "

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from temper.api.types import SampleResponse
+from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
@@ -111,11 +112,9 @@ class GeneratorChoice(Configurable):
             return {}
 
         def __post_init__(self) -> None:
-            if self.backend not in ("temper", "vllm"):
-                raise ValueError(
-                    f"GeneratorChoice.Config.backend must be 'temper' or 'vllm', got "
-                    f"{self.backend!r}"
-                )
+            check_choice(
+                self.backend, field="GeneratorChoice.Config.backend", choices=("temper", "vllm")
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config
