@@ -1,7 +1,7 @@
 """Where the trainer and the generator run: on the same ranks, or on ranks of their own.
 
 `colocated` (the default): every rank trains a shard of the model and samples with its own
-generator (today's SPMD job). `disaggregated`: the last `generator_ranks` ranks of the world
+generator (SPMD). `disaggregated`: the last `generator_ranks` ranks of the world
 only generate, the others only train; after each optimizer step the trainer streams its
 weights to the generator ranks in buckets (weight_transfer.py), and the trainer ranks send
 their sample requests to them.

@@ -26,8 +26,8 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
   Colocated in one process with full fine-tuning in one dtype, the sampler reads the
   trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
-- Weight sync, `bucketed` (issue #18): two buckets of `bucket_mb` (a tensor larger than a
-  bucket is split by rows) on every rank that sends or receives. `whole` (today's sync): every
+- Weight sync, `bucketed`: two buckets of `bucket_mb` (a tensor larger than a
+  bucket is split by rows) on every rank that sends or receives. `whole`: every
   trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
   weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
   size of the largest adapted weight (the weight, B @ A scaled, their sum).
@@ -116,7 +116,7 @@ class PlanSettings:
     activation_checkpointing: Literal["none", "full"] = "none"
     """--sharding.activation_checkpointing: 'full' keeps only each block's input."""
     weight_sync: WeightSyncMode = "bucketed"
-    """bucketed: weights streamed in `bucket_mb` buckets; whole: today's gather of whole
+    """bucketed: weights streamed in `bucket_mb` buckets; whole: a gather of whole
     weights on every rank."""
     bucket_mb: int = 256
     """Size of one weight-sync bucket in MiB."""

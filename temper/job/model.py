@@ -112,7 +112,7 @@ class ModelChoice(Configurable):
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:
-    """The vLLM backend runs in one process for now: a job on several ranks would start one
+    """The vLLM backend runs in one process: a job on several ranks would start one
     vLLM engine per rank inside an initialized process group, which vLLM does not support."""
     if generator.backend == "vllm" and ranks.world_size > 1:
         raise ValueError(

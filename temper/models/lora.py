@@ -166,8 +166,8 @@ def initial_lora_A(model: Decoder, config: LoraConfig) -> Iterator[tuple[str, to
 def apply_lora(model: Decoder, config: LoraConfig) -> None:
     """Add LoRA adapters to `model` in place and freeze everything else.
 
-    Afterwards only `lora_A`/`lora_B` parameters require grad. The model computes the same
-    function as before until B moves away from zero.
+    Afterwards only `lora_A`/`lora_B` parameters require grad. B starts at zero, so the model
+    computes the function it computed without adapters until B moves away from zero.
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(f"apply_lora: config must be a LoraConfig, got {type(config).__name__}")

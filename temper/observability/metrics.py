@@ -264,7 +264,7 @@ class MetricsLogger(Configurable):
         phase = self._phase
         total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
         # Counted in steps done, as the progress lines are; `step` (the metrics' index) is shown
-        # beside it once a phase no longer starts at 0.
+        # beside it when a phase does not start at step 0.
         run_step = f" (run step {step})" if phase.first_step > 0 else ""
         done = step - phase.first_step + 1
         title = Text(f"{phase.description} step {done}{total}{run_step}")

@@ -161,7 +161,7 @@ class TemperServer(Configurable):
             return self.compute_threads or max(1, torch.get_num_threads() - 1)
 
         def __post_init__(self) -> None:
-            if isinstance(self.model, str):  # Config(model="dir"), as before several models
+            if isinstance(self.model, str):  # Config(model="dir"): one model, as a string
                 self.model = [self.model]
             if not (self.model or self.sample_only_model or self.models_dir):
                 raise ValueError(

@@ -1,7 +1,7 @@
 """`target_prompt_logprobs` through `temper serve` with the unmodified tinker SDK: dense and
 sparse requests answer in their own layout with the logprobs a full forward of the model
 gives; the cookbook's decisions recipe gets its distribution over labels; bad targets are a
-400 naming the field, and the sampler keeps serving as before."""
+400 naming the field, and the sampler keeps serving."""
 
 from __future__ import annotations
 

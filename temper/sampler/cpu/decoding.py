@@ -42,7 +42,7 @@ Twin = Literal["packed", "fused", "none"]
 SMALL_STEP_WORK = 2**29
 """With `num_threads='auto'`, a generate call whose decode steps multiply fewer than this many
 weights by rows (its rows, up to the engine's slots, times the model's parameters) runs on one
-thread. Measured on a 2-core VM (fp32, docs/sampler.md): one thread was faster at every size
+thread. Measured on a 2-core VM (fp32, docs/benchmarks.md): one thread was faster at every size
 under it (the tiny model 1.5-2.6x at batch 1-64, a 98 MiB model 1.1-1.2x at batch 1-16) and
 two at every size over it (the 98 MiB model at batch 64, a 388 MiB one at 16-64, the 0.6B
 shape in bf16 at 1 and 8)."""
@@ -71,7 +71,7 @@ class CpuDecoding(Configurable, Decoding):
         logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
         threads generate runs on (num_threads, else torch's), each of at least
         decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
-        split step was slower, docs/sampler.md)."""
+        split step was slower, docs/benchmarks.md)."""
         decode_shard_min_rows: int = 16
         """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
         processes: int | Literal["auto"] = "auto"
