@@ -23,7 +23,7 @@ from temper.api.futures import APIFuture, Worker
 from temper.api.prompt_targets import PromptTargets
 from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from temper.client.weight_sync import Snapshot
-from temper.sampler.generator import Generator, score_each_alone
+from temper.generator.seam import Generator, score_each_alone
 from temper.sampler.requests import SampleRequest
 from temper.tokenizer import Tokenizer
 

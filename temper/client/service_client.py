@@ -30,12 +30,13 @@ from temper.client.shared_base import SharedBase, SharedBases
 from temper.client.training_client import TrainingClient, training_kind
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
+from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.remote import RemoteGenerators
+from temper.generator.seam import Generator
 from temper.models.build import parse_dtype
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import Generator, GeneratorChoice
-from temper.sampler.multi_lora import MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
 from temper.tokenizer import Tokenizer, load_tokenizer
 from temper.trainer.engine import TrainerEngine
 
@@ -74,7 +75,7 @@ class ServiceClient:
     ) -> None:
         """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine
         only); None: its defaults. `remote`: the generator ranks of a disaggregated placement
-        (sampler/remote.py), where the training client's snapshots sample; None: generators
+        (generator/remote.py), where the training client's snapshots sample; None: generators
         in this process. `sleep_generator`: each training client's generator releases its KV
         cache while the trainer runs forward_backward."""
         check_device(device, named=f"device={device!r}", instead="use device='cpu'")

@@ -17,7 +17,7 @@ checkpoints with `trainable_only` (the base is neither saved nor loaded). A shar
 shared tensor's storage, version counter (bumped by any in-place write) and values.
 
 Their sampling snapshots share one sampler too: `sampler()` builds the base's multi-LoRA
-sampler (sampler/multi_lora.py) on a tree of its own over the same tensors, one KV cache for
+sampler (generator/multi_lora.py) on a tree of its own over the same tensors, one KV cache for
 all of them.
 
 The base lives while a client holds its `SharedBase`: the registry keeps it weakly, so
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from temper.checkpoint.model_source import ModelSource
-from temper.sampler.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import MultiLoraSampler
 from temper.tokenizer import Tokenizer
 
 

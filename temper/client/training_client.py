@@ -36,9 +36,9 @@ from temper.client.sampler_weights import recorded_base_model, save_sampler_weig
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import AdapterFeed, RemoteFeed, SamplerFeed, WeightSync
-from temper.sampler.generator import Generator
-from temper.sampler.multi_lora import MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
+from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.remote import RemoteGenerators
+from temper.generator.seam import Generator
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 

@@ -42,11 +42,11 @@ from torch import nn
 
 from temper.checkpoint.gather import sampler_share
 from temper.client.sampler_weights import sampler_model, sampler_update
+from temper.generator.multi_lora import AdapterView, MultiLoraSampler
+from temper.generator.remote import RemoteGenerator, RemoteGenerators
+from temper.generator.seam import Generator
 from temper.models.build import materialize
 from temper.models.lora import lora_state_dict, merged_config
-from temper.sampler.generator import Generator
-from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
-from temper.sampler.remote import RemoteGenerator, RemoteGenerators
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -86,7 +86,7 @@ class MergedFeed:
 
 class AdapterFeed:
     """A LoRA trainer's adapters, registered on a multi-LoRA sampler shared with the other
-    clients of its base (sampler/multi_lora.py): a version is a copy of the adapters."""
+    clients of its base (generator/multi_lora.py): a version is a copy of the adapters."""
 
     def __init__(self, *, trainer: TrainerEngine, sampler: MultiLoraSampler) -> None:
         assert trainer.lora is not None
@@ -100,7 +100,7 @@ class AdapterFeed:
 
 
 class RemoteFeed:
-    """The generator ranks of a disaggregated placement (sampler/remote.py): each version is
+    """The generator ranks of a disaggregated placement (generator/remote.py): each version is
     streamed to them in buckets, every trainer rank sending its own rows of the sharded
     tensors and trainer rank 0 the rest whole (gathered, merged)."""
 

@@ -1,5 +1,5 @@
 """LoRA clients of one ServiceClient sample through one multi-LoRA sampler on their shared
-base (sampler/multi_lora.py): a snapshot is a copy of the client's adapters, not a merged
+base (generator/multi_lora.py): a snapshot is a copy of the client's adapters, not a merged
 model; samples from concurrent clients decode in mixed batches and equal each client alone.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
-from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
+from temper.generator.multi_lora import AdapterView, MultiLoraSampler
 from tests.client.test_shared_base import _data, _step, _weights, interleaved
 
 ADAM = AdamParams(learning_rate=1e-2)
