@@ -13,7 +13,7 @@ from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.reference import greedy_decode
+from temper.sampler.oracle import greedy_decode
 from temper.tokenizer import build_builtin_tokenizer
 
 ONE_PROCESS = CpuDecoding.Config(processes=1)
