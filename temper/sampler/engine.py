@@ -19,10 +19,11 @@ Sampling is per row (temperature, top-k, top-p and seed may differ between rows)
 row's random draw depends only on its seed and how many tokens it has drawn, so seeded
 results do not depend on which other requests share the batch.
 
-What a decode step runs on is chosen once, when the engine is built (`self.decoding`): the
-model itself, or on CPU the speed wing's twins and row shards (cpu/decoding.py); on CUDA a
-step may replay a CUDA graph (cuda_graphs.py). Splitting calls over processes is not done
-here: `Config.build` wraps the engine for that (cpu/process_split.py).
+How a decode step runs is chosen once, when the engine is built (`self.decoding`,
+decoding.py): the model itself, on CPU the speed wing's twins and row shards
+(cpu/decoding.py), on CUDA a step's logits replayed from a CUDA graph (cuda_graphs.py).
+Splitting calls over processes is not done here: `Config.build` wraps the engine for that
+(cpu/process_split.py).
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ from temper.sampler import sampling
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
-from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+from temper.sampler.cuda_graphs import CudaGraphDecoding, default_buckets
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
-from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
+from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.sequence_scoring import score_sequences
@@ -159,11 +160,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         self._one_adapter: int | None = None  # the slot of every row of this call, if one
         self._entropy = random.Random()
         self._num_python_rows = 0  # active slots needing per-token Python work
-        self._static_decoder = self._build_static_decoder()
-        # How decode steps run, chosen once: on CPU the speed wing, else the plain path.
-        self.decoding: Decoding = Decoding()
-        if self.device.type == "cpu":
-            self.decoding = config.cpu.build(model=model, batch_hint=config.max_batch)
+        self.decoding = self._pick_decoding(model)
 
     @property
     def model(self) -> nn.Module:
@@ -192,8 +189,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         optimizer step on a trainer module the engine reads): copies made from the weights
         (the CPU wing's twins, helper processes) are made again only after it."""
         self.weights.update(source, version=version)
-        if self._static_decoder is not None and self._static_decoder.model is not self.model:
-            self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
+        self.decoding.weights_changed()
 
     def forget_prefixes(self, *, adapter: int) -> None:
         """Drop the cached prefixes of one adapter slot: a multi-LoRA sampler calls this
@@ -205,24 +201,28 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         may be the trainer's)."""
         self.prefix_cache.clear()
         self.cache.release()
-        self._static_decoder = None  # CUDA graphs hold the cache's pointers
+        self.decoding.sleep()
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeros, as when built)."""
         self.cache.reacquire()
-        self._static_decoder = self._build_static_decoder()
+        self.decoding.wake_up()
 
     def close(self) -> None:
         """Stop the decode threads (the engine stays usable: they start again if needed)."""
         self.decoding.close()
 
-    def _build_static_decoder(self) -> StaticDecoder | None:
-        if self.config.cuda_graphs == "off" or self.device.type != "cuda":
-            return None
-        if self._adapter_rows is not None:
-            return None  # per-row adapter slots are not captured in graphs
-        buckets = self.config.graph_batch_sizes or default_buckets(self.config.max_batch)
-        return StaticDecoder(model=self.model, cache=self.cache, buckets=buckets, capture=True)
+    def _pick_decoding(self, model: nn.Module) -> Decoding:
+        """How decode steps run, chosen once: on CPU the speed wing; on CUDA graphs (unless
+        off, or per-row adapter slots, which graphs do not capture); else the plain path."""
+        config = self.config
+        if self.device.type == "cpu":
+            return config.cpu.build(model=model, batch_hint=config.max_batch)
+        graphs = self.device.type == "cuda" and config.cuda_graphs != "off"
+        if graphs and self._adapter_rows is None:
+            buckets = config.graph_batch_sizes or default_buckets(config.max_batch)
+            return CudaGraphDecoding(self.weights, cache=self.cache, buckets=buckets)
+        return Decoding()
 
     @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(
@@ -287,20 +287,13 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     def _decode_step(self, decoder: DecodeModel) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
-        if self._static_decoder is not None:  # a CUDA graph replays the whole step
-            tokens_B = self.slots.last_token_S[:num_rows]
-            logits_BV = self._static_decoder.logits(tokens_B, positions_B)
-            draw = self._draw(range(num_rows), logits_BV)
-        else:
-            width = int(positions_B.max()) + 1  # attend over no more of the cache than used
-            # The rows at once, or in groups (CPU decode shards): every group attends over
-            # the whole step's width, so its rows' draws are bitwise those of one group.
-            draws = self.decoding.map_rows(
-                lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
-            )
-            draw = Draw.concat(draws)
+        width = self.decoding.width(positions_B)
+        # The rows at once, or in groups (CPU decode shards).
+        draws = self.decoding.map_rows(
+            lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
+        )
         positions_B += 1
-        self._record(0, draw)
+        self._record(0, Draw.concat(draws))
 
     def _decode_rows(self, rows: range, *, decoder: DecodeModel, width: int) -> Draw:
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
@@ -310,12 +303,15 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             one = self._one_adapter  # one slot for all: plain matmuls, no grouping
             index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
             self._adapter_rows.set(index)
-        hidden_B1D = decoder.hidden_states(
-            tokens_B[:, None],
-            positions_BT=positions_B[:, None],
-            attention=DecodeAttention(self.cache, positions_B, width=width, first_slot=rows.start),
+        logits_BV = self.decoding.logits(
+            decoder,
+            self.cache,
+            tokens_B=tokens_B,
+            positions_B=positions_B,
+            width=width,
+            first_slot=rows.start,
         )
-        return self._draw(rows, decoder.logits(hidden_B1D[:, 0]).float())
+        return self._draw(rows, logits_BV)
 
     def _draw(self, rows: range, logits_BV: torch.Tensor) -> Draw:
         """One token for each slot in `rows` (its logits row by row), with its logprobs."""
