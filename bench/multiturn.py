@@ -44,7 +44,7 @@ class DecodeCounter:
         self.rows: list[int] = []
         self.prefilled = 0
         step = engine._decode_step  # a benchmark may look inside; the library never does
-        prefill = engine._prefill
+        prefill = engine.admission._prefill
 
         def counted(decoder) -> None:
             self.rows.append(engine.slots.num_active)
@@ -57,7 +57,7 @@ class DecodeCounter:
             prefill(rows)
 
         engine._decode_step = counted
-        engine._prefill = counted_prefill
+        engine.admission._prefill = counted_prefill
 
 
 def play(runner, sampler, groups, *, seeds) -> float:

@@ -49,13 +49,14 @@ from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.requests import OnePromptSampling, SampleRequest
+from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
-class SamplerEngine(Configurable, Admission, OnePromptSampling):
+class SamplerEngine(Configurable, OnePromptSampling):
     holds_one_version = False  # a private copy keeps an old version (client/weight_sync.py)
 
     @dataclass(kw_only=True)
@@ -155,11 +156,20 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
         self.prefix_cache = PrefixCache(max_bytes=config.prefix_cache_bytes())
-        # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
-        self._adapter_rows = getattr(model, "multi_lora_rows", None)
-        self._one_adapter: int | None = None  # the slot of every row of this call, if one
+        self.adapters = RowAdapters(model)
         self._entropy = random.Random()
-        self._num_python_rows = 0  # active slots needing per-token Python work
+        self.admission = Admission(
+            weights=self.weights,
+            cache=self.cache,
+            prefix_cache=self.prefix_cache,
+            slots=self.slots,
+            tokenizer=tokenizer,
+            vocab_size=self.vocab_size,
+            max_seq_len=config.max_seq_len,
+            max_prefill_tokens=config.max_prefill_tokens,
+            entropy=self._entropy,
+            adapters=self.adapters,
+        )
         self.decoding = self._pick_decoding(model)
 
     @property
@@ -219,7 +229,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         if self.device.type == "cpu":
             return config.cpu.build(model=model, batch_hint=config.max_batch)
         graphs = self.device.type == "cuda" and config.cuda_graphs != "off"
-        if graphs and self._adapter_rows is None:
+        if graphs and self.adapters.rows is None:
             buckets = config.graph_batch_sizes or default_buckets(config.max_batch)
             return CudaGraphDecoding(self.weights, cache=self.cache, buckets=buckets)
         return Decoding()
@@ -230,9 +240,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     ) -> list[SampleResponse]:
         """Run requests to completion with continuous batching; responses in request order.
         On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
-        states = [self._start(request, index) for index, request in enumerate(requests)]
-        adapters = {request.adapter for request in requests}
-        self._one_adapter = adapters.pop() if len(adapters) == 1 else None
+        states = [self.admission.start(request, index) for index, request in enumerate(requests)]
+        self.adapters.start_call(requests)
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
         self.prefix_cache.follow(self.weights.generation)
@@ -246,14 +255,14 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                 decoder = self.decoding.decoder(self.weights)
                 while waiting or self.slots.num_active:
                     if waiting and self.slots.num_free:
-                        self._admit(waiting)
+                        admitted = self.admission.admit(waiting)
+                        self._draw_and_record(admitted.first_slot, admitted.logits_BV)
                     if self.slots.num_active:
                         self._decode_step(decoder)
         finally:
             # Only reached with sequences still active if a step raised; free their slots so
             # the engine keeps serving.
             self.slots.clear()
-            self._num_python_rows = 0
         return [state.response() for state in states]
 
     def seeded(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]:
@@ -262,7 +271,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         process_split.py) then returns what one call would."""
         seeded = [self._seeded(request) for request in requests]
         for index, request in enumerate(seeded):
-            self._start(request, index)
+            self.admission.start(request, index)
         return seeded
 
     def _seeded(self, request: SampleRequest) -> SampleRequest:
@@ -299,10 +308,10 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
-        if self._adapter_rows is not None:
-            one = self._one_adapter  # one slot for all: plain matmuls, no grouping
+        if self.adapters.rows is not None:
+            one = self.adapters.one  # one slot for all: plain matmuls, no grouping
             index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
-            self._adapter_rows.set(index)
+            self.adapters.rows.set(index)
         logits_BV = self.decoding.logits(
             decoder,
             self.cache,
@@ -362,7 +371,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             stopped_B = (tokens_B[:, None] == slots.stop_ids_SX[rows]).any(dim=-1)
         else:
             stopped_B = torch.zeros_like(tokens_B, dtype=torch.bool)
-        if self._num_python_rows:
+        if slots.num_python_rows:
             logprobs_BV = torch.cat(draw.logprobs_BV)
             self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
@@ -409,8 +418,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                 stop_reason="stop" if row_stopped else "length",
                 topk_logprobs=owner.topk,
             )
-            if owner.matcher is not None or owner.topk is not None:
-                self._num_python_rows -= 1
+            if owner.needs_python:
+                slots.num_python_rows -= 1
         if self.prefix_cache.enabled:
             self._keep_prefixes(finished, tokens=tokens, counts=counts)
         remaining = slots.num_active - len(finished)

@@ -151,9 +151,9 @@ def test_seeded_samples_do_not_depend_on_the_batch(model):
 def test_more_samples_than_slots_share_one_prefill(model, monkeypatch):
     engine = _engine(model, max_batch=2)
     prefills = []
-    original = engine._prefill
+    original = engine.admission._prefill
     monkeypatch.setattr(
-        engine, "_prefill", lambda rows: (prefills.append(len(rows)), original(rows))
+        engine.admission, "_prefill", lambda rows: (prefills.append(len(rows)), original(rows))
     )
     params = SamplingParams(max_tokens=5, temperature=0)
     response = engine.sample(PROMPTS[2], params, num_samples=5)
