@@ -152,9 +152,9 @@ class ServiceClient:
         else:
             base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
             weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
-        engine = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
+        generator = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
         return SamplingClient(
-            snapshot=Snapshot(engine=engine, version=engine.version),
+            snapshot=Snapshot(generator=generator, version=generator.version),
             worker=Worker("temper-sampler"),
             tokenizer=weights.tokenizer,
         )
@@ -178,7 +178,7 @@ class ServiceClient:
             vocab_size=sampler_vocab_size(directory),
         )
         return SamplingClient(
-            snapshot=Snapshot(engine=reference, version=reference.version),
+            snapshot=Snapshot(generator=reference, version=reference.version),
             worker=Worker("temper-reference"),
             tokenizer=load_tokenizer(directory),
         )

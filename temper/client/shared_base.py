@@ -9,8 +9,8 @@ buffers are the shared ones. A client therefore owns only its adapters, their gr
 its optimizer state.
 
 Nothing may write the shared tensors in place. What reads them: the trainer's forward and
-backward (gradients go to the adapters only), `merged_state_dict` (new tensors), the
-sampler's `update_weights` with merged tensors (copies into the sampler's own model), and
+backward (gradients go to the adapters only), `merged_state_dict` (new tensors), a
+generator's `update_weights` with merged tensors (copies into the generator's own model), and
 checkpoints with `trainable_only` (the base is neither saved nor loaded). A sharded trainer
 (FSDP/TP replaces parameters by shards) and full fine-tuning build a private copy instead
 (service_client.py). `SharedBase.check_unchanged` asserts the guard the tests rely on: every

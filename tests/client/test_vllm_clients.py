@@ -63,7 +63,7 @@ def test_vllm_samples_what_optim_step_made(tmp_path, tied, lora):
     data = _data(client.get_tokenizer())
     tokens = data[2].model_input.to_ints()
     first = client.save_weights_and_get_sampling_client()
-    assert isinstance(first.engine, VllmGenerator)
+    assert isinstance(first.generator, VllmGenerator)
     before = first.compute_logprobs(ModelInput.from_ints(tokens)).result()
     pending = first.sample(ModelInput.from_ints(tokens[:3]), 2, SamplingParams(max_tokens=3))
     for _ in range(2):
