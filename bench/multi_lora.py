@@ -39,8 +39,8 @@ def run_case(case: dict) -> dict:
     import torch
 
     from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+    from temper.generator.multi_lora import MultiLoraSampler
     from temper.sampler.engine import SamplerEngine
-    from temper.sampler.multi_lora import MultiLoraSampler
 
     torch.manual_seed(0)
     sampler = SamplerEngine.Config(max_batch=case["total_batch"], max_seq_len=case["seq_len"])

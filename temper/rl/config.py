@@ -16,6 +16,7 @@ from typing import Literal
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
+from temper.generator.choice import GeneratorChoice
 from temper.job import ModelChoice
 from temper.observability import MetricsLogger
 from temper.rl.advantages import AdvantageMode
@@ -25,7 +26,6 @@ from temper.rl.kl import KLEstimator
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
 from temper.tasks import SumDigits, TaskConfig
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding

@@ -27,10 +27,10 @@ from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
+from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import MultiLoraSampler
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.multi_lora import MultiLoraSampler
 from temper.server import adapter_room, request_log
 from temper.server.base_models import (
     BaseModel,

@@ -34,13 +34,13 @@ from temper.client.training_client import TrainingClient
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
+from temper.generator.choice import GeneratorChoice
 from temper.job import CHECKPOINTS_DIR, ModelChoice, RunCheckpoints, state_to_resume
 from temper.job.long_lived import long_lived_objects_frozen
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
 from temper.sampler.cpu.decoding import CpuDecoding
-from temper.sampler.generator import GeneratorChoice
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource

@@ -35,7 +35,7 @@ def sampler(server, model_dir):
 @pytest.fixture(scope="module")
 def model(model_dir, tmp_path_factory):
     local = temper.ServiceClient(storage_dir=tmp_path_factory.mktemp("local"))
-    return local.create_sampling_client(base_model=str(model_dir.resolve())).engine.model
+    return local.create_sampling_client(base_model=str(model_dir.resolve())).generator.model
 
 
 def table(rows: dict[int, list[int]], *, width: int) -> torch.Tensor:

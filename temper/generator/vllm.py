@@ -21,7 +21,7 @@ How Temper's semantics map onto vLLM's, exactly or not at all:
   (0, 1e-5), which vLLM would decode greedily; `score()` at a temperature other than 1.
 
 vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
-(`_refresh_output_layer` rebuilds it; tests/sampler/test_vllm.py fails without it). vLLM's
+(`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it). vLLM's
 CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
 original is put back after the engine is built, since the trainer in this process sets its
 own thread counts; so are the global random generators vLLM seeds. With tensor parallelism on
