@@ -220,9 +220,9 @@ def vllm(shapes: Shapes) -> dict:
     import torch
 
     from temper.api import SamplingParams
+    from temper.generator.vllm import VllmGenerator
     from temper.models import materialize, qwen3_size
     from temper.sampler.engine import SampleRequest
-    from temper.sampler.vllm import VllmGenerator
 
     model = materialize(qwen3_size(shapes.model), dtype=shapes.dtype, seed=0)
     generator = VllmGenerator.Config(max_model_len=2048, kv_cache_mib=8192).build(model=model)

@@ -134,8 +134,8 @@ def run_under_torchrun(
     torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process only
     (not every rank at once, each with its own KeyboardInterrupt traceback). SIGINT or SIGTERM
     here terminates torchrun, which stops its ranks; a second one kills the session. Then
-    KeyboardInterrupt is raised here, once no rank is left. (Before, `subprocess.run` killed
-    torchrun alone on Ctrl-C, and its ranks trained on to the end, orphaned.)"""
+    KeyboardInterrupt is raised here, once no rank is left. (`subprocess.run` would kill
+    torchrun alone on Ctrl-C, and its ranks would train on to the end, orphaned.)"""
     command = torchrun_command(
         nproc=nproc, args=args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, run_id=run_id
     )

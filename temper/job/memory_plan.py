@@ -57,6 +57,7 @@ from typing import Literal
 
 from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.model_source import DType
+from temper.config.checks import check_choice, check_range
 from temper.job.model_bytes import (
     ModelShapes,
     SamplerBytes,
@@ -145,25 +146,26 @@ class PlanSettings:
     CUDA graphs, fragmentation)."""
 
     def __post_init__(self) -> None:
-        if not self.prefix_cache_mib >= 0:
-            raise ValueError(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
+        check_range(self.prefix_cache_mib, field="prefix_cache_mib", at_least=0)
         positive = ("nnodes", "nproc_per_node", "generator_tp", "dp_replicate", "batch")
-        positive += ("max_seq_len",)
-        positive += ("micro_batch_tokens", "bucket_mb", "lora_rank", "max_batch")
+        positive += ("max_seq_len", "micro_batch_tokens", "bucket_mb")
         for name in positive:
-            if getattr(self, name) is not None:  # lora_rank and max_batch may be None
-                _check_positive(name, getattr(self, name))
+            check_range(getattr(self, name), field=name, integer=True, at_least=1)
+        for name in ("lora_rank", "max_batch"):
+            check_range(getattr(self, name), field=name, integer=True, at_least=1, also=(None,))
         for name in ("dtype", "generator_dtype", "transfer_dtype"):
             if getattr(self, name) is not None:
                 parse_dtype(getattr(self, name), field=name)
-        _check_choice("placement", self.placement, ("colocated", "disaggregated"))
-        _check_choice("weight_sync", self.weight_sync, ("bucketed", "whole"))
-        _check_choice("mode", self.mode, ("sync", "async"))
-        _check_choice("activation_checkpointing", self.activation_checkpointing, ("none", "full"))
-        if not self.gpu_memory_gib > 0:
-            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
-        if not 0 <= self.headroom < 1:
-            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+        check_choice(self.placement, field="placement", choices=("colocated", "disaggregated"))
+        check_choice(self.weight_sync, field="weight_sync", choices=("bucketed", "whole"))
+        check_choice(self.mode, field="mode", choices=("sync", "async"))
+        check_choice(
+            self.activation_checkpointing,
+            field="activation_checkpointing",
+            choices=("none", "full"),
+        )
+        check_range(self.gpu_memory_gib, field="gpu_memory_gib", greater_than=0)
+        check_range(self.headroom, field="headroom", at_least=0, less_than=1)
         self._check_placement()
         self._check_replicas()
 
@@ -219,16 +221,6 @@ class PlanSettings:
         if self.placement == "colocated":
             return self.world_size
         return self.generator_ranks // self.generator_tp
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"{name} must be one of {', '.join(valid)}; got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

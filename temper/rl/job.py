@@ -42,6 +42,8 @@ from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
+from temper.generator.choice import GeneratorChoice
+from temper.generator.remote import RemoteGenerators
 from temper.job import (
     CHECKPOINTS_DIR,
     ModelChoice,
@@ -69,8 +71,6 @@ from temper.rl.env import EnvSource
 from temper.rl.episodes import EpisodeRunner, heldout_success
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.remote import RemoteGenerators
 from temper.tasks.evaluation import greedy_accuracy, heldout_problems
 from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer

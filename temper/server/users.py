@@ -13,8 +13,8 @@ place.
 
 Without a key file there is one user, `default`: every request without a key (loopback
 only), or with `--api-key`, is that user, and sees everything (as a single-user server
-always has). With a key file, `--api-key` (if given) is still the key of `default`, now an
-ordinary user; runs saved before owners were recorded belong to `default`.
+always has). With a key file, `--api-key` (if given) is the key of `default`, then an
+ordinary user; a run whose run.json records no owner belongs to `default`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ def test_keys_map_to_their_users_and_only_digests_are_stored(tmp_path):
     users = Users(key_file=key_file, api_key="tml-the-old-single-key")
     assert users.authenticate(alice).name == "alice" and not users.authenticate(alice).admin
     assert users.authenticate(root).admin
-    assert users.authenticate("tml-the-old-single-key").name == "default"  # not an admin now
+    # With a key file, the --api-key user is an ordinary user.
+    assert users.authenticate("tml-the-old-single-key").name == "default"
     assert not users.authenticate("tml-the-old-single-key").admin
     for wrong in (None, "", "tml-nobody-has-this-key-000"):
         with pytest.raises(Unauthorized):
