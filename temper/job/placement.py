@@ -82,8 +82,10 @@ def serve_generator(
             generator.vllm, engine_process="separate", tensor_parallel_size=tp
         )
         generator = dataclasses.replace(generator, vllm=vllm)
-        if tp > 1 and torch.device(device).type == "cuda":
-            _lend_group_devices(tp)
+        if torch.device(device).type == "cuda":
+            # Also at tp 1: vLLM's engine process would otherwise see every GPU and take
+            # cuda:0, a trainer's.
+            lend_group_devices(tp)
     GeneratorRank(
         roles=roles,
         engine=rank_sampler(sampler),
@@ -95,7 +97,7 @@ def serve_generator(
     ).serve()
 
 
-def _lend_group_devices(tp: int) -> None:
+def lend_group_devices(tp: int) -> None:
     """vLLM's processes (started by this rank) see this rank's GPU and the next `tp - 1`
     local ranks' (torchrun gives local rank i GPU i; the group must sit on one node)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -210,8 +210,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
         """Release the KV cache and the prefix cache until `wake_up` (the weights stay: they
         may be the trainer's)."""
         self.prefix_cache.clear()
+        self.decoding.sleep()  # first: CUDA graphs' pool goes back with the cache's memory
         self.cache.release()
-        self.decoding.sleep()
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeros, as when built)."""
