@@ -77,16 +77,19 @@ class SamplerWeights:
     name: str
 
 
-def sampler_model(model: nn.Module, *, lora: LoraConfig | None) -> nn.Module:
-    """The module a trainer's sampler is built on: the trainer's own (full fine-tuning) or an
-    empty plain model shaped like the merged one (LoRA, or a sharded trainer: each rank's
-    sampler holds whole weights)."""
-    if lora is None and not is_sharded(model):
-        return model
+def sampler_model(
+    model: nn.Module, *, lora: LoraConfig | None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The module a trainer's sampler is built on: the trainer's own (full fine-tuning in
+    `dtype`) or an empty plain model shaped like the merged one, in `dtype` (LoRA, a sharded
+    trainer: each rank's sampler holds whole weights; or another dtype: a bf16 copy of a
+    mixed-precision trainer's fp32 weights, filled by a cast at each sync). `dtype` None: the
+    trainer's parameters' dtype."""
     parameter = next(model.parameters())
-    return materialize(
-        merged_config(model), device=parameter.device, dtype=parameter.dtype, init="empty"
-    )
+    dtype = dtype or parameter.dtype
+    if lora is None and not is_sharded(model) and dtype == parameter.dtype:
+        return model
+    return materialize(merged_config(model), device=parameter.device, dtype=dtype, init="empty")
 
 
 def sampler_update(model: nn.Module, *, lora: LoraConfig | None) -> WeightUpdate:

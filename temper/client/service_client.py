@@ -39,6 +39,7 @@ from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import Tokenizer, load_tokenizer
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.precision import Precision, PrecisionName
 
 DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
 
@@ -65,7 +66,7 @@ class ServiceClient:
         *,
         storage_dir: str | Path = DEFAULT_STORAGE,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: PrecisionName = "float32",
         trainer: TrainerEngine.Config | None = None,
         sampler: SamplerEngine.Config | None = None,
         generator: GeneratorChoice.Config | None = None,
@@ -77,11 +78,17 @@ class ServiceClient:
         only); None: its defaults. `remote`: the generator ranks of a disaggregated placement
         (generator/remote.py), where the training client's snapshots sample; None: generators
         in this process. `sleep_generator`: each training client's generator releases its KV
-        cache while the trainer runs forward_backward."""
+        cache while the trainer runs forward_backward. `dtype`: the precision
+        (trainer/precision.py): 'float32', 'bfloat16' (pure), 'bf16-mixed' (fp32 weights, bf16
+        matmuls, a bf16 generator) or 'auto' (bf16-mixed on CUDA, else float32)."""
         check_device(device, named=f"device={device!r}", instead="use device='cpu'")
         self.storage = CheckpointStorage(storage_dir)
         self.device = device
-        self.dtype = dtype
+        self.precision = Precision.resolve(dtype, device=device)
+        self.dtype = self.precision.parameters
+        """The dtype training clients keep their weights in."""
+        self.generator_dtype = self.precision.compute
+        """The dtype sampling clients decode in (the trainer's compute dtype)."""
         self.trainer_config = trainer or TrainerEngine.Config()
         self.sampler_config = sampler or SamplerEngine.Config()
         self.generator_choice = GeneratorChoice(generator or GeneratorChoice.Config())
@@ -147,10 +154,11 @@ class ServiceClient:
             raise ValueError("create_sampling_client takes exactly one of model_path, base_model")
         if model_path is not None:
             weights = load_sampler_weights(
-                self.storage, model_path, device=self.device, dtype=self.dtype
+                self.storage, model_path, device=self.device, dtype=self.generator_dtype
             )
         else:
-            base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
+            source = resolve_base_model(base_model, device=self.device, dtype=self.generator_dtype)
+            base = source.build()
             weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
         generator = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
         return SamplingClient(
@@ -174,7 +182,7 @@ class ServiceClient:
             )
         reference = self.remote.load_reference(
             str(directory.resolve()),
-            dtype=parse_dtype(self.dtype),
+            dtype=parse_dtype(self.generator_dtype),
             vocab_size=sampler_vocab_size(directory),
         )
         return SamplingClient(
@@ -220,7 +228,12 @@ class ServiceClient:
         else:
             base = source.build()
             model, tokenizer = base.model, base.tokenizer
-        engine = self.trainer_config.build(model=model, lora=lora, weights=weights)
+        engine = self.trainer_config.build(
+            model=model,
+            lora=lora,
+            weights=weights,
+            compute_dtype=parse_dtype(self.precision.compute) if self.precision.mixed else None,
+        )
         run_id = check_name(run_id or f"run-{uuid.uuid4().hex[:12]}", field="run id")
         info = {
             "base_model": base_model,

@@ -6,7 +6,9 @@ parameters (no copy); a LoRA client on a shared base registers a copy of its ada
 multi-LoRA sampler of that base (`AdapterFeed`); with a disaggregated placement the weights
 are streamed to the generator ranks (`RemoteFeed`); otherwise the weights are merged or gathered
 into the generator's own copy in memory (`MergedFeed`: LoRA on a private base, a sharded
-trainer, another dtype, any vLLM engine).
+trainer, another dtype, any vLLM engine). Every generator decodes in the trainer's compute
+dtype: a 'bf16-mixed' trainer's fp32 weights reach it cast to bf16 at each sync (its own bf16
+copy, refreshed in place when no snapshot holds the old one).
 
 Copy-on-write keeps older snapshots valid. The lock keeps the trainer from changing weights
 while a generator reads them, and just before the weights change the snapshot of the current
@@ -69,7 +71,8 @@ class GeneratorFeed(Protocol):
 
 class MergedFeed:
     """A generator on the trainer's own module (full fine-tuning), or on its own plain copy
-    that takes merged LoRA weights or gathered shards."""
+    that takes merged LoRA weights, gathered shards or a cast: a mixed-precision trainer's
+    generator decodes a copy in the trainer's compute dtype (bf16 of fp32 weights)."""
 
     def __init__(
         self, *, trainer: TrainerEngine, new_generator: NewGenerator, tokenizer: Tokenizer
@@ -77,7 +80,8 @@ class MergedFeed:
         self._trainer, self._new_generator, self._tokenizer = trainer, new_generator, tokenizer
 
     def generator(self) -> Generator:
-        model = sampler_model(self._trainer.model, lora=self._trainer.lora)
+        trainer = self._trainer
+        model = sampler_model(trainer.model, lora=trainer.lora, dtype=trainer.compute_dtype)
         return self._new_generator(model=model, tokenizer=self._tokenizer)
 
     def weights(self) -> WeightUpdate:
@@ -113,7 +117,7 @@ class RemoteFeed:
         model = self._trainer.model
         return self._remote.connect(
             model_config=merged_config(model),
-            dtype=next(model.parameters()).dtype,
+            dtype=self._trainer.compute_dtype,
             tokenizer=self._tokenizer,
         )
 

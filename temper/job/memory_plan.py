@@ -12,22 +12,27 @@ model_bytes.py, which the server's estimates use too.
 What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 
 - Trainer: FSDP2 shards dim 0 of every parameter over T ranks, padded to ceil(dim0 / T)
-  rows, in the trainer's dtype: weights (with LoRA: the frozen base and the adapters),
-  gradients (training only) and AdamW's two moments, all in that dtype (no fp32 master copy:
-  what `ModelChoice.dtype` does). While training FSDP also holds the root (embedding,
-  output, final norm: kept gathered for the whole step) and two gathered blocks (one in use,
-  one prefetched); full fine-tuning adds the unsharded gradients of the root and a block.
+  rows, in the trainer's parameter dtype: weights (with LoRA: the frozen base and the
+  adapters), gradients (training only) and AdamW's two moments, all in that dtype: fp32 under
+  'bf16-mixed' (the master weights), bf16 under pure 'bfloat16' (no master copy; see
+  `--model.dtype`). While training FSDP also holds the root (embedding, output, final norm:
+  kept gathered for the whole step) and two gathered blocks (one in use, one prefetched), in
+  the compute dtype; full fine-tuning adds the unsharded gradients of the root and a block
+  (compute dtype), and under 'bf16-mixed' the fp32 copy of the larger of them that FSDP
+  reduces. An unsharded 'bf16-mixed' trainer instead keeps autocast's bf16 casts of the
+  weights for backward.
 - Activations (an estimate): what autograd keeps for one micro-batch of
   min(micro_batch_tokens, the rank's share of the step) tokens, per token and layer as
   measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it);
   flash-style attention keeps no T x T matrix. With full activation checkpointing each block
   keeps only its input, and backward recomputes one block at a time. The fp32 logits of one
   chunk (<= 256 MiB, logprobs.py) and their log-softmax come on top.
-- Generator: whole weights in the generator's dtype (1/generator_tp of them with tensor
-  parallelism), and the KV cache the engine preallocates: `max_batch` slots (default: the
-  engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
-  Colocated in one process with full fine-tuning in one dtype, the sampler reads the
-  trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
+- Generator: whole weights in the generator's dtype (the trainer's compute dtype unless set;
+  1/generator_tp of them with tensor parallelism), and the KV cache the engine preallocates:
+  `max_batch` slots (default: the engine's share of the batch) x `max_seq_len` positions x
+  layers x 2 x kv heads x head dim. Colocated in one process with full fine-tuning in one
+  dtype, the sampler reads the trainer's own tensors (no copy); otherwise (LoRA, a sharded
+  trainer, 'bf16-mixed': a bf16 copy of the fp32 weights) it holds a copy of its own.
 - Weight sync, `bucketed` (what jobs run): two buckets of `bucket_mb` (a tensor larger than a
   bucket is split by rows) on every rank that sends or receives. `whole` (`sampler_state_dict`
   gathering whole tensors, a what-if no job runs): every trainer rank gathers a whole copy,
@@ -63,6 +68,7 @@ from temper.job.model_bytes import (
     SamplerBytes,
     TrainerBytes,
     activation_bytes,
+    autocast_copy_bytes,
     logits_bytes,
 )
 from temper.models.build import parse_dtype
@@ -71,6 +77,7 @@ from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import build_builtin_tokenizer
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.precision import Precision
 
 Placement = Literal["colocated", "disaggregated"]
 WeightSyncMode = Literal["bucketed", "whole"]
@@ -91,10 +98,12 @@ class PlanSettings:
     config.json is read, not its weights)."""
     lora_rank: int | None = None
     """LoRA rank (attention, MLP and unembedding adapted); None trains every weight."""
-    dtype: DType = "bfloat16"
-    """The trainer's parameter dtype (--model.dtype): weights, gradients, AdamW moments."""
+    dtype: Literal["auto", "float32", "bf16-mixed", "bfloat16"] = "bfloat16"
+    """The trainer's precision (--model.dtype, trainer/precision.py): 'bf16-mixed' keeps fp32
+    weights, gradients and AdamW moments and computes in bf16; 'float32' and 'bfloat16' keep
+    and compute everything in that dtype; 'auto' plans a GPU's default, 'bf16-mixed'."""
     generator_dtype: DType | None = None
-    """The generator's weights and KV cache; None: `dtype`."""
+    """The generator's weights and KV cache; None: the trainer's compute dtype."""
     transfer_dtype: DType | None = None
     """Dtype of the weights sent to the generator; None: the generator's."""
     nnodes: int = 1
@@ -153,7 +162,10 @@ class PlanSettings:
             check_range(getattr(self, name), field=name, integer=True, at_least=1)
         for name in ("lora_rank", "max_batch"):
             check_range(getattr(self, name), field=name, integer=True, at_least=1, also=(None,))
-        for name in ("dtype", "generator_dtype", "transfer_dtype"):
+        # A plan is of GPU memory: 'auto' as on a GPU. Resolved once: frozen from here on.
+        precision = Precision.resolve(self.dtype, device="cuda", field="dtype")
+        object.__setattr__(self, "dtype", precision.name)
+        for name in ("generator_dtype", "transfer_dtype"):
             if getattr(self, name) is not None:
                 parse_dtype(getattr(self, name), field=name)
         check_choice(self.placement, field="placement", choices=("colocated", "disaggregated"))
@@ -381,8 +393,12 @@ class _Rows:
         self, settings: PlanSettings, *, decoder: DecoderConfig, shapes: ModelShapes
     ) -> None:
         self.settings, self.decoder, self.shapes = settings, decoder, shapes
-        self.dtype = settings.dtype
-        self.generator_dtype = settings.generator_dtype or settings.dtype
+        precision = Precision(settings.dtype)
+        self.precision = settings.dtype
+        self.dtype = precision.parameters  # weights, gradients, moments
+        self.compute_dtype = precision.compute  # matmuls, FSDP's gathered copies
+        self.mixed = precision.mixed
+        self.generator_dtype = settings.generator_dtype or self.compute_dtype
         self.transfer_dtype = settings.transfer_dtype or self.generator_dtype
         self.lora = settings.lora_rank is not None
 
@@ -403,38 +419,29 @@ class _Rows:
                 ),
             ]
         else:
-            rows = [PlanRow(item=f"weights, {share}{self.dtype}", num_bytes=held.weights)]
+            master = " (master)" if self.mixed else ""
+            rows = [PlanRow(item=f"weights, {share}{self.dtype}{master}", num_bytes=held.weights)]
         rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=held.moments))
         rows.append(PlanRow(item="gradients", num_bytes=held.gradients, phase="training"))
         return rows
 
     def _training_step(self) -> list[PlanRow]:
         settings, shapes = self.settings, self.shapes
-        ranks, size = settings.trainer_ranks, _itemsize(self.dtype)
+        ranks, size = settings.trainer_ranks, _itemsize(self.compute_dtype)
         rows = []
-        if settings.shard_ranks > 1:
-            root, block = shapes.numel(root=True), shapes.numel(prefix="blocks.0.")
-            rows.append(
-                PlanRow(
-                    item="FSDP gathered: embeddings, output, 2 blocks",
-                    num_bytes=(root + 2 * block) * size,
-                    phase="training",
-                )
-            )
-            if not self.lora:
-                rows.append(
-                    PlanRow(
-                        item="FSDP unsharded gradients: root, 1 block",
-                        num_bytes=(root + block) * size,
-                        phase="training",
-                    )
-                )
+        # FSDP gathers copies when it shards, or casts them (mixed precision) even unsharded.
+        if settings.shard_ranks > 1 or (self.mixed and ranks > 1):
+            rows.extend(self._fsdp_copies(size))
+        elif self.mixed:
+            copies = autocast_copy_bytes(shapes, dtype=self.compute_dtype)
+            item = f"autocast: {self.compute_dtype} casts of the weights"
+            rows.append(PlanRow(item=item, num_bytes=copies, phase="training"))
         share = math.ceil(settings.batch / ranks) * settings.max_seq_len
         tokens = min(settings.micro_batch_tokens, share)
         activations = activation_bytes(
             self.decoder,
             tokens=tokens,
-            dtype=self.dtype,
+            dtype=self.precision,
             lora=self.lora,
             checkpointing=settings.activation_checkpointing,
         )
@@ -445,6 +452,35 @@ class _Rows:
         rows.append(
             PlanRow(item="logits: fp32 chunk + log-softmax", num_bytes=logits, phase="training")
         )
+        return rows
+
+    def _fsdp_copies(self, size: int) -> list[PlanRow]:
+        """What FSDP gathers (or casts) while training, `size` bytes an element."""
+        shapes = self.shapes
+        root, block = shapes.numel(root=True), shapes.numel(prefix="blocks.0.")
+        rows = [
+            PlanRow(
+                item="FSDP gathered: embeddings, output, 2 blocks",
+                num_bytes=(root + 2 * block) * size,
+                phase="training",
+            )
+        ]
+        if not self.lora:
+            rows.append(
+                PlanRow(
+                    item="FSDP unsharded gradients: root, 1 block",
+                    num_bytes=(root + block) * size,
+                    phase="training",
+                )
+            )
+            if self.mixed:
+                rows.append(
+                    PlanRow(
+                        item=f"FSDP gradient reduction in {self.dtype}: the root or 1 block",
+                        num_bytes=max(root, block) * _itemsize(self.dtype),
+                        phase="training",
+                    )
+                )
         return rows
 
     def generator(self, *, colocated: bool) -> list[PlanRow]:

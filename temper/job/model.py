@@ -1,7 +1,8 @@
 """The model a job trains: which base model, full or LoRA, on which device and dtype.
 
 A job's config holds it as `model: ModelChoice.Config` (flags `--model.base_model`,
-`--model.lora_rank`, ...), and the job asks it for the in-process `ServiceClient` and the
+`--model.lora_rank`, `--model.dtype`: the precision, bf16 compute on fp32 master weights by
+default on GPUs, ...), and the job asks it for the in-process `ServiceClient` and the
 training client, new or restored from a full-state checkpoint. The engines behind the clients
 (`sampler`, `generator`, `trainer`) stay in the job's config: their defaults differ per job,
 and the RL job adapts them to the number of ranks.
@@ -11,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import get_args
 
 import torch
 
-from temper.checkpoint.model_source import DType
 from temper.client.sampler_weights import resolve_base_model
 from temper.client.service_client import ServiceClient, check_device
 from temper.client.training_client import TrainingClient
-from temper.config.checks import check_range
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.distributed.ranks import Ranks
@@ -27,6 +28,7 @@ from temper.generator.multi_lora import MultiLoraSampler
 from temper.generator.remote import RemoteGenerators
 from temper.sampler.engine import SamplerEngine
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.precision import Precision, PrecisionName
 
 
 def default_device() -> str:
@@ -56,13 +58,27 @@ class ModelChoice(Configurable):
         device: str = field(default_factory=lambda: default_device())
         """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's
         GPU); default 'cuda' where torch sees a GPU, else 'cpu'."""
-        dtype: DType = "float32"
-        """Parameter dtype of the model ('bfloat16' on GPUs)."""
+        dtype: PrecisionName = "auto"
+        """Precision (trainer/precision.py). 'bf16-mixed': fp32 weights, gradients and AdamW
+        moments, bf16 matmuls (autocast; FSDP gathers bf16 and reduces in fp32), and a bf16
+        copy for the generator, cast at each weight sync. 'float32': fp32 throughout (TF32
+        matmuls on CUDA). 'bfloat16': pure bf16 with no fp32 master weights: half the memory
+        of weights and optimizer state, but an AdamW update below half a bf16 spacing rounds
+        away (lr below ~6e-5 leaves 0.02-scale weights unchanged). 'auto': bf16-mixed on CUDA,
+        float32 on CPU."""
 
         def __post_init__(self) -> None:
             check_range(
                 self.lora_rank, field="ModelChoice.Config.lora_rank", at_least=1, also=(None,)
             )
+            check_choice(
+                self.dtype, field="ModelChoice.Config.dtype", choices=get_args(PrecisionName)
+            )
+
+        @property
+        def precision(self) -> Precision:
+            """`dtype` on this config's device ('auto' resolved)."""
+            return Precision.resolve(self.dtype, device=self.device, field="--model.dtype")
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -113,7 +129,8 @@ class ModelChoice(Configurable):
             return service.create_training_client_from_state_with_optimizer(train_state)
         config = self.config
         try:
-            resolve_base_model(config.base_model, device=config.device, dtype=config.dtype)
+            dtype = config.precision.parameters
+            resolve_base_model(config.base_model, device=config.device, dtype=dtype)
         except ValueError as error:  # named by its flag: the job's user set it there
             raise ValueError(f"--model.base_model: {error}") from None
         if config.lora_rank is None:

@@ -94,8 +94,9 @@ class ModelShapes:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerBytes:
-    """What one trainer rank holds of its model between steps, all in the trainer's dtype (no
-    fp32 master copy): the weights, and for the trained ones their gradients and AdamW's two
+    """What one trainer rank holds of its model between steps, all in the trainer's parameter
+    dtype (fp32 under 'bf16-mixed': the master weights; bf16 under pure 'bfloat16', which has
+    no master copy): the weights, and for the trained ones their gradients and AdamW's two
     moments."""
 
     frozen: int
@@ -218,6 +219,10 @@ _SAVED_PER_TOKEN_LAYER = {
     (True, False): (6, 4, 4),
     (True, True): (4, 3, 4),
 }
+# Under bf16 autocast on fp32 weights ('bf16-mixed') the saved tensors mix bf16 (matmul inputs)
+# and fp32 (the residual stream, norm inputs): bytes, not elements, per token and layer, keyed
+# by LoRA; measured on CPU autocast the same way (tests/job/test_memory_plan.py).
+_MIXED_SAVED_BYTES_PER_TOKEN_LAYER = {False: (21.5, 10.5, 8), True: (13.5, 8.5, 8)}
 
 
 def activation_bytes(
@@ -228,18 +233,31 @@ def activation_bytes(
     lora: bool,
     checkpointing: Literal["none", "full"],
 ) -> int:
-    """Estimated bytes autograd keeps for a forward over `tokens` tokens (without the logits):
+    """Estimated bytes autograd keeps for a forward over `tokens` tokens (without the logits
+    and, under 'bf16-mixed', without autocast's copies of the weights: `autocast_copy_bytes`):
     every block's saved tensors, or with checkpointing every block's input plus one block's
-    saved tensors (recomputed in backward), and the final norm's."""
-    element = parse_dtype(dtype).itemsize
-    d, qkv, f = _SAVED_PER_TOKEN_LAYER[(parse_dtype(dtype) == torch.float32, lora)]
+    saved tensors (recomputed in backward), and the final norm's. `dtype`: the model's, or
+    'bf16-mixed' (fp32 weights under bf16 autocast)."""
+    if dtype == "bf16-mixed":
+        element, block_input = 1, 4  # coefficients in bytes; a block's input is fp32
+        d, qkv, f = _MIXED_SAVED_BYTES_PER_TOKEN_LAYER[lora]
+    else:
+        element, block_input = parse_dtype(dtype).itemsize, 1
+        d, qkv, f = _SAVED_PER_TOKEN_LAYER[(parse_dtype(dtype) == torch.float32, lora)]
     attention = (decoder.num_heads + decoder.num_kv_heads) * decoder.head_dim
     per_layer = d * decoder.dim + qkv * attention + f * decoder.ffn_dim
     if checkpointing == "full":
-        per_token = decoder.num_layers * decoder.dim + per_layer
+        per_token = decoder.num_layers * decoder.dim * block_input + per_layer
     else:
         per_token = decoder.num_layers * per_layer
-    return tokens * (per_token + d * decoder.dim) * element
+    return math.ceil(tokens * (per_token + d * decoder.dim) * element)
+
+
+def autocast_copy_bytes(shapes: ModelShapes, *, dtype: str) -> int:
+    """What autocast keeps of the weights during an unsharded mixed-precision step: each
+    weight a matmul reads, cast once to the compute `dtype` and saved for backward (every
+    parameter counted: the norms' weights, which stay fp32, are a rounding error)."""
+    return shapes.numel() * parse_dtype(dtype).itemsize
 
 
 def logits_bytes(decoder: DecoderConfig, *, tokens: int) -> int:

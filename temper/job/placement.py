@@ -159,7 +159,7 @@ def plan_settings(
     return PlanSettings(
         model=model.base_model,
         lora_rank=model.lora_rank,
-        dtype=model.dtype,
+        dtype=model.precision.name,  # 'auto' as on the job's device
         transfer_dtype=config.transfer_dtype,
         nnodes=nnodes,
         nproc_per_node=placement.world_size // nnodes,

@@ -46,6 +46,7 @@ from temper.models.common.logprobs import forward_logprobs
 from temper.models.lora import LoraConfig, apply_lora
 from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.optim import AdamW
+from temper.trainer.precision import compute_in
 from temper.trainer.sharding import Sharding
 from temper.trainer.shared_prefix import packed_logprobs
 
@@ -82,18 +83,29 @@ class TrainerEngine(Configurable):
         model: nn.Module,
         lora: LoraConfig | None,
         weights: DeferredWeights | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """`weights`: a meta-device `model` is sharded first and then given only this rank's
-        shards, filled from `weights` (sharded loading); None: `model` holds its weights."""
+        shards, filled from `weights` (sharded loading); None: `model` holds its weights.
+        `compute_dtype`: the dtype the forward's matmuls run in (bf16 on fp32 weights: mixed
+        precision, see the module docstring); None: the parameters' dtype. Like `lora`, it
+        describes the model the caller built (ServiceClient, from its precision)."""
         self.config = config
         self.model = model
         self.lora = lora
         if lora is not None:
             apply_lora(model, lora)  # before sharding: the adapters are sharded with the model
+        parameter_dtype = next(model.parameters()).dtype
+        self.compute_dtype = compute_dtype or parameter_dtype
+        """The dtype matmuls run in; the generator of this trainer decodes in it."""
+        # Autocast only where it changes something: fp32 and pure bf16 run as they are.
+        self._autocast = None if self.compute_dtype == parameter_dtype else self.compute_dtype
         self.sharding = None
         if config.sharding is not None:
             device = None if weights is None else weights.device
-            self.sharding = config.sharding.build(model=model, device=device)
+            self.sharding = config.sharding.build(
+                model=model, device=device, compute_dtype=self._autocast
+            )
         if weights is not None:
             weights.materialize(model, lora=lora)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -230,7 +242,8 @@ class TrainerEngine(Configurable):
     def _empty_passes(self, count: int, *, backward: bool) -> None:
         for _ in range(count):
             tokens_BT = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            logprobs_BT = forward_logprobs(self.model, tokens_BT, tokens_BT)
+            with compute_in(self.device, self._autocast):
+                logprobs_BT = forward_logprobs(self.model, tokens_BT, tokens_BT)
             if backward:
                 (logprobs_BT.sum() * 0.0).backward()
 
@@ -251,13 +264,14 @@ class TrainerEngine(Configurable):
         return split_per_datum(self._logprobs_N(batch), batch.datums)
 
     def _logprobs_N(self, batch: MicroBatch) -> torch.Tensor:
-        """The same, datums concatenated in order: [N] (or [N, K])."""
-        if batch.layout is not None:
-            targets_N = batch.flat_targets(self.device)
-            return packed_logprobs(self.model, batch.layout, targets_N)
-        logprobs_BT = forward_logprobs(
-            self.model, batch.tokens_BT.to(self.device), batch.targets_BT.to(self.device)
-        )
+        """The same, datums concatenated in order: [N] (or [N, K]), fp32."""
+        with compute_in(self.device, self._autocast):
+            if batch.layout is not None:
+                targets_N = batch.flat_targets(self.device)
+                return packed_logprobs(self.model, batch.layout, targets_N)
+            logprobs_BT = forward_logprobs(
+                self.model, batch.tokens_BT.to(self.device), batch.targets_BT.to(self.device)
+            )
         return logprobs_BT[batch.mask_BT.to(self.device)]
 
     def _run(
@@ -300,13 +314,14 @@ class TrainerEngine(Configurable):
         """The batch's summed loss; its datums' outputs go into `outputs`."""
         logprobs_N = self._logprobs_N(batch)  # [N], or [N, K] with K targets per position
         inputs = batch.flat_inputs(self.device)
-        if spec.segmented:
-            segments_N = batch.segments(self.device)
-            loss_N = spec.fn(
-                logprobs_N=logprobs_N, inputs=inputs, config=config, segments_N=segments_N
-            )
-        else:
-            loss_N = spec.fn(logprobs_N=logprobs_N, inputs=inputs, config=config)
+        with compute_in(self.device, self._autocast):
+            if spec.segmented:
+                segments_N = batch.segments(self.device)
+                loss_N = spec.fn(
+                    logprobs_N=logprobs_N, inputs=inputs, config=config, segments_N=segments_N
+                )
+            else:
+                loss_N = spec.fn(logprobs_N=logprobs_N, inputs=inputs, config=config)
         # Outputs leave as Python lists: one conversion per batch, sliced per datum.
         per_position = logprobs_N.shape[1:]
         width = math.prod(per_position)

@@ -25,6 +25,7 @@ from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.world import trainer_world
+from temper.models.build import dtype_name
 from temper.models.registry import family_of_model
 
 
@@ -38,9 +39,12 @@ class Sharding(Configurable):
         compile: bool = False
         """torch.compile each block (opt-in: slow to warm up on CPU)."""
         param_dtype: Literal["float32", "bfloat16"] | None = None
-        """FSDP mixed precision compute dtype; None: the parameters' dtype."""
+        """FSDP mixed precision: the dtype shards are gathered and computed in; None: the
+        trainer's compute dtype (bf16 under the 'bf16-mixed' precision), else the
+        parameters' dtype."""
         reduce_dtype: Literal["float32", "bfloat16"] | None = None
-        """FSDP mixed precision gradient-reduction dtype; None: the compute dtype."""
+        """FSDP mixed precision gradient-reduction dtype; None: the parameters' dtype under
+        a mixed precision (fp32 sums of bf16 gradients), else `param_dtype`."""
 
         def __post_init__(self) -> None:
             check_choice(
@@ -50,10 +54,17 @@ class Sharding(Configurable):
             )
 
     def __init__(
-        self, config: Config, *, model: nn.Module, device: torch.device | None = None
+        self,
+        config: Config,
+        *,
+        model: nn.Module,
+        device: torch.device | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         """`device`: where the model's shards live; default: the model's device. A model on
-        the meta device (sharded loading) is given storage there after it is sharded."""
+        the meta device (sharded loading) is given storage there after it is sharded.
+        `compute_dtype`: the trainer's mixed-precision compute dtype (None: not mixed), the
+        default of `param_dtype`, with gradients reduced in the parameters' dtype."""
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "Sharding needs torch.distributed initialized (run under torchrun, or "
@@ -65,14 +76,18 @@ class Sharding(Configurable):
         self.dims.check_model(model.config)
         device = device or next(model.parameters()).device
         self.mesh, self.dp_mesh = self.world.mesh(self.dims.degrees, device_type=device.type)
+        param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
+        if compute_dtype is not None:
+            param_dtype = param_dtype or dtype_name(compute_dtype)
+            reduce_dtype = reduce_dtype or dtype_name(next(model.parameters()).dtype)
         family_of_model(model).parallelize(
             model,
             parallel_dims=self.dims,
             mesh=self.mesh,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
-            param_dtype=config.param_dtype,
-            reduce_dtype=config.reduce_dtype,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
         )
 
     @property

@@ -59,6 +59,7 @@ def _run_scenarios(rank: int) -> dict:
     results["errors"] = _bad_degrees()
     results["request_errors"] = _bad_request_on_one_rank(rank)
     results["fsdp_bf16"] = _train_bf16()
+    results["fsdp_bf16_mixed"] = _train_bf16_mixed()
     return results
 
 
@@ -94,6 +95,28 @@ def _train_bf16() -> list[float]:
     )
     engine = TrainerEngine.Config(sharding=sharding).build(model=training.tiny_model(), lora=None)
     return training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))["losses"]
+
+
+def _bf16_mixed_engine(dims: ParallelDims.Config | None) -> TrainerEngine:
+    """The 'bf16-mixed' precision: fp32 weights, bf16 compute (FSDP's policy by default)."""
+    sharding = None if dims is None else Sharding.Config(dims=dims)
+    return TrainerEngine.Config(sharding=sharding).build(
+        model=training.tiny_model(), lora=None, compute_dtype=torch.bfloat16
+    )
+
+
+def _train_bf16_mixed() -> dict:
+    """FSDP under the 'bf16-mixed' precision: the step losses and the dtypes it holds."""
+    engine = _bf16_mixed_engine(ParallelDims.Config(dp_shard=2))
+    gathered = set()  # the dtypes of a block's parameters while it runs: FSDP's unsharded ones
+    engine.model.blocks[0].register_forward_pre_hook(
+        lambda block, _: gathered.update(p.dtype for p in block.parameters())
+    )
+    result = training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))
+    state = engine.optimizer.torch_optimizer.state
+    dtypes = {p.dtype for p in engine.model.parameters()}
+    dtypes |= {state[p][key].dtype for p in engine.trainable for key in ("exp_avg", "exp_avg_sq")}
+    return {"losses": result["losses"], "dtypes": dtypes, "gathered": gathered}
 
 
 def _bad_degrees() -> dict[str, str]:
@@ -149,6 +172,21 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32_training(results):
         # bf16 keeps 8 bits of mantissa: losses agree to about 1%.
         torch.testing.assert_close(result["fsdp_bf16"], reference, rtol=2e-2, atol=0.0)
         assert result["fsdp_bf16"] != reference  # it did compute in bf16
+
+
+def test_fsdp_under_bf16_mixed_keeps_fp32_state_and_tracks_one_process(results):
+    """Sharded 'bf16-mixed': FSDP gathers bf16 without being told (Sharding's param_dtype
+    unset), weights and moments stay fp32, and the losses follow the one-process autocast
+    run's."""
+    reference = training.train(_bf16_mixed_engine(None))["losses"]
+    fp32 = training.train(training.engine())["losses"]
+    for result in results:
+        mixed = result["fsdp_bf16_mixed"]
+        assert mixed["gathered"] == {torch.bfloat16}
+        assert mixed["dtypes"] == {torch.float32}
+        torch.testing.assert_close(mixed["losses"], reference, rtol=2e-2, atol=0.0)
+        torch.testing.assert_close(mixed["losses"], fp32, rtol=2e-2, atol=0.0)
+        assert mixed["losses"] != fp32
 
 
 def test_a_request_one_rank_rejects_fails_on_every_rank(results):

@@ -25,7 +25,7 @@ from temper.models import materialize
 from temper.models.lora import apply_lora
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
-from temper.trainer import LoraConfig
+from temper.trainer import LoraConfig, TrainerEngine
 from tests.distributed import training
 from tests.distributed.spawn import spawn
 
@@ -97,6 +97,33 @@ def test_one_process_plan_matches_the_trainer_and_sampler_tensors(lora_rank):
     assert rows["AdamW moments (2)"] == held["moments"]
 
 
+def test_a_bf16_mixed_plan_counts_fp32_state_and_a_bf16_generator_copy():
+    engine = TrainerEngine.Config().build(
+        model=training.tiny_model(), lora=None, compute_dtype=torch.bfloat16
+    )
+    plan = plan_memory(_settings(dtype="bf16-mixed"), decoder=engine.model.config)
+    rows = _rows(plan)
+    held = _trained_bytes(engine)
+    generator = sampler_model(engine.model, lora=None, dtype=engine.compute_dtype)
+    assert rows["weights"] == held["trainable"] == 4 * engine.model.config.num_params
+    assert rows["gradients"] == held["gradients"]
+    assert rows["AdamW moments (2)"] == held["moments"]
+    assert rows["generator weights"] == _nbytes(generator.parameters()) == held["trainable"] // 2
+    # Autocast keeps a bf16 cast of the weights for backward (FSDP's casts when sharded).
+    assert rows["autocast"] == held["trainable"] // 2
+    assert "FSDP gathered" not in rows
+    sharded = _rows(plan_memory(_settings(dtype="bf16-mixed", nproc_per_node=2)))
+    assert "autocast" not in sharded
+    assert sharded["FSDP gradient reduction in float32"] > 0
+    pure = _rows(plan_memory(_settings(dtype="bfloat16", nproc_per_node=2)))
+    assert sharded["FSDP gathered"] == pure["FSDP gathered"]  # gathered in bf16 either way
+    assert sharded["weights"] == 2 * pure["weights"]  # fp32 master shards
+
+
+def test_auto_plans_a_gpu_default():
+    assert PlanSettings(model="tiny", dtype="auto").dtype == "bf16-mixed"
+
+
 def _held_bytes(rank: int, dims: ParallelDims.Config) -> dict[str, int]:
     engine = training.engine(dims=dims, lora=LoraConfig(rank=LORA_RANK))
     held = _trained_bytes(engine)
@@ -166,18 +193,26 @@ def _saved_bytes(model: torch.nn.Module, tokens: int) -> int:
     return sum(size for pointer, size in storages.items() if pointer not in weights)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "bf16-mixed"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_activation_estimate_matches_what_autograd_saves(dtype, lora):
     config = dataclasses.replace(
         training.tiny_model().config, num_layers=3, num_heads=8, num_kv_heads=2, ffn_dim=512
     )
-    model = materialize(config, dtype=dtype)
+    mixed = dtype == "bf16-mixed"
+    model = materialize(config, dtype="float32" if mixed else dtype)
     if lora:
         apply_lora(model, LoraConfig(rank=4))
     tokens = 128
     estimate = activation_bytes(config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="none")
-    assert _saved_bytes(model, tokens) == pytest.approx(estimate, rel=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        saved = _saved_bytes(model, tokens)
+        if mixed:  # autocast's bf16 casts of the block weights are saved once, whatever the tokens
+            twice = _saved_bytes(model, 2 * tokens)
+            casts, saved = 2 * saved - twice, twice - saved
+            blocks = ModelShapes.of(config, lora_rank=4 if lora else None).numel(prefix="blocks.")
+            assert casts == pytest.approx(2 * blocks, rel=0.1)
+    assert saved == pytest.approx(estimate, rel=0.05)
     checkpointed = activation_bytes(
         config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="full"
     )

@@ -44,3 +44,37 @@ def test_full_fine_tuning_trains_every_parameter_and_lora_only_adapters(tmp_path
 def test_a_bad_lora_rank_is_named():
     with pytest.raises(ValueError, match=r"ModelChoice.Config.lora_rank must be >= 1 or None"):
         ModelChoice.Config(lora_rank=0)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "resolved"),
+    [
+        ("cuda", "auto", "bf16-mixed"),
+        ("cpu", "auto", "float32"),
+        ("cuda", "bfloat16", "bfloat16"),
+        ("cpu", "bf16-mixed", "bf16-mixed"),
+    ],
+)
+def test_the_default_precision_is_bf16_mixed_on_cuda_and_fp32_on_cpu(device, dtype, resolved):
+    # No GPU needed: resolving the precision reads the device's name only.
+    assert ModelChoice.Config().dtype == "auto"
+    assert ModelChoice.Config(device=device, dtype=dtype).precision.name == resolved
+
+
+def test_a_bf16_mixed_job_model_trains_fp32_weights_and_samples_bf16(tmp_path):
+    choice = ModelChoice.Config(dtype="bf16-mixed")
+    model = choice.build()
+    service = model.service_client(
+        storage_dir=tmp_path,
+        sampler=SamplerEngine.Config(max_batch=4, max_seq_len=32),
+        trainer=TrainerEngine.Config(),
+    )
+    training = model.training_client(service, train_state=None, job_seed=0)
+    assert {p.dtype for p in training.engine.model.parameters()} == {torch.float32}
+    sampler = training.save_weights_and_get_sampling_client()
+    assert {p.dtype for p in sampler.generator.model.parameters()} == {torch.bfloat16}
+
+
+def test_a_bad_precision_is_named():
+    with pytest.raises(ValueError, match="ModelChoice.Config.dtype"):
+        ModelChoice.Config(dtype="float16")

@@ -10,9 +10,9 @@ chunk's log-softmax from the saved hidden states instead of keeping it, so peak 
 chunk in both directions (a lone chunk's log-softmax is simply kept, and its buffer becomes the
 gradient of the logits in place).
 
-Numerics: logits are produced in the weights' dtype (as an `nn.Linear` unembedding would) and
-the softmax runs in fp32. With a temperature, the distribution is softmax(logits / temperature),
-the one a sampler at that temperature draws from.
+Numerics: logits are produced in the weights' dtype (as an `nn.Linear` unembedding would; under
+autocast, in the autocast dtype) and the softmax runs in fp32. With a temperature, the
+distribution is softmax(logits / temperature), the one a sampler at that temperature draws from.
 """
 
 from __future__ import annotations
@@ -120,7 +120,20 @@ def target_logprobs(
     hidden_ND = hidden_BTD.reshape(-1, hidden_BTD.shape[-1])
     num_targets = targets_BT.shape[-1] if targets_BT.ndim > len(positions) else 1
     targets_NK = targets_BT.reshape(hidden_ND.shape[0], num_targets)
-    logprobs_NK = _TargetLogprobs.apply(hidden_ND, weight_VD, targets_NK, float(temperature), rows)
+    device_type = hidden_ND.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Mixed precision: the unembedding matmul in the autocast dtype, as a linear layer
+        # would run, in forward and in backward's recomputation alike (autocast is off in
+        # backward); the casts carry the gradients back to the fp32 tensors.
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            logprobs_NK = _TargetLogprobs.apply(
+                hidden_ND.to(dtype), weight_VD.to(dtype), targets_NK, float(temperature), rows
+            )
+    else:
+        logprobs_NK = _TargetLogprobs.apply(
+            hidden_ND, weight_VD, targets_NK, float(temperature), rows
+        )
     return logprobs_NK.view(targets_BT.shape)
 
 
