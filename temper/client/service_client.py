@@ -86,7 +86,8 @@ class ServiceClient:
         self.device = device
         self.precision = Precision.resolve(dtype, device=device)
         self.dtype = self.precision.parameters
-        """The dtype training clients keep their weights in."""
+        """The dtype training clients keep their trained weights in (a LoRA base: in
+        `generator_dtype`)."""
         self.generator_dtype = self.precision.compute
         """The dtype sampling clients decode in (the trainer's compute dtype)."""
         self.trainer_config = trainer or TrainerEngine.Config()
@@ -212,7 +213,8 @@ class ServiceClient:
         user_metadata: Mapping[str, str] | None,
         run_id: str | None = None,
     ) -> TrainingClient:
-        source = resolve_base_model(base_model, device=self.device, dtype=self.dtype)
+        dtype = self.precision.base(lora=lora is not None)
+        source = resolve_base_model(base_model, device=self.device, dtype=dtype)
         base_model = recorded_base_model(base_model)
         shared, weights = None, None
         if self.trainer_config.sharding is not None:

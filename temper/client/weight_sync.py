@@ -100,7 +100,9 @@ class AdapterFeed:
         return AdapterView(self._multi_lora, config=self._trainer.lora)
 
     def weights(self) -> WeightUpdate:
-        return lora_state_dict(self._trainer.model)
+        # In the base's dtype: a mixed-precision trainer keeps fp32 adapters on a bf16 base.
+        dtype = self._trainer.compute_dtype
+        return {name: t.to(dtype) for name, t in lora_state_dict(self._trainer.model).items()}
 
 
 class RemoteFeed:

@@ -395,7 +395,8 @@ class _Rows:
         self.settings, self.decoder, self.shapes = settings, decoder, shapes
         precision = Precision(settings.dtype)
         self.precision = settings.dtype
-        self.dtype = precision.parameters  # weights, gradients, moments
+        self.dtype = precision.parameters  # trained weights, gradients, moments
+        self.frozen_dtype = precision.base(lora=True)  # a LoRA base: no master copy
         self.compute_dtype = precision.compute  # matmuls, FSDP's gathered copies
         self.mixed = precision.mixed
         self.generator_dtype = settings.generator_dtype or self.compute_dtype
@@ -409,11 +410,16 @@ class _Rows:
     def _trainer_state(self) -> list[PlanRow]:
         settings = self.settings
         ranks = settings.shard_ranks
-        held = TrainerBytes.of(self.shapes, dtype=self.dtype, num_ranks=ranks)
+        held = TrainerBytes.of(
+            self.shapes, dtype=self.dtype, num_ranks=ranks, frozen_dtype=self.frozen_dtype
+        )
         share = f"1/{ranks} of " if ranks > 1 else ""
         if self.lora:
             rows = [
-                PlanRow(item=f"base weights (frozen), {share}{self.dtype}", num_bytes=held.frozen),
+                PlanRow(
+                    item=f"base weights (frozen), {share}{self.frozen_dtype}",
+                    num_bytes=held.frozen,
+                ),
                 PlanRow(
                     item=f"LoRA adapters, {share}rank {settings.lora_rank}", num_bytes=held.trained
                 ),
@@ -539,7 +545,9 @@ class _Rows:
         settings, shapes = self.settings, self.shapes
         if settings.placement == "colocated" and not self.sampler_copy:
             return []
-        size = _itemsize(self.dtype)
+        # What gathering and merging copy: the weights as the trainer holds them (with LoRA,
+        # mostly the base).
+        size = _itemsize(self.frozen_dtype if self.lora else self.dtype)
         rows = []
         if settings.weight_sync == "bucketed":
             rows.append(self._buckets())

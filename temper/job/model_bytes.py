@@ -94,10 +94,10 @@ class ModelShapes:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainerBytes:
-    """What one trainer rank holds of its model between steps, all in the trainer's parameter
-    dtype (fp32 under 'bf16-mixed': the master weights; bf16 under pure 'bfloat16', which has
-    no master copy): the weights, and for the trained ones their gradients and AdamW's two
-    moments."""
+    """What one trainer rank holds of its model between steps: the weights, and for the
+    trained ones their gradients and AdamW's two moments, in the trainer's parameter dtype
+    (fp32 under 'bf16-mixed': the master weights, with a frozen LoRA base in bf16; bf16 under
+    pure 'bfloat16', which has no master copy)."""
 
     frozen: int
     """Weights that are not trained (a LoRA model's base)."""
@@ -105,12 +105,20 @@ class TrainerBytes:
     """Weights that are trained: every weight for full fine-tuning, else the adapters."""
 
     @classmethod
-    def of(cls, shapes: ModelShapes, *, dtype: str, num_ranks: int = 1) -> TrainerBytes:
-        """One rank's share of `shapes` sharded over `num_ranks` (FSDP2's padded shards)."""
-        size = parse_dtype(dtype).itemsize
+    def of(
+        cls,
+        shapes: ModelShapes,
+        *,
+        dtype: str,
+        num_ranks: int = 1,
+        frozen_dtype: str | None = None,
+    ) -> TrainerBytes:
+        """One rank's share of `shapes` sharded over `num_ranks` (FSDP2's padded shards), the
+        trained weights in `dtype`, the frozen ones in `frozen_dtype` (None: `dtype`)."""
+        frozen_size = parse_dtype(frozen_dtype or dtype).itemsize
         return cls(
-            frozen=shapes.shard_numel(num_ranks, trainable=False) * size,
-            trained=shapes.shard_numel(num_ranks, trainable=True) * size,
+            frozen=shapes.shard_numel(num_ranks, trainable=False) * frozen_size,
+            trained=shapes.shard_numel(num_ranks, trainable=True) * parse_dtype(dtype).itemsize,
         )
 
     @property
@@ -219,10 +227,11 @@ _SAVED_PER_TOKEN_LAYER = {
     (True, False): (6, 4, 4),
     (True, True): (4, 3, 4),
 }
-# Under bf16 autocast on fp32 weights ('bf16-mixed') the saved tensors mix bf16 (matmul inputs)
-# and fp32 (the residual stream, norm inputs): bytes, not elements, per token and layer, keyed
-# by LoRA; measured on CPU autocast the same way (tests/job/test_memory_plan.py).
-_MIXED_SAVED_BYTES_PER_TOKEN_LAYER = {False: (21.5, 10.5, 8), True: (13.5, 8.5, 8)}
+# Under bf16 autocast ('bf16-mixed': fp32 trained weights, a LoRA base in bf16) the saved
+# tensors mix bf16 (matmul inputs) and fp32 (the residual stream, norm inputs): bytes, not
+# elements, per token and layer, keyed by LoRA; measured on CPU autocast the same way
+# (tests/job/test_memory_plan.py).
+_MIXED_SAVED_BYTES_PER_TOKEN_LAYER = {False: (21.5, 10.5, 8), True: (9, 8.5, 8)}
 
 
 def activation_bytes(
@@ -255,9 +264,10 @@ def activation_bytes(
 
 def autocast_copy_bytes(shapes: ModelShapes, *, dtype: str) -> int:
     """What autocast keeps of the weights during an unsharded mixed-precision step: each
-    weight a matmul reads, cast once to the compute `dtype` and saved for backward (every
-    parameter counted: the norms' weights, which stay fp32, are a rounding error)."""
-    return shapes.numel() * parse_dtype(dtype).itemsize
+    fp32 (trained) weight a matmul reads, cast once to the compute `dtype` and saved for
+    backward (every trained parameter counted: the norms' weights, which are not cast, are a
+    rounding error); a LoRA base is in the compute dtype already."""
+    return shapes.shard_numel(1, trainable=True) * parse_dtype(dtype).itemsize
 
 
 def logits_bytes(decoder: DecoderConfig, *, tokens: int) -> int:

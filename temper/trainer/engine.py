@@ -87,19 +87,23 @@ class TrainerEngine(Configurable):
     ) -> None:
         """`weights`: a meta-device `model` is sharded first and then given only this rank's
         shards, filled from `weights` (sharded loading); None: `model` holds its weights.
-        `compute_dtype`: the dtype the forward's matmuls run in (bf16 on fp32 weights: mixed
-        precision, see the module docstring); None: the parameters' dtype. Like `lora`, it
-        describes the model the caller built (ServiceClient, from its precision)."""
+        `compute_dtype`: mixed precision (see the module docstring): the trained parameters
+        are kept in fp32 (cast if they are not: a bf16 LoRA base's adapters), frozen ones as
+        given, and the forward's matmuls run in this dtype; None: everything in the
+        parameters' dtype. Like `lora`, it describes the model the caller built (the
+        ServiceClient, from its precision)."""
         self.config = config
         self.model = model
         self.lora = lora
         if lora is not None:
             apply_lora(model, lora)  # before sharding: the adapters are sharded with the model
-        parameter_dtype = next(model.parameters()).dtype
-        self.compute_dtype = compute_dtype or parameter_dtype
+        if compute_dtype == torch.float32:
+            raise ValueError("compute_dtype float32 is not mixed precision; pass None")
+        self.compute_dtype = compute_dtype or next(model.parameters()).dtype
         """The dtype matmuls run in; the generator of this trainer decodes in it."""
-        # Autocast only where it changes something: fp32 and pure bf16 run as they are.
-        self._autocast = None if self.compute_dtype == parameter_dtype else self.compute_dtype
+        self._autocast = compute_dtype  # None: fp32 and pure bf16 run as they are
+        if compute_dtype is not None:
+            _keep_trained_in_fp32(model)  # before sharding: FSDP shards the fp32 masters
         self.sharding = None
         if config.sharding is not None:
             device = None if weights is None else weights.device
@@ -370,6 +374,15 @@ class TrainerEngine(Configurable):
 
     def _atomic_gradients(self) -> _GradientStash:
         return _GradientStash(self.trainable)
+
+
+@torch.no_grad()
+def _keep_trained_in_fp32(model: nn.Module) -> None:
+    """The master weights of mixed precision: every trained parameter in fp32 (LoRA adapters
+    made in their bf16 base's dtype are cast; frozen weights stay as they are)."""
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()
 
 
 def _float32_data(values: list[float], *, shape: tuple[int, ...]) -> TensorData:

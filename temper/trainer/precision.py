@@ -6,10 +6,11 @@ Three choices, and 'auto' picking one by device:
   matmuls take TF32 tensor cores, job/model.py). What CPU runs use: CPU results stay bitwise
   what they are without any precision machinery.
 - 'bf16-mixed': fp32 master weights, gradients and AdamW moments; forward and backward
-  matmuls in bf16. Unsharded, the trainer runs its forward and loss under `torch.autocast`;
-  sharded, FSDP2 gathers bf16 copies of the shards and reduces gradients in fp32
-  (`MixedPrecisionPolicy`), autocast on top. The generator decodes a bf16 copy, refreshed by a
-  cast at each weight sync (client/weight_sync.py). The GPU default.
+  matmuls in bf16. Weights that never change (a LoRA base) need no master copy: they are
+  kept in bf16, and only the adapters in fp32. Unsharded, the trainer runs its forward and
+  loss under `torch.autocast`; sharded, FSDP2 gathers bf16 copies of the shards and reduces
+  gradients in fp32 (`MixedPrecisionPolicy`), autocast on top. The generator decodes a bf16
+  copy, refreshed by a cast at each weight sync (client/weight_sync.py). The GPU default.
 - 'bfloat16': everything in bf16, no master copy (half the memory of the weights and optimizer
   state). An AdamW update moves a weight by about the learning rate, and bf16 keeps 8 bits of
   mantissa: an update below half a bf16 spacing of the weight (2^-9 of it) rounds away, so
@@ -59,8 +60,13 @@ class Precision:
 
     @property
     def parameters(self) -> str:
-        """The dtype of the trainer's weights, gradients and AdamW moments."""
+        """The dtype of the trainer's trained weights, their gradients and AdamW moments."""
         return _DTYPES[self.name][0]
+
+    def base(self, *, lora: bool) -> str:
+        """The dtype a trainer's model is loaded in: a LoRA base, which never changes, in the
+        compute dtype (no master copy needed); a fully trained model in `parameters`."""
+        return self.compute if lora else self.parameters
 
     @property
     def compute(self) -> str:

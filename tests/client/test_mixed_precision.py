@@ -101,3 +101,24 @@ def test_auto_is_fp32_on_cpu(tmp_path):
     client = service.create_training_client("tiny")
     sampler = client.save_weights_and_get_sampling_client()
     assert sampler.generator.model is client.engine.model  # one dtype: no copy
+
+
+def test_a_bf16_mixed_lora_client_trains_fp32_adapters_on_a_bf16_base(tmp_path):
+    service = ServiceClient(storage_dir=tmp_path, dtype="bf16-mixed")
+    client = service.create_lora_training_client("tiny", rank=4)
+    engine = client.engine
+    assert {p.dtype for p in engine.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in engine.trainable} == {torch.float32}
+    data = _data(client.get_tokenizer())
+    prompt = data[0].model_input.to_ints()[:3]
+    first = client.save_weights_and_get_sampling_client()
+    before = _sample(first, prompt)
+    for _ in range(5):
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(AdamParams(learning_rate=3e-2)).result()
+    after = client.save_weights_and_get_sampling_client()
+    # The shared base's multi-LoRA sampler decodes in bf16, the adapters cast to it.
+    assert after.generator.sampler is client.adapter_sampler
+    assert client.adapter_sampler.engine.model.embed.weight.dtype == torch.bfloat16
+    assert _sample(after, prompt) != before
+    assert _sample(first, prompt) == before

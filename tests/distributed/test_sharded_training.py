@@ -97,26 +97,42 @@ def _train_bf16() -> list[float]:
     return training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))["losses"]
 
 
-def _bf16_mixed_engine(dims: ParallelDims.Config | None) -> TrainerEngine:
-    """The 'bf16-mixed' precision: fp32 weights, bf16 compute (FSDP's policy by default)."""
+def _bf16_mixed_engine(
+    dims: ParallelDims.Config | None, *, lora: LoraConfig | None = None
+) -> TrainerEngine:
+    """The 'bf16-mixed' precision: fp32 trained weights (a LoRA base in bf16), bf16 compute
+    (FSDP's policy by default)."""
     sharding = None if dims is None else Sharding.Config(dims=dims)
+    model = training.tiny_model()
+    if lora is not None:
+        model = model.to(torch.bfloat16)
     return TrainerEngine.Config(sharding=sharding).build(
-        model=training.tiny_model(), lora=None, compute_dtype=torch.bfloat16
+        model=model, lora=lora, compute_dtype=torch.bfloat16
     )
 
 
 def _train_bf16_mixed() -> dict:
-    """FSDP under the 'bf16-mixed' precision: the step losses and the dtypes it holds."""
-    engine = _bf16_mixed_engine(ParallelDims.Config(dp_shard=2))
-    gathered = set()  # the dtypes of a block's parameters while it runs: FSDP's unsharded ones
-    engine.model.blocks[0].register_forward_pre_hook(
-        lambda block, _: gathered.update(p.dtype for p in block.parameters())
-    )
-    result = training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))
-    state = engine.optimizer.torch_optimizer.state
-    dtypes = {p.dtype for p in engine.model.parameters()}
-    dtypes |= {state[p][key].dtype for p in engine.trainable for key in ("exp_avg", "exp_avg_sq")}
-    return {"losses": result["losses"], "dtypes": dtypes, "gathered": gathered}
+    """FSDP under the 'bf16-mixed' precision, full and LoRA: the step losses and the dtypes
+    it holds."""
+    results = {}
+    for name, lora in (("full", None), ("lora", LORA)):
+        engine = _bf16_mixed_engine(ParallelDims.Config(dp_shard=2), lora=lora)
+        gathered = set()  # a block's parameters' dtypes while it runs: FSDP's unsharded ones
+        engine.model.blocks[0].register_forward_pre_hook(
+            lambda block, _, gathered=gathered: gathered.update(p.dtype for p in block.parameters())
+        )
+        result = training.train(engine, share=slice(engine.sharding.dp_rank, None, 2))
+        state = engine.optimizer.torch_optimizer.state
+        moments = ("exp_avg", "exp_avg_sq")
+        results[name] = {
+            "losses": result["losses"],
+            "trained": {p.dtype for p in engine.trainable}
+            | {state[p][key].dtype for p in engine.trainable for key in moments},
+            "frozen": {p.dtype for p in engine.model.parameters() if not p.requires_grad},
+            "gathered": gathered,
+        }
+        del engine
+    return results
 
 
 def _bad_degrees() -> dict[str, str]:
@@ -174,16 +190,19 @@ def test_fsdp_bf16_mixed_precision_tracks_fp32_training(results):
         assert result["fsdp_bf16"] != reference  # it did compute in bf16
 
 
-def test_fsdp_under_bf16_mixed_keeps_fp32_state_and_tracks_one_process(results):
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_fsdp_under_bf16_mixed_keeps_fp32_state_and_tracks_one_process(results, kind):
     """Sharded 'bf16-mixed': FSDP gathers bf16 without being told (Sharding's param_dtype
-    unset), weights and moments stay fp32, and the losses follow the one-process autocast
-    run's."""
-    reference = training.train(_bf16_mixed_engine(None))["losses"]
-    fp32 = training.train(training.engine())["losses"]
+    unset), trained weights and moments stay fp32 (a LoRA base bf16), and the losses follow
+    the one-process autocast run's."""
+    lora = LORA if kind == "lora" else None
+    reference = training.train(_bf16_mixed_engine(None, lora=lora))["losses"]
+    fp32 = training.train(training.engine(lora=lora))["losses"]
     for result in results:
-        mixed = result["fsdp_bf16_mixed"]
+        mixed = result["fsdp_bf16_mixed"][kind]
         assert mixed["gathered"] == {torch.bfloat16}
-        assert mixed["dtypes"] == {torch.float32}
+        assert mixed["trained"] == {torch.float32}
+        assert mixed["frozen"] == (set() if lora is None else {torch.bfloat16})
         torch.testing.assert_close(mixed["losses"], reference, rtol=2e-2, atol=0.0)
         torch.testing.assert_close(mixed["losses"], fp32, rtol=2e-2, atol=0.0)
         assert mixed["losses"] != fp32

@@ -120,6 +120,24 @@ def test_a_bf16_mixed_plan_counts_fp32_state_and_a_bf16_generator_copy():
     assert sharded["weights"] == 2 * pure["weights"]  # fp32 master shards
 
 
+def test_a_bf16_mixed_lora_plan_keeps_the_base_in_bf16_and_the_adapters_in_fp32():
+    engine = TrainerEngine.Config().build(
+        model=training.tiny_model().to(torch.bfloat16),
+        lora=LoraConfig(rank=LORA_RANK),
+        compute_dtype=torch.bfloat16,
+    )
+    settings = _settings(dtype="bf16-mixed", lora_rank=LORA_RANK)
+    rows = _rows(plan_memory(settings, decoder=engine.model.config))
+    held = _trained_bytes(engine)
+    generator = sampler_model(engine.model, lora=engine.lora, dtype=engine.compute_dtype)
+    assert rows["base weights (frozen)"] == held["frozen"]  # bf16: no master copy
+    assert rows["LoRA adapters"] == held["trainable"]  # fp32
+    assert rows["gradients"] == held["gradients"]
+    assert rows["AdamW moments (2)"] == held["moments"]
+    assert rows["generator weights"] == _nbytes(generator.parameters())
+    assert rows["autocast"] == held["trainable"] // 2  # only the fp32 adapters are cast
+
+
 def test_auto_plans_a_gpu_default():
     assert PlanSettings(model="tiny", dtype="auto").dtype == "bf16-mixed"
 
@@ -200,18 +218,26 @@ def test_activation_estimate_matches_what_autograd_saves(dtype, lora):
         training.tiny_model().config, num_layers=3, num_heads=8, num_kv_heads=2, ffn_dim=512
     )
     mixed = dtype == "bf16-mixed"
-    model = materialize(config, dtype="float32" if mixed else dtype)
+    # bf16-mixed: fp32 trained weights; a LoRA base stays in bf16, its adapters in fp32.
+    model = materialize(config, dtype=("bfloat16" if lora else "float32") if mixed else dtype)
     if lora:
         apply_lora(model, LoraConfig(rank=4))
+    if mixed:
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()
     tokens = 128
     estimate = activation_bytes(config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="none")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
         saved = _saved_bytes(model, tokens)
-        if mixed:  # autocast's bf16 casts of the block weights are saved once, whatever the tokens
+        if mixed:  # autocast's bf16 casts of the fp32 weights are saved once, whatever the tokens
             twice = _saved_bytes(model, 2 * tokens)
             casts, saved = 2 * saved - twice, twice - saved
-            blocks = ModelShapes.of(config, lora_rank=4 if lora else None).numel(prefix="blocks.")
-            assert casts == pytest.approx(2 * blocks, rel=0.1)
+            masters = [
+                p for name, p in model.named_parameters() if name.startswith("blocks.") and p.ndim
+            ]
+            fp32 = sum(p.numel() for p in masters if p.dtype == torch.float32)
+            assert casts == pytest.approx(2 * fp32, rel=0.1)
     assert saved == pytest.approx(estimate, rel=0.05)
     checkpointed = activation_bytes(
         config, tokens=tokens, dtype=dtype, lora=lora, checkpointing="full"

@@ -76,5 +76,5 @@ def test_a_bf16_mixed_job_model_trains_fp32_weights_and_samples_bf16(tmp_path):
 
 
 def test_a_bad_precision_is_named():
-    with pytest.raises(ValueError, match="ModelChoice.Config.dtype"):
+    with pytest.raises(ValueError, match=r"ModelChoice\.Config\.dtype"):
         ModelChoice.Config(dtype="float16")

@@ -12,7 +12,7 @@ import torch
 from temper.api import AdamParams
 from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import target_logprobs
-from temper.trainer import TrainerEngine
+from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.precision import Precision
 from tests.distributed import training
 
@@ -166,3 +166,25 @@ def test_auto_is_bf16_mixed_on_cuda_and_fp32_elsewhere(name, device, resolved):
 def test_an_unknown_precision_names_the_field():
     with pytest.raises(ValueError, match=r"--model.dtype must be one of .*bf16-mixed.*'fp16'"):
         Precision.resolve("fp16", device="cpu", field="--model.dtype")
+
+
+def test_a_bf16_mixed_lora_trainer_keeps_its_base_in_bf16_and_its_adapters_in_fp32():
+    engine = TrainerEngine.Config().build(
+        model=_model("bfloat16"), lora=LoraConfig(rank=4), compute_dtype=torch.bfloat16
+    )
+    frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16}  # no master copy: never updated
+    assert {p.dtype for p in engine.trainable} == {torch.float32}
+    before = [p.detach().clone() for p in engine.trainable]
+    engine.forward_backward(training.batch(0), "cross_entropy")
+    assert {p.grad.dtype for p in engine.trainable} == {torch.float32}
+    engine.optim_step(SMALL_STEP)
+    names = [name for name, p in engine.model.named_parameters() if p.requires_grad]
+    for name, old, parameter in zip(names, before, engine.trainable, strict=True):
+        # B starts at zero, so A's first gradient is zero; B moves by ~1e-5 from 0.
+        assert torch.equal(old, parameter) == name.endswith("lora_A"), name
+
+
+def test_compute_dtype_float32_is_refused():
+    with pytest.raises(ValueError, match="compute_dtype float32"):
+        TrainerEngine.Config().build(model=_model(), lora=None, compute_dtype=torch.float32)
