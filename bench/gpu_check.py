@@ -200,7 +200,8 @@ def train_step(shapes: Shapes) -> dict:
 def rl_smoke(shapes: Shapes) -> dict:
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"temper-gpu-check-{os.getpid()}"
     command = [sys.executable, "-m", "temper", "train", "arithmetic_smoke", "--nproc", "1"]
-    command += ["--model.device", shapes.device, "--model.dtype", shapes.dtype]
+    # --model.dtype 'auto': the device's default precision (bf16-mixed on CUDA, float32 on CPU).
+    command += ["--model.device", shapes.device]
     command += ["--run-dir", str(run_dir), "--metrics.display", "none"]
     if shapes.device == "cpu":
         command += ["--warmup.steps", "2", "--steps", "1"]

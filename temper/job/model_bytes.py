@@ -248,7 +248,9 @@ def activation_bytes(
     saved tensors (recomputed in backward), and the final norm's. `dtype`: the model's, or
     'bf16-mixed' (fp32 weights under bf16 autocast)."""
     if dtype == "bf16-mixed":
-        element, block_input = 1, 4  # coefficients in bytes; a block's input is fp32
+        # Coefficients in bytes. A block's input is the residual stream: fp32 after an fp32
+        # embedding, bf16 after a LoRA base's bf16 one.
+        element, block_input = 1, 2 if lora else 4
         d, qkv, f = _MIXED_SAVED_BYTES_PER_TOKEN_LAYER[lora]
     else:
         element, block_input = parse_dtype(dtype).itemsize, 1

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from temper.api import AdamParams
+from temper import ServiceClient
+from temper.api import AdamParams, Datum, ModelInput, SamplingParams
 from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import target_logprobs
 from temper.trainer import LoraConfig, TrainerEngine
@@ -188,3 +189,28 @@ def test_a_bf16_mixed_lora_trainer_keeps_its_base_in_bf16_and_its_adapters_in_fp
 def test_compute_dtype_float32_is_refused():
     with pytest.raises(ValueError, match="compute_dtype float32"):
         TrainerEngine.Config().build(model=_model(), lora=None, compute_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+def test_bf16_mixed_on_cuda_keeps_small_updates_and_samples_bf16(tmp_path):
+    """The GPU default end to end on one GPU: 'auto' is bf16-mixed, the step keeps fp32 state
+    and a below-half-spacing update, and the generator decodes a bf16 copy."""
+    service = ServiceClient(storage_dir=tmp_path, device="cuda", dtype="auto")
+    assert service.precision.name == "bf16-mixed"
+    client = service.create_training_client("tiny")
+    engine = client.engine
+    before = _matrices(engine)
+    tokens = client.get_tokenizer().encode("12+34=46")
+    datum = Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    client.forward_backward([datum], "cross_entropy").result()
+    client.optim_step(SMALL_STEP).result()
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert _changed_share(before, _matrices(engine)) > 0.9
+    sampler = client.save_weights_and_get_sampling_client()
+    assert {p.dtype for p in sampler.generator.model.parameters()} == {torch.bfloat16}
+    prompt = ModelInput.from_ints(tokens[:3])
+    result = sampler.sample(prompt, 1, SamplingParams(max_tokens=4, temperature=0)).result()
+    assert result.sequences[0].tokens
