@@ -16,6 +16,7 @@ from temper.models.common.logprobs import target_logprobs
 from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.precision import Precision
 from tests.distributed import training
+from tests.trainer.test_shared_prefix import _grpo_data
 
 # Adam's first step moves every weight by about the learning rate: 1e-5 is under half a bf16
 # spacing (2^-9 of a weight) for every weight of magnitude above ~0.002.
@@ -214,3 +215,18 @@ def test_bf16_mixed_on_cuda_keeps_small_updates_and_samples_bf16(tmp_path):
     prompt = ModelInput.from_ints(tokens[:3])
     result = sampler.sample(prompt, 1, SamplingParams(max_tokens=4, temperature=0)).result()
     assert result.sequences[0].tokens
+
+
+def test_bf16_mixed_shared_prefix_batches_track_the_padded_path():
+    """GRPO groups run their prompt once (packed) under autocast too: bf16 rounding apart, the
+    logprobs and gradients of the padded path."""
+    data = _grpo_data()
+    padded, packed = (_engine("bf16-mixed", share_prefixes=share) for share in (False, True))
+    expected = padded.forward_backward(data, "ppo")
+    actual = packed.forward_backward(data, "ppo")
+    for want, got in zip(expected.loss_fn_outputs, actual.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(
+            got["logprobs"].to_torch(), want["logprobs"].to_torch(), rtol=0, atol=5e-2
+        )
+    for reference, parameter in zip(padded.trainable, packed.trainable, strict=True):
+        assert _cosine(parameter.grad, reference.grad) > 0.999
