@@ -59,13 +59,13 @@ class ModelChoice(Configurable):
         """Device of the trainer and sampler: 'cpu' or 'cuda' (under torchrun, each rank's
         GPU); default 'cuda' where torch sees a GPU, else 'cpu'."""
         dtype: PrecisionName = "auto"
-        """Precision (trainer/precision.py). 'bf16-mixed': fp32 weights, gradients and AdamW
-        moments, bf16 matmuls (autocast; FSDP gathers bf16 and reduces in fp32), and a bf16
-        copy for the generator, cast at each weight sync. 'float32': fp32 throughout (TF32
-        matmuls on CUDA). 'bfloat16': pure bf16 with no fp32 master weights: half the memory
-        of weights and optimizer state, but an AdamW update below half a bf16 spacing rounds
-        away (lr below ~6e-5 leaves 0.02-scale weights unchanged). 'auto': bf16-mixed on CUDA,
-        float32 on CPU."""
+        """Precision (trainer/precision.py). 'bf16-mixed': fp32 trained weights, gradients and
+        AdamW moments (a frozen LoRA base stays bf16), bf16 matmuls (autocast; FSDP gathers
+        bf16 and reduces in fp32), and a bf16 copy for the generator, cast at each weight
+        sync. 'float32': fp32 throughout (TF32 matmuls on CUDA). 'bfloat16': pure bf16 with
+        no fp32 master weights: half the memory of weights and optimizer state, but an AdamW
+        update below half a bf16 spacing rounds away (lr below ~6e-5 leaves 0.02-scale
+        weights unchanged). 'auto': bf16-mixed on CUDA, float32 on CPU."""
 
         def __post_init__(self) -> None:
             check_range(
