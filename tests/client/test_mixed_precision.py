@@ -4,10 +4,12 @@ its version, and sampling clients from checkpoints decode in bf16 too."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
 from temper.models import materialize
+from tests.client import test_training_client
 from tests.client.test_training_client import _data
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -122,3 +124,12 @@ def test_a_bf16_mixed_lora_client_trains_fp32_adapters_on_a_bf16_base(tmp_path):
     assert client.adapter_sampler.engine.model.embed.weight.dtype == torch.bfloat16
     assert _sample(after, prompt) != before
     assert _sample(first, prompt) == before
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_bf16_mixed_resume_is_bitwise(tmp_path, lora):
+    """The fp32 masters and moments are the state: a resumed bf16-mixed run is bitwise."""
+    service = ServiceClient(storage_dir=tmp_path, dtype="bf16-mixed")
+    test_training_client.test_save_load_and_continue_is_bitwise_equal_to_uninterrupted(
+        service, lora
+    )
