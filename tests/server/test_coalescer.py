@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from temper.server.coalescer import SampleCoalescer
-from temper.server.server import TemperServer
+from temper.server.dispatch.coalescer import SampleCoalescer
+from temper.server.state.server import TemperServer
 
 
 class Client:

@@ -12,8 +12,8 @@ import random
 import pytest
 from tinker import types
 
-from temper.server.base_models import load_base_model
-from temper.server.server import ServedModel, Session, TemperServer
+from temper.server.state.base_models import load_base_model
+from temper.server.state.server import ServedModel, Session, TemperServer
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.server.conftest import start_server

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from temper.api.futures import APIFuture, Worker
-from temper.server.catalog import new_request_id
-from temper.server.errors import NotFound, bounded, category_of
-from temper.server.users import User
+from temper.server.http.errors import NotFound, bounded, category_of
+from temper.server.http.users import User
+from temper.server.state.catalog import new_request_id
 
 log = logging.getLogger("temper.server")
 

@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import Depends
 from starlette.requests import Request
 
-from temper.server.users import KEY_FILE_FORMAT, KEY_PREFIX, User, Users, read_key_file
+from temper.server.http.users import KEY_FILE_FORMAT, KEY_PREFIX, User, Users, read_key_file
 
 
 def is_loopback(host: str) -> bool:

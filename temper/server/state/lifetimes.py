@@ -18,8 +18,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from temper.server.errors import Gone, NotFound
-from temper.server.users import User
+from temper.server.http.errors import Gone, NotFound
+from temper.server.http.users import User
 
 MAX_REMEMBERED = 100_000
 """Most ended ids remembered; older ones answer 404 like ids never seen."""

@@ -10,8 +10,8 @@ import pydantic
 from fastapi import Response
 from tinker import types as tinker_types
 
-from temper.server import request_log
-from temper.server.scheduler import JSON, PROTOBUF, Answer
+from temper.server.dispatch.scheduler import JSON, PROTOBUF, Answer
+from temper.server.http import request_log
 
 
 def json_response(model: pydantic.BaseModel, *, status_code: int = 200) -> Response:

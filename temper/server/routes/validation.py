@@ -16,12 +16,12 @@ from tinker import types as tinker_types
 from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
 from temper.losses import LossSpec, get_loss, resolve_config
-from temper.server.base_models import BaseModel, ModelLimits
-from temper.server.errors import BadRequest
-from temper.server.model_memory import MIB
-from temper.server.provenance import behaviour_data, check_spans
-from temper.server.stability import StabilityStore
-from temper.server.wire import ForwardBackwardCall, SampleCall
+from temper.server.http.errors import BadRequest
+from temper.server.state.base_models import BaseModel, ModelLimits
+from temper.server.state.model_memory import MIB
+from temper.server.state.provenance import behaviour_data, check_spans
+from temper.server.state.stability import StabilityStore
+from temper.server.wire.codec import ForwardBackwardCall, SampleCall
 from temper.trainer.inputs import misspelled_input, prepare
 
 MAX_NUM_SAMPLES = 4096

@@ -11,13 +11,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from tinker import types as tinker_types
 
-from temper.server.catalog import checked
-from temper.server.errors import BadRequest
-from temper.server.expiry import check_ttl
-from temper.server.json_bodies import JsonBodyRoute
-from temper.server.responses import json_response
-from temper.server.security import CurrentUser
-from temper.server.server import TemperServer
+from temper.server.http.errors import BadRequest
+from temper.server.http.json_bodies import JsonBodyRoute
+from temper.server.http.responses import json_response
+from temper.server.http.security import CurrentUser
+from temper.server.state.catalog import checked
+from temper.server.state.expiry import check_ttl
+from temper.server.state.server import TemperServer
 
 MAX_PAGE = 1000
 """Most runs or checkpoints one listing request returns."""

@@ -31,8 +31,12 @@ from temper.generator.choice import GeneratorChoice
 from temper.generator.multi_lora import MultiLoraSampler
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
-from temper.server import adapter_room, request_log
-from temper.server.base_models import (
+from temper.server.dispatch.scheduler import Scheduler
+from temper.server.http import request_log
+from temper.server.http.errors import BadRequest, NotFound, TooManyRequests
+from temper.server.http.users import SERVER, User, Users
+from temper.server.state import adapter_room
+from temper.server.state.base_models import (
     BaseModel,
     BaseModels,
     ModelLimits,
@@ -40,15 +44,12 @@ from temper.server.base_models import (
     load_base_model,
     model_dirs,
 )
-from temper.server.catalog import CheckpointCatalog
-from temper.server.errors import BadRequest, NotFound, TooManyRequests
-from temper.server.lifetimes import EndedIds
-from temper.server.model_memory import ModelMemory
-from temper.server.scheduler import Scheduler
-from temper.server.sessions import SamplingSession, ServedModel, Session
-from temper.server.snapshots import MIB, SnapshotRetention
-from temper.server.stability import StabilityStore
-from temper.server.users import SERVER, User, Users
+from temper.server.state.catalog import CheckpointCatalog
+from temper.server.state.lifetimes import EndedIds
+from temper.server.state.model_memory import ModelMemory
+from temper.server.state.sessions import SamplingSession, ServedModel, Session
+from temper.server.state.snapshots import MIB, SnapshotRetention
+from temper.server.state.stability import StabilityStore
 from temper.trainer.engine import TrainerEngine
 
 __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperServer"]

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
-from temper.server.errors import BadRequest
+from temper.server.http.errors import BadRequest
 
 MIN_TTL_SECONDS = 3600
 MAX_TTL_SECONDS = 10 * 365 * 24 * 3600

@@ -11,24 +11,30 @@ from fastapi import APIRouter, Request, Response
 from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath
-from temper.server import adapter_room, wire
-from temper.server.catalog import checked, model_id, new_sampling_session_id
-from temper.server.data_bodies import read_forward_backward
-from temper.server.errors import BadRequest
-from temper.server.expiry import check_ttl
-from temper.server.json_bodies import JsonBodyRoute
-from temper.server.responses import future_response, json_answer, json_response, protobuf_answer
-from temper.server.scheduler import Answer
-from temper.server.security import CurrentUser
-from temper.server.server import SamplingSession, ServedModel, TemperServer
-from temper.server.users import User
-from temper.server.validation import (
+from temper.server.dispatch.scheduler import Answer
+from temper.server.http.errors import BadRequest
+from temper.server.http.json_bodies import JsonBodyRoute
+from temper.server.http.responses import (
+    future_response,
+    json_answer,
+    json_response,
+    protobuf_answer,
+)
+from temper.server.http.security import CurrentUser
+from temper.server.http.users import User
+from temper.server.routes.validation import (
     check_lora,
     check_lora_rank_fits,
     check_training_data,
     check_user_metadata,
     resolve_provenance,
 )
+from temper.server.state import adapter_room
+from temper.server.state.catalog import checked, model_id, new_sampling_session_id
+from temper.server.state.expiry import check_ttl
+from temper.server.state.server import SamplingSession, ServedModel, TemperServer
+from temper.server.wire import codec as wire
+from temper.server.wire.data_bodies import read_forward_backward
 
 
 def training_router(server: TemperServer) -> APIRouter:

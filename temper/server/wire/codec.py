@@ -35,10 +35,10 @@ from temper.api.types import (
     TensorData,
     TopkLogprobs,
 )
-from temper.server.errors import BadRequest
-from temper.server.proto_slices import merge_in_slices
-from temper.server.provenance import Provenance, Span
-from temper.server.target_wire import decode_targets, encode_target_logprobs
+from temper.server.http.errors import BadRequest
+from temper.server.state.provenance import Provenance, Span
+from temper.server.wire.proto_slices import merge_in_slices
+from temper.server.wire.targets import decode_targets, encode_target_logprobs
 
 _TENSOR_DTYPES = {
     pb.DTYPE_FLOAT32: (np.dtype(np.float32), "float32"),

@@ -22,19 +22,20 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from temper.api.backend import SamplingBackend
 from temper.api.types import SampleResponse
-from temper.server import request_log, wire
-from temper.server.catalog import new_sampling_session_id
-from temper.server.coalescer import SampleCoalescer
-from temper.server.errors import BadRequest
-from temper.server.json_bodies import JsonBodyRoute
-from temper.server.model_memory import OverBudget
-from temper.server.plain_routes import plain_post
-from temper.server.responses import future_response, json_response, protobuf_answer
-from temper.server.security import CurrentUser
-from temper.server.server import SamplingSession, TemperServer
-from temper.server.stability import SequenceRecord, StabilityStore
-from temper.server.users import User
-from temper.server.validation import check_prompt_json, check_sample
+from temper.server.dispatch.coalescer import SampleCoalescer
+from temper.server.http import request_log
+from temper.server.http.errors import BadRequest
+from temper.server.http.json_bodies import JsonBodyRoute
+from temper.server.http.plain_routes import plain_post
+from temper.server.http.responses import future_response, json_response, protobuf_answer
+from temper.server.http.security import CurrentUser
+from temper.server.http.users import User
+from temper.server.routes.validation import check_prompt_json, check_sample
+from temper.server.state.catalog import new_sampling_session_id
+from temper.server.state.model_memory import OverBudget
+from temper.server.state.server import SamplingSession, TemperServer
+from temper.server.state.stability import SequenceRecord, StabilityStore
+from temper.server.wire import codec as wire
 
 
 def sampling_router(server: TemperServer) -> APIRouter:

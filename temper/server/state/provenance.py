@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from temper.api.types import Datum, TensorData
-from temper.server.stability import SequenceRecord, StabilityStore
+from temper.server.state.stability import SequenceRecord, StabilityStore
 
 SpanKind = Literal["prompt", "sampled"]
 _WIRE_NAMES = {"prompt": "prompt_tokens", "sampled": "sampled_tokens"}

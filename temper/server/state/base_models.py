@@ -22,7 +22,7 @@ from temper.checkpoint.hf import read_hf_config
 from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
 from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
-from temper.server.errors import BadRequest, NotFound
+from temper.server.http.errors import BadRequest, NotFound
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from temper.api.backend import SamplingBackend, TrainingBackend
-from temper.server.base_models import BaseModel
+from temper.server.state.base_models import BaseModel
 
 
 @dataclass

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from temper.server.errors import Unavailable
+from temper.server.http.errors import Unavailable
 
 log = logging.getLogger("temper.server")
 MIB = 2**20

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from temper.server.errors import BadRequest
+from temper.server.http.errors import BadRequest
 
 MAX_JSON_DEPTH = 200
 """Deepest nesting of lists and objects a JSON body may have: jiter's fixed recursion limit

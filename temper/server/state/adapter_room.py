@@ -15,11 +15,11 @@ import gc
 from typing import TYPE_CHECKING
 
 from temper.generator.multi_lora import MultiLoraSampler
-from temper.server.errors import TooManyRequests
-from temper.server.sessions import ServedModel
+from temper.server.http.errors import TooManyRequests
+from temper.server.state.sessions import ServedModel
 
 if TYPE_CHECKING:
-    from temper.server.server import TemperServer
+    from temper.server.state.server import TemperServer
 
 
 def shares_base(config: TemperServer.Config, served: ServedModel) -> bool:

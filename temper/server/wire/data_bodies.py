@@ -19,7 +19,7 @@ import asyncio
 import numpy as np
 from starlette.requests import Request
 
-from temper.server import wire
+from temper.server.wire import codec as wire
 
 OFF_LOOP_BYTES = 1 << 20
 """Bodies larger than this are decoded on a worker thread."""

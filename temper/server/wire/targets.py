@@ -17,7 +17,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.types._pydantic_types.tensor_data import TensorData as WireTensorData
 
 from temper.api.prompt_targets import PromptTargetLogprobs, PromptTargets
-from temper.server.errors import BadRequest
+from temper.server.http.errors import BadRequest
 
 FIELD = "target_prompt_logprobs"
 

@@ -22,9 +22,9 @@ from typing import Any
 from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
-from temper.server.errors import BadRequest, NotFound
-from temper.server.expiry import CheckpointExpiry
-from temper.server.users import DEFAULT_USER, User
+from temper.server.http.errors import BadRequest, NotFound
+from temper.server.http.users import DEFAULT_USER, User
+from temper.server.state.expiry import CheckpointExpiry
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
 

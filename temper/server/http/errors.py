@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from temper.server import request_log
+from temper.server.http import request_log
 
 Category = Literal["user", "server", "unknown"]
 

@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from temper.server.errors import BadRequest, error_body
-from temper.server.json_bodies import parse_json
+from temper.server.http.errors import BadRequest, error_body
+from temper.server.http.json_bodies import parse_json
 
 DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
 SAMPLE_ROUTE = "/api/v1/asample"

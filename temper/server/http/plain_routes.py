@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from temper.server.errors import BadRequest
-from temper.server.json_bodies import parse_json
-from temper.server.security import user_of
-from temper.server.users import User, Users
+from temper.server.http.errors import BadRequest
+from temper.server.http.json_bodies import parse_json
+from temper.server.http.security import user_of
+from temper.server.http.users import User, Users
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 

@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from temper.server.errors import Unauthorized
+from temper.server.http.errors import Unauthorized
 
 KEY_FILE_FORMAT = '{"users": [{"name": ..., "key_sha256": ..., "admin": false}, ...]}'
 """What a key file holds, as its errors describe it."""

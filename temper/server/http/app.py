@@ -21,9 +21,8 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from tinker import types as tinker_types
 
-from temper.server.body_limits import BodyLimits
-from temper.server.catalog import new_session_id
-from temper.server.errors import (
+from temper.server.http.body_limits import BodyLimits
+from temper.server.http.errors import (
     USER_ERRORS,
     BadRequest,
     Forbidden,
@@ -34,17 +33,18 @@ from temper.server.errors import (
     Unavailable,
     error_body,
 )
-from temper.server.json_bodies import JsonBodyRoute
-from temper.server.lifetimes import release_memory
-from temper.server.plain_routes import list_problems
-from temper.server.request_log import RequestLog
-from temper.server.responses import json_response
-from temper.server.runs_routes import check_page, runs_router
-from temper.server.sampling_routes import hot_routes, sampling_router
-from temper.server.security import CurrentUser, current_user
-from temper.server.server import Session, TemperServer
-from temper.server.training_routes import training_router
-from temper.server.validation import check_tags, check_user_metadata
+from temper.server.http.json_bodies import JsonBodyRoute
+from temper.server.http.plain_routes import list_problems
+from temper.server.http.request_log import RequestLog
+from temper.server.http.responses import json_response
+from temper.server.http.security import CurrentUser, current_user
+from temper.server.routes.runs import check_page, runs_router
+from temper.server.routes.sampling import hot_routes, sampling_router
+from temper.server.routes.training import training_router
+from temper.server.routes.validation import check_tags, check_user_metadata
+from temper.server.state.catalog import new_session_id
+from temper.server.state.lifetimes import release_memory
+from temper.server.state.server import Session, TemperServer
 
 log = logging.getLogger("temper.server")
 
