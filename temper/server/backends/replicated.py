@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from temper.api.backend import AdapterSlots
 from temper.api.futures import APIFuture, Worker
 from temper.api.types import (
     AdamParams,
@@ -285,6 +286,10 @@ class ReplicatedTraining:
 
     def get_tokenizer(self) -> Any:
         return self.local.get_tokenizer()
+
+    def adapter_slots(self) -> AdapterSlots | None:
+        """Rank 0's: snapshots sample on rank 0 alone."""
+        return self.local.adapter_slots()
 
     def _call(self, verb: str, *args: Any) -> APIFuture:
         return self._service.submit(Call(verb, self.model_id, args))

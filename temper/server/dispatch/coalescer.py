@@ -19,9 +19,9 @@ rest queue behind it. So a client's samples are held, then started back to back:
 
 A burst is a client's samples that arrive less than `max_hold_s` apart; its size counts all of
 them, however many starts it took, so a burst split by a slow moment still teaches the whole
-size. A start runs inside the client's `batch()` block where it has one (the in-process
-`SamplingClient`), so the requests started together reach the engine as one batch whatever
-the worker thread is doing, and their logprobs round the same way every time.
+size. A start runs inside the client's `batch()` block (`SamplingBackend.batch`: for the
+in-process `SamplingClient`, the requests started together reach the engine as one batch
+whatever the worker thread is doing, and their logprobs round the same way every time).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+
+from temper.api.backend import SamplingBackend
 
 HISTORY = 4
 """Bursts per lineage whose largest size is the size to start at."""
@@ -48,7 +50,7 @@ class _Burst:
     held_since: float = 0.0
     """Arrival of the oldest held request."""
     timer: asyncio.TimerHandle | None = None
-    batch: Callable[[], contextlib.AbstractContextManager] | None = None
+    batch: Callable[[], contextlib.AbstractContextManager[None]] | None = None
     """The client's `batch` while requests are held (it holds the client, as they do)."""
     recorded: bool = False
     """In its lineage's history (from its first start on)."""
@@ -68,7 +70,7 @@ class SampleCoalescer:
 
     def add(
         self,
-        client: object,
+        client: SamplingBackend,
         start: Callable[[], None],
         *,
         lineage: Hashable,
@@ -85,7 +87,7 @@ class SampleCoalescer:
             self._start_held(burst)  # a full wave: this request opens the next one
         if not burst.held:
             burst.held_since = now
-            burst.batch = getattr(client, "batch", None)
+            burst.batch = client.batch
         burst.held.append(start)
         burst.num_held_sequences += num_sequences
         burst.num_requests += 1
@@ -99,7 +101,7 @@ class SampleCoalescer:
         else:
             self._start_at(burst, min(now + self.window_s, burst.held_since + self.max_hold_s))
 
-    def _current_burst(self, client: object, *, lineage: Hashable, now: float) -> _Burst:
+    def _current_burst(self, client: SamplingBackend, *, lineage: Hashable, now: float) -> _Burst:
         burst = self._bursts.get(client)
         if burst is not None and now - burst.last_arrival <= self.max_hold_s:
             return burst
@@ -133,6 +135,7 @@ class SampleCoalescer:
             self._history.setdefault(burst.lineage, deque(maxlen=HISTORY)).append(burst)
         starts, burst.held, burst.num_held_sequences = burst.held, [], 0
         batch, burst.batch = burst.batch, None
-        with batch() if batch is not None else contextlib.nullcontext():
+        assert batch is not None, "a burst with held requests holds its client's batch"
+        with batch():
             for start in starts:
                 start()

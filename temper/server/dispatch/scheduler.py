@@ -32,7 +32,7 @@ from typing import Any
 from temper.api.futures import APIFuture, Worker
 from temper.server.http.errors import NotFound, bounded, category_of
 from temper.server.http.users import User
-from temper.server.state.catalog import new_request_id
+from temper.server.state.ids import new_request_id
 
 log = logging.getLogger("temper.server")
 

@@ -25,7 +25,8 @@ from starlette.routing import Route
 from temper.server.http.errors import BadRequest
 from temper.server.http.json_bodies import parse_json
 from temper.server.http.security import user_of
-from temper.server.http.users import User, Users
+from temper.server.http.users import User
+from temper.server.state.server import TemperServer
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 
@@ -38,19 +39,20 @@ MAX_FORMATTED_PROBLEMS = 1000
 def plain_post(
     path: str,
     model: type[Body],
-    handler: Callable[[Body, User], Awaitable[Response]],
+    handler: Callable[[Body, User, TemperServer], Awaitable[Response]],
     *,
-    users: Users,
     precheck: Callable[[object], None] | None = None,
 ) -> Route:
     """A POST route at `path` that validates its JSON body as `model` and calls
-    `handler(body, user)`. `precheck` sees a big body's parsed JSON first, to refuse cheaply
-    what pydantic would spend seconds on (one formatted error per bad item of a long list)."""
+    `handler(body, user, server)`, `server` being the app's (`app.state.server`). `precheck`
+    sees a big body's parsed JSON first, to refuse cheaply what pydantic would spend seconds
+    on (one formatted error per bad item of a long list)."""
 
     async def endpoint(request: Request) -> Response:
-        user = user_of(request, users)
+        server = request.app.state.server
+        user = user_of(request, server.users)
         body = _validated(model, await request.body(), precheck=precheck)
-        return await handler(body, user)
+        return await handler(body, user, server)
 
     return Route(path, endpoint, methods=["POST"], name=handler.__name__)
 

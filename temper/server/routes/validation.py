@@ -31,6 +31,15 @@ MAX_METADATA_ENTRIES = 64
 """Most user_metadata entries a session or model carries."""
 MAX_LABEL_CHARS = 1024
 """Longest tag, and longest user_metadata key or value (as text)."""
+MAX_PAGE = 1000
+"""Most sessions, runs or checkpoints one listing request returns."""
+
+
+def check_page(*, limit: int, offset: int) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise BadRequest(f"limit must be in 1..{MAX_PAGE}, got {limit}")
+    if offset < 0:
+        raise BadRequest(f"offset must be >= 0, got {offset}")
 
 
 def check_training_data(

@@ -1,10 +1,10 @@
-"""Ids the server hands out, and the checkpoint catalog as Tinker's REST types see it.
+"""The checkpoint catalog as Tinker's REST types see it.
 
 Checkpoints themselves live in `temper.checkpoint.storage.CheckpointStorage` (the same root
 the backend writes to): `<root>/<run>/{run.json, weights/<name>, sampler_weights/<name>}`.
 A training run id is the Tinker model id, `<session>:train:<n>`, so `tinker://` paths name
 directories directly and survive a server restart. Every id and name that reaches the disk
-goes through `check_name`, so no request can address a path outside the root.
+goes through `checked` (ids.py), so no request can address a path outside the root.
 
 Each run records its owner (the user whose session created it) in run.json; every lookup
 takes the asking user, and a run, checkpoint or path of another user's answers the same 404
@@ -14,44 +14,19 @@ as one that does not exist. Runs saved before owners were recorded belong to `de
 from __future__ import annotations
 
 import datetime
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tinker import types as tinker_types
 
-from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
 from temper.server.http.errors import BadRequest, NotFound
 from temper.server.http.users import DEFAULT_USER, User
 from temper.server.state.expiry import CheckpointExpiry
+from temper.server.state.ids import checked
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
-
-
-def new_session_id() -> str:
-    return f"sess-{uuid.uuid4().hex[:16]}"
-
-
-def new_sampling_session_id() -> str:
-    # No ':' or '/' (it appears in URL paths and other servers route on ':').
-    return f"samp-{uuid.uuid4().hex[:16]}"
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
-def model_id(session_id: str, model_seq_id: int) -> str:
-    """Tinker's scheme; the SDK derives exactly this id itself for create-via-load."""
-    return checked(f"{session_id}:train:{model_seq_id}", field="model id")
-
-
-def checked(name: str, *, field: str) -> str:
-    try:
-        return check_name(name, field=field)
-    except ValueError as error:
-        raise BadRequest(str(error)) from None
 
 
 class CheckpointCatalog:

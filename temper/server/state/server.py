@@ -17,25 +17,21 @@ import datetime
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
-import tyro
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
-from temper.config.checks import check_range
 from temper.config.configurable import Configurable
-from temper.generator.choice import GeneratorChoice
-from temper.generator.multi_lora import MultiLoraSampler
 from temper.observability.process_memory import device_memory_bytes
-from temper.sampler.engine import SamplerEngine
+from temper.server.dispatch.coalescer import SampleCoalescer
 from temper.server.dispatch.scheduler import Scheduler
 from temper.server.http import request_log
 from temper.server.http.errors import BadRequest, NotFound, TooManyRequests
 from temper.server.http.users import SERVER, User, Users
-from temper.server.state import adapter_room
+from temper.server.state.adapter_room import AdapterRoom
 from temper.server.state.base_models import (
     BaseModel,
     BaseModels,
@@ -45,176 +41,23 @@ from temper.server.state.base_models import (
     model_dirs,
 )
 from temper.server.state.catalog import CheckpointCatalog
+from temper.server.state.config import ServerConfig
 from temper.server.state.lifetimes import EndedIds
 from temper.server.state.model_memory import ModelMemory
 from temper.server.state.sessions import SamplingSession, ServedModel, Session
 from temper.server.state.snapshots import MIB, SnapshotRetention
-from temper.server.state.stability import StabilityStore
-from temper.trainer.engine import TrainerEngine
 
 __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperServer"]
 
 log = logging.getLogger("temper.server")
-Repeated = tyro.conf.UseAppendAction
+Held = Literal["sessions", "models", "sampling sessions"]
+"""What a user holds under a per-user limit."""
 STALE_STAGING_S = 600.0
 """Age past which a checkpoint staging directory in --storage counts as a killed save's."""
 
 
 class TemperServer(Configurable):
-    @dataclass(kw_only=True)
-    class Config(Configurable.Config):
-        model: Annotated[list[str], Repeated] = field(default_factory=list)
-        """HF model directory to serve, trainable and sampleable (`temper init-model DIR`
-        writes a small one). Repeat to serve several; each loads on first use."""
-        sample_only_model: Annotated[list[str], Repeated] = field(default_factory=list)
-        """HF model directory served for sampling and prompt logprobs only (a teacher, grader
-        or answerer); create_model on it is refused. Repeatable."""
-        models_dir: str | None = None
-        """Also serve every HF model directory (one with a config.json) inside this one,
-        trainable (unless also given as --sample-only-model)."""
-        model_memory_mb: float | None = None
-        """Memory budget for loaded base models: each training model counts its trainer's
-        weights (x4 with --fine-tuning full) and a sampler, each shared sampler (a base model's
-        or a sampler checkpoint's) its weights and KV cache. A request that cannot fit once
-        idle samplers are released answers 503 naming what holds the budget. None: half the
-        device's memory (--device cuda: the GPU's; cpu: the machine's RAM)."""
-        model_idle_seconds: float = 600.0
-        """A base model or checkpoint sampler not sampled for this long is released (its
-        sampling sessions stay valid and load it again); a base model with no training model
-        and no sampler left is unloaded."""
-        host: str = "127.0.0.1"
-        """Address to bind. Any address other than loopback requires --key-file or --api-key."""
-        port: int = 8000
-        """TCP port."""
-        storage: str = "~/.cache/temper/checkpoints"
-        """Directory that holds checkpoints; tinker:// paths saved here load after a restart."""
-        api_key: str | None = None
-        """Require this X-API-Key (must start with 'tml-', as the tinker SDK checks): the key
-        of the user 'default' (who, without --key-file, is the only one and sees all)."""
-        key_file: str | None = None
-        """JSON file of users and their key digests (`temper users add NAME --key-file F`
-        writes it). Each user sees and uses only the sessions, models, sampling sessions,
-        futures and checkpoints it created (others' ids answer 404); an admin sees all.
-        Re-read on SIGHUP and on POST /api/v1/admin/reload_keys."""
-        session_timeout_s: float = 180.0
-        """A session whose client shows no sign of life (the tinker SDK heartbeats every
-        10 s) for this long expires: its models, sampling sessions, snapshots and queued
-        requests are released (checkpoints stay) and its ids answer 410 saying so."""
-        max_sessions_per_user: int = 64
-        """Most live sessions one user may hold (429 beyond, naming this setting)."""
-        max_models_per_user: int = 16
-        """Most live training models one user may hold (429 beyond)."""
-        max_sampling_sessions_per_user: int = 1024
-        """Most live sampling sessions (snapshots included) one user may hold (429 beyond)."""
-        max_queued_requests_per_user: int = 4096
-        """Most unfinished requests one user may have queued (429 beyond; retried by the
-        SDK, as the queue drains)."""
-        max_body_mb: float = 256.0
-        """Largest request body of forward_backward and forward (413 beyond); asample takes
-        at most 32 MiB (or this, if less), other routes 1 MiB."""
-        fine_tuning: Literal["lora", "full"] = "lora"
-        """'lora': create_lora_training_client trains LoRA adapters (Tinker); 'full': it
-        trains every weight instead (the LoRA config is then ignored)."""
-        device: str = "cpu"
-        """Device for models, e.g. 'cpu' or 'cuda'."""
-        dtype: Literal["float32", "bfloat16"] = "float32"
-        """Parameter dtype."""
-        compute_threads: int | None = None
-        """torch threads, and at most as many sampler processes, with --device cpu. None: one
-        fewer than torch's default (OMP_NUM_THREADS, else the physical cores), at least 1, so
-        the HTTP event loop and the clients on this machine keep a core (requests wait on it)."""
-        poll_seconds: float = 20.0
-        """Longest hold of a retrieve_future long poll before answering try_again."""
-        result_ttl_s: float = 900.0
-        """How long a finished request's result stays retrievable."""
-        sample_window_s: float = 0.005
-        """Samples for one sampler arriving less than this apart are submitted together, so
-        the backend decodes them as one batch (an RL step sends a group per prompt at once)."""
-        sample_max_hold_s: float = 0.1
-        """Longest a sample waits for more to batch with (a steady stream still starts); also
-        the gap after which a client's next sample opens a new burst."""
-        snapshot_memory_mb: float | None = None
-        """Memory budget for older sampling snapshots (save_weights_and_get_sampling_client):
-        each live one but its model's newest holds a sampler copy (weights + KV cache) once
-        the weights change; taking a snapshot first evicts the least recently sampled ones
-        until the copies fit (sampling on an evicted one answers 404 saying why). None: a
-        quarter of the device's memory (--device cuda: the GPU's; cpu: the machine's RAM)."""
-        snapshot_idle_seconds: float = 3600.0
-        """A sampling snapshot not sampled for this long expires (404 saying why)."""
-        checkpoint_sweep_seconds: float = 60.0
-        """How often expired checkpoints (ttl_seconds) are deleted and idle snapshots dropped."""
-        log_level: Literal["debug", "info", "warning", "error"] = "info"
-        """Server log level on stderr; 'info' logs one line per request."""
-        stability: StabilityStore.Config = field(default_factory=StabilityStore.Config)
-        """Sequences sampled with record_stability_info, for stable_reinforce."""
-        trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
-        sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
-        """Temper's sampling engine (generator backend 'temper')."""
-        generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
-        """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
-        `generator.vllm`; one process only, not with --nproc)."""
-        multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
-        """One sampler per base model for its LoRA models' snapshots (Temper's engine;
-        adapter_room.py); a snapshot holds a copy of its adapters."""
-
-        def cpu_threads(self) -> int:
-            """torch threads on --device cpu: `compute_threads`, or one fewer than torch's."""
-            return self.compute_threads or max(1, torch.get_num_threads() - 1)
-
-        def __post_init__(self) -> None:
-            if isinstance(self.model, str):  # Config(model="dir"): one model, as a string
-                self.model = [self.model]
-            if not (self.model or self.sample_only_model or self.models_dir):
-                raise ValueError(
-                    "TemperServer.Config: give a model to serve: --model DIR (repeatable), "
-                    "--sample-only-model DIR or --models-dir DIR"
-                )
-            owner = "TemperServer.Config"
-            memory_defaults = {
-                "model_memory_mb": "half the device's memory",
-                "snapshot_memory_mb": "a quarter of the device's memory",
-            }
-            for memory, default in memory_defaults.items():
-                value = getattr(self, memory)
-                check_range(
-                    value, field=f"{owner}.{memory}", at_least=0, also=(None,), hint=default
-                )
-            check_range(
-                self.poll_seconds,
-                field=f"{owner}.poll_seconds",
-                greater_than=0,
-                at_most=40,
-                hint="the SDK times a poll out at 45 s",
-            )
-            positive = ("snapshot_idle_seconds", "checkpoint_sweep_seconds", "model_idle_seconds")
-            for field_name in (*positive, "max_body_mb"):
-                check_range(
-                    getattr(self, field_name), field=f"{owner}.{field_name}", greater_than=0
-                )
-            check_range(
-                self.sample_window_s,
-                field=f"{owner}.sample_window_s",
-                at_least=0,
-                at_most=self.sample_max_hold_s,
-                hint="at most sample_max_hold_s",
-            )
-            check_range(
-                self.compute_threads, field=f"{owner}.compute_threads", at_least=1, also=(None,)
-            )
-            for limit in (
-                "max_sessions_per_user",
-                "max_models_per_user",
-                "max_sampling_sessions_per_user",
-                "max_queued_requests_per_user",
-            ):
-                check_range(getattr(self, limit), field=f"{owner}.{limit}", at_least=1)
-            check_range(
-                self.session_timeout_s,
-                field=f"{owner}.session_timeout_s",
-                greater_than=0,
-                hint="the tinker SDK heartbeats every 10 s",
-            )
-            check_range(self.port, field=f"{owner}.port", integer=True, at_least=0, at_most=65535)
+    Config = ServerConfig
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
         self.config = config
@@ -230,7 +73,8 @@ class TemperServer(Configurable):
                 for path, trainable in dirs
             ]
         )
-        budget_mb, device_bytes = config.model_memory_mb, device_memory_bytes(config.device)
+        device_bytes = device_memory_bytes(config.device)
+        budget_mb = config.model_memory_mb
         self.memory = ModelMemory(
             budget_bytes=device_bytes // 2 if budget_mb is None else int(budget_mb * MIB),
             idle_seconds=config.model_idle_seconds,
@@ -239,41 +83,20 @@ class TemperServer(Configurable):
         # Saves a killed server left midway; a younger one may be another server's, still saving.
         storage.clear_interrupted(older_than_s=STALE_STAGING_S)
         self.catalog = CheckpointCatalog(storage)
-        if backend is None:
-            from temper.client.service_client import ServiceClient
-
-            sampler = config.sampler
-            if config.device == "cpu":
-                threads = config.cpu_threads()  # read once: it depends on torch's count
-                # Before the backend starts its worker threads: they read this once.
-                torch.set_num_threads(threads)
-                # Sampler helper processes ('auto': a core each) keep within those cores.
-                sampler = replace(sampler, cpu=sampler.cpu.with_auto_processes_at_most(threads))
-            backend = ServiceClient(
-                storage_dir=storage.root,
-                device=config.device,
-                dtype=config.dtype,
-                trainer=config.trainer,
-                sampler=sampler,
-                generator=config.generator,
-                multi_lora=config.multi_lora,
-            )
-        self.backend = backend
+        self.backend = in_process_backend(config, storage) if backend is None else backend
         self.scheduler = Scheduler(result_ttl_s=config.result_ttl_s)
+        self.coalescer = SampleCoalescer(
+            config.sample_window_s,
+            max_hold_s=config.sample_max_hold_s,
+            capacity=config.sampler.max_batch,
+        )
         self.stability = config.stability.build()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ServedModel] = {}
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.ended = EndedIds()
-        # One budget for every model's snapshots: each counts as the largest model's copy.
-        copy_bytes = self.base_models.largest_sampler_copy(lora=config.fine_tuning == "lora")
-        budget_mb = config.snapshot_memory_mb
-        self.snapshots = SnapshotRetention(
-            copy_bytes=copy_bytes,
-            budget_bytes=device_bytes // 4 if budget_mb is None else int(budget_mb * MIB),
-            idle_seconds=config.snapshot_idle_seconds,
-        )
-        self.snapshots.log_settings()
+        self.snapshots = snapshot_retention(config, self.base_models, device_bytes=device_bytes)
+        self.adapter_room = AdapterRoom(config, snapshots=self.snapshots)
         self._shared_samplers: dict[str, SamplingBackend] = {}
         # The LoRA training models on each base model, which share its weights (counted once).
         self._shared_base_users: dict[str, set[str]] = {}
@@ -329,21 +152,23 @@ class TemperServer(Configurable):
 
     # -- per-user limits (429 naming the setting) ---------------------------------------------
 
-    def check_room(self, user: User, *, kind: str) -> None:
-        """429 if `user` holds as many `kind`s ('sessions', 'models', 'sampling sessions') as
-        its limit allows."""
-        held = {
-            "sessions": lambda: self.sessions.values(),
-            "models": lambda: self.models.values(),
-            "sampling sessions": lambda: self.sampling_sessions.values(),
-        }[kind]()
-        owner_of = {"sessions": lambda x: x.user}.get(kind, lambda x: x.owner)
-        setting = "max_" + kind.replace(" ", "_") + "_per_user"
-        limit = getattr(self.config, setting)
-        if sum(1 for item in held if owner_of(item) == user.name) >= limit:
+    def check_room(self, user: User, *, kind: Held) -> None:
+        """429 if `user` holds as many `kind`s as its limit allows."""
+        config = self.config
+        if kind == "sessions":
+            owners = [session.user for session in self.sessions.values()]
+            limit, setting = config.max_sessions_per_user, "max-sessions-per-user"
+        elif kind == "models":
+            owners = [served.owner for served in self.models.values()]
+            limit, setting = config.max_models_per_user, "max-models-per-user"
+        else:
+            owners = [sampling.owner for sampling in self.sampling_sessions.values()]
+            limit = config.max_sampling_sessions_per_user
+            setting = "max-sampling-sessions-per-user"
+        if owners.count(user.name) >= limit:
             raise TooManyRequests(
-                f"user {user.name!r} holds {limit} live {kind}, its limit "
-                f"(--{setting.replace('_', '-')}); finish or release some first"
+                f"user {user.name!r} holds {limit} live {kind}, its limit (--{setting}); "
+                "finish or release some first"
             )
 
     def base_model(self, name: str) -> BaseModel:
@@ -370,8 +195,8 @@ class TemperServer(Configurable):
         part, and for the first LoRA model on a base, the base weights they all share."""
         base = served.base
         # A sharded trainer (--nproc) gives every model its own base (client/shared_base.py).
-        shares_base = adapter_room.shares_base(self.config, served)
-        shares_sampler = adapter_room.shares_sampler(self.config, served)
+        shares_base = self.adapter_room.shares_base(served)
+        shares_sampler = self.adapter_room.shares_sampler(served)
         released = []
         with self._shared_lock:
             users = self._shared_base_users.setdefault(base.name, set())
@@ -394,7 +219,7 @@ class TemperServer(Configurable):
                         lora_rank=served.lora_rank,
                         shared_base=shares_base,
                         shared_sampler=shares_sampler,
-                        sampler_reads_trainer=adapter_room.sampler_reads_trainer(self.config),
+                        sampler_reads_trainer=self.adapter_room.sampler_reads_trainer(),
                     ),
                     pinned=True,
                 )
@@ -447,7 +272,13 @@ class TemperServer(Configurable):
         one would make the backend copy its sampler at the next weight change), and on a
         multi-LoRA sampler those that make room for its adapters (adapter_room.py)."""
         self.forget_snapshots(self.snapshots.make_room(served.model_id))
-        adapter_room.make_room(self, served)
+        self.adapter_room.make_room(
+            served, lora_models=self.lora_models_on(served.base.name), forget=self.forget_snapshots
+        )
+
+    def check_snapshot_room(self, served: ServedModel) -> None:
+        """429 before queueing a snapshot its multi-LoRA sampler will have no room for."""
+        self.adapter_room.check_room(served, lora_models=self.lora_models_on(served.base.name))
 
     def lora_models_on(self, base_name: str) -> set[str]:
         with self._shared_lock:
@@ -463,7 +294,7 @@ class TemperServer(Configurable):
 
     def add_snapshot(self, served: ServedModel, sampling: SamplingSession) -> None:
         self.add_sampling_session(served.session_id, sampling)
-        copy_bytes = adapter_room.snapshot_bytes(self.config, served)
+        copy_bytes = self.adapter_room.snapshot_bytes(served)
         self.snapshots.add(
             sampling.sampling_session_id, model_id=served.model_id, copy_bytes=copy_bytes
         )
@@ -588,6 +419,43 @@ class TemperServer(Configurable):
             "snapshot_copy_mib": round(self.snapshots.copy_bytes / MIB, 1),
             "snapshot_memory_mib": round(self.snapshots.budget_bytes / MIB, 1),
         }
+
+
+def in_process_backend(config: ServerConfig, storage: CheckpointStorage) -> ServiceBackend:
+    """The default backend: an in-process `ServiceClient` on the server's settings."""
+    from temper.client.service_client import ServiceClient
+
+    sampler = config.sampler
+    if config.device == "cpu":
+        threads = config.cpu_threads()  # read once: it depends on torch's count
+        # Before the backend starts its worker threads: they read this once.
+        torch.set_num_threads(threads)
+        # Sampler helper processes ('auto': a core each) keep within those cores.
+        sampler = replace(sampler, cpu=sampler.cpu.with_auto_processes_at_most(threads))
+    return ServiceClient(
+        storage_dir=storage.root,
+        device=config.device,
+        dtype=config.dtype,
+        trainer=config.trainer,
+        sampler=sampler,
+        generator=config.generator,
+        multi_lora=config.multi_lora,
+    )
+
+
+def snapshot_retention(
+    config: ServerConfig, base_models: BaseModels, *, device_bytes: int
+) -> SnapshotRetention:
+    """One budget for every model's snapshots: each counts as the largest model's copy."""
+    copy_bytes = base_models.largest_sampler_copy(lora=config.fine_tuning == "lora")
+    budget_mb = config.snapshot_memory_mb
+    retention = SnapshotRetention(
+        copy_bytes=copy_bytes,
+        budget_bytes=device_bytes // 4 if budget_mb is None else int(budget_mb * MIB),
+        idle_seconds=config.snapshot_idle_seconds,
+    )
+    retention.log_settings()
+    return retention
 
 
 def _shared_base_key(base_model: str) -> str:
