@@ -1,6 +1,6 @@
 """`temper serve` on several ranks: `--nproc N` starts torchrun; under torchrun every rank
 builds the same sharded backend, rank 0 serves HTTP and the others replay its calls
-(temper/server/replicated.py).
+(temper/server/backends/replicated.py).
 
 Stopping: the command `temper serve --nproc N` starts torchrun in a session of its own with a
 pipe on its stdin and adds `--stop-on-stdin-eof` for rank 0. SIGINT/SIGTERM to the command

@@ -2,7 +2,8 @@
 
 Their verbs interleave; afterwards twins of each (same rank and seed) run the same verbs
 alone, one at a time, and see bitwise the same losses, logprobs, optimizer metrics and
-seeded samples. The budget counts the shared base once (client/shared_base.py, server.py).
+seeded samples. The budget counts the shared base once (client/shared_base.py,
+server/state/server.py).
 """
 
 from __future__ import annotations

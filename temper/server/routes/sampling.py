@@ -184,7 +184,7 @@ def record_samples(
     call: codec.SampleCall,
     sequence_ids: list[str],
 ) -> None:
-    """Record each sequence of a finished sample for stable_reinforce (stability.py)."""
+    """Record each sequence of a finished sample for stable_reinforce (state/stability.py)."""
     prompt_P = np.asarray(call.prompt.to_ints(), dtype=np.int32)
     version = client.version
     for sequence_id, sequence in zip(sequence_ids, result.sequences, strict=True):

@@ -2,7 +2,7 @@
 telemetry.
 
 A session is the SDK's handle on everything it creates (models, sampling sessions); it lives
-while its client heartbeats (lifetimes.py) and belongs to the user whose key created it.
+while its client heartbeats (state/lifetimes.py) and belongs to the user whose key created it.
 """
 
 from __future__ import annotations

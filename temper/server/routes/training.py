@@ -10,6 +10,7 @@ the same way (`_register_model`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic
@@ -44,8 +45,17 @@ from temper.server.state.sessions import SamplingSession, ServedModel, Session
 from temper.server.wire import codec
 from temper.server.wire.data_bodies import read_forward_backward
 
-Create = Callable[[str], tuple[TrainingBackend, pydantic.BaseModel]]
-"""Creates a model's backend client under a model id; returns it and the creation's answer."""
+
+@dataclass(frozen=True)
+class Created:
+    training: TrainingBackend
+    """The new model's backend client."""
+    answer: pydantic.BaseModel
+    """What the creating request's future answers."""
+
+
+Create = Callable[[str], Created]
+"""Creates a model's backend client under the model id it is given."""
 
 router = api_router()
 
@@ -65,7 +75,7 @@ async def create_model(
     check_user_metadata(body.user_metadata, route="create_model")
     metadata = {key: str(value) for key, value in (body.user_metadata or {}).items()}
 
-    def create(new_id: str) -> tuple[TrainingBackend, pydantic.BaseModel]:
+    def create(new_id: str) -> Created:
         backend = server.backend
         if full:
             training = backend.create_training_client(base.name, metadata, run_id=new_id)
@@ -80,7 +90,7 @@ async def create_model(
                 user_metadata=metadata,
                 run_id=new_id,
             )
-        return training, tinker_types.CreateModelResponse(model_id=new_id)
+        return Created(training, tinker_types.CreateModelResponse(model_id=new_id))
 
     return _register_model(
         server,
@@ -271,7 +281,7 @@ def _create_from_state(
         raise BadRequest("load_weights with session_id needs model_seq_id")
     lora = run.get("lora")
 
-    def create(new_id: str) -> tuple[TrainingBackend, pydantic.BaseModel]:
+    def create(new_id: str) -> Created:
         backend = server.backend
         create_from = (
             backend.create_training_client_from_state_with_optimizer
@@ -279,7 +289,7 @@ def _create_from_state(
             else backend.create_training_client_from_state
         )
         training = create_from(body.path, run_id=new_id)
-        return training, tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id)
+        return Created(training, tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id))
 
     return _register_model(
         server,
@@ -354,13 +364,13 @@ def _creation(
 
     def run() -> pydantic.BaseModel:
         try:
-            training, answer = create(served.model_id)
+            created = create(served.model_id)
         except Exception:
             server.drop_model(served.model_id)
             raise
-        served.training = training
+        served.training = created.training
         server.catalog.set_owner(served.model_id, served.owner)
-        return answer
+        return created.answer
 
     return run
 

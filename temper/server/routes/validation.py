@@ -72,7 +72,7 @@ def resolve_provenance(
     call: ForwardBackwardCall, *, store: StabilityStore, session_id: str
 ) -> list[Datum]:
     """The datums to train on: provenance spans checked on every loss, and for
-    stable_reinforce resolved against the recorded samples (provenance.py)."""
+    stable_reinforce resolved against the recorded samples (state/provenance.py)."""
     try:
         check_spans(call.data, call.provenance)
         if call.loss_fn != "stable_reinforce":

@@ -9,7 +9,7 @@ sampling clients: one shared client per base model and per sampler checkpoint, o
 `save_weights_and_get_sampling_client` call. Sessions own their models and sampling sessions;
 finishing a session, or its heartbeats stopping for `session_timeout_s`, releases them
 (lifetimes.py). Every session, and so everything it created, belongs to the user whose key
-created it (users.py); another user's ids answer 404 as if they did not exist."""
+created it (http/users.py); another user's ids answer 404 as if they did not exist."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ STALE_STAGING_S = 600.0
 
 
 class TemperServer(Configurable):
+    """The facade routes call: lookups that answer 404/410 for the asking user, per-user
+    limits, registration of models and sampling sessions, and endings (module doc). It owns
+    the policies (memory, snapshots, adapter room) and the dispatch of requests."""
+
     Config = ServerConfig
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:

@@ -24,7 +24,7 @@ FIELD = "target_prompt_logprobs"
 
 def decode_targets(value: WireTensorData) -> PromptTargets:
     """The request's ids as `PromptTargets`; a 400 names the field for a malformed tensor
-    (its fit to the prompt and vocabulary is `PromptTargets.check`, in validation.py)."""
+    (its fit to the prompt and vocabulary is `PromptTargets.check`, in routes/validation.py)."""
     if value.dtype != "int64":
         raise BadRequest(f"{FIELD} must be an int64 tensor of token ids, got {value.dtype}")
     shape = tuple(value.shape or ())
