@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from temper.config.configurable import Configurable
-from temper.rl.env import Demonstration, StepResult
+from temper.rl.env import Demonstration, StepResult, Turns
 from temper.tasks.problem import check_heldout_percent, split_of
 from temper.tokenizer import Tokenizer
 
@@ -96,6 +96,9 @@ class GuessNumber(Configurable):
                 raise ValueError(
                     f"GuessNumber.Config.turn_penalty must be >= 0, got {self.turn_penalty}"
                 )
+
+    turns: Turns = "multi"
+    """An env source (temper/rl/env.py) of multi-turn episodes."""
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from temper.config.configurable import Configurable
-from temper.rl.env import Demonstration, StepResult
+from temper.rl.env import Demonstration, StepResult, Turns
 from temper.rl.tools import ToolRunner
 from temper.tasks.problem import check_heldout_percent, check_range, split_of
 from temper.tokenizer import Tokenizer
@@ -110,6 +110,9 @@ class ToolArithmetic(Configurable):
                     f"0 <= direct_share <= 1, got num_terms={self.num_terms}, "
                     f"tool_timeout_s={self.tool_timeout_s}, direct_share={self.direct_share}"
                 )
+
+    turns: Turns = "multi"
+    """An env source (temper/rl/env.py) of multi-turn episodes."""
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
