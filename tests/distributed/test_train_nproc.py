@@ -41,7 +41,7 @@ def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     ("override", "message"),
     [
         (["--sharding.dims.dp_shard", "3"], "ParallelDims: dp_replicate (1) x dp_shard (3)"),
-        (["--prompts_per_step", "7"], "RLJob.Config.prompts_per_step=7 must be divisible"),
+        (["--rl.prompts_per_step", "7"], "RLJob.Config.rl.prompts_per_step=7 must be divisible"),
         (
             ["--placement.mode", "disaggregated", "--placement.generator_ranks", "2"],
             "Placement.Config.generator_ranks=2 leaves no trainer rank",
@@ -181,7 +181,7 @@ def _run_past_first_checkpoint(run_dir: Path) -> Iterator[subprocess.Popen]:
     """`temper train --nproc 2` of a long run, once it has saved its first full-state
     checkpoint; whatever of it is left afterwards is killed."""
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
+    argv += ["--metrics.display", "none", "--rl.steps", "1000", "--checkpoint_every", "5"]
     command = subprocess.Popen(
         [sys.executable, "-m", "temper", *argv],
         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
