@@ -25,7 +25,7 @@ from tests.distributed.spawn import free_port
 def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     run_dir = tmp_path / "run"
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--warmup.steps", "4", "--steps", "2"]
+    argv += ["--metrics.display", "none", "--warmup.steps", "4", "--rl.steps", "2"]
     argv += ["--eval_problems", "8"]
     assert main(argv) == 0
     out = capfd.readouterr().out
@@ -118,7 +118,7 @@ def test_two_nodes_meet_at_the_rendezvous_and_run_disaggregated(tmp_path):
     run_dir = tmp_path / "shared-run"
     argv = ["train", "arithmetic_smoke", "--nnodes", "2", "--nproc-per-node", "1"]
     argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--warmup.steps", "2", "--steps", "2"]
+    argv += ["--metrics.display", "none", "--warmup.steps", "2", "--rl.steps", "2"]
     argv += ["--eval_problems", "8", "--placement.mode", "disaggregated"]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     nodes = [
