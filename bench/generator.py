@@ -23,9 +23,9 @@ import torch
 from timing import interleaved_median_seconds, require_baseline
 
 from temper.api import SamplingParams
+from temper.generator.vllm import VllmGenerator
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.vllm import VllmGenerator
 
 PROMPT_LEN, NEW_TOKENS, VOCAB = 16, 32, 1024
 

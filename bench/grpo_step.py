@@ -28,11 +28,10 @@ round's medians and ratio are printed (`per_round`), and the speedup is the medi
 rounds' ratios. Before the timed rounds, `--warmup-rounds` (default 2) whole rounds of both
 sides run untimed: each side's first runs in a process are slower than its later ones
 (first-call setup, the heap growing to the step's size; Temper's first run also starts its
-sampler helper process): TRL alone, five runs in one process, had medians 0.49, 0.42, then
-0.38-0.39 s a step, its very first step 1.05 s. Without these rounds the first timed rounds
-flattered whichever side they slowed less. The load average before and after is printed (the
-machine may be shared). Prints one JSON line. Without `trl` installed (the `bench` extra), only
-Temper's numbers are printed, with the reason in `trl_skipped`.
+sampler helper process), and without these rounds the first timed rounds would flatter
+whichever side they slowed less. The load average before and after is printed (the machine may
+be shared). Prints one JSON line. Without `trl` installed (the `bench` extra), only Temper's
+numbers are printed, with the reason in `trl_skipped`.
 
     OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 10 --rounds 6]
 """
@@ -349,7 +348,7 @@ def main() -> None:
         trl = None
         report["trl_skipped"] = (
             f"TRL not compared ({error}); pip install -e '.[bench]' (or put trl on PYTHONPATH, "
-            "docs/rl.md) to run it on the same configuration"
+            "docs/benchmarks.md) to run it on the same configuration"
         )
     temper: Times = {"sample": [], "train": [], "total": []}
     baseline: Times = {"sample": [], "train": [], "total": []}

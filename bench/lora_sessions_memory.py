@@ -1,10 +1,10 @@
 """Server memory per extra LoRA session: RSS of `temper serve` as sessions pile up.
 
-Each session creates a LoRA training model, takes one forward_backward + optim_step (and,
-with --sample, one sampling snapshot and a sample), and is then abandoned (never closed), as
-in issue 19. Prints the server's RSS after startup, after each session, and the mean marginal
-MiB per session. --code-dir runs the server from another source tree (to compare with an
-older revision: `git archive <rev> | tar -x -C /tmp/old`).
+Each session creates a LoRA training model, takes one forward_backward + optim_step (and, with
+--sample, one sampling snapshot and a sample), and is then abandoned (never closed), as a crashed
+client leaves it. Prints the server's RSS after startup, after each session, and the mean marginal
+MiB per session. --code-dir runs the server from another source tree (to compare with an older
+revision: `git archive <rev> | tar -x -C /tmp/old`).
 
     PYTHONPATH=$PWD python bench/lora_sessions_memory.py --sessions 4 [--sample] \
         [--dim 512 --layers 8 --ffn-dim 1536]

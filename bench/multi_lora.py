@@ -6,7 +6,7 @@ exist) and a sampling snapshot, and reports its RSS; then every client samples t
 share of one total batch at once (--total-batch samples of --max-tokens tokens, N clients
 x total/N samples each) for --rounds rounds, timed. Two sampling paths, same settings:
 `shared` (the base's multi-LoRA sampler: rows of every adapter in one batch, one KV cache)
-and `merged` (each client a merged-weights sampler of its own, the path before issue 19;
+and `merged` (each client a merged-weights sampler of its own, `multi_lora.enabled=False`;
 run up to --merged-max clients, it holds a model copy and a KV cache each).
 
 Prints one JSON line: per model and path, per N: RSS MiB, marginal MiB per client beyond the
@@ -39,8 +39,8 @@ def run_case(case: dict) -> dict:
     import torch
 
     from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+    from temper.generator.multi_lora import MultiLoraSampler
     from temper.sampler.engine import SamplerEngine
-    from temper.sampler.multi_lora import MultiLoraSampler
 
     torch.manual_seed(0)
     sampler = SamplerEngine.Config(max_batch=case["total_batch"], max_seq_len=case["seq_len"])

@@ -1,10 +1,10 @@
 """Forward cost of K adapters mixed in one batch (models/multi_lora.py) against merged weights.
 
 Times one forward of a [B, T] batch (T=1 is a decode step's linears without a KV cache; a
-larger T is a prefill) on: the merged plain model (one adapter for every row, what LoRA
-snapshots sample on today), and the multi-adapter model with K adapters, rows spread over
-them. Not the sampler engine (it does not run multi-adapter models yet): attention over a
-cache is left out, which is the same for both.
+larger T is a prefill) on: the merged plain model (one adapter for every row, what a
+merged-weights sampler decodes on), and the multi-adapter model with K adapters, rows spread
+over them. The models alone, not the sampler engine: attention over a cache is left out,
+which is the same for both.
 
     PYTHONPATH=$PWD python bench/multi_lora_forward.py [--dim 512 --layers 8 --ffn-dim 1536]
 """

@@ -44,7 +44,7 @@ class DecodeCounter:
         self.rows: list[int] = []
         self.prefilled = 0
         step = engine._decode_step  # a benchmark may look inside; the library never does
-        prefill = engine._prefill
+        prefill = engine.admission._prefill
 
         def counted(decoder) -> None:
             self.rows.append(engine.slots.num_active)
@@ -57,7 +57,7 @@ class DecodeCounter:
             prefill(rows)
 
         engine._decode_step = counted
-        engine._prefill = counted_prefill
+        engine.admission._prefill = counted_prefill
 
 
 def play(runner, sampler, groups, *, seeds) -> float:
@@ -93,8 +93,8 @@ def main() -> None:
             on_step=lambda *_: None,
         )
         sampler = training.save_weights_and_get_sampling_client()
-        counter = DecodeCounter(sampler.engine)
-        cache_bytes = sampler.engine.prefix_cache.max_bytes
+        counter = DecodeCounter(sampler.generator)
+        cache_bytes = sampler.generator.prefix_cache.max_bytes
         runner = EpisodeRunner.Config(max_turns=8, max_context=64).build()
         rng = random.Random(1)
 
@@ -110,7 +110,7 @@ def main() -> None:
 
         play(runner, sampler, groups(), seeds=seeds)  # warm up
         results = {}
-        cache = sampler.engine.prefix_cache
+        cache = sampler.generator.prefix_cache
         for name in ("concurrent", "concurrent_no_prefix_cache", "naive"):
             times, counter.rows, counter.prefilled = [], [], 0
             cache.max_bytes = 0 if name == "concurrent_no_prefix_cache" else cache_bytes

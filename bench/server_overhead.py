@@ -29,14 +29,14 @@ side at its own defaults. Both counts are printed (`server_threads`, `in_process
 `like_for_like`).
 
 On a machine with two cores or more the server runs on cores of its own (the second half of
-this process's cores) and this process, the SDK client and the in-process client, on the
-others (`--pin`, the default there; `--no-pin` shares all cores as before). On a deployment the
-SDK runs on another machine: sharing the server's cores, its HTTP work (about a third of a
-core during a server step here) also slows the server's compute threads (caches, preemption),
-which is the SDK's cost, not the server's. Pinned, each side computes on cores nothing else
-uses, and the compute threads are at most the server's cores. The JSON line prints the cores
-(`pinned`: null, or `bench_cores` and `server_cores`, the latter read back from every server
-thread at the end).
+this process's cores) and this process, the SDK client and the in-process client, on the others
+(`--pin`, the default there; `--no-pin` lets every process use all cores). On a deployment the
+SDK runs on another machine: sharing the server's cores, its HTTP work (about a third of a core
+during a server step here) also slows the server's compute threads (caches, preemption), which
+is the SDK's cost, not the server's. Pinned, each side computes on cores nothing else uses, and
+the compute threads are at most the server's cores. The JSON line prints the cores (`pinned`:
+null, or `bench_cores` and `server_cores`, the latter read back from every server thread at the
+end).
 
     OMP_WAIT_POLICY=PASSIVE python bench/server_overhead.py [--steps 10] [--server-threads 1]
 """

@@ -147,8 +147,10 @@ def cuda_mfu(*, repeats: int) -> dict:
         engine.optim_step(ADAM)
 
     seconds = median_seconds(step, repeats=repeats, device=device)
-    # 6 N per token for the matmuls, plus attention: 12 * layers * dim * seq per token.
-    flops_per_token = 6 * config.num_params + 12 * config.num_layers * config.dim * seq
+    # 6 N per token for the matmuls, plus attention: 12 * layers * (heads * head_dim) * seq per
+    # token (the query width, which is not `dim` in Qwen3: 16 x 128 against 1024 at 0.6B).
+    attention_width = config.num_heads * config.head_dim
+    flops_per_token = 6 * config.num_params + 12 * config.num_layers * attention_width * seq
     achieved = flops_per_token * batch * seq / seconds
     peak = _peak_bf16_flops()
     return {
@@ -162,8 +164,16 @@ def cuda_mfu(*, repeats: int) -> dict:
 
 
 def _peak_bf16_flops() -> float | None:
+    """The card's dense bf16 peak (the datasheets' figures without sparsity); None if unknown.
+    The H100's depends on its form: SXM (HBM3) 989, NVL 835, PCIe 756 TFLOP/s."""
     name = torch.cuda.get_device_name()
-    dense_bf16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+    dense_bf16 = {
+        "H100 PCIe": 756e12,
+        "H100 NVL": 835e12,
+        "H100": 989e12,
+        "H200": 989e12,
+        "A100": 312e12,
+    }
     return next((value for key, value in dense_bf16.items() if key in name), None)
 
 

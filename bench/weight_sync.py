@@ -1,5 +1,5 @@
 """Weight sync side by side: colocated (whole dict vs streamed), disaggregated in buckets, and a
-plain broadcast of the same bytes (issue 18).
+plain broadcast of the same bytes.
 
 Per shape (--shapes, default tiny and 0.6B), one world of T + 1 ranks (--trainer-ranks T,
 default 2): the trainer ranks hold a model of the shape in --dtype (default float32), FSDP-
@@ -9,8 +9,8 @@ generators' copies are checked against them at the end). The groups are Placemen
 Cases, all on the same trainer model:
 
 - colocated (the trainer ranks, each loading its own plain generator model, as SPMD RL does):
-  `whole_dict`: `sampler_state_dict(model)` then `WeightSource.update(dict)`, the path before
-  issue 18; `streamed`: `WeightSource.update(sampler_stream(model, bucket_bytes=...))`, the
+  `whole_dict`: `sampler_state_dict(model)` then `WeightSource.update(dict)`, a whole copy
+  gathered first; `streamed`: `WeightSource.update(sampler_stream(model, bucket_bytes=...))`, the
   job's path: FSDP rows all-gathered a bucket at a time (at most --bucket-mb gathered at once);
   `gather_only`: that stream drained (the gather alone).
 - disaggregated: every trainer rank sends its share in buckets (`sampler_share`: its own FSDP

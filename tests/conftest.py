@@ -1,5 +1,5 @@
-"""Test-wide settings: deterministic CPU torch, GPU tests skipped without a GPU, and the
-longest test files first."""
+"""Test-wide settings: the suite runs on CPU even where a GPU exists (only `-m gpu` runs see
+it), GPU tests skipped without a GPU, and the longest test files first."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ last keeps one worker busy while the other idles (xdist's own reordering, by num
 tests, put the one-test vLLM RL file last)."""
 
 
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a `-m` expression asks for the gpu-marked tests (`-m gpu`, `-m "gpu or vllm"`)."""
+    words = markexpr.replace("(", " ").replace(")", " ").split()
+    return any(
+        word == "gpu" and (index == 0 or words[index - 1] != "not")
+        for index, word in enumerate(words)
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The suite is tuned for CPU (thresholds, bitwise checks, gloo ranks); jobs default to CUDA
+    # where one is visible, so the GPU is hidden from this process and every process it
+    # starts, unless the run selects the gpu tests (make gpu-check). Set before torch first
+    # asks the driver for devices, which reads the variable once.
+    if not selects_gpu_tests(config.getoption("markexpr") or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     first = {path: rank for rank, path in enumerate(RUN_FIRST)}
     # Stable: the other files keep their order, and every file its tests' order.
@@ -34,7 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(
+        reason="needs a CUDA device, and the suite hides GPUs unless run with -m gpu "
+        "(make gpu-check)"
+    )
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -26,9 +26,7 @@ import threading
 from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-import torch
-
-from temper.api.threads import pin_thread_count
+from temper.api.threads import ThreadSettings
 
 T = TypeVar("T")
 
@@ -59,13 +57,13 @@ class Worker:
     """One thread that runs submitted calls in order."""
 
     def __init__(self, name: str) -> None:
-        # The thread pins torch's thread count (the creator's) when it starts, so that the
-        # rounding of its results does not depend on what others set meanwhile (threads.py).
+        # The thread takes the creator's torch thread count (pinned, so that the rounding of
+        # its results does not depend on what others set meanwhile) and CUDA device (a rank's
+        # own GPU, not cuda:0): threads.py.
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=name,
-            initializer=pin_thread_count,
-            initargs=(torch.get_num_threads(),),
+            initializer=ThreadSettings.of_caller().apply,
         )
         self._lock = threading.Lock()
         self._epoch = 0

@@ -9,7 +9,6 @@ numpy arrays or lists are converted to `TensorData` when a `Datum` is made.
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from array import array
 from collections.abc import Mapping, Sequence
@@ -19,16 +18,11 @@ from typing import Any, Literal
 import torch
 
 from temper.api.prompt_targets import PromptTargetLogprobs
+from temper.config.checks import check_choice, check_range
 
 StopReason = Literal["stop", "length"]
 TopkLogprobs = list[tuple[int, float]]
 """The k most likely (token id, logprob) pairs at one position, most likely first."""
-
-
-def _check_number(value: object, *, field: str) -> None:
-    """A real number (int, float, numpy scalar); bool is an int but never meant as one."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{field} must be a number, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,24 +45,19 @@ class SamplingParams:
     """Same seed, prompt and weights give the same tokens, whatever else shares the batch."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-        ):
-            raise TypeError(f"max_tokens must be an int or None, got {self.max_tokens!r}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0 (or None), got {self.max_tokens}")
-        _check_number(self.temperature, field="temperature")
-        _check_number(self.top_p, field="top_p")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        check_range(self.max_tokens, field="max_tokens", integer=True, also=(None,))
+        if self.max_tokens is not None:
+            check_range(self.max_tokens, field="max_tokens", greater_than=0, hint="or None")
+        check_range(self.temperature, field="temperature", at_least=0, finite=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 1, or -1/0 for no limit, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        if self.top_k > _INT64_MAX:  # samplers hold it as an int64
+            raise ValueError(
+                f"top_k must be at most 2**63 - 1 (any top_k of the vocabulary size or more "
+                f"keeps every token), got {self.top_k}"
+            )
+        check_range(self.top_p, field="top_p", greater_than=0, at_most=1)
+        check_range(self.seed, field="seed", integer=True, also=(None,))
         _check_stop(self.stop)
 
     @property
@@ -159,8 +148,7 @@ class TensorData:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.dtype not in _TORCH_DTYPES:
-            raise ValueError(f"TensorData.dtype must be 'int64' or 'float32', got {self.dtype!r}")
+        check_choice(self.dtype, field="TensorData.dtype", choices=tuple(_TORCH_DTYPES))
         if math.prod(self.shape) != len(self.data):
             raise ValueError(f"TensorData has {len(self.data)} values but shape {list(self.shape)}")
 
@@ -300,9 +288,6 @@ class Datum:
         object.__setattr__(self, "loss_fn_inputs", converted)
 
 
-_ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-
-
 @dataclass(frozen=True, kw_only=True)
 class AdamParams:
     """One AdamW step's hyperparameters (Tinker defaults)."""
@@ -317,28 +302,17 @@ class AdamParams:
     """Clip the global gradient norm to this first; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        for name in _ADAM_FIELDS:  # before comparing: "1e-3" >= 0 raises an unhelpful error
-            _check_number(getattr(self, name), field=f"AdamParams.{name}")
-        checks = {
-            "learning_rate": self.learning_rate >= 0,
-            "beta1": 0 <= self.beta1 < 1,
-            "beta2": 0 <= self.beta2 < 1,
-            "eps": self.eps > 0,
-            "weight_decay": self.weight_decay >= 0,
-            "grad_clip_norm": self.grad_clip_norm >= 0,
-        }
-        ranges = {
-            "learning_rate": ">= 0",
-            "beta1": "in [0, 1)",
-            "beta2": "in [0, 1)",
-            "eps": "> 0",
-            "weight_decay": ">= 0",
-            "grad_clip_norm": ">= 0 (0 disables clipping)",
-        }
-        for name, ok in checks.items():
-            value = getattr(self, name)
-            if not ok or not math.isfinite(value):
-                raise ValueError(f"AdamParams.{name} must be {ranges[name]}, got {value}")
+        check_range(self.learning_rate, field="AdamParams.learning_rate", at_least=0)
+        for name in ("beta1", "beta2"):
+            check_range(getattr(self, name), field=f"AdamParams.{name}", at_least=0, less_than=1)
+        check_range(self.eps, field="AdamParams.eps", greater_than=0)
+        check_range(self.weight_decay, field="AdamParams.weight_decay", at_least=0)
+        check_range(
+            self.grad_clip_norm,
+            field="AdamParams.grad_clip_norm",
+            at_least=0,
+            hint="0 disables clipping",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

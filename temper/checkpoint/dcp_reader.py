@@ -12,9 +12,9 @@ directory that a team shares, or from a path a client names, so their bytes are 
   plain Python values only.
 - Every file the index names is a plain file name inside the checkpoint directory.
 
-This keeps reading the checkpoints DCP writes (old ones too) byte for byte as before: an
-allow-list of classes, not a second format, so nothing has to be rewritten. A digest recorded
-at save time would refuse every checkpoint written before it, and any copied in from
+This reads the checkpoints DCP writes, whenever they were written, byte for byte as DCP
+does: an allow-list of classes, not a second format, so nothing has to be rewritten. A digest
+recorded at save time would refuse every checkpoint written before it, and any copied in from
 elsewhere.
 """
 

@@ -20,6 +20,7 @@ import torch
 
 from temper.checkpoint.hf import empty_pretrained, load_pretrained, save_pretrained
 from temper.checkpoint.sharded_load import DeferredWeights
+from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.models.build import materialize
@@ -53,11 +54,9 @@ class ModelSource(Configurable):
         and `deferred_weights` fills it on `device` once it is sharded (sharded loading)."""
 
         def __post_init__(self) -> None:
-            if self.weights not in ("loaded", "deferred"):
-                raise ValueError(
-                    "ModelSource.Config.weights must be 'loaded' or 'deferred', got "
-                    f"{self.weights!r}"
-                )
+            check_choice(
+                self.weights, field="ModelSource.Config.weights", choices=("loaded", "deferred")
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

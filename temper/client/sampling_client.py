@@ -3,10 +3,10 @@
 A sampling client reads through a `Snapshot` (weight_sync.py). One made by a training client
 may read the trainer's own weights: the snapshot holds them against changes while it decodes,
 and gets a private copy just before they change (copy-on-write). A client made from a
-checkpoint or a base model owns its engine outright.
+checkpoint or a base model owns its generator outright.
 
 Concurrent `sample` calls decode together: the requests that arrive while the worker decodes
-form its next batch (temper/api/futures.py). Since an engine's results depend on the batch at
+form its next batch (temper/api/futures.py). Since a generator's results depend on the batch at
 rounding level, a caller that must reproduce them sends its requests inside `batch()`, which
 makes them one batch whatever the timing.
 """
@@ -23,7 +23,7 @@ from temper.api.futures import APIFuture, Worker
 from temper.api.prompt_targets import PromptTargets
 from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
 from temper.client.weight_sync import Snapshot
-from temper.sampler.generator import Generator, score_each_alone
+from temper.generator.seam import Generator, score_each_alone
 from temper.sampler.requests import SampleRequest
 from temper.tokenizer import Tokenizer
 
@@ -35,10 +35,10 @@ class SamplingClient:
         self._worker = worker
 
     @property
-    def engine(self) -> Generator:
+    def generator(self) -> Generator:
         """The generator that serves this client's version now (copy-on-write may replace
         it)."""
-        return self._snapshot.engine
+        return self._snapshot.generator
 
     def sample(
         self,
@@ -61,7 +61,7 @@ class SamplingClient:
             "topk_prompt_logprobs": topk_prompt_logprobs,
             "topk_sample_logprobs": topk_sample_logprobs,
         }
-        for name, value in counts.items():  # the engine checks their ranges
+        for name, value in counts.items():  # the generator checks their ranges
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         targets = target_prompt_logprobs
@@ -97,9 +97,9 @@ class SamplingClient:
         self._snapshot.check_usable()
         if not tokens:
             raise ValueError("compute_logprobs: prompt is empty; it needs at least one token")
-        # One token needs no forward pass, so the engine never sees it: check it here.
+        # One token needs no forward pass, so the generator never sees it: check it here.
         if len(tokens) == 1:
-            vocab_size = self.engine.vocab_size
+            vocab_size = self.generator.vocab_size
             if not 0 <= tokens[0] < vocab_size:
                 raise ValueError(
                     f"compute_logprobs: prompt token {tokens[0]} at position 0 is outside the "
@@ -114,7 +114,7 @@ class SamplingClient:
         self, prompts: Sequence[ModelInput]
     ) -> APIFuture[list[list[float | None]]]:
         """`compute_logprobs` of several sequences, scored together [Temper's choice]: one
-        forward per batch of up to the engine's `max_score_tokens` padded tokens instead of
+        forward per batch of up to Temper's engine's `max_score_tokens` padded tokens instead of
         one per sequence (512 short RL sequences on the tiny model: 0.11-0.15 s, against 4 s). The
         same list gives the same numbers every time, but a sequence's logprobs may differ in
         the last bits from `compute_logprobs` of it alone (a batch rounds differently)."""
@@ -129,7 +129,7 @@ class SamplingClient:
                 raise ValueError(f"compute_logprobs_batch: prompts[{index}] is empty")
             sequences.append(tokens)
         self._snapshot.check_usable()
-        _check_vocabulary(sequences, vocab_size=self.engine.vocab_size)
+        _check_vocabulary(sequences, vocab_size=self.generator.vocab_size)
         return self._worker.submit(self._compute_logprobs_together, sequences)
 
     def get_tokenizer(self) -> Tokenizer:
@@ -146,20 +146,20 @@ class SamplingClient:
         return self.compute_logprobs(*args, **kwargs)
 
     def _generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
-        with self._snapshot.reading(requests=requests) as engine:
-            return engine.generate(requests)
+        with self._snapshot.reading(requests=requests) as generator:
+            return generator.generate(requests)
 
     def _compute_logprobs_together(
         self, sequences: Sequence[list[int]]
     ) -> list[list[float | None]]:
         scored = [sequence for sequence in sequences if len(sequence) > 1]  # one token: no forward
-        with self._snapshot.reading() as engine:
-            scores = iter(engine.score(scored) if scored else [])
+        with self._snapshot.reading() as generator:
+            scores = iter(generator.score(scored) if scored else [])
         return [[None, *next(scores).tolist()] if len(s) > 1 else [None] for s in sequences]
 
     def _compute_logprobs(self, sequences: Sequence[list[int]]) -> list[list[float | None]]:
-        with self._snapshot.reading() as engine:
-            scores = score_each_alone(engine, sequences)
+        with self._snapshot.reading() as generator:
+            scores = score_each_alone(generator, sequences)
         return [[None, *score.tolist()] for score in scores]
 
 

@@ -30,12 +30,13 @@ from temper.client.shared_base import SharedBase, SharedBases
 from temper.client.training_client import TrainingClient, training_kind
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
+from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.remote import RemoteGenerators
+from temper.generator.seam import Generator
 from temper.models.build import parse_dtype
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import Generator, GeneratorChoice
-from temper.sampler.multi_lora import MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
 from temper.tokenizer import Tokenizer, load_tokenizer
 from temper.trainer.engine import TrainerEngine
 
@@ -74,7 +75,7 @@ class ServiceClient:
     ) -> None:
         """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine
         only); None: its defaults. `remote`: the generator ranks of a disaggregated placement
-        (sampler/remote.py), where the training client's snapshots sample; None: generators
+        (generator/remote.py), where the training client's snapshots sample; None: generators
         in this process. `sleep_generator`: each training client's generator releases its KV
         cache while the trainer runs forward_backward."""
         check_device(device, named=f"device={device!r}", instead="use device='cpu'")
@@ -151,9 +152,9 @@ class ServiceClient:
         else:
             base = resolve_base_model(base_model, device=self.device, dtype=self.dtype).build()
             weights = SamplerWeights(model=base.model, tokenizer=base.tokenizer, name=base_model)
-        engine = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
+        generator = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
         return SamplingClient(
-            snapshot=Snapshot(engine=engine, version=engine.version),
+            snapshot=Snapshot(generator=generator, version=generator.version),
             worker=Worker("temper-sampler"),
             tokenizer=weights.tokenizer,
         )
@@ -177,7 +178,7 @@ class ServiceClient:
             vocab_size=sampler_vocab_size(directory),
         )
         return SamplingClient(
-            snapshot=Snapshot(engine=reference, version=reference.version),
+            snapshot=Snapshot(generator=reference, version=reference.version),
             worker=Worker("temper-reference"),
             tokenizer=load_tokenizer(directory),
         )

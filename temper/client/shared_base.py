@@ -9,15 +9,15 @@ buffers are the shared ones. A client therefore owns only its adapters, their gr
 its optimizer state.
 
 Nothing may write the shared tensors in place. What reads them: the trainer's forward and
-backward (gradients go to the adapters only), `merged_state_dict` (new tensors), the
-sampler's `update_weights` with merged tensors (copies into the sampler's own model), and
+backward (gradients go to the adapters only), `merged_state_dict` (new tensors), a
+generator's `update_weights` with merged tensors (copies into the generator's own model), and
 checkpoints with `trainable_only` (the base is neither saved nor loaded). A sharded trainer
 (FSDP/TP replaces parameters by shards) and full fine-tuning build a private copy instead
 (service_client.py). `SharedBase.check_unchanged` asserts the guard the tests rely on: every
 shared tensor's storage, version counter (bumped by any in-place write) and values.
 
 Their sampling snapshots share one sampler too: `sampler()` builds the base's multi-LoRA
-sampler (sampler/multi_lora.py) on a tree of its own over the same tensors, one KV cache for
+sampler (generator/multi_lora.py) on a tree of its own over the same tensors, one KV cache for
 all of them.
 
 The base lives while a client holds its `SharedBase`: the registry keeps it weakly, so
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from temper.checkpoint.model_source import ModelSource
-from temper.sampler.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import MultiLoraSampler
 from temper.tokenizer import Tokenizer
 
 

@@ -35,10 +35,10 @@ from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_n
 from temper.client.sampler_weights import recorded_base_model, save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
-from temper.client.weight_sync import AdapterFeed, RemoteFeed, SamplerFeed, WeightSync
-from temper.sampler.generator import Generator
-from temper.sampler.multi_lora import MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
+from temper.client.weight_sync import AdapterFeed, GeneratorFeed, RemoteFeed, WeightSync
+from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.remote import RemoteGenerators
+from temper.generator.seam import Generator
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import CustomLossFn, TrainerEngine
 
@@ -91,12 +91,12 @@ class TrainingClient:
         """`adapter_sampler`: the multi-LoRA sampler this LoRA client's snapshots register
         their adapters on (shared with the other clients of its base); `remote`: generator
         ranks of a disaggregated placement its weights are streamed to; neither: merged
-        weights in a sampler of its own. `sleep_generator`: its generator releases the KV
+        weights in a generator of its own. `sleep_generator`: its generator releases the KV
         cache during forward_backward."""
         self.service = service
         # The frozen base weights this LoRA client shares with the service's other LoRA
         # clients (shared_base.py), held so they live as long as a client on them; None:
-        # the engine's model is the client's own.
+        # the trainer's model is the client's own.
         self.shared_base = shared_base
         self.model_id = run_id
         self.base_model = base_model
@@ -108,11 +108,11 @@ class TrainingClient:
         self._sampler_worker = Worker(f"temper-{run_id}-sampler")
         self._sampler_worker.submit(lambda: None).result()
         self.adapter_sampler = adapter_sampler
-        feed: SamplerFeed | None = None
+        feed: GeneratorFeed | None = None
         if remote is not None:
             feed = RemoteFeed(trainer=engine, remote=remote, tokenizer=tokenizer)
         elif adapter_sampler is not None:
-            feed = AdapterFeed(trainer=engine, sampler=adapter_sampler)
+            feed = AdapterFeed(trainer=engine, multi_lora=adapter_sampler)
         self._weight_sync = WeightSync(
             trainer=engine,
             new_generator=service.new_generator,

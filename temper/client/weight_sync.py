@@ -42,11 +42,11 @@ from torch import nn
 
 from temper.checkpoint.gather import sampler_share
 from temper.client.sampler_weights import sampler_model, sampler_update
+from temper.generator.multi_lora import AdapterView, MultiLoraSampler
+from temper.generator.remote import RemoteGenerator, RemoteGenerators
+from temper.generator.seam import Generator
 from temper.models.build import materialize
 from temper.models.lora import lora_state_dict, merged_config
-from temper.sampler.generator import Generator
-from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
-from temper.sampler.remote import RemoteGenerator, RemoteGenerators
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -55,10 +55,10 @@ NewGenerator = Callable[..., Generator]
 """Builds a generator: `new_generator(model=..., tokenizer=...)` (the service's backend)."""
 
 
-class SamplerFeed(Protocol):
+class GeneratorFeed(Protocol):
     """How a trainer's weights reach its generator."""
 
-    def new_sampler(self) -> Generator:
+    def generator(self) -> Generator:
         """A generator for the trainer's weights (loaded by `update_weights(weights())`)."""
         ...
 
@@ -76,7 +76,7 @@ class MergedFeed:
     ) -> None:
         self._trainer, self._new_generator, self._tokenizer = trainer, new_generator, tokenizer
 
-    def new_sampler(self) -> Generator:
+    def generator(self) -> Generator:
         model = sampler_model(self._trainer.model, lora=self._trainer.lora)
         return self._new_generator(model=model, tokenizer=self._tokenizer)
 
@@ -86,21 +86,21 @@ class MergedFeed:
 
 class AdapterFeed:
     """A LoRA trainer's adapters, registered on a multi-LoRA sampler shared with the other
-    clients of its base (sampler/multi_lora.py): a version is a copy of the adapters."""
+    clients of its base (generator/multi_lora.py): a version is a copy of the adapters."""
 
-    def __init__(self, *, trainer: TrainerEngine, sampler: MultiLoraSampler) -> None:
+    def __init__(self, *, trainer: TrainerEngine, multi_lora: MultiLoraSampler) -> None:
         assert trainer.lora is not None
-        self._trainer, self._sampler = trainer, sampler
+        self._trainer, self._multi_lora = trainer, multi_lora
 
-    def new_sampler(self) -> Generator:
-        return AdapterView(self._sampler, config=self._trainer.lora)
+    def generator(self) -> Generator:
+        return AdapterView(self._multi_lora, config=self._trainer.lora)
 
     def weights(self) -> WeightUpdate:
         return lora_state_dict(self._trainer.model)
 
 
 class RemoteFeed:
-    """The generator ranks of a disaggregated placement (sampler/remote.py): each version is
+    """The generator ranks of a disaggregated placement (generator/remote.py): each version is
     streamed to them in buckets, every trainer rank sending its own rows of the sharded
     tensors and trainer rank 0 the rest whole (gathered, merged)."""
 
@@ -109,7 +109,7 @@ class RemoteFeed:
     ) -> None:
         self._trainer, self._remote, self._tokenizer = trainer, remote, tokenizer
 
-    def new_sampler(self) -> Generator:
+    def generator(self) -> Generator:
         model = self._trainer.model
         return self._remote.connect(
             model_config=merged_config(model),
@@ -126,25 +126,27 @@ class Snapshot:
     """One policy version as its sampling clients see it; every client taken of one version
     of a trainer's weights shares it.
 
-    While it is the trainer's current snapshot its engine is the trainer's generator (perhaps
-    on the trainer's own tensors), read under the WeightSync's lock; before that generator or
-    those tensors change, the WeightSync gives it an engine of its own (`keep`), or, for a
+    While it is the trainer's current snapshot its generator is the trainer's (perhaps on the
+    trainer's own tensors), read under the WeightSync's lock; before that generator or those
+    tensors change, the WeightSync gives it a generator of its own (`keep`), or, for a
     generator that holds one version, retires it (`retire`). A snapshot without a WeightSync
-    (a client made from a checkpoint or a base model) owns its engine.
+    (a client made from a checkpoint or a base model) owns its generator.
     """
 
-    def __init__(self, *, engine: Generator, version: int, sync: WeightSync | None = None) -> None:
+    def __init__(
+        self, *, generator: Generator, version: int, sync: WeightSync | None = None
+    ) -> None:
         self.version = version
-        self._engine = engine
-        self._sync = sync  # None once the engine is this snapshot's own
+        self._generator = generator
+        self._sync = sync  # None once the generator is this snapshot's own
         self._retired: str | None = None  # why requests on it are refused
         self.pending: set[int] = set()
         """Ids of the requests submitted and not yet run (under the WeightSync's pending
         lock)."""
 
     @property
-    def engine(self) -> Generator:
-        return self._engine
+    def generator(self) -> Generator:
+        return self._generator
 
     def check_usable(self) -> None:
         """A ValueError if this version was retired (see the module docstring)."""
@@ -160,20 +162,20 @@ class Snapshot:
 
     @contextlib.contextmanager
     def reading(self, *, requests: Sequence[object] = ()) -> Iterator[Generator]:
-        """The engine to use; weights shared with a trainer are held against changes.
+        """The generator to use; weights shared with a trainer are held against changes.
         `requests`: the submitted requests this read runs (no longer pending after it)."""
         sync = self._sync
-        if sync is None:  # an engine of its own never becomes shared again
-            yield self._engine
+        if sync is None:  # a generator of its own never becomes shared again
+            yield self._generator
             return
-        if isinstance(self._engine, RemoteGenerator):
-            with self._reading_remote(sync, requests=requests) as engine:
-                yield engine
+        if isinstance(self._generator, RemoteGenerator):
+            with self._reading_remote(sync, requests=requests) as generator:
+                yield generator
             return
         with sync.holding():
             try:
                 self.check_usable()
-                yield self._engine  # read under the lock: `keep` may have swapped it meanwhile
+                yield self._generator  # read under the lock: `keep` may have swapped it meanwhile
             finally:
                 sync.ran(self, requests)
 
@@ -188,21 +190,21 @@ class Snapshot:
             self.check_usable()
             sync.submitted(self, read)
         try:
-            yield self._engine
+            yield self._generator
         finally:
             with sync.holding():
                 sync.ran(self, [*requests, read])
 
-    def keep(self, engine: Generator) -> None:
-        """Serve this version from `engine`, which no change of the trainer's weights
+    def keep(self, generator: Generator) -> None:
+        """Serve this version from `generator`, which no change of the trainer's weights
         touches, from now on (the WeightSync calls it under its lock, before the change)."""
-        self._engine, self._sync = engine, None
+        self._generator, self._sync = generator, None
 
     def retire(self, *, newer: int) -> None:
         """Refuse requests from now on: the generator moved to version `newer`."""
         self._retired = (
             f"this sampling client samples policy version {self.version}, which its generator "
-            f"no longer holds: a {type(self._engine).__name__} keeps one version per training "
+            f"no longer holds: a {type(self._generator).__name__} keeps one version per training "
             f"model and now holds version {newer}; take a new sampling client "
             "(save_weights_and_get_sampling_client) for the new weights"
         )
@@ -222,7 +224,7 @@ class WeightSync:
         trainer: TrainerEngine,
         new_generator: NewGenerator,
         tokenizer: Tokenizer,
-        feed: SamplerFeed | None = None,
+        feed: GeneratorFeed | None = None,
         sleep_while_training: bool = False,
     ) -> None:
         """`feed`: how the weights reach the generator; default `MergedFeed`.
@@ -242,14 +244,14 @@ class WeightSync:
         # (under `_lock`) is counted at once (the server submits from its event loop).
         self._pending_lock = threading.Lock()
         self._generation = 0  # bumped by every change of the trainer's weights
-        self._sampler: Generator | None = None  # built by the first snapshot
-        self._synced_generation = -1  # the generation self._sampler holds
-        self._sent_generation = -1  # the generation sent ahead to self._sampler, if any
-        # The snapshot that reads self._sampler; weak, so a snapshot nobody holds costs nothing.
+        self._generator: Generator | None = None  # built by the first snapshot
+        self._synced_generation = -1  # the generation self._generator holds
+        self._sent_generation = -1  # the generation sent ahead to self._generator, if any
+        # The snapshot that reads self._generator; weak, so a snapshot nobody holds costs nothing.
         self._current: weakref.ref[Snapshot] | None = None
         self._num_snapshots = 0
         self._sleep_while_training = sleep_while_training
-        self._asleep = False  # self._sampler released its KV cache
+        self._asleep = False  # self._generator released its KV cache
 
     @property
     def num_snapshots(self) -> int:
@@ -269,14 +271,14 @@ class WeightSync:
         if not self._sleep_while_training:
             return
         with self._lock:
-            if self._sampler is not None and not self._asleep:
-                self._sampler.sleep()
+            if self._generator is not None and not self._asleep:
+                self._generator.sleep()
                 self._asleep = True
 
     def _wake(self) -> None:
         if self._asleep:
-            assert self._sampler is not None
-            self._sampler.wake_up()
+            assert self._generator is not None
+            self._generator.wake_up()
             self._asleep = False
 
     def submitted(self, snapshot: Snapshot, request: object) -> None:
@@ -297,7 +299,7 @@ class WeightSync:
     def changing(self) -> Iterator[None]:
         """Around every change of the trainer's weights (optim_step, load_state)."""
         with self._lock:
-            if self._sampler is not None and self._sampler.model is self._trainer.model:
+            if self._generator is not None and self._generator.model is self._trainer.model:
                 # The generator reads these very tensors: a live snapshot copies them first.
                 self._detach(self._private_copy)
             try:
@@ -312,46 +314,46 @@ class WeightSync:
             current = None if self._current is None else self._current()
             if current is not None and self._synced_generation == self._generation:
                 return current
-            self._sync_sampler()
+            self._sync_generator()
             current = Snapshot(
-                engine=self._sampler, version=self._trainer.policy_version, sync=self
+                generator=self._generator, version=self._trainer.policy_version, sync=self
             )
             self._current = weakref.ref(current)
             return current
 
-    def _sync_sampler(self) -> None:
+    def _sync_generator(self) -> None:
         """Build or update the trainer's generator to the current weights (under the lock)."""
         trainer = self._trainer
         self._wake()
-        if self._sampler is not None and self._synced_generation == self._generation:
+        if self._generator is not None and self._synced_generation == self._generation:
             return
-        if self._sampler is not None and self._sampler.holds_one_version:
+        if self._generator is not None and self._generator.holds_one_version:
             self._retire_current()
-        elif self._sampler is not None and self._sampler.model is not trainer.model:
+        elif self._generator is not None and self._generator.model is not trainer.model:
             # The update below rewrites the generator's own copy (LoRA merge, gathered
             # shards, another dtype): a live snapshot keeps the old copy.
-            old_sampler = self._sampler
-            if self._detach(lambda: old_sampler):
-                self._sampler = None
-        if self._sampler is None:
-            self._sampler = self._feed.new_sampler()
+            old_generator = self._generator
+            if self._detach(lambda: old_generator):
+                self._generator = None
+        if self._generator is None:
+            self._generator = self._feed.generator()
         if self._sent_generation == self._generation:
-            assert isinstance(self._sampler, RemoteGenerator)
-            self._sampler.commit_weights(version=trainer.policy_version)
+            assert isinstance(self._generator, RemoteGenerator)
+            self._generator.commit_weights(version=trainer.policy_version)
         else:
-            self._sampler.update_weights(self._feed.weights(), version=trainer.policy_version)
+            self._generator.update_weights(self._feed.weights(), version=trainer.policy_version)
         self._synced_generation = self._generation
 
     def _send_ahead(self) -> None:
         """Generator ranks that overlap syncs get the current weights before the old version's
         requests have run, outside the lock (on the training client's worker, the only
         thread that changes the weights)."""
-        sampler = self._sampler
-        if not (isinstance(sampler, RemoteGenerator) and sampler.overlaps_sync):
+        generator = self._generator
+        if not (isinstance(generator, RemoteGenerator) and generator.overlaps_sync):
             return
         if self._generation in (self._synced_generation, self._sent_generation):
             return
-        sampler.send_weights(self._feed.weights(), version=self._trainer.policy_version)
+        generator.send_weights(self._feed.weights(), version=self._trainer.policy_version)
         self._sent_generation = self._generation
 
     def _retire_current(self) -> None:
@@ -368,14 +370,14 @@ class WeightSync:
         with self._pending_lock:
             return not snapshot.pending
 
-    def _detach(self, make_engine: Callable[[], Generator]) -> bool:
-        """Give the live snapshot that reads the trainer's generator an engine of its own
-        (`make_engine()`, called only if there is one); returns whether there was."""
+    def _detach(self, make_generator: Callable[[], Generator]) -> bool:
+        """Give the live snapshot that reads the trainer's generator one of its own
+        (`make_generator()`, called only if there is one); returns whether there was."""
         current = None if self._current is None else self._current()
         self._current = None
         if current is None:
             return False
-        current.keep(make_engine())
+        current.keep(make_generator())
         self._num_snapshots += 1
         return True
 
@@ -386,6 +388,6 @@ class WeightSync:
         copy = materialize(
             model.config, device=parameter.device, dtype=parameter.dtype, init="empty"
         )
-        engine = self._new_generator(model=copy, tokenizer=self._tokenizer)
-        engine.update_weights(model.state_dict(), version=self._trainer.policy_version)
-        return engine
+        generator = self._new_generator(model=copy, tokenizer=self._tokenizer)
+        generator.update_weights(model.state_dict(), version=self._trainer.policy_version)
+        return generator

@@ -190,7 +190,7 @@ def freeze_startup_objects() -> None:
     cyclic garbage collector's view: it lives as long as the process, and every full
     collection would walk all of it again. The server allocates many short-lived objects per
     request, so its full collections come every few dozen RL steps, each about 0.2 s of CPU
-    for the tiny model (docs/server.md, "Server CPU per RL step")."""
+    for the tiny model (docs/benchmarks.md, `server_overhead.py`)."""
     freeze_long_lived_objects()
 
 

@@ -55,7 +55,11 @@ def init_from_env(*, device_type: str | None = None) -> RankInfo:
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        # device_id binds NCCL's communicators to this rank's GPU at once (no guessing from
+        # the current device of whichever thread makes the first collective).
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        dist.init_process_group(backend="gloo")
     return RankInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,
@@ -130,8 +134,8 @@ def run_under_torchrun(
     torchrun runs in a session of its own, so a terminal's Ctrl-C reaches this process only
     (not every rank at once, each with its own KeyboardInterrupt traceback). SIGINT or SIGTERM
     here terminates torchrun, which stops its ranks; a second one kills the session. Then
-    KeyboardInterrupt is raised here, once no rank is left. (Before, `subprocess.run` killed
-    torchrun alone on Ctrl-C, and its ranks trained on to the end, orphaned.)"""
+    KeyboardInterrupt is raised here, once no rank is left. (`subprocess.run` would kill
+    torchrun alone on Ctrl-C, and its ranks would train on to the end, orphaned.)"""
     command = torchrun_command(
         nproc=nproc, args=args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint, run_id=run_id
     )

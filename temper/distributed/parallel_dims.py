@@ -18,6 +18,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -36,15 +37,15 @@ class ParallelDims(Configurable):
         def __post_init__(self) -> None:
             for name in ("dp_replicate", "tp"):
                 value = getattr(self, name)
-                if not _is_int(value) or value < 1:
-                    raise ValueError(
-                        f"ParallelDims.Config.{name} must be an int >= 1, got {value!r}"
-                    )
-            shard = self.dp_shard
-            if not _is_int(shard) or not (shard == -1 or shard >= 1):
-                raise ValueError(
-                    f"ParallelDims.Config.dp_shard must be -1 (auto) or an int >= 1, got {shard!r}"
-                )
+                check_range(value, field=f"ParallelDims.Config.{name}", integer=True, at_least=1)
+            check_range(
+                self.dp_shard,
+                field="ParallelDims.Config.dp_shard",
+                integer=True,
+                at_least=1,
+                also=(-1,),
+                hint="-1: what the world size leaves",
+            )
 
     def __init__(self, config: Config, *, world_size: int) -> None:
         self.config = config
@@ -111,7 +112,3 @@ class ParallelDims(Configurable):
             f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
             f"tp={self.tp}, world_size={self.world_size})"
         )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,7 +1,7 @@
 """Where the trainer and the generator run: on the same ranks, or on ranks of their own.
 
 `colocated` (the default): every rank trains a shard of the model and samples with its own
-generator (today's SPMD job). `disaggregated`: the last `generator_ranks` ranks of the world
+generator (SPMD). `disaggregated`: the last `generator_ranks` ranks of the world
 only generate, the others only train; after each optimizer step the trainer streams its
 weights to the generator ranks in buckets (weight_transfer.py), and the trainer ranks send
 their sample requests to them.
@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.weight_transfer import WeightChannel
 from temper.distributed.world import TrainerWorld
@@ -110,15 +111,11 @@ class Placement(Configurable):
         with an error naming the rank, instead of hanging."""
 
         def __post_init__(self) -> None:
-            if self.mode not in ("colocated", "disaggregated"):
-                raise ValueError(
-                    "Placement.Config.mode must be 'colocated' or 'disaggregated', got "
-                    f"{self.mode!r}"
-                )
+            modes = ("colocated", "disaggregated")
+            check_choice(self.mode, field="Placement.Config.mode", choices=modes)
             for name in ("generator_ranks", "generator_tp"):
                 value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"Placement.Config.{name} must be an int >= 1, got {value!r}")
+                check_range(value, field=f"Placement.Config.{name}", integer=True, at_least=1)
             if not isinstance(self.overlap_sync, bool):
                 raise ValueError(
                     "Placement.Config.overlap_sync must be true or false, got "
@@ -143,10 +140,8 @@ class Placement(Configurable):
                     f"generator_ranks={self.generator_ranks} (each engine spans generator_tp "
                     "ranks)"
                 )
-            if not self.bucket_mb > 0:
-                raise ValueError(f"Placement.Config.bucket_mb must be > 0, got {self.bucket_mb}")
-            if not self.timeout_s > 0:
-                raise ValueError(f"Placement.Config.timeout_s must be > 0, got {self.timeout_s}")
+            for name in ("bucket_mb", "timeout_s"):
+                check_range(getattr(self, name), field=f"Placement.Config.{name}", greater_than=0)
 
         @property
         def bucket_bytes(self) -> int:

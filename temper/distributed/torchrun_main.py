@@ -4,7 +4,7 @@
 and raises its `SignalException`, which plain `python -m torch.distributed.run` prints as a
 30-line traceback just before Temper's own one-line message (how to resume). Here that
 exception ends the launcher with the signal's exit code (128 + signal number) instead; any
-other error is torchrun's as before.
+other error is reported by torchrun as usual.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ the sharding mesh, the trainer's agreement collectives, distributed checkpoints,
 torch creates process groups and device meshes collectively over the whole world: every rank,
 generator ranks included, must make the same `new_group` calls in the same order. So a
 placement builds the trainer's groups and mesh on every rank before the roles part
-(`TrainerWorld.prepare_mesh`); the whole world builds its mesh when the trainer asks, as before.
+(`TrainerWorld.prepare_mesh`); a trainer on the whole world (colocated) builds its mesh when
+it asks for it.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
   Colocated in one process with full fine-tuning in one dtype, the sampler reads the
   trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
-- Weight sync, `bucketed` (issue #18): two buckets of `bucket_mb` (a tensor larger than a
-  bucket is split by rows) on every rank that sends or receives. `whole` (today's sync): every
+- Weight sync, `bucketed`: two buckets of `bucket_mb` (a tensor larger than a
+  bucket is split by rows) on every rank that sends or receives. `whole`: every
   trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
   weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
   size of the largest adapted weight (the weight, B @ A scaled, their sum).
@@ -53,6 +53,7 @@ from typing import Literal
 
 from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.model_source import DType
+from temper.config.checks import check_choice, check_range
 from temper.job.model_bytes import ModelShapes, activation_bytes, kv_cache_bytes, logits_bytes
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
@@ -115,7 +116,7 @@ class PlanSettings:
     activation_checkpointing: Literal["none", "full"] = "none"
     """--sharding.activation_checkpointing: 'full' keeps only each block's input."""
     weight_sync: WeightSyncMode = "bucketed"
-    """bucketed: weights streamed in `bucket_mb` buckets; whole: today's gather of whole
+    """bucketed: weights streamed in `bucket_mb` buckets; whole: a gather of whole
     weights on every rank."""
     bucket_mb: int = 256
     """Size of one weight-sync bucket in MiB."""
@@ -133,25 +134,26 @@ class PlanSettings:
     CUDA graphs, fragmentation)."""
 
     def __post_init__(self) -> None:
-        if not self.prefix_cache_mib >= 0:
-            raise ValueError(f"prefix_cache_mib must be >= 0, got {self.prefix_cache_mib}")
+        check_range(self.prefix_cache_mib, field="prefix_cache_mib", at_least=0)
         positive = ("nnodes", "nproc_per_node", "generator_tp", "dp_replicate", "batch")
-        positive += ("max_seq_len",)
-        positive += ("micro_batch_tokens", "bucket_mb", "lora_rank", "max_batch")
+        positive += ("max_seq_len", "micro_batch_tokens", "bucket_mb")
         for name in positive:
-            if getattr(self, name) is not None:  # lora_rank and max_batch may be None
-                _check_positive(name, getattr(self, name))
+            check_range(getattr(self, name), field=name, integer=True, at_least=1)
+        for name in ("lora_rank", "max_batch"):
+            check_range(getattr(self, name), field=name, integer=True, at_least=1, also=(None,))
         for name in ("dtype", "generator_dtype", "transfer_dtype"):
             if getattr(self, name) is not None:
                 parse_dtype(getattr(self, name), field=name)
-        _check_choice("placement", self.placement, ("colocated", "disaggregated"))
-        _check_choice("weight_sync", self.weight_sync, ("bucketed", "whole"))
-        _check_choice("mode", self.mode, ("sync", "async"))
-        _check_choice("activation_checkpointing", self.activation_checkpointing, ("none", "full"))
-        if not self.gpu_memory_gib > 0:
-            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
-        if not 0 <= self.headroom < 1:
-            raise ValueError(f"headroom must be in [0, 1), got {self.headroom}")
+        check_choice(self.placement, field="placement", choices=("colocated", "disaggregated"))
+        check_choice(self.weight_sync, field="weight_sync", choices=("bucketed", "whole"))
+        check_choice(self.mode, field="mode", choices=("sync", "async"))
+        check_choice(
+            self.activation_checkpointing,
+            field="activation_checkpointing",
+            choices=("none", "full"),
+        )
+        check_range(self.gpu_memory_gib, field="gpu_memory_gib", greater_than=0)
+        check_range(self.headroom, field="headroom", at_least=0, less_than=1)
         self._check_placement()
         self._check_replicas()
 
@@ -207,16 +209,6 @@ class PlanSettings:
         if self.placement == "colocated":
             return self.world_size
         return self.generator_ranks // self.generator_tp
-
-
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _check_choice(name: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"{name} must be one of {', '.join(valid)}; got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

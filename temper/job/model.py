@@ -18,13 +18,14 @@ from temper.checkpoint.model_source import DType
 from temper.client.sampler_weights import resolve_base_model
 from temper.client.service_client import ServiceClient, check_device
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.distributed.ranks import Ranks
+from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.remote import RemoteGenerators
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.multi_lora import MultiLoraSampler
-from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
 
 
@@ -50,10 +51,9 @@ class ModelChoice(Configurable):
         """Parameter dtype of the model ('bfloat16' on GPUs)."""
 
         def __post_init__(self) -> None:
-            if self.lora_rank is not None and self.lora_rank < 1:
-                raise ValueError(
-                    f"ModelChoice.Config.lora_rank must be >= 1 or None, got {self.lora_rank}"
-                )
+            check_range(
+                self.lora_rank, field="ModelChoice.Config.lora_rank", at_least=1, also=(None,)
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -112,7 +112,7 @@ class ModelChoice(Configurable):
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:
-    """The vLLM backend runs in one process for now: a job on several ranks would start one
+    """The vLLM backend runs in one process: a job on several ranks would start one
     vLLM engine per rank inside an initialized process group, which vLLM does not support."""
     if generator.backend == "vllm" and ranks.world_size > 1:
         raise ValueError(

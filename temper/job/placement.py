@@ -18,6 +18,9 @@ from torch import nn
 
 from temper.client.sampler_weights import load_sampler_directory
 from temper.distributed.placement import Placement, Roles
+from temper.generator.choice import GeneratorChoice
+from temper.generator.generator_rank import GeneratorRank, keeps_second_copy
+from temper.generator.remote import RemoteGenerators
 from temper.job.memory_plan import PlanSettings, Role, plan_memory
 from temper.job.memory_report import describe_for_rank
 from temper.job.model import ModelChoice
@@ -25,9 +28,6 @@ from temper.models.build import dtype_name, parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.generator_rank import GeneratorRank, keeps_second_copy
-from temper.sampler.remote import RemoteGenerators
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 

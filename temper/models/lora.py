@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.config.checks import check_range
 from temper.models.common.decoder import Decoder, DecoderConfig
 
 ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
@@ -54,14 +55,11 @@ class LoraConfig:
     """Seed of the random init of the A matrices."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"LoraConfig.rank must be an int >= 1, got {self.rank!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"LoraConfig.seed must be an int, got {self.seed!r}")
+        check_range(self.rank, field="LoraConfig.rank", integer=True, at_least=1)
+        check_range(self.seed, field="LoraConfig.seed", integer=True)
         if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"LoraConfig.seed must be in [-2**63, 2**64), got {self.seed}")
-        if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        check_range(self.alpha, field="LoraConfig.alpha", greater_than=0, finite=True)
         if not (self.train_attn or self.train_mlp or self.train_unembed):
             raise ValueError(
                 "LoraConfig: at least one of train_attn, train_mlp, train_unembed must be True "
@@ -168,8 +166,8 @@ def initial_lora_A(model: Decoder, config: LoraConfig) -> Iterator[tuple[str, to
 def apply_lora(model: Decoder, config: LoraConfig) -> None:
     """Add LoRA adapters to `model` in place and freeze everything else.
 
-    Afterwards only `lora_A`/`lora_B` parameters require grad. The model computes the same
-    function as before until B moves away from zero.
+    Afterwards only `lora_A`/`lora_B` parameters require grad. B starts at zero, so the model
+    computes the function it computed without adapters until B moves away from zero.
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(f"apply_lora: config must be a LoraConfig, got {type(config).__name__}")

@@ -37,6 +37,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.observability.progress import Phase, PhaseLines, PhaseProgress
 
@@ -80,16 +81,15 @@ class MetricsLogger(Configurable):
             return {}
 
         def __post_init__(self) -> None:
-            if self.display not in get_args(Display):
-                raise ValueError(
-                    f"MetricsLogger.Config.display={self.display!r} is not one of "
-                    f"{list(get_args(Display))}"
-                )
-            if not isinstance(self.table_every, int) or self.table_every < 0:
-                raise ValueError(
-                    f"MetricsLogger.Config.table_every={self.table_every!r} must be an int >= 0 "
-                    "(0 turns tables off)"
-                )
+            owner = "MetricsLogger.Config"
+            check_choice(self.display, field=f"{owner}.display", choices=get_args(Display))
+            check_range(
+                self.table_every,
+                field=f"{owner}.table_every",
+                integer=True,
+                at_least=0,
+                hint="0 turns tables off",
+            )
 
     def __init__(
         self,
@@ -264,7 +264,7 @@ class MetricsLogger(Configurable):
         phase = self._phase
         total = f"/{phase.num_steps}" if phase.num_steps is not None else ""
         # Counted in steps done, as the progress lines are; `step` (the metrics' index) is shown
-        # beside it once a phase no longer starts at 0.
+        # beside it when a phase does not start at step 0.
         run_step = f" (run step {step})" if phase.first_step > 0 else ""
         done = step - phase.first_step + 1
         title = Text(f"{phase.description} step {done}{total}{run_step}")

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from temper.api.types import ModelInput, SamplingParams
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.rl.env import Env, StepResult, Turns
 from temper.rl.rollout import Trajectory
@@ -96,20 +97,14 @@ class EpisodeRunner(Configurable):
         back (reproducible logprobs, bitwise resume; the slowest step sets the pace)."""
 
         def __post_init__(self) -> None:
-            for name in ("max_turns", "max_context", "env_workers"):
-                if getattr(self, name) is not None and getattr(self, name) < 1:
-                    raise ValueError(
-                        f"EpisodeRunner.Config.{name} must be >= 1, got {getattr(self, name)}"
-                    )
-            if self.turn_batching not in ("as_ready", "by_turn"):
-                raise ValueError(
-                    "EpisodeRunner.Config.turn_batching must be 'as_ready' or 'by_turn', "
-                    f"got {self.turn_batching!r}"
-                )
-            if self.batch_window_s < 0:
-                raise ValueError(
-                    f"EpisodeRunner.Config.batch_window_s must be >= 0, got {self.batch_window_s}"
-                )
+            owner = "EpisodeRunner.Config"
+            for name in ("max_turns", "env_workers"):
+                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
+            check_range(self.max_context, field=f"{owner}.max_context", at_least=1, also=(None,))
+            check_choice(
+                self.turn_batching, field=f"{owner}.turn_batching", choices=("as_ready", "by_turn")
+            )
+            check_range(self.batch_window_s, field=f"{owner}.batch_window_s", at_least=0)
 
     def __init__(self, config: Config, *, max_seq_len: int | None = None) -> None:
         """`max_seq_len`: the sampler's, what `max_context=None` means."""

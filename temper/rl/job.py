@@ -41,10 +41,13 @@ from temper.checkpoint.run_state import rng_from_json, rng_to_json, truncate_jso
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
+from temper.generator.choice import GeneratorChoice
+from temper.generator.remote import RemoteGenerators
 from temper.job import (
     CHECKPOINTS_DIR,
     ModelChoice,
@@ -73,8 +76,6 @@ from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.remote import RemoteGenerators
 from temper.tasks import SumDigits, TaskConfig
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -594,13 +595,9 @@ def _check_config(config: RLJob.Config) -> None:
     """Bad settings fail when the config is made, before any model is built (the steps' own
     are checked by `RLSteps.Config`)."""
     name = "RLJob.Config"
-    for field_name in ("max_staleness", "checkpoint_every"):
-        if getattr(config, field_name) < 0:
-            raise ValueError(f"{name}.{field_name} must be >= 0, got {getattr(config, field_name)}")
-    if config.eval_problems < 1:
-        raise ValueError(f"{name}.eval_problems must be >= 1, got {config.eval_problems}")
-    if config.mode not in ("sync", "async"):
-        raise ValueError(f"{name}.mode must be 'sync' or 'async', got {config.mode!r}")
+    for field_name, least in (("eval_problems", 1), ("max_staleness", 0), ("checkpoint_every", 0)):
+        check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
+    check_choice(config.mode, field=f"{name}.mode", choices=("sync", "async"))
     if config.trainer.sharding is not None:
         raise ValueError(
             f"{name}.trainer.sharding is set by the loop on several ranks; configure it "

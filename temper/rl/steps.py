@@ -28,6 +28,7 @@ from typing import IO, Literal
 from temper.api.types import AdamParams, SamplingParams
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
@@ -280,30 +281,21 @@ class RLSteps(Configurable):
 def _check_config(config: RLSteps.Config) -> None:
     """Bad settings fail when the config is made, before any model is built."""
     name = "RLSteps.Config"
-    if config.group_size < 2:
-        raise ValueError(
-            f"{name}.group_size must be >= 2 (GRPO compares members of a group), "
-            f"got {config.group_size}"
-        )
+    check_range(
+        config.group_size,
+        field=f"{name}.group_size",
+        at_least=2,
+        hint="GRPO compares members of a group",
+    )
     for field_name, least in _LEAST.items():
-        if getattr(config, field_name) < least:
-            raise ValueError(
-                f"{name}.{field_name} must be >= {least}, got {getattr(config, field_name)}"
-            )
-    if not config.learning_rate >= 0:  # NaN too; 0 is allowed (a run that only samples)
-        raise ValueError(f"{name}.learning_rate must be >= 0, got {config.learning_rate}")
+        check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
+    # 0 is allowed (a run that only samples)
+    check_range(config.learning_rate, field=f"{name}.learning_rate", at_least=0)
     if config.prompts_per_step % config.num_substeps:
         raise ValueError(
             f"{name}.prompts_per_step ({config.prompts_per_step}) must be divisible by "
             f"num_substeps ({config.num_substeps}): each substep trains on an equal share"
         )
-    if config.kl_coef < 0:
-        raise ValueError(
-            f"{name}.kl_coef must be >= 0 (0 turns the penalty off), got {config.kl_coef}"
-        )
-    if config.lr_schedule not in ("constant", "cosine"):
-        raise ValueError(
-            f"{name}.lr_schedule must be 'constant' or 'cosine', got {config.lr_schedule!r}"
-        )
-    if config.kl_estimator not in ("k1", "k3"):
-        raise ValueError(f"{name}.kl_estimator must be 'k1' or 'k3', got {config.kl_estimator!r}")
+    check_range(config.kl_coef, field=f"{name}.kl_coef", at_least=0, hint="0 turns the penalty off")
+    check_choice(config.lr_schedule, field=f"{name}.lr_schedule", choices=("constant", "cosine"))
+    check_choice(config.kl_estimator, field=f"{name}.kl_estimator", choices=("k1", "k3"))

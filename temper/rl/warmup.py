@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from temper.api.types import AdamParams, Datum, ModelInput
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.rl.env import Demonstration
@@ -35,17 +36,16 @@ class SFTWarmup(Configurable):
         step); 0 = only after the last."""
 
         def __post_init__(self) -> None:
-            if self.steps < 0 or self.batch_size < 1 or self.learning_rate <= 0:
-                raise ValueError(
-                    "SFTWarmup.Config needs steps >= 0, batch_size >= 1 and learning_rate > 0, "
-                    f"got steps={self.steps}, batch_size={self.batch_size}, "
-                    f"learning_rate={self.learning_rate}"
-                )
-            if self.eval_every < 0:
-                raise ValueError(
-                    f"SFTWarmup.Config.eval_every must be >= 0 (0 = only after the last step), "
-                    f"got {self.eval_every}"
-                )
+            owner = "SFTWarmup.Config"
+            check_range(self.steps, field=f"{owner}.steps", at_least=0)
+            check_range(self.batch_size, field=f"{owner}.batch_size", at_least=1)
+            check_range(self.learning_rate, field=f"{owner}.learning_rate", greater_than=0)
+            check_range(
+                self.eval_every,
+                field=f"{owner}.eval_every",
+                at_least=0,
+                hint="0 = only after the last step",
+            )
 
     def evaluates_after(self, step: int) -> bool:
         """Whether held-out accuracy is measured after warm-up step `step`."""

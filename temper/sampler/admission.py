@@ -2,13 +2,15 @@
 
 Shapes: B rows, T tokens, D model dim, V vocab, L layers, K kv heads, H head dim.
 
-The admission role of `SamplerEngine` (engine.py), kept apart from decoding. While slots are
-free, waiting requests (oldest first) are prefilled together, one row per prompt, writing
-their keys/values straight into the cache. A prompt is prefilled once however many samples
-it has: its other samples copy its cached rows, and samples that find no free slot yet keep a
-copy of the prompt's cache until they start. Each sample draws its first token from the
-prompt's last logits. Requests admitted together with the same prompt (an episode runner
-sends each episode of a group as its own request) share one prefill the same way.
+An object the engine owns (engine.py), kept apart from decoding: it shares the engine's
+weights, caches and slot table, and hands back what each round started (the engine draws
+their first tokens). While slots are free, waiting requests (oldest first) are prefilled
+together, one row per prompt, writing their keys/values straight into the cache. A prompt is
+prefilled once however many samples it has: its other samples copy its cached rows, and
+samples that find no free slot yet keep a copy of the prompt's cache until they start. Each
+sample draws its first token from the prompt's last logits. Requests admitted together with
+the same prompt (an episode runner sends each episode of a group as its own request) share
+one prefill the same way.
 
 A prompt that extends a finished sequence still in the prefix cache (the next turn of a
 multi-turn episode) starts from that sequence's keys/values and prefills only its new tokens
@@ -19,10 +21,9 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from temper.sampler.kv_cache import ExtendAttention, KVCache, PrefillAttention
 from temper.sampler.prefix_cache import CachedPrefix, PrefixCache
@@ -32,36 +33,63 @@ from temper.sampler.prompt_scoring import (
     topk_prompt_logprobs,
 )
 from temper.sampler.requests import RequestState, SampleRequest
+from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.slots import SlotOwner, SlotTable
 from temper.sampler.stopping import StopStringMatcher
+from temper.sampler.weight_source import WeightSource
 from temper.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What one admission round started: the samples in slots first_slot.. (to the last
+    active), and the logits [B, V] each one draws its first token from."""
+
+    first_slot: int
+    logits_BV: torch.Tensor
+
+
 class Admission:
-    """Mixin: the engine's request validation and slot admission (see the module docstring)."""
+    """The engine's request validation and slot admission (see the module docstring)."""
 
-    config: Any
-    cache: KVCache
-    prefix_cache: PrefixCache
-    slots: SlotTable
-    tokenizer: Tokenizer | None
-    device: torch.device
-    vocab_size: int
-    model: nn.Module
-    _entropy: random.Random
-    _num_python_rows: int
-    _adapter_rows: Any  # a multi-LoRA model's AdapterRows, else None
-    _one_adapter: int | None  # the slot of every request of the call, if they share one
-    # and the engine's decoding role: _draw_and_record(first_slot, logits_BV)
+    def __init__(
+        self,
+        *,
+        weights: WeightSource,
+        cache: KVCache,
+        prefix_cache: PrefixCache,
+        slots: SlotTable,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        max_seq_len: int,
+        max_prefill_tokens: int,
+        entropy: random.Random,
+        adapters: RowAdapters,
+    ) -> None:
+        """`entropy`: where unseeded requests draw their seeds; `entropy` and `adapters`
+        are the engine's, shared."""
+        self.weights = weights
+        self.cache = cache
+        self.prefix_cache = prefix_cache
+        self.slots = slots
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.entropy = entropy
+        self.adapters = adapters
+        self.device = weights.device
 
-    def _start(self, request: SampleRequest, index: int) -> RequestState:
+    def start(self, request: SampleRequest, index: int) -> RequestState:
+        """Request `index` of a call, validated (a ValueError naming it), as a state that
+        waits for slots."""
         state = RequestState(
             request,
             index=index,
             vocab_size=self.vocab_size,
-            max_seq_len=self.config.max_seq_len,
+            max_seq_len=self.max_seq_len,
             eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
-            entropy=self._entropy,
+            entropy=self.entropy,
         )
         if state.params.stop_strings and self.tokenizer is None:
             raise ValueError(
@@ -70,13 +98,14 @@ class Admission:
             )
         return state
 
-    def _admit(self, waiting: deque[RequestState]) -> None:
+    def admit(self, waiting: deque[RequestState]) -> Admitted:
+        """Start waiting requests (oldest first) in free slots; at least one sample starts."""
         starting: list[tuple[RequestState, SlotOwner]] = []  # each sample that starts now
         # (request, its first in `starting`, the cached prefix it extends)
         prefill_rows: list[tuple[RequestState, int, CachedPrefix | None]] = []
         twins: dict[int, RequestState] = {}  # a request's prompt is prefilled by its twin's
         by_prompt: dict[tuple[int, ...], RequestState] = {}  # the rows' shareable prompts
-        budget, free = self.config.max_prefill_tokens, self.slots.num_free
+        budget, free = self.max_prefill_tokens, self.slots.num_free
         for state in waiting:
             if free == 0:
                 break
@@ -120,17 +149,14 @@ class Admission:
             if state.num_waiting == 0:
                 state.prefix = None  # every sample has started; the copy is no longer needed
         logits_BV = torch.stack([state.first_logits_V for state, _ in claims])
-        self._draw_and_record(slots.start, logits_BV)
+        return Admitted(first_slot=slots.start, logits_BV=logits_BV)
 
     def _owner(self, state: RequestState, *, sample_index: int) -> SlotOwner:
         matcher = None
         if state.params.stop_strings:
             matcher = StopStringMatcher(state.params.stop_strings, tokenizer=self.tokenizer)
         topk = [] if state.request.topk_sample_logprobs else None
-        owner = SlotOwner(state=state, sample_index=sample_index, matcher=matcher, topk=topk)
-        if matcher is not None or topk is not None:
-            self._num_python_rows += 1
-        return owner
+        return SlotOwner(state=state, sample_index=sample_index, matcher=matcher, topk=topk)
 
     def _cached_prefix(self, request: SampleRequest) -> CachedPrefix | None:
         """The longest cached sequence the request's prompt extends, if it may use one."""
@@ -160,11 +186,11 @@ class Admission:
                 self.cache, slots_B, starts_B=starts_B, lengths_B=lengths_B,
                 positions_BT=positions_BT,
             )  # fmt: skip
-        model = self.model
-        adapter_rows = self._adapter_rows
+        model = self.weights.model
+        adapter_rows = self.adapters.rows
         if adapter_rows is not None:
             index = [state.request.adapter for state, _, _ in rows]
-            one = self._one_adapter
+            one = self.adapters.one
             adapter_rows.set(one if one is not None else torch.tensor(index, device=self.device))
         hidden_BTD = model.hidden_states(tokens_BT, positions_BT=positions_BT, attention=attention)
         last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), lengths_B - 1]

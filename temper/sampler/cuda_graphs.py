@@ -1,4 +1,5 @@
-"""Decode steps with static shapes, captured as CUDA graphs (one per batch-size bucket).
+"""Decode steps with static shapes, captured as CUDA graphs (one per batch-size bucket): the
+engine's `Decoding` on CUDA unless `cuda_graphs='off'` or its model has multi-LoRA slots.
 
 Shapes: S slots, B rows (a bucket), V vocab.
 
@@ -10,8 +11,9 @@ occupies; a slot's position 0 is always rewritten when a sequence claims it.
 
 `capture=False` runs the same static step eagerly, which is how its padding logic is tested on
 CPU. Capturing writes to cache position 0 of the bucket's slots, so it happens only while no
-sequence is active: when the engine is built and when its weights move to another module
-(replaying a graph reads the parameters it was captured with).
+sequence is active: when the engine is built, when its weights move to another module
+(replaying a graph reads the parameters it was captured with) and when it wakes up (graphs
+hold the KV cache's pointers, so they go when it sleeps).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from temper.sampler.decoding import DecodeModel, Decoding
 from temper.sampler.kv_cache import DecodeAttention, KVCache
+from temper.sampler.weight_source import WeightSource
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -86,3 +90,59 @@ class StaticDecoder:
             graph.replay()
             return logits_BV[:num_rows]
         return self._step(bucket)[:num_rows]
+
+
+class CudaGraphDecoding(Decoding):
+    """The plain path with each decode step's logits replayed from a CUDA graph: a step's rows
+    in one group, over the whole cache width (see the module docstring)."""
+
+    def __init__(
+        self,
+        weights: WeightSource,
+        *,
+        cache: KVCache,
+        buckets: Sequence[int],
+        capture: bool = True,
+    ) -> None:
+        self.weights = weights
+        self.cache = cache
+        self.buckets = buckets
+        self.capture = capture
+        self.static: StaticDecoder | None = self._static_decoder()
+
+    def _static_decoder(self) -> StaticDecoder:
+        return StaticDecoder(
+            model=self.weights.model, cache=self.cache, buckets=self.buckets, capture=self.capture
+        )
+
+    def width(self, positions_B: torch.Tensor) -> int:
+        """The whole cache, which the graphs attend over (and no device sync to find less)."""
+        return self.cache.max_seq_len
+
+    def logits(
+        self,
+        decoder: DecodeModel,
+        cache: KVCache,
+        *,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        width: int,
+        first_slot: int,
+    ) -> torch.Tensor:
+        """The step's logits from the graph of its bucket (`decoder` is the model the graphs
+        were captured on)."""
+        assert self.static is not None, "decode while the engine sleeps"
+        assert first_slot == 0 and cache is self.cache and width == cache.max_seq_len
+        return self.static.logits(tokens_B, positions_B)
+
+    def weights_changed(self) -> None:
+        """Capture again if the weights moved to another module (graphs hold parameter
+        pointers); in-place writes need nothing."""
+        if self.static is not None and self.static.model is not self.weights.model:
+            self.static = self._static_decoder()
+
+    def sleep(self) -> None:
+        self.static = None  # the graphs hold the released cache's pointers
+
+    def wake_up(self) -> None:
+        self.static = self._static_decoder()

@@ -3,11 +3,12 @@
 Shapes: B rows, T tokens, D model dim, V vocab.
 
 The engine picks its `Decoding` once, when it is built: this plain one (the model itself, a
-step's rows all at once, the process's threads), or on CPU the speed wing's `CpuDecoding`
+step's rows all at once, the process's threads), on CPU the speed wing's `CpuDecoding`
 (cpu/decoding.py: fused or packed twins of the model, rows split over threads, a thread
-setting). The engine's decode loop calls the same three methods either way, so it reads the
-same whatever runs underneath. (CUDA graphs replace a whole step instead: cuda_graphs.py.)
-`Draw` is what a step yields for its rows (one per group of rows, joined in row order).
+setting), or on CUDA `CudaGraphDecoding` (cuda_graphs.py: a step's logits replayed from a
+captured graph). The engine's decode loop calls the same methods whichever it is, so it reads
+the same whatever runs underneath. `Draw` is what a step yields for its rows (one per group of
+rows, joined in row order).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from temper.models.common.attention import AttentionBackend
+from temper.sampler.kv_cache import DecodeAttention, KVCache
 from temper.sampler.weight_source import WeightSource
 
 Result = TypeVar("Result")
@@ -51,6 +53,39 @@ class Decoding:
     def map_rows(self, step: Callable[[range], Result], num_rows: int) -> list[Result]:
         """`step` over a decode step's rows 0..num_rows-1: one call for all of them."""
         return [step(range(num_rows))]
+
+    def width(self, positions_B: torch.Tensor) -> int:
+        """Cache positions a decode step's rows attend over: no more than they use. Every
+        group of rows (`map_rows`) attends over the whole step's width, so its rows' draws
+        are bitwise those of one group."""
+        return int(positions_B.max()) + 1
+
+    def logits(
+        self,
+        decoder: DecodeModel,
+        cache: KVCache,
+        *,
+        tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+        width: int,
+        first_slot: int,
+    ) -> torch.Tensor:
+        """Next-token logits [B, V] (fp32) of the rows in slots first_slot.. (one group of a
+        decode step): a forward of `decoder` over their last tokens."""
+        attention = DecodeAttention(cache, positions_B, width=width, first_slot=first_slot)
+        hidden_B1D = decoder.hidden_states(
+            tokens_B[:, None], positions_BT=positions_B[:, None], attention=attention
+        )
+        return decoder.logits(hidden_B1D[:, 0]).float()
+
+    def weights_changed(self) -> None:
+        """After every update of the engine's weights (nothing here: `decoder` reads them)."""
+
+    def sleep(self) -> None:
+        """The engine released its KV cache (nothing here)."""
+
+    def wake_up(self) -> None:
+        """The engine allocated its KV cache again (nothing here)."""
 
     def close(self) -> None:
         """Release what the path holds (nothing here)."""

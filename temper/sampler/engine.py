@@ -19,10 +19,11 @@ Sampling is per row (temperature, top-k, top-p and seed may differ between rows)
 row's random draw depends only on its seed and how many tokens it has drawn, so seeded
 results do not depend on which other requests share the batch.
 
-What a decode step runs on is chosen once, when the engine is built (`self.decoding`): the
-model itself, or on CPU the speed wing's twins and row shards (cpu/decoding.py); on CUDA a
-step may replay a CUDA graph (cuda_graphs.py). Splitting calls over processes is not done
-here: `Config.build` wraps the engine for that (cpu/process_split.py).
+How a decode step runs is chosen once, when the engine is built (`self.decoding`,
+decoding.py): the model itself, on CPU the speed wing's twins and row shards
+(cpu/decoding.py), on CUDA a step's logits replayed from a CUDA graph (cuda_graphs.py).
+Splitting calls over processes is not done here: `Config.build` wraps the engine for that
+(cpu/process_split.py).
 """
 
 from __future__ import annotations
@@ -38,23 +39,25 @@ import torch
 from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.sampler import sampling
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
-from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+from temper.sampler.cuda_graphs import CudaGraphDecoding, default_buckets
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
-from temper.sampler.kv_cache import DecodeAttention, KVCache, KVCacheShape
+from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.requests import OnePromptSampling, SampleRequest
+from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
-class SamplerEngine(Configurable, Admission, OnePromptSampling):
+class SamplerEngine(Configurable, OnePromptSampling):
     holds_one_version = False  # a private copy keeps an old version (client/weight_sync.py)
 
     @dataclass(kw_only=True)
@@ -82,26 +85,25 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         decode shards, helper processes (temper/sampler/cpu/decoding.py)."""
 
         def __post_init__(self) -> None:
+            owner = "SamplerEngine.Config"
             for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
-                if getattr(self, name) < 1:
-                    raise ValueError(
-                        f"SamplerEngine.Config.{name} must be >= 1, got {getattr(self, name)}"
-                    )
-            if not self.prefix_cache_mib >= 0:
-                raise ValueError(
-                    "SamplerEngine.Config.prefix_cache_mib must be >= 0 (0 turns the prefix "
-                    f"cache off), got {self.prefix_cache_mib}"
+                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
+            check_range(
+                self.prefix_cache_mib,
+                field=f"{owner}.prefix_cache_mib",
+                at_least=0,
+                hint="0 turns the prefix cache off",
+            )
+            for index, size in enumerate(self.graph_batch_sizes):
+                check_range(
+                    size,
+                    field=f"{owner}.graph_batch_sizes[{index}]",
+                    integer=True,
+                    at_least=1,
+                    at_most=self.max_batch,
+                    hint="at most max_batch",
                 )
-            if any(size < 1 or size > self.max_batch for size in self.graph_batch_sizes):
-                raise ValueError(
-                    "SamplerEngine.Config.graph_batch_sizes must lie in 1..max_batch "
-                    f"({self.max_batch}), got {self.graph_batch_sizes}"
-                )
-            if self.cuda_graphs not in ("auto", "off"):
-                raise ValueError(
-                    f"SamplerEngine.Config.cuda_graphs must be 'auto' or 'off', got "
-                    f"{self.cuda_graphs!r}"
-                )
+            check_choice(self.cuda_graphs, field=f"{owner}.cuda_graphs", choices=("auto", "off"))
             if not isinstance(self.cpu, CpuDecoding.Config):
                 raise TypeError(
                     "SamplerEngine.Config.cpu must be a CpuDecoding.Config, got "
@@ -154,16 +156,21 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
         self.prefix_cache = PrefixCache(max_bytes=config.prefix_cache_bytes())
-        # A multi-LoRA model (models/multi_lora.py) reads each row's adapter slot from here.
-        self._adapter_rows = getattr(model, "multi_lora_rows", None)
-        self._one_adapter: int | None = None  # the slot of every row of this call, if one
+        self.adapters = RowAdapters(model)
         self._entropy = random.Random()
-        self._num_python_rows = 0  # active slots needing per-token Python work
-        self._static_decoder = self._build_static_decoder()
-        # How decode steps run, chosen once: on CPU the speed wing, else the plain path.
-        self.decoding: Decoding = Decoding()
-        if self.device.type == "cpu":
-            self.decoding = config.cpu.build(model=model, batch_hint=config.max_batch)
+        self.admission = Admission(
+            weights=self.weights,
+            cache=self.cache,
+            prefix_cache=self.prefix_cache,
+            slots=self.slots,
+            tokenizer=tokenizer,
+            vocab_size=self.vocab_size,
+            max_seq_len=config.max_seq_len,
+            max_prefill_tokens=config.max_prefill_tokens,
+            entropy=self._entropy,
+            adapters=self.adapters,
+        )
+        self.decoding = self._pick_decoding(model)
 
     @property
     def model(self) -> nn.Module:
@@ -192,8 +199,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         optimizer step on a trainer module the engine reads): copies made from the weights
         (the CPU wing's twins, helper processes) are made again only after it."""
         self.weights.update(source, version=version)
-        if self._static_decoder is not None and self._static_decoder.model is not self.model:
-            self._static_decoder = self._build_static_decoder()  # graphs hold parameter pointers
+        self.decoding.weights_changed()
 
     def forget_prefixes(self, *, adapter: int) -> None:
         """Drop the cached prefixes of one adapter slot: a multi-LoRA sampler calls this
@@ -205,24 +211,28 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         may be the trainer's)."""
         self.prefix_cache.clear()
         self.cache.release()
-        self._static_decoder = None  # CUDA graphs hold the cache's pointers
+        self.decoding.sleep()
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeros, as when built)."""
         self.cache.reacquire()
-        self._static_decoder = self._build_static_decoder()
+        self.decoding.wake_up()
 
     def close(self) -> None:
         """Stop the decode threads (the engine stays usable: they start again if needed)."""
         self.decoding.close()
 
-    def _build_static_decoder(self) -> StaticDecoder | None:
-        if self.config.cuda_graphs == "off" or self.device.type != "cuda":
-            return None
-        if self._adapter_rows is not None:
-            return None  # per-row adapter slots are not captured in graphs
-        buckets = self.config.graph_batch_sizes or default_buckets(self.config.max_batch)
-        return StaticDecoder(model=self.model, cache=self.cache, buckets=buckets, capture=True)
+    def _pick_decoding(self, model: nn.Module) -> Decoding:
+        """How decode steps run, chosen once: on CPU the speed wing; on CUDA graphs (unless
+        off, or per-row adapter slots, which graphs do not capture); else the plain path."""
+        config = self.config
+        if self.device.type == "cpu":
+            return config.cpu.build(model=model, batch_hint=config.max_batch)
+        graphs = self.device.type == "cuda" and config.cuda_graphs != "off"
+        if graphs and self.adapters.rows is None:
+            buckets = config.graph_batch_sizes or default_buckets(config.max_batch)
+            return CudaGraphDecoding(self.weights, cache=self.cache, buckets=buckets)
+        return Decoding()
 
     @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(
@@ -230,9 +240,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     ) -> list[SampleResponse]:
         """Run requests to completion with continuous batching; responses in request order.
         On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
-        states = [self._start(request, index) for index, request in enumerate(requests)]
-        adapters = {request.adapter for request in requests}
-        self._one_adapter = adapters.pop() if len(adapters) == 1 else None
+        states = [self.admission.start(request, index) for index, request in enumerate(requests)]
+        self.adapters.start_call(requests)
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
         self.prefix_cache.follow(self.weights.generation)
@@ -246,14 +255,14 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                 decoder = self.decoding.decoder(self.weights)
                 while waiting or self.slots.num_active:
                     if waiting and self.slots.num_free:
-                        self._admit(waiting)
+                        admitted = self.admission.admit(waiting)
+                        self._draw_and_record(admitted.first_slot, admitted.logits_BV)
                     if self.slots.num_active:
                         self._decode_step(decoder)
         finally:
             # Only reached with sequences still active if a step raised; free their slots so
             # the engine keeps serving.
             self.slots.clear()
-            self._num_python_rows = 0
         return [state.response() for state in states]
 
     def seeded(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]:
@@ -262,7 +271,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
         process_split.py) then returns what one call would."""
         seeded = [self._seeded(request) for request in requests]
         for index, request in enumerate(seeded):
-            self._start(request, index)
+            self.admission.start(request, index)
         return seeded
 
     def _seeded(self, request: SampleRequest) -> SampleRequest:
@@ -287,35 +296,31 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
     def _decode_step(self, decoder: DecodeModel) -> None:
         num_rows = self.slots.num_active
         positions_B = self.slots.positions_S[:num_rows]
-        if self._static_decoder is not None:  # a CUDA graph replays the whole step
-            tokens_B = self.slots.last_token_S[:num_rows]
-            logits_BV = self._static_decoder.logits(tokens_B, positions_B)
-            draw = self._draw(range(num_rows), logits_BV)
-        else:
-            width = int(positions_B.max()) + 1  # attend over no more of the cache than used
-            # The rows at once, or in groups (CPU decode shards): every group attends over
-            # the whole step's width, so its rows' draws are bitwise those of one group.
-            draws = self.decoding.map_rows(
-                lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
-            )
-            draw = Draw.concat(draws)
+        width = self.decoding.width(positions_B)
+        # The rows at once, or in groups (CPU decode shards).
+        draws = self.decoding.map_rows(
+            lambda rows: self._decode_rows(rows, decoder=decoder, width=width), num_rows
+        )
         positions_B += 1
-        self._record(0, draw)
+        self._record(0, Draw.concat(draws))
 
     def _decode_rows(self, rows: range, *, decoder: DecodeModel, width: int) -> Draw:
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
-        if self._adapter_rows is not None:
-            one = self._one_adapter  # one slot for all: plain matmuls, no grouping
+        if self.adapters.rows is not None:
+            one = self.adapters.one  # one slot for all: plain matmuls, no grouping
             index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
-            self._adapter_rows.set(index)
-        hidden_B1D = decoder.hidden_states(
-            tokens_B[:, None],
-            positions_BT=positions_B[:, None],
-            attention=DecodeAttention(self.cache, positions_B, width=width, first_slot=rows.start),
+            self.adapters.rows.set(index)
+        logits_BV = self.decoding.logits(
+            decoder,
+            self.cache,
+            tokens_B=tokens_B,
+            positions_B=positions_B,
+            width=width,
+            first_slot=rows.start,
         )
-        return self._draw(rows, decoder.logits(hidden_B1D[:, 0]).float())
+        return self._draw(rows, logits_BV)
 
     def _draw(self, rows: range, logits_BV: torch.Tensor) -> Draw:
         """One token for each slot in `rows` (its logits row by row), with its logprobs."""
@@ -366,7 +371,7 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
             stopped_B = (tokens_B[:, None] == slots.stop_ids_SX[rows]).any(dim=-1)
         else:
             stopped_B = torch.zeros_like(tokens_B, dtype=torch.bool)
-        if self._num_python_rows:
+        if slots.num_python_rows:
             logprobs_BV = torch.cat(draw.logprobs_BV)
             self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
@@ -413,8 +418,8 @@ class SamplerEngine(Configurable, Admission, OnePromptSampling):
                 stop_reason="stop" if row_stopped else "length",
                 topk_logprobs=owner.topk,
             )
-            if owner.matcher is not None or owner.topk is not None:
-                self._num_python_rows -= 1
+            if owner.needs_python:
+                slots.num_python_rows -= 1
         if self.prefix_cache.enabled:
             self._keep_prefixes(finished, tokens=tokens, counts=counts)
         remaining = slots.num_active - len(finished)

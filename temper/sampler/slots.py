@@ -31,6 +31,11 @@ class SlotOwner:
     topk: list[TopkLogprobs] | None
     stopped_by_string: bool = False
 
+    @property
+    def needs_python(self) -> bool:
+        """Per-token Python work: stop strings, top-k logprobs."""
+        return self.matcher is not None or self.topk is not None
+
 
 class SlotTable:
     def __init__(self, *, num_slots: int, max_new_tokens: int, device: torch.device) -> None:
@@ -40,6 +45,9 @@ class SlotTable:
         self.num_slots = num_slots
         self.num_active = 0
         self.owners: list[SlotOwner | None] = [None] * num_slots
+        self.num_python_rows = 0
+        """Active slots whose owner `needs_python` (the engine counts them down as they
+        finish)."""
         self.positions_S = zeros(num_slots, dtype=torch.long)
         """Cache position the slot's next input token is written to (= tokens cached)."""
         self.last_token_S = zeros(num_slots, dtype=torch.long)
@@ -88,6 +96,7 @@ class SlotTable:
         rows = slice(slots.start, slots.stop)
         self.num_active = slots.stop
         self.owners[rows] = owners
+        self.num_python_rows += sum(owner.needs_python for owner in owners)
         params = [owner.state.params for owner in owners]
         columns = (
             (self.positions_S, prompt_lens),
@@ -141,3 +150,4 @@ class SlotTable:
     def clear(self) -> None:
         self.num_active = 0
         self.owners = [None] * self.num_slots
+        self.num_python_rows = 0

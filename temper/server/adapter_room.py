@@ -1,4 +1,4 @@
-"""Room for LoRA adapters on a base model's multi-LoRA sampler (sampler/multi_lora.py).
+"""Room for LoRA adapters on a base model's multi-LoRA sampler (generator/multi_lora.py).
 
 LoRA models on one base share its weights and, with Temper's engine, one multi-LoRA sampler;
 each live sampling snapshot of theirs holds one adapter version there, at most
@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-from temper.sampler.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import MultiLoraSampler
 from temper.server.errors import TooManyRequests
 from temper.server.sessions import ServedModel
 

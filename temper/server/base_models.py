@@ -77,6 +77,30 @@ class BaseModel:
         sampler = adapters if shared_sampler else self.sampler_bytes
         return TRAINING_FACTOR * adapters + own_base + sampler
 
+    def shared_bytes(self, *, shared_sampler: bool) -> int:
+        """What the LoRA models on this base share, counted once: its weights, or with
+        `shared_sampler` the multi-LoRA sampler that reads them (weights and KV cache)."""
+        return self.sampler_bytes if shared_sampler else self.weights_bytes
+
+    def lora_model_bytes(self, *, lora_rank: int, shared_base: bool, shared_sampler: bool) -> int:
+        """A LoRA training model with what it cannot do without: `training_bytes`, and the
+        weights it shares with other LoRA models when it shares them (`shared_base`)."""
+        shared = self.shared_bytes(shared_sampler=shared_sampler) if shared_base else 0
+        return shared + self.training_bytes(
+            lora_rank=lora_rank, shared_base=shared_base, shared_sampler=shared_sampler
+        )
+
+    def largest_lora_rank(
+        self, *, budget_bytes: int, shared_base: bool, shared_sampler: bool
+    ) -> int:
+        """The largest LoRA rank whose training model (`lora_model_bytes`) fits `budget_bytes`
+        with nothing else held; 0 when not even rank 1 fits."""
+        sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+        fixed = self.lora_model_bytes(lora_rank=0, **sharing)
+        per_rank = self.lora_model_bytes(lora_rank=1, **sharing) - fixed
+        assert per_rank > 0, "a LoRA adapter of rank 1 holds parameters"
+        return max(0, (budget_bytes - fixed) // per_rank)
+
 
 class BaseModels:
     """The served base models, looked up by any of their names."""

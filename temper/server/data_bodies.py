@@ -4,8 +4,8 @@ Starlette's `Request.body()` joins the chunks it received in one copy at the end
 of the event loop for 250 MB, during which `healthz` and every other request wait.
 `read_body` copies each chunk into a buffer of the body's Content-Length (which BodyLimits
 has checked) as it arrives instead. The buffer is a numpy array left uninitialized:
-`bytearray(n)` zeroes its n bytes at once (0.2 s for 250 MB), and growing a bytearray chunk
-by chunk now and then moves it (130 MB copied at once, measured). A body over OFF_LOOP_BYTES, or
+`bytearray(n)` zeroes its n bytes at once (0.2 s for 250 MB), and a bytearray grown chunk by
+chunk is moved from time to time (130 MB copied at once, measured). A body over OFF_LOOP_BYTES, or
 a compressed one (a small body may expand to a GiB), is decoded on a worker thread: decoding
 is mostly Python, which hands the GIL back every few ms, and the protobuf parse runs a slice
 at a time (proto_slices.py). Smaller bodies decode on the event loop, where a worker thread

@@ -16,7 +16,9 @@ each at an estimate of what it holds (base_models.py):
 
 A base model is loaded while anything on it is held (logged `base model ... loaded` and
 `... released`). A request that needs more than the budget holds once every releasable
-sampler is gone is refused with `OverBudget` (HTTP 503) naming the budget and what holds it.
+sampler is gone is refused with `OverBudget` (HTTP 503) naming the budget and what holds it;
+a LoRA rank the whole budget could never hold is refused before it gets here, as the
+request's error (400, `validation.check_lora_rank_fits`).
 Sampling snapshots are counted by their own budget (snapshots.py), not this one. Every method
 is thread-safe.
 """

@@ -3,19 +3,21 @@
 The tinker SDK sends its key as `X-API-Key` on every request and refuses, client-side, keys
 that do not start with 'tml-'. With `--api-key` or `--key-file` set, every route requires a
 key some user holds (users.py) and answers 401 otherwise. Binding to a non-loopback address
-without keys is refused at startup: the server runs arbitrary training on this machine.
+without keys (no --api-key, and no key file or one that holds no users) is refused at
+startup: the server runs arbitrary training on this machine.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends
 from starlette.requests import Request
 
-from temper.server.users import KEY_PREFIX, User, Users
+from temper.server.users import KEY_FILE_FORMAT, KEY_PREFIX, User, Users, read_key_file
 
 
 def is_loopback(host: str) -> bool:
@@ -28,15 +30,31 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, api_key: str | None, *, key_file: str | None = None) -> None:
+    """Refuse, before anything loads, an `--api-key` the SDK would not send, and a non-loopback
+    `--host` that no key guards: no --api-key and no --key-file, or a key file that is
+    missing, unreadable or holds no users (every request would be refused but healthz, and a
+    key file meant to guard the server should say whom it lets in)."""
     if api_key is not None and not (api_key.startswith(KEY_PREFIX) and len(api_key) > 8):
         raise ValueError(
             f"--api-key must start with {KEY_PREFIX!r} (the tinker SDK rejects other keys) and "
             "be longer than 8 characters"
         )
-    if api_key is None and key_file is None and not is_loopback(host):
+    if api_key is not None or is_loopback(host):
+        return
+    if key_file is None:
         raise ValueError(
             f"--host {host} is not a loopback address; serving there requires --key-file FILE "
             "(temper users add) or --api-key tml-... (clients send it as TINKER_API_KEY)"
+        )
+    try:
+        users = read_key_file(Path(key_file).expanduser())
+    except ValueError as error:
+        raise ValueError(f"--key-file: {error}") from None
+    if not users:
+        raise ValueError(
+            f"--key-file {key_file} holds no users, so no key opens the server on --host "
+            f"{host} (not a loopback address); the file must contain {KEY_FILE_FORMAT} with at "
+            f"least one user: add one with `temper users add NAME --key-file {key_file}`"
         )
 
 

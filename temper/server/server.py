@@ -25,11 +25,12 @@ import tyro
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
+from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import MultiLoraSampler
 from temper.observability.process_memory import device_memory_bytes
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.multi_lora import MultiLoraSampler
 from temper.server import adapter_room, request_log
 from temper.server.base_models import (
     BaseModel,
@@ -54,6 +55,8 @@ __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperSe
 
 log = logging.getLogger("temper.server")
 Repeated = tyro.conf.UseAppendAction
+STALE_STAGING_S = 600.0
+"""Age past which a checkpoint staging directory in --storage counts as a killed save's."""
 
 
 class TemperServer(Configurable):
@@ -158,64 +161,59 @@ class TemperServer(Configurable):
             return self.compute_threads or max(1, torch.get_num_threads() - 1)
 
         def __post_init__(self) -> None:
-            if isinstance(self.model, str):  # Config(model="dir"), as before several models
+            if isinstance(self.model, str):  # Config(model="dir"): one model, as a string
                 self.model = [self.model]
             if not (self.model or self.sample_only_model or self.models_dir):
                 raise ValueError(
                     "TemperServer.Config: give a model to serve: --model DIR (repeatable), "
                     "--sample-only-model DIR or --models-dir DIR"
                 )
-            if self.model_memory_mb is not None and self.model_memory_mb < 0:
-                raise ValueError(
-                    "TemperServer.Config.model_memory_mb must be >= 0 or None (half the "
-                    f"device's memory), got {self.model_memory_mb}"
+            owner = "TemperServer.Config"
+            memory_defaults = {
+                "model_memory_mb": "half the device's memory",
+                "snapshot_memory_mb": "a quarter of the device's memory",
+            }
+            for memory, default in memory_defaults.items():
+                value = getattr(self, memory)
+                check_range(
+                    value, field=f"{owner}.{memory}", at_least=0, also=(None,), hint=default
                 )
-            if not 0 < self.poll_seconds <= 40:
-                raise ValueError(
-                    f"TemperServer.Config.poll_seconds must be in (0, 40] (the SDK times a poll "
-                    f"out at 45 s), got {self.poll_seconds}"
+            check_range(
+                self.poll_seconds,
+                field=f"{owner}.poll_seconds",
+                greater_than=0,
+                at_most=40,
+                hint="the SDK times a poll out at 45 s",
+            )
+            positive = ("snapshot_idle_seconds", "checkpoint_sweep_seconds", "model_idle_seconds")
+            for field_name in (*positive, "max_body_mb"):
+                check_range(
+                    getattr(self, field_name), field=f"{owner}.{field_name}", greater_than=0
                 )
-            if self.snapshot_memory_mb is not None and self.snapshot_memory_mb < 0:
-                raise ValueError(
-                    "TemperServer.Config.snapshot_memory_mb must be >= 0 or None (a quarter of "
-                    f"the device's memory), got {self.snapshot_memory_mb}"
-                )
-            for name in ("snapshot_idle_seconds", "checkpoint_sweep_seconds", "model_idle_seconds"):
-                if not getattr(self, name) > 0:
-                    raise ValueError(
-                        f"TemperServer.Config.{name} must be > 0, got {getattr(self, name)}"
-                    )
-            if not 0 <= self.sample_window_s <= self.sample_max_hold_s:
-                raise ValueError(
-                    "TemperServer.Config.sample_window_s must be in [0, sample_max_hold_s "
-                    f"= {self.sample_max_hold_s}], got {self.sample_window_s}"
-                )
-            if self.compute_threads is not None and self.compute_threads < 1:
-                raise ValueError(
-                    "TemperServer.Config.compute_threads must be >= 1 or None, got "
-                    f"{self.compute_threads}"
-                )
-            for name in (
+            check_range(
+                self.sample_window_s,
+                field=f"{owner}.sample_window_s",
+                at_least=0,
+                at_most=self.sample_max_hold_s,
+                hint="at most sample_max_hold_s",
+            )
+            check_range(
+                self.compute_threads, field=f"{owner}.compute_threads", at_least=1, also=(None,)
+            )
+            for limit in (
                 "max_sessions_per_user",
                 "max_models_per_user",
                 "max_sampling_sessions_per_user",
                 "max_queued_requests_per_user",
             ):
-                if getattr(self, name) < 1:
-                    raise ValueError(
-                        f"TemperServer.Config.{name} must be >= 1, got {getattr(self, name)}"
-                    )
-            if not self.session_timeout_s > 0:
-                raise ValueError(
-                    "TemperServer.Config.session_timeout_s must be > 0 (the tinker SDK "
-                    f"heartbeats every 10 s), got {self.session_timeout_s}"
-                )
-            if not self.max_body_mb > 0:
-                raise ValueError(
-                    f"TemperServer.Config.max_body_mb must be > 0, got {self.max_body_mb}"
-                )
-            if not 0 <= self.port <= 65535:
-                raise ValueError(f"TemperServer.Config.port must be in 0..65535, got {self.port}")
+                check_range(getattr(self, limit), field=f"{owner}.{limit}", at_least=1)
+            check_range(
+                self.session_timeout_s,
+                field=f"{owner}.session_timeout_s",
+                greater_than=0,
+                hint="the tinker SDK heartbeats every 10 s",
+            )
+            check_range(self.port, field=f"{owner}.port", integer=True, at_least=0, at_most=65535)
 
     def __init__(self, config: Config, *, backend: ServiceBackend | None = None) -> None:
         self.config = config
@@ -237,6 +235,8 @@ class TemperServer(Configurable):
             idle_seconds=config.model_idle_seconds,
         )
         storage = CheckpointStorage(config.storage)
+        # Saves a killed server left midway; a younger one may be another server's, still saving.
+        storage.clear_interrupted(older_than_s=STALE_STAGING_S)
         self.catalog = CheckpointCatalog(storage)
         if backend is None:
             from temper.client.service_client import ServiceClient
@@ -384,8 +384,7 @@ class TemperServer(Configurable):
                         what="base weights and sampler its LoRA models share"
                         if shares_sampler
                         else "base weights its LoRA models share",
-                        # The multi-LoRA sampler reads the same weights: its KV cache more.
-                        num_bytes=base.sampler_bytes if shares_sampler else base.weights_bytes,
+                        num_bytes=base.shared_bytes(shared_sampler=shares_sampler),
                         pinned=True,
                     )
                 released += self.memory.admit(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 
 MAX_GONE_IDS = 1 << 16
@@ -69,12 +70,8 @@ class StabilityStore(Configurable):
         (16.8M: at most ~130 MiB); past it the least recently used sequences are dropped."""
 
         def __post_init__(self) -> None:
-            if not self.ttl_s > 0:
-                raise ValueError(f"StabilityStore.Config.ttl_s must be > 0, got {self.ttl_s}")
-            if self.max_tokens < 1:
-                raise ValueError(
-                    f"StabilityStore.Config.max_tokens must be >= 1, got {self.max_tokens}"
-                )
+            check_range(self.ttl_s, field="StabilityStore.Config.ttl_s", greater_than=0)
+            check_range(self.max_tokens, field="StabilityStore.Config.max_tokens", at_least=1)
 
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config

@@ -24,6 +24,7 @@ from temper.server.server import SamplingSession, ServedModel, TemperServer
 from temper.server.users import User
 from temper.server.validation import (
     check_lora,
+    check_lora_rank_fits,
     check_training_data,
     check_user_metadata,
     resolve_provenance,
@@ -96,6 +97,7 @@ def training_router(server: TemperServer) -> APIRouter:
             is_lora=not full,
             lora_rank=None if full else lora.rank,
         )
+        _check_rank_fits(server, served, field="create_model: lora_config.rank")
         return _queue_creation(server, served, create, key=key)
 
     @router.post("/get_info")
@@ -290,6 +292,7 @@ def _create_from_state(
         is_lora=lora is not None,
         lora_rank=None if lora is None else lora["rank"],
     )
+    _check_rank_fits(server, served, field=f"load_weights: {body.path} has LoRA rank")
 
     def create() -> tinker_types.LoadWeightsResponse:
         backend = server.backend
@@ -302,6 +305,20 @@ def _create_from_state(
         return tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id)
 
     return _queue_creation(server, served, create, key=key)
+
+
+def _check_rank_fits(server: TemperServer, served: ServedModel, *, field: str) -> None:
+    """400 for a LoRA model whose rank the model memory budget can never hold."""
+    if served.lora_rank is None:
+        return
+    check_lora_rank_fits(
+        served.base,
+        served.lora_rank,
+        budget_bytes=server.memory.budget_bytes,
+        shared_base=adapter_room.shares_base(server.config, served),
+        shared_sampler=adapter_room.shares_sampler(server.config, served),
+        field=field,
+    )
 
 
 def _queue_creation(server: TemperServer, served: ServedModel, create, *, key) -> Response:

@@ -13,8 +13,8 @@ place.
 
 Without a key file there is one user, `default`: every request without a key (loopback
 only), or with `--api-key`, is that user, and sees everything (as a single-user server
-always has). With a key file, `--api-key` (if given) is still the key of `default`, now an
-ordinary user; runs saved before owners were recorded belong to `default`.
+always has). With a key file, `--api-key` (if given) is the key of `default`, then an
+ordinary user; a run whose run.json records no owner belongs to `default`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from pathlib import Path
 
 from temper.server.errors import Unauthorized
 
+KEY_FILE_FORMAT = '{"users": [{"name": ..., "key_sha256": ..., "admin": false}, ...]}'
+"""What a key file holds, as its errors describe it."""
 KEY_PREFIX = "tml-"
 """The tinker SDK refuses, client-side, keys that do not start with this."""
 MIN_KEY_LENGTH = 24
@@ -111,16 +113,24 @@ class Users:
 def read_key_file(path: Path) -> list[tuple[User, str]]:
     """The (user, key digest) pairs of a key file (ValueError naming the problem)."""
     try:
-        raw = json.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ValueError(
             f"key file {path} does not exist; create it with `temper users add`"
         ) from None
-    except (OSError, json.JSONDecodeError) as error:
+    except OSError as error:
         raise ValueError(f"key file {path}: {error}") from None
+    if not text.strip():
+        raise ValueError(
+            f"key file {path} is empty; it must contain {KEY_FILE_FORMAT} (temper users add)"
+        )
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"key file {path}: {error}; it must contain {KEY_FILE_FORMAT}") from None
     entries = raw.get("users") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
-        raise ValueError(f'key file {path}: expected {{"users": [...]}}')
+        raise ValueError(f'key file {path}: expected {{"users": [...]}}, as in {KEY_FILE_FORMAT}')
     users, seen_names, seen_digests = [], set(), set()
     for index, entry in enumerate(entries):
         where = f"key file {path}: users[{index}]"

@@ -16,8 +16,9 @@ from tinker import types as tinker_types
 from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
 from temper.losses import LossSpec, get_loss, resolve_config
-from temper.server.base_models import ModelLimits
+from temper.server.base_models import BaseModel, ModelLimits
 from temper.server.errors import BadRequest
+from temper.server.model_memory import MIB
 from temper.server.provenance import behaviour_data, check_spans
 from temper.server.stability import StabilityStore
 from temper.server.wire import ForwardBackwardCall, SampleCall
@@ -163,6 +164,31 @@ def check_lora(config: tinker_types.LoraConfig) -> None:
         )
     except (TypeError, ValueError) as error:
         raise BadRequest(f"create_model: lora_config: {error}") from None
+
+
+def check_lora_rank_fits(
+    base: BaseModel,
+    rank: int,
+    *,
+    budget_bytes: int,
+    shared_base: bool,
+    shared_sampler: bool,
+    field: str,
+) -> None:
+    """400 naming `field` and the largest rank that fits, for a LoRA rank whose training
+    model the model memory budget could not hold even with nothing else loaded: no session
+    finishing can make room for it, so it is the request's to change. A base model that does
+    not fit at any rank is the server's setting at fault, and left to the budget's 503."""
+    sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+    largest = base.largest_lora_rank(budget_bytes=budget_bytes, **sharing)
+    if largest < 1 or rank <= largest:
+        return
+    needs = base.lora_model_bytes(lora_rank=rank, **sharing)
+    raise BadRequest(
+        f"{field} {rank} does not fit: a LoRA training model of that rank on base model "
+        f"{base.name} needs {needs / MIB:.1f} MiB, more than the whole model memory budget "
+        f"(--model-memory-mb {budget_bytes / MIB:g}); the largest rank that fits is {largest}"
+    )
 
 
 def check_prompt_json(body: object) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.tasks.jsonl import JsonLine, read_jsonl
@@ -111,11 +112,12 @@ class ConversationDataset(Configurable):
         """Assistant messages trained on: all_assistant or last_assistant."""
 
         def __post_init__(self) -> None:
-            if not 0 < self.heldout_fraction < 1:
-                raise ValueError(
-                    "ConversationDataset.Config.heldout_fraction must be in (0, 1), got "
-                    f"{self.heldout_fraction}"
-                )
+            check_range(
+                self.heldout_fraction,
+                field="ConversationDataset.Config.heldout_fraction",
+                greater_than=0,
+                less_than=1,
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

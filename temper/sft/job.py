@@ -31,15 +31,16 @@ from temper.checkpoint.storage import CheckpointStorage
 from temper.client.sampler_weights import SAMPLER_FILE
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
+from temper.generator.choice import GeneratorChoice
 from temper.job import CHECKPOINTS_DIR, ModelChoice, RunCheckpoints, state_to_resume
 from temper.job.long_lived import long_lived_objects_frozen
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
 from temper.sampler.cpu.decoding import CpuDecoding
-from temper.sampler.generator import GeneratorChoice
 from temper.sft.batches import supervised_data
 from temper.sft.datasets import ConversationDataset, DataPosition
 from temper.sft.sources import ConversationSource, Example, TaskSource
@@ -154,17 +155,14 @@ class SFTJob(Configurable):
 
         def __post_init__(self) -> None:
             for name in ("steps", "batch_size", "eval_every", "eval_problems", "max_new_tokens"):
-                if getattr(self, name) <= 0:
-                    raise ValueError(f"SFTJob.Config.{name} must be > 0, got {getattr(self, name)}")
-            if self.checkpoint_every < 0:
-                raise ValueError(
-                    f"SFTJob.Config.checkpoint_every must be >= 0 (0 = only at the end), "
-                    f"got {self.checkpoint_every}"
-                )
-            if self.learning_rate <= 0:
-                raise ValueError(
-                    f"SFTJob.Config.learning_rate must be > 0, got {self.learning_rate}"
-                )
+                check_range(getattr(self, name), field=f"SFTJob.Config.{name}", greater_than=0)
+            check_range(
+                self.checkpoint_every,
+                field="SFTJob.Config.checkpoint_every",
+                at_least=0,
+                hint="0 = only at the end",
+            )
+            check_range(self.learning_rate, field="SFTJob.Config.learning_rate", greater_than=0)
             if self.export == "hf" and self.model.lora_rank is not None:
                 raise ValueError(
                     "SFTJob.Config.export='hf' writes a full model directory, but "

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+from temper.config.checks import check_range, check_span
 from temper.config.configurable import Configurable
-from temper.tasks.problem import GeneratedTask, Problem, check_heldout_percent, check_range
+from temper.tasks.problem import GeneratedTask, Problem
 
 Operation = Literal["add", "sub", "mul"]
 
@@ -49,12 +50,19 @@ class Arithmetic(GeneratedTask, Configurable):
                     f"Arithmetic.Config.ops: unknown operation {unknown[0]!r}; "
                     f"valid: {list(_OPERATIONS)}"
                 )
-            check_range(
+            check_span(
                 "Arithmetic.Config",
                 low=("min_digits", self.min_digits),
                 high=("max_digits", self.max_digits),
+                at_least=1,
             )
-            check_heldout_percent("Arithmetic.Config", self.heldout_percent)
+            check_range(
+                self.heldout_percent,
+                field="Arithmetic.Config.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -15,10 +15,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.config.local_paths import LOCAL_PATH
 from temper.tasks.gsm8k_format import MathRow, final_number, read_gsm8k_jsonl, same_number
-from temper.tasks.problem import Problem, Split, check_heldout_percent, split_of
+from temper.tasks.problem import Problem, Split, split_of
 
 QUESTION_SLOT = "{question}"
 
@@ -43,7 +44,13 @@ class Math(Configurable):
                     f"Math.Config.prompt_template must contain {QUESTION_SLOT!r} exactly once, "
                     f"got {self.prompt_template!r}"
                 )
-            check_heldout_percent("Math.Config", self.heldout_percent)
+            check_range(
+                self.heldout_percent,
+                field="Math.Config.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -36,21 +36,6 @@ def split_of(key: str, *, heldout_percent: int) -> Split:
     return "heldout" if heldout else "train"
 
 
-def check_range(owner: str, *, low: tuple[str, int], high: tuple[str, int]) -> None:
-    """`1 <= low <= high` for a pair of config fields given as (name, value)."""
-    (low_name, low_value), (high_name, high_value) = low, high
-    if not 1 <= low_value <= high_value:
-        raise ValueError(
-            f"{owner} needs 1 <= {low_name} <= {high_name}, got "
-            f"{low_name}={low_value}, {high_name}={high_value}"
-        )
-
-
-def check_heldout_percent(owner: str, value: int) -> None:
-    if not 0 < value < 100:
-        raise ValueError(f"{owner}.heldout_percent must be in 1..99, got {value}")
-
-
 def draw_from_split(
     draw: Callable[[random.Random], Problem],
     rng: random.Random,

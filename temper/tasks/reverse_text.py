@@ -11,8 +11,9 @@ import random
 import string
 from dataclasses import dataclass
 
+from temper.config.checks import check_range, check_span
 from temper.config.configurable import Configurable
-from temper.tasks.problem import GeneratedTask, Problem, check_heldout_percent, check_range
+from temper.tasks.problem import GeneratedTask, Problem
 
 SEPARATOR = "="
 """Ends the string in a prompt; the answer follows it."""
@@ -37,12 +38,19 @@ class ReverseText(GeneratedTask, Configurable):
                     "ReverseText.Config.alphabet must be distinct printable characters without "
                     f"whitespace or {SEPARATOR!r}, got {self.alphabet!r}"
                 )
-            check_range(
+            check_span(
                 "ReverseText.Config",
                 low=("min_length", self.min_length),
                 high=("max_length", self.max_length),
+                at_least=1,
             )
-            check_heldout_percent("ReverseText.Config", self.heldout_percent)
+            check_range(
+                self.heldout_percent,
+                field="ReverseText.Config.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -10,13 +10,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from temper.config.checks import check_range, check_span
 from temper.config.configurable import Configurable
 from temper.tasks.problem import (
     GeneratedTask,
     Problem,
     Split,
-    check_heldout_percent,
-    check_range,
     split_of,
 )
 
@@ -34,12 +33,19 @@ class SumDigits(GeneratedTask, Configurable):
         """Share of all numbers (by hash) reserved for held-out evaluation, in percent."""
 
         def __post_init__(self) -> None:
-            check_range(
+            check_span(
                 "SumDigits.Config",
                 low=("min_digits", self.min_digits),
                 high=("max_digits", self.max_digits),
+                at_least=1,
             )
-            check_heldout_percent("SumDigits.Config", self.heldout_percent)
+            check_range(
+                self.heldout_percent,
+                field="SumDigits.Config.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
 
     def __init__(self, config: Config) -> None:
         self.config = config

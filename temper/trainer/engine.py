@@ -37,6 +37,7 @@ from temper.api.types import (
     TensorData,
 )
 from temper.checkpoint.sharded_load import DeferredWeights
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.fsdp import reshard_root
 from temper.distributed.thread_shards import ThreadShards, split_by_tokens, sum_gradients
@@ -71,15 +72,8 @@ class TrainerEngine(Configurable):
         to keep several cores busy; one per core. Costs a gradient buffer per shard. 1: off."""
 
         def __post_init__(self) -> None:
-            if self.max_tokens_per_microbatch < 1:
-                raise ValueError(
-                    "TrainerEngine.Config.max_tokens_per_microbatch must be >= 1, got "
-                    f"{self.max_tokens_per_microbatch}"
-                )
-            if self.shard_threads < 1:
-                raise ValueError(
-                    f"TrainerEngine.Config.shard_threads must be >= 1, got {self.shard_threads}"
-                )
+            for name in ("max_tokens_per_microbatch", "shard_threads"):
+                check_range(getattr(self, name), field=f"TrainerEngine.Config.{name}", at_least=1)
 
     def __init__(
         self,

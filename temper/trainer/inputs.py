@@ -269,7 +269,7 @@ def _first(bad: torch.Tensor) -> tuple[int, ...]:
 
 
 def _named(position: tuple[int, ...]) -> str:
-    """2 for [T] inputs (as before), [2, 1] for [T, K] ones."""
+    """2 for [T] inputs, [2, 1] for [T, K] ones."""
     return str(position[0]) if len(position) == 1 else str(list(position))
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.world import trainer_world
@@ -42,11 +43,11 @@ class Sharding(Configurable):
         """FSDP mixed precision gradient-reduction dtype; None: the compute dtype."""
 
         def __post_init__(self) -> None:
-            if self.activation_checkpointing not in ("none", "full"):
-                raise ValueError(
-                    "Sharding.Config.activation_checkpointing must be 'none' or 'full', got "
-                    f"{self.activation_checkpointing!r}"
-                )
+            check_choice(
+                self.activation_checkpointing,
+                field="Sharding.Config.activation_checkpointing",
+                choices=("none", "full"),
+            )
 
     def __init__(
         self, config: Config, *, model: nn.Module, device: torch.device | None = None

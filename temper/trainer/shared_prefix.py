@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from temper.api.types import numbers_to_tensor
+from temper.models.common.attention import masked_attention
 from temper.models.common.logprobs import target_logprobs
 
 MIN_SAVING = 0.15
@@ -225,13 +226,12 @@ class SharedPrefixAttention:
         out_prefix_GQPH = F.scaled_dot_product_attention(
             q_prefix, k_prefix, v_prefix, is_causal=True, scale=scale, enable_gqa=gqa
         )
-        out_suffix_RQSH = F.scaled_dot_product_attention(
+        # masked_attention: on CUDA with grouped heads, a layout SDPA's efficient kernel takes.
+        out_suffix_RQSH = masked_attention(
             q_suffix,
             self._suffix_keys(k_1KMH),
             self._suffix_keys(v_1KMH),
-            attn_mask=self.mask_R1SX,
-            scale=scale,
-            enable_gqa=gqa,
+            visible_B1TC=self.mask_R1SX,
         )
         return torch.cat((self._merge(out_prefix_GQPH), self._merge(out_suffix_RQSH)), dim=2)
 

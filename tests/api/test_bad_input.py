@@ -321,6 +321,7 @@ def test_bad_adam_params_name_the_field(kwargs, error, message):
         ({"temperature": "1"}, TypeError, "temperature must be a number, got '1'"),
         ({"top_k": -2}, ValueError, "top_k must be an int >= 1, or -1/0 for no limit, got -2"),
         ({"top_k": 2.5}, ValueError, "top_k must be an int"),
+        ({"top_k": 2**63}, ValueError, r"top_k must be at most 2\*\*63 - 1 \(any top_k of the"),
         ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": float("nan")}, ValueError, r"top_p must be in \(0, 1\]"),
         ({"top_p": None}, TypeError, "top_p must be a number, got None"),

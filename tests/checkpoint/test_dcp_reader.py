@@ -1,7 +1,7 @@
 """No code runs from a checkpoint's files: the checkpoint API and the in-process clients refuse
 a crafted one (tests/rl/test_crafted_checkpoints.py: `temper train --resume` and `temper
 sample`; tests/server/test_crafted_checkpoints.py: the server). Real checkpoints, also those
-written by plain DCP, load as before; what a kill during a save leaves is cleared."""
+written by plain DCP, load unchanged; what a kill during a save leaves is cleared."""
 
 from __future__ import annotations
 

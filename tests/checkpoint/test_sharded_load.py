@@ -1,6 +1,6 @@
 """Sharded loading on gloo ranks: a model built on meta, sharded, then given only its own
-shards equals today's whole-model load bitwise (a HF directory in several files, a named size's
-random init, LoRA adapters), and each rank reads only its slices of the files.
+shards equals the unsharded whole-model load bitwise (a HF directory in several files, a
+named size's random init, LoRA adapters), and each rank reads only its slices of the files.
 
 FSDP, TP and DDP on 2 ranks share one spawn (process start-up dominates on a small machine);
 FSDP x TP runs on 4.

@@ -1,5 +1,5 @@
 """LoRA clients of one ServiceClient sample through one multi-LoRA sampler on their shared
-base (sampler/multi_lora.py): a snapshot is a copy of the client's adapters, not a merged
+base (generator/multi_lora.py): a snapshot is a copy of the client's adapters, not a merged
 model; samples from concurrent clients decode in mixed batches and equal each client alone.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
-from temper.sampler.multi_lora import AdapterView, MultiLoraSampler
+from temper.generator.multi_lora import AdapterView, MultiLoraSampler
 from tests.client.test_shared_base import _data, _step, _weights, interleaved
 
 ADAM = AdamParams(learning_rate=1e-2)
@@ -35,7 +35,7 @@ def test_eight_clients_interleaved_are_bitwise_each_alone(tmp_path):
     clients = [shared.create_lora_training_client("tiny", **kw) for kw in EIGHT]
     logs = interleaved(clients, VERBS, seed=1)
     # One sampler served every client's snapshots.
-    samplers = {id(c.save_weights_and_get_sampling_client().engine.sampler) for c in clients}
+    samplers = {id(c.save_weights_and_get_sampling_client().generator.sampler) for c in clients}
     assert len(samplers) == 1
     for who, kw in enumerate(EIGHT):
         alone = ServiceClient(storage_dir=tmp_path / f"alone{who}")
@@ -54,7 +54,7 @@ def test_concurrent_samples_mix_in_batches_and_equal_each_alone(tmp_path):
     for who, client in enumerate(clients):
         _train(client, who)
     samplers = [client.save_weights_and_get_sampling_client() for client in clients]
-    engine = samplers[0].engine
+    engine = samplers[0].generator
     assert isinstance(engine, AdapterView)
     batches_before = engine.sampler.num_batches
     futures = [  # every client's request in flight at once
@@ -87,7 +87,7 @@ def test_a_snapshot_keeps_its_version_while_the_client_trains_on(tmp_path):
     after = old.sample(_prompt(client), num_samples=4, sampling_params=_params(0)).result()
     assert after == before and old.version == 1
     new = client.save_weights_and_get_sampling_client()
-    assert new.version == 4 and new.engine.adapter is not old.engine.adapter
+    assert new.version == 4 and new.generator.adapter is not old.generator.adapter
     logprobs = new.compute_logprobs(_prompt(client)).result()
     assert logprobs != old.compute_logprobs(_prompt(client)).result()
 
@@ -103,7 +103,7 @@ def test_merged_sampling_stays_available(tmp_path):
         _train(client, 0)
         sampler = client.save_weights_and_get_sampling_client()
         response = sampler.sample(_prompt(client), num_samples=4, sampling_params=_params(5))
-        results.append((sampler.engine, response.result()))
+        results.append((sampler.generator, response.result()))
     (merged_engine, merged_response), (view, shared_response) = results
     assert not isinstance(merged_engine, AdapterView) and isinstance(view, AdapterView)
     for ours, theirs in zip(shared_response.sequences, merged_response.sequences, strict=True):

@@ -34,10 +34,12 @@ def _answers(responses):
 
 def test_samples_sent_slowly_in_a_block_equal_one_engine_batch(sampler):
     requests = _requests(sampler.get_tokenizer())
-    one_batch = _answers(sampler.engine.generate(requests))
+    one_batch = _answers(sampler.generator.generate(requests))
     calls = []
-    generate = sampler.engine.generate
-    sampler.engine.generate = lambda batch, **kw: calls.append(len(batch)) or generate(batch, **kw)
+    generate = sampler.generator.generate
+    sampler.generator.generate = lambda batch, **kw: (
+        calls.append(len(batch)) or generate(batch, **kw)
+    )
     with sampler.batch():
         futures = []
         for request in requests:

@@ -64,7 +64,7 @@ def test_a_client_taken_before_optim_step_still_samples_its_version(service, lor
     assert (old.version, new.version) == (1, 4)
     assert _probe(old, tokens) == before  # bitwise: the same weights, kept aside
     assert _probe(new, tokens)[1] != before[1]  # the trainer did move on
-    assert old.engine is not new.engine
+    assert old.generator is not new.generator
     assert client.num_sampler_snapshots == 1
 
 
@@ -74,14 +74,14 @@ def test_no_copy_when_the_old_client_is_gone(service, lora):
     data = _data(client.get_tokenizer())
     first = client.save_weights_and_get_sampling_client()
     _probe(first, data[0].model_input.to_ints())
-    engine = first.engine
+    engine = first.generator
     del first
     gc.collect()
     for _ in range(2):
         _step(client, data)
         _probe(client.save_weights_and_get_sampling_client(), data[0].model_input.to_ints())
     assert client.num_sampler_snapshots == 0
-    assert client.save_weights_and_get_sampling_client().engine is engine  # reused in place
+    assert client.save_weights_and_get_sampling_client().generator is engine  # reused in place
     if not lora:
         assert engine.model is client.engine.model
 

@@ -24,17 +24,17 @@ def _run(tmp_path, *, sleep: bool) -> dict:
     prompt = ModelInput.from_ints(TOKENS[:3])
     sampler = client.save_weights_and_get_sampling_client()
     first = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
-    cache = {"before": sampler.engine.cache.nbytes}
+    cache = {"before": sampler.generator.cache.nbytes}
     datum = Datum(
         model_input=ModelInput.from_ints(TOKENS[:-1]),
         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
     )
     client.forward_backward([datum], "cross_entropy").result()
-    cache["training"] = sampler.engine.cache.nbytes
+    cache["training"] = sampler.generator.cache.nbytes
     client.optim_step(AdamParams(learning_rate=1e-2)).result()
     sampler = client.save_weights_and_get_sampling_client()
     second = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
-    cache["after"] = sampler.engine.cache.nbytes
+    cache["after"] = sampler.generator.cache.nbytes
     samples = [[(s.tokens, s.logprobs) for s in response.sequences] for response in (first, second)]
     return {"cache": cache, "samples": samples}
 

@@ -111,7 +111,7 @@ def test_full_fine_tuning_sampler_shares_weights_until_they_change(service):
     data = _data(client.get_tokenizer())
     _train(client, data, 3)
     sampler = client.save_weights_and_get_sampling_client()
-    assert sampler.engine.model is client.engine.model  # no copy
+    assert sampler.generator.model is client.engine.model  # no copy
     prompt = ModelInput.from_ints(data[0].model_input.to_ints()[:3])
     params = SamplingParams(max_tokens=3, temperature=0)
     before = sampler.sample(prompt, 2, params).result().sequences
@@ -120,7 +120,7 @@ def test_full_fine_tuning_sampler_shares_weights_until_they_change(service):
     assert sampler.version == 3 and client.num_sampler_snapshots == 1
     fresh = client.save_weights_and_get_sampling_client()
     assert fresh.version == client.engine.policy_version == 4
-    assert fresh.engine.model is client.engine.model
+    assert fresh.generator.model is client.engine.model
     assert not (service.storage.root / client.model_id / "sampler_weights").exists()
 
 
@@ -234,9 +234,9 @@ def test_concurrent_samples_decode_in_one_batch_but_never_cross_a_step(service, 
     client = service.create_training_client("tiny")
     sampler = client.save_weights_and_get_sampling_client()
     calls = []
-    original = sampler.engine.generate
+    original = sampler.generator.generate
     monkeypatch.setattr(
-        sampler.engine,
+        sampler.generator,
         "generate",
         lambda requests: (calls.append(len(requests)), original(requests))[1],
     )
@@ -277,7 +277,7 @@ def test_logprobs_of_a_batch_are_one_engine_score_and_close_to_lone_ones(service
     together = sampler.compute_logprobs_batch(prompts).result()
     assert together == sampler.compute_logprobs_batch(prompts).result()  # the same every time
     sequences = [prompt.to_ints() for prompt in prompts[:-1]]
-    scores = sampler.engine.score(sequences)  # the engine's batched forward, bitwise
+    scores = sampler.generator.score(sequences)  # the engine's batched forward, bitwise
     assert together == [*([None, *score.tolist()] for score in scores), [None]]
     for prompt, logprobs in zip(prompts, together, strict=True):
         alone = sampler.compute_logprobs(prompt).result()

@@ -11,16 +11,16 @@ import torch
 
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import save_pretrained
+from temper.generator.choice import GeneratorChoice
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import GeneratorChoice
 from temper.tokenizer import build_builtin_tokenizer
 from tests.client.test_sampling_snapshots import _data
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.sampler.vllm import VllmGenerator  # noqa: E402
+from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 ADAM = AdamParams(learning_rate=1e-2)
 VLLM = GeneratorChoice.Config(
@@ -63,7 +63,7 @@ def test_vllm_samples_what_optim_step_made(tmp_path, tied, lora):
     data = _data(client.get_tokenizer())
     tokens = data[2].model_input.to_ints()
     first = client.save_weights_and_get_sampling_client()
-    assert isinstance(first.engine, VllmGenerator)
+    assert isinstance(first.generator, VllmGenerator)
     before = first.compute_logprobs(ModelInput.from_ints(tokens)).result()
     pending = first.sample(ModelInput.from_ints(tokens[:3]), 2, SamplingParams(max_tokens=3))
     for _ in range(2):

@@ -58,7 +58,7 @@ def test_a_snapshot_keeps_its_version_and_a_later_one_sees_the_change(lora):
     assert (old.version, new.version) == (0, 1)
     assert torch.equal(_scores(old), before)  # bitwise: the old weights, kept aside
     assert not torch.equal(_scores(new), before)
-    assert old.engine is not new.engine
+    assert old.generator is not new.generator
     assert sync.num_snapshots == 1
 
 
@@ -74,11 +74,11 @@ def test_no_copy_when_no_snapshot_is_alive(lora):
     torch.manual_seed(0)
     sync, trainer = _sync(lora=lora)
     snapshot = sync.snapshot()
-    engine = snapshot.engine
+    engine = snapshot.generator
     del snapshot
     gc.collect()
     _change(sync, trainer)
-    assert sync.snapshot().engine is engine  # updated in place
+    assert sync.snapshot().generator is engine  # updated in place
     assert sync.num_snapshots == 0
     if not lora:
         assert engine.model is trainer.model  # the trainer's own tensors, no copy
@@ -106,8 +106,8 @@ def test_a_reader_holds_the_shared_weights_against_a_change():
 
 def test_a_snapshot_of_its_own_engine_never_touches_a_sync():
     sync, _ = _sync(lora=False)
-    engine = sync.snapshot().engine
-    own = Snapshot(engine=engine, version=7)
+    engine = sync.snapshot().generator
+    own = Snapshot(generator=engine, version=7)
     with sync.holding(), own.reading() as reading:  # would deadlock if it took the lock
         assert reading is engine and own.version == 7
 
@@ -142,7 +142,7 @@ def test_a_one_version_generator_is_updated_in_place_and_the_old_snapshot_retire
     before = _scores(old)
     _change(sync, trainer)
     new = sync.snapshot()
-    assert new.engine is old.engine and not torch.equal(_scores(new), before)
+    assert new.generator is old.generator and not torch.equal(_scores(new), before)
     assert sync.num_snapshots == 0  # nothing copied
     with pytest.raises(ValueError, match="policy version 0, which its generator no longer"):
         _scores(old)

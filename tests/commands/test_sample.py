@@ -1,6 +1,6 @@
 """`temper sample` through the real entry point, on a tiny random model with the letters vocabulary.
 
-Greedy output is checked against the reference decoder, so the command is known to print
+Greedy output is checked against the oracle decoder, so the command is known to print
 what the model generates, not just something shaped like it.
 """
 
@@ -12,7 +12,7 @@ from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import load_pretrained
 from temper.checkpoint.model_source import init_model_dir
 from temper.cli import main
-from temper.sampler.reference import greedy_decode
+from temper.sampler.oracle import greedy_decode
 from temper.tokenizer import load_tokenizer
 
 

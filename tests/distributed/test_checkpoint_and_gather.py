@@ -154,7 +154,7 @@ def _client_sampler_weights(rank: int, directory) -> dict:
     client.optim_step(training.ADAM).result()
     sampler = client.save_weights_and_get_sampling_client()
     return {
-        "sampler": {k: v.clone() for k, v in sampler.engine.model.state_dict().items()},
+        "sampler": {k: v.clone() for k, v in sampler.generator.model.state_dict().items()},
         # On the client's worker, in order with its other collectives.
         "trainer": client._worker.submit(full_state_dict, client.engine.model).result(),
     }

@@ -20,9 +20,9 @@ import torch
 from temper.client.service_client import ServiceClient
 from temper.distributed.placement import Placement
 from temper.distributed.weight_pieces import WeightRows, as_rows
+from temper.generator import remote
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
-from temper.sampler import remote
 from tests.distributed.rl_runs import run_in_process, skip_plots
 from tests.distributed.spawn import spawn
 from tests.rl.conftest import comparable_metrics, final_weights, tiny_rl_config

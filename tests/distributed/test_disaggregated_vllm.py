@@ -12,15 +12,15 @@ import dataclasses
 
 import pytest
 
+from temper.generator.choice import GeneratorChoice
 from temper.observability import read_metrics
-from temper.sampler.generator import GeneratorChoice
 from tests.distributed.spawn import spawn
 from tests.distributed.test_disaggregated import _rank_main, rl_config
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.sampler.vllm import VllmGenerator  # noqa: E402
+from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 
 def _rank_main_counting_engines(rank: int, directory, configs: dict) -> dict:

@@ -14,8 +14,8 @@ import time
 import torch.multiprocessing as mp
 
 from temper.distributed.placement import Placement
+from temper.generator import generator_rank, remote
 from temper.rl.job import RLJob
-from temper.sampler import generator_rank, remote
 from tests.distributed.rl_runs import skip_plots
 from tests.distributed.spawn import _entry, free_port, spawn
 from tests.rl.conftest import comparable_metrics, tiny_rl_config

@@ -11,11 +11,11 @@ import torch
 
 from temper.api.types import SamplingParams
 from temper.distributed.placement import Placement, request_pairs
+from temper.generator.generator_rank import GeneratorRank
+from temper.generator.remote import RemoteGenerators
 from temper.models.build import materialize
 from temper.models.qwen3.sizes import qwen3_size
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator_rank import GeneratorRank
-from temper.sampler.remote import RemoteGenerators
 from temper.sampler.requests import SampleRequest
 from tests.distributed.spawn import spawn
 

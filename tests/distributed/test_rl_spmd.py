@@ -99,7 +99,7 @@ def _lora_sampler_weights(rank: int, directory) -> dict:
     except FileExistsError as error:
         again = str(error)
     return {
-        "merged": {k: v.clone() for k, v in sampler.engine.model.state_dict().items()},
+        "merged": {k: v.clone() for k, v in sampler.generator.model.state_dict().items()},
         "path": path,
         "again": again,
     }
@@ -205,7 +205,7 @@ def test_sharded_lora_sampler_weights_are_written_once_and_load_as_the_merged_mo
     for result in lora:
         assert "already exist" in result["again"]
     service = ServiceClient(storage_dir=directory / "lora")
-    loaded = service.create_sampling_client(model_path=lora[0]["path"]).engine.model.state_dict()
+    loaded = service.create_sampling_client(model_path=lora[0]["path"]).generator.model.state_dict()
     assert loaded.keys() == lora[0]["merged"].keys()
     for key, value in lora[0]["merged"].items():
         assert torch.equal(loaded[key], value), key

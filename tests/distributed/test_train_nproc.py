@@ -201,8 +201,8 @@ def _run_past_first_checkpoint(run_dir: Path) -> Iterator[subprocess.Popen]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through /proc")
 def test_ctrl_c_stops_every_rank_and_says_how_to_resume(tmp_path):
-    """SIGINT to `temper train --nproc 2` ends torchrun and both ranks (before, torchrun was
-    killed alone and the ranks trained on, orphaned) and prints the resume command."""
+    """SIGINT to `temper train --nproc 2` ends torchrun and both ranks (none trains on,
+    orphaned, after torchrun is gone) and prints the resume command."""
     run_dir = tmp_path / "run"
     with _run_past_first_checkpoint(run_dir) as command:
         command.send_signal(signal.SIGINT)

@@ -1,6 +1,6 @@
 """The memory plan against real tensors: the tiny model's weights, AdamW state and gradients
 (in one process and as FSDP shards on 2 gloo ranks), the sampler's copy and KV cache, the
-tensors autograd saves, and today's whole-weights sync; then the relations between
+tensors autograd saves, and the whole-weights sync; then the relations between
 placements and the errors for bad settings."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class _LiveBytes(TorchDispatchMode):
 
 
 def test_whole_sync_holds_what_the_plan_says_today():
-    """Today's sync of a sharded LoRA trainer (sampler_state_dict: gather every tensor, then
+    """The whole sync of a sharded LoRA trainer (sampler_state_dict: gather every tensor, then
     merge) holds the gathered copy, new merged tensors and the merge's fp32 scratch at once."""
     model = training.tiny_model()
     model = materialize(dataclasses.replace(model.config, vocab_size=512), dtype="bfloat16")
@@ -323,7 +323,8 @@ def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
 
 
 def test_colocated_8b_lora_with_256_slots_per_rank_is_the_issues_56_gb():
-    """Issue #18's back-of-envelope: 8B LoRA on 16 GPUs, each engine with 256 slots x 1024."""
+    """The back-of-envelope in docs/distributed.md: 8B LoRA on 16 GPUs, each engine with 256
+    slots x 1024, about 56 GB steady."""
     plan = plan_memory(_big(max_batch=256))
     assert plan.role("colocated").steady_bytes / 1e9 == pytest.approx(56, abs=1)
 

@@ -33,7 +33,7 @@ CONFIGS = [
 
 def trained_adapters(configs):
     """(a frozen tiny base, [(config, adapter tensors)] with B away from zero, [each
-    adapter's merged plain model]); also used by tests/sampler/test_multi_lora.py."""
+    adapter's merged plain model]); also used by tests/generator/test_multi_lora.py."""
     # Logits of order 2 (as tests/sampler/test_engine.py), so greedy outputs vary.
     config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
     base = materialize(config, seed=5, dtype="float32").eval().requires_grad_(False)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from temper.distributed.placement import Placement
+from temper.generator.choice import GeneratorChoice
+from temper.generator.vllm import VllmGenerator
 from temper.rl.job import RLJob
 from temper.rl.steps import RLSteps
-from temper.sampler.generator import GeneratorChoice
-from temper.sampler.vllm import VllmGenerator
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 

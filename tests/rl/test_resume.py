@@ -53,7 +53,7 @@ def _final_weights(run_dir):
         ("sync", 10, 3, "constant"),
         ("async", 12, 3, "constant"),
         ("sync", 5, 3, "constant"),
-        # The case: the last checkpoint inside the SFT warm-up, then warm-up and RL
+        # The hardest case: the last checkpoint inside the SFT warm-up, then warm-up and RL
         # steps after it (here also steps of RL logged and lost), cosine learning rates.
         ("async", 9, 5, "cosine"),
         ("sync", 7, 5, "cosine"),

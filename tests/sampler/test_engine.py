@@ -13,7 +13,7 @@ from temper.models import materialize, qwen3_size
 from temper.models.common.logprobs import forward_logprobs
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.reference import greedy_decode
+from temper.sampler.oracle import greedy_decode
 from temper.tokenizer import build_builtin_tokenizer
 
 ONE_PROCESS = CpuDecoding.Config(processes=1)
@@ -151,9 +151,9 @@ def test_seeded_samples_do_not_depend_on_the_batch(model):
 def test_more_samples_than_slots_share_one_prefill(model, monkeypatch):
     engine = _engine(model, max_batch=2)
     prefills = []
-    original = engine._prefill
+    original = engine.admission._prefill
     monkeypatch.setattr(
-        engine, "_prefill", lambda rows: (prefills.append(len(rows)), original(rows))
+        engine.admission, "_prefill", lambda rows: (prefills.append(len(rows)), original(rows))
     )
     params = SamplingParams(max_tokens=5, temperature=0)
     response = engine.sample(PROMPTS[2], params, num_samples=5)
@@ -342,15 +342,15 @@ def test_max_tokens_is_capped_by_the_context(model):
 
 def test_static_decode_step_matches_the_eager_step(model):
     """The CUDA-graph step (rows padded to a bucket, full cache width) run eagerly on CPU."""
-    from temper.sampler.cuda_graphs import StaticDecoder, default_buckets
+    from temper.sampler.cuda_graphs import CudaGraphDecoding, default_buckets
 
     assert default_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     engine = _engine(model, max_batch=8)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
     params = SamplingParams(max_tokens=9, temperature=0)
     eager = engine.generate([SampleRequest(prompt=p, params=params) for p in prompts])
-    engine._static_decoder = StaticDecoder(
-        model=model, cache=engine.cache, buckets=[1, 4, 8], capture=False
+    engine.decoding = CudaGraphDecoding(
+        engine.weights, cache=engine.cache, buckets=[1, 4, 8], capture=False
     )
     static = engine.generate([SampleRequest(prompt=p, params=params) for p in prompts])
     for a, b in zip(eager, static, strict=True):
@@ -370,6 +370,6 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
     requests = [SampleRequest(prompt=p, params=params) for p in PROMPTS]
     graphed = _engine(model, cuda_graphs="auto", max_batch=4)
     eager = _engine(model, cuda_graphs="off", max_batch=4)
-    assert graphed._static_decoder is not None and graphed._static_decoder.graphs
+    assert graphed.decoding.static is not None and graphed.decoding.static.graphs
     for a, b in zip(graphed.generate(requests), eager.generate(requests), strict=True):
         assert a.sequences[0].tokens == b.sequences[0].tokens

@@ -141,7 +141,7 @@ def test_in_process_sampling_client_takes_a_dense_table(tmp_path):
     response = sampler.sample(
         ModelInput.from_ints(prompt), 1, ONE_TOKEN, target_prompt_logprobs=ids_RK
     ).result()
-    model = sampler.engine.model
+    model = sampler.generator.model
     expected = expected_table(model, prompt, ids_RK)
     torch.testing.assert_close(
         response.target_prompt_logprobs.to_torch(), expected, atol=1e-5, rtol=0

@@ -279,6 +279,7 @@ def test_bad_sample_requests_are_4xx_and_the_sampler_keeps_serving(server, model
         (sample_body(session, params={"temperature": -1}), 400, "temperature must be a finite"),
         (sample_body(session, params={"top_p": 0}), 400, "top_p must be in (0, 1]"),
         (sample_body(session, params={"top_k": -5}), 400, "top_k must be an int >= 1, or -1/0"),
+        (sample_body(session, params={"top_k": 2**63}), 400, "top_k must be at most 2**63 - 1"),
         (sample_body(session, params={"stop": ""}), 400, "stop must not be the empty string"),
         (
             sample_body(session, params={"stop": [vocab + 3]}),

@@ -76,7 +76,7 @@ def small_and_big(depth: int) -> list[bytes]:
         "retrieve_future",
         "create_session",
         "create_model",
-        "forward",
+        "forward_backward",
         "session_heartbeat",
     ],
 )
@@ -87,7 +87,7 @@ def test_deep_bodies_are_400_on_plain_and_fastapi_routes(server, path):
             answer = client.post(f"/{path}", content=body)
             assert 400 <= answer.status_code < 500, (path, len(body), answer.text[:300])
             assert answer.json()["category"] == "user"
-            if path != "forward":  # a protobuf route: its own message
+            if path != "forward_backward":  # a protobuf route: its own message
                 assert "malformed request" in answer.json()["detail"], answer.text[:300]
             assert client.get("/healthz").is_success
         if path in ("asample", "retrieve_future", "create_session"):

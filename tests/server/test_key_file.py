@@ -10,7 +10,15 @@ import pytest
 
 from temper.cli import main
 from temper.server.errors import Unauthorized
-from temper.server.users import Users, add_user, digest, read_key_file, remove_user
+from temper.server.security import check_bind
+from temper.server.users import (
+    KEY_FILE_FORMAT,
+    Users,
+    add_user,
+    digest,
+    read_key_file,
+    remove_user,
+)
 
 
 def test_keys_map_to_their_users_and_only_digests_are_stored(tmp_path):
@@ -23,7 +31,8 @@ def test_keys_map_to_their_users_and_only_digests_are_stored(tmp_path):
     users = Users(key_file=key_file, api_key="tml-the-old-single-key")
     assert users.authenticate(alice).name == "alice" and not users.authenticate(alice).admin
     assert users.authenticate(root).admin
-    assert users.authenticate("tml-the-old-single-key").name == "default"  # not an admin now
+    # With a key file, the --api-key user is an ordinary user.
+    assert users.authenticate("tml-the-old-single-key").name == "default"
     assert not users.authenticate("tml-the-old-single-key").admin
     for wrong in (None, "", "tml-nobody-has-this-key-000"):
         with pytest.raises(Unauthorized):
@@ -80,3 +89,33 @@ def test_the_users_command_adds_lists_and_removes(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "alice"
     assert main(["users", "remove", "alice", "--key-file", key_file]) == 0
     assert main(["users", "remove", "alice", "--key-file", key_file]) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"users": []}', "holds no users, so no key opens the server on --host 0.0.0.0"),
+        ("", "is empty; it must contain " + KEY_FILE_FORMAT),
+        ("  \n", "is empty; it must contain " + KEY_FILE_FORMAT),
+        (None, "does not exist; create it with `temper users add`"),
+        ("[]", 'expected {"users": [...]}, as in ' + KEY_FILE_FORMAT),
+    ],
+)
+def test_a_non_loopback_host_needs_a_key_file_with_users(tmp_path, content, message):
+    key_file = tmp_path / "keys.json"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(ValueError, match=r"^--key-file") as caught:
+        check_bind("0.0.0.0", None, key_file=str(key_file))
+    assert message in str(caught.value)
+
+
+def test_a_key_file_without_users_is_refused_only_where_it_would_guard(tmp_path):
+    key_file = tmp_path / "keys.json"
+    key_file.write_text('{"users": []}')
+    with pytest.raises(ValueError, match=r"must contain .* with at least one user: add one with"):
+        check_bind("0.0.0.0", None, key_file=str(key_file))
+    check_bind("127.0.0.1", None, key_file=str(key_file))  # loopback needs no key
+    check_bind("0.0.0.0", "tml-the-single-key-0123", key_file=str(key_file))  # --api-key's user
+    add_user(key_file, "alice")
+    check_bind("0.0.0.0", None, key_file=str(key_file))

@@ -1,10 +1,14 @@
-"""ModelMemory on a fake clock: pinned training models, releasable samplers, the 503."""
+"""ModelMemory on a fake clock: pinned training models, releasable samplers, the 503; the
+largest LoRA rank a budget holds (a larger one is the request's 400)."""
 
 from __future__ import annotations
 
 import pytest
 
+from temper.server.base_models import BaseModel, ModelLimits
+from temper.server.errors import BadRequest
 from temper.server.model_memory import MIB, ModelMemory, OverBudget
+from temper.server.validation import check_lora_rank_fits
 
 
 class Clock:
@@ -62,3 +66,32 @@ def test_idle_samplers_are_released_and_training_models_are_not():
     clock.now = 10.5
     assert ledger.release_idle() == ["s"]
     assert ledger.loaded() == {"A": 10 * MIB}
+
+
+@pytest.mark.parametrize(
+    ("shared_base", "shared_sampler"), [(True, True), (True, False), (False, False)]
+)
+def test_the_largest_lora_rank_is_the_last_the_budget_holds(shared_base, shared_sampler):
+    base = BaseModel(
+        name="/m/a",
+        names=frozenset({"a"}),
+        arch="qwen3",
+        limits=ModelLimits(vocab_size=16, max_seq_len=64, max_sample_len=64),
+        trainable=True,
+        sampleable=True,
+        weights_bytes=30 * MIB,
+        sampler_bytes=50 * MIB,
+        lora_bytes_per_rank=3000,
+    )
+    sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+    budget = 100 * MIB
+    largest = base.largest_lora_rank(budget_bytes=budget, **sharing)
+    assert base.lora_model_bytes(lora_rank=largest, **sharing) <= budget
+    assert base.lora_model_bytes(lora_rank=largest + 1, **sharing) > budget
+    fits = {"budget_bytes": budget, "field": "create_model: lora_config.rank", **sharing}
+    check_lora_rank_fits(base, largest, **fits)
+    with pytest.raises(BadRequest, match=f"rank {largest + 1} does not fit.*fits is {largest}$"):
+        check_lora_rank_fits(base, largest + 1, **fits)
+    # A base the budget cannot hold at any rank is the server's setting: left to the 503.
+    assert base.largest_lora_rank(budget_bytes=MIB, **sharing) == 0
+    check_lora_rank_fits(base, 10**9, **{**fits, "budget_bytes": MIB})

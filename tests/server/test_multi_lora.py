@@ -1,5 +1,5 @@
 """Eight concurrent LoRA clients of `temper serve`, through the official tinker SDK, train and
-sample on one base model and one multi-LoRA sampler (sampler/multi_lora.py).
+sample on one base model and one multi-LoRA sampler (generator/multi_lora.py).
 
 Each client's losses are bitwise those of a twin (same rank and seed) run alone afterwards,
 and its seeded samples, drawn in batches mixed with the other clients' rows, are the twin's

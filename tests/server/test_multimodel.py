@@ -9,6 +9,7 @@ sampler released to make room and the 503 of a model that cannot fit.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 
@@ -323,6 +324,40 @@ def test_over_budget_is_503_naming_budget_and_holder(model_dir, teacher_dir, tmp
             again.create_sampling_client(base_model=str(teacher_dir)).result(), tokenizer
         ).sequences
         again.close("success").result()
+    finally:
+        server.stop()
+
+
+def test_a_lora_rank_the_budget_never_holds_is_400_naming_the_largest(model_dir, tmp_path):
+    # 300 MiB hold the student's shared base weights and multi-LoRA sampler (about 291 MiB)
+    # and the adapters of one LoRA model of a few dozen ranks (each rank x5 with its state).
+    server = start_server(
+        model_dir, tmp_path / "storage", tmp_path / "server.log", "--model-memory-mb", "300"
+    )
+    try:
+        service = server.service()
+        with pytest.raises(tinker.BadRequestError) as caught:
+            service.create_lora_training_client(str(model_dir), rank=10**9).result()
+        message = str(caught.value)
+        assert "create_model: lora_config.rank 1000000000 does not fit" in message
+        assert "more than the whole model memory budget (--model-memory-mb 300)" in message
+        largest = int(re.search(r"the largest rank that fits is (\d+)", message).group(1))
+        assert largest > 1
+        with pytest.raises(
+            tinker.BadRequestError, match=f"the largest rank that fits is {largest}'"
+        ):
+            service.create_lora_training_client(str(model_dir), rank=largest + 1).result()
+        # The largest rank fits (the estimate the refusal used is the one the budget counts)...
+        training = service.create_lora_training_client(str(model_dir), rank=largest).result()
+        assert training.get_info().lora_rank == largest
+        # ...and leaves no room for another model: that one would fit once this session ends,
+        # so it is the server's 503, not the request's fault.
+        with pytest.raises(tinker.APIStatusError) as taken:
+            service.create_lora_training_client(str(model_dir), rank=1).result()
+        assert taken.value.status_code == 503
+        assert taken.value.body["category"] == "server"
+        assert f"training model {training.model_id}" in str(taken.value)
+        service.close("success").result()
     finally:
         server.stop()
 

@@ -164,6 +164,17 @@ def test_checkpoints_load_after_a_restart(model_dir, tmp_path):
 def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path):
     with pytest.raises(RuntimeError, match="requires --key-file FILE"):
         start_server(model_dir, tmp_path / "s", tmp_path / "nokey.log", host="0.0.0.0")
+    empty = tmp_path / "keys.json"
+    empty.write_text('{"users": []}')
+    with pytest.raises(RuntimeError, match=f"--key-file {empty} holds no users"):
+        start_server(
+            model_dir,
+            tmp_path / "s",
+            tmp_path / "empty.log",
+            "--key-file",
+            str(empty),
+            host="0.0.0.0",
+        )
     guarded = start_server(
         model_dir,
         tmp_path / "s",

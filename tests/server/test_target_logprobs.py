@@ -1,7 +1,7 @@
 """`target_prompt_logprobs` through `temper serve` with the unmodified tinker SDK: dense and
 sparse requests answer in their own layout with the logprobs a full forward of the model
 gives; the cookbook's decisions recipe gets its distribution over labels; bad targets are a
-400 naming the field, and the sampler keeps serving as before."""
+400 naming the field, and the sampler keeps serving."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def sampler(server, model_dir):
 @pytest.fixture(scope="module")
 def model(model_dir, tmp_path_factory):
     local = temper.ServiceClient(storage_dir=tmp_path_factory.mktemp("local"))
-    return local.create_sampling_client(base_model=str(model_dir.resolve())).engine.model
+    return local.create_sampling_client(base_model=str(model_dir.resolve())).generator.model
 
 
 def table(rows: dict[int, list[int]], *, width: int) -> torch.Tensor:

@@ -41,8 +41,33 @@ def masked_attention(
     q_BNTH: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, visible_B1TC: torch.Tensor
 ) -> torch.Tensor:
     """Attention over C key positions (a KV cache's), each query seeing those `visible_B1TC`
-    marks True."""
+    marks True.
+
+    On CUDA, grouped heads go through `grouped_masked_attention`: SDPA takes `enable_gqa`
+    with a mask only in its math kernel, which upcasts to fp32 and copies keys and values
+    per query head; without `enable_gqa` the memory-efficient kernel takes the mask. CPU
+    keeps SDPA's own grouping (its results are what the CPU tests pin bitwise)."""
+    if q_BNTH.device.type == "cuda" and q_BNTH.shape[1] != k_BKCH.shape[1]:
+        return grouped_masked_attention(q_BNTH, k_BKCH, v_BKCH, visible_B1TC=visible_B1TC)
     return _attention(q_BNTH, k_BKCH, v_BKCH, attn_mask=visible_B1TC)
+
+
+def grouped_masked_attention(
+    q_BNTH: torch.Tensor, k_BKCH: torch.Tensor, v_BKCH: torch.Tensor, *, visible_B1TC: torch.Tensor
+) -> torch.Tensor:
+    """`masked_attention` with each key/value head's G = N / K query heads folded into its
+    query positions ([B, K, G * T, H]), so SDPA sees as many query heads as key heads and
+    needs no `enable_gqa`: no key/value head is copied. Query head n reads key head n // G,
+    as `enable_gqa` pairs them; each of the G copies of a query position keeps its mask row."""
+    B, N, T, H = q_BNTH.shape
+    K, C = k_BKCH.shape[1], k_BKCH.shape[2]
+    G = N // K
+    q_BKXH = q_BNTH.reshape(B, K, G * T, H)  # X = G * T, group member major
+    visible_B1XC = visible_B1TC[:, :, None].expand(B, 1, G, T, C).reshape(B, 1, G * T, C)
+    out_BKXH = F.scaled_dot_product_attention(
+        q_BKXH, k_BKCH, v_BKCH, attn_mask=visible_B1XC, scale=H**-0.5
+    )
+    return out_BKXH.reshape(B, N, T, H)
 
 
 def _attention(

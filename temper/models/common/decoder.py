@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.config.checks import check_range
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rmsnorm import RMSNorm
@@ -56,9 +57,7 @@ class DecoderConfig:
         name = type(self).__qualname__
         positive = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads")
         for field in (*positive, "head_dim", "ffn_dim", "max_seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+            check_range(getattr(self, field), field=f"{name}.{field}", integer=True, greater_than=0)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"{name}.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from temper.config.checks import check_choice, check_range, check_span
 from temper.config.configurable import Configurable
 from temper.rl.env import Demonstration, StepResult, Turns
-from temper.tasks.problem import check_heldout_percent, split_of
+from temper.tasks.problem import split_of
 from temper.tokenizer import Tokenizer
 
 
@@ -76,26 +77,29 @@ class GuessNumber(Configurable):
         slower search (up to 14 guesses in 1..100 against 7), which RL must then unlearn."""
 
         def __post_init__(self) -> None:
-            if not 0 <= self.low < self.high:
-                raise ValueError(
-                    f"GuessNumber.Config needs 0 <= low < high, got low={self.low}, "
-                    f"high={self.high}"
-                )
-            check_heldout_percent("GuessNumber.Config", self.heldout_percent)
-            if not 0.0 <= self.binary_demonstrations <= 1.0:
-                raise ValueError(
-                    "GuessNumber.Config.binary_demonstrations must be in [0, 1], "
-                    f"got {self.binary_demonstrations}"
-                )
-            if self.heldout_secrets not in ("all", "on_search_paths"):
-                raise ValueError(
-                    "GuessNumber.Config.heldout_secrets must be 'all' or 'on_search_paths', "
-                    f"got {self.heldout_secrets!r}"
-                )
-            if self.turn_penalty < 0:
-                raise ValueError(
-                    f"GuessNumber.Config.turn_penalty must be >= 0, got {self.turn_penalty}"
-                )
+            owner = "GuessNumber.Config"
+            check_span(
+                owner, low=("low", self.low), high=("high", self.high), at_least=0, strict=True
+            )
+            check_range(
+                self.heldout_percent,
+                field=f"{owner}.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
+            check_range(
+                self.binary_demonstrations,
+                field=f"{owner}.binary_demonstrations",
+                at_least=0,
+                at_most=1,
+            )
+            check_choice(
+                self.heldout_secrets,
+                field=f"{owner}.heldout_secrets",
+                choices=("all", "on_search_paths"),
+            )
+            check_range(self.turn_penalty, field=f"{owner}.turn_penalty", at_least=0)
 
     turns: Turns = "multi"
     """An env source (temper/rl/env.py) of multi-turn episodes."""

@@ -22,10 +22,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from temper.config.checks import check_range, check_span
 from temper.config.configurable import Configurable
 from temper.rl.env import Demonstration, StepResult, Turns
 from temper.rl.tools import ToolRunner
-from temper.tasks.problem import check_heldout_percent, check_range, split_of
+from temper.tasks.problem import split_of
 from temper.tokenizer import Tokenizer
 from temper.tokenizer.renderers.tool_calls import ToolCallFormat
 
@@ -98,18 +99,23 @@ class ToolArithmetic(Configurable):
         """Share of demonstrations that answer without the calculator."""
 
         def __post_init__(self) -> None:
-            check_range(
-                "ToolArithmetic.Config",
+            owner = "ToolArithmetic.Config"
+            check_span(
+                owner,
                 low=("min_digits", self.min_digits),
                 high=("max_digits", self.max_digits),
+                at_least=1,
             )
-            check_heldout_percent("ToolArithmetic.Config", self.heldout_percent)
-            if self.num_terms < 2 or self.tool_timeout_s <= 0 or not 0 <= self.direct_share <= 1:
-                raise ValueError(
-                    "ToolArithmetic.Config needs num_terms >= 2, tool_timeout_s > 0 and "
-                    f"0 <= direct_share <= 1, got num_terms={self.num_terms}, "
-                    f"tool_timeout_s={self.tool_timeout_s}, direct_share={self.direct_share}"
-                )
+            check_range(
+                self.heldout_percent,
+                field=f"{owner}.heldout_percent",
+                integer=True,
+                at_least=1,
+                at_most=99,
+            )
+            check_range(self.num_terms, field=f"{owner}.num_terms", at_least=2)
+            check_range(self.tool_timeout_s, field=f"{owner}.tool_timeout_s", greater_than=0)
+            check_range(self.direct_share, field=f"{owner}.direct_share", at_least=0, at_most=1)
 
     turns: Turns = "multi"
     """An env source (temper/rl/env.py) of multi-turn episodes."""

@@ -23,7 +23,7 @@ GEMM hands each thread a block of rows, and a block of 1-3 rows rounds different
 Python runs one thread at a time (the GIL), and each shard issues every op of the forward, so
 a split step pays the per-op Python and dispatch cost once per shard, plus a GIL hand-over
 around every op; only the kernels run concurrently. On this project's shared 2-core VM a split
-step was slower than an unsplit one-thread step at every batch measured (docs/sampler.md),
+step was slower than an unsplit one-thread step at every batch measured (docs/benchmarks.md),
 so the engine does not split unless asked (`decode_shards`).
 """
 

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.sampler.cpu.decode_shards import DecodeShards
 from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
@@ -41,7 +42,7 @@ Twin = Literal["packed", "fused", "none"]
 SMALL_STEP_WORK = 2**29
 """With `num_threads='auto'`, a generate call whose decode steps multiply fewer than this many
 weights by rows (its rows, up to the engine's slots, times the model's parameters) runs on one
-thread. Measured on a 2-core VM (fp32, docs/sampler.md): one thread was faster at every size
+thread. Measured on a 2-core VM (fp32, docs/benchmarks.md): one thread was faster at every size
 under it (the tiny model 1.5-2.6x at batch 1-64, a 98 MiB model 1.1-1.2x at batch 1-16) and
 two at every size over it (the 98 MiB model at batch 64, a 388 MiB one at 16-64, the 0.6B
 shape in bf16 at 1 and 8)."""
@@ -70,7 +71,7 @@ class CpuDecoding(Configurable, Decoding):
         logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
         threads generate runs on (num_threads, else torch's), each of at least
         decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
-        split step was slower, docs/sampler.md)."""
+        split step was slower, docs/benchmarks.md)."""
         decode_shard_min_rows: int = 16
         """With decode_shards='auto', the fewest rows per group worth splitting a step for."""
         processes: int | Literal["auto"] = "auto"
@@ -85,33 +86,27 @@ class CpuDecoding(Configurable, Decoding):
         """With processes > 1, the fewest samples per process worth splitting a call for."""
 
         def __post_init__(self) -> None:
-            if self.num_threads not in (None, "auto") and (
-                not _is_int(self.num_threads) or self.num_threads < 1
-            ):
-                raise ValueError(
-                    f"{_FIELD}.num_threads must be 'auto', an int >= 1 or None, got "
-                    f"{self.num_threads!r}"
-                )
-            if self.packed_linear not in ("auto", "on", "off"):
-                raise ValueError(
-                    f"{_FIELD}.packed_linear must be 'auto', 'on' or 'off', got "
-                    f"{self.packed_linear!r}"
-                )
-            if not isinstance(self.fused_projections, bool):
-                raise ValueError(
-                    f"{_FIELD}.fused_projections must be True or False, got "
-                    f"{self.fused_projections!r}"
-                )
+            check_range(
+                self.num_threads,
+                field=f"{_FIELD}.num_threads",
+                integer=True,
+                at_least=1,
+                also=("auto", None),
+            )
+            check_choice(
+                self.packed_linear, field=f"{_FIELD}.packed_linear", choices=("auto", "on", "off")
+            )
+            check_choice(
+                self.fused_projections, field=f"{_FIELD}.fused_projections", choices=(True, False)
+            )
             for name in ("decode_shards", "processes"):
                 value = getattr(self, name)
-                if value != "auto" and (not _is_int(value) or value < 1):
-                    raise ValueError(
-                        f"{_FIELD}.{name} must be 'auto' or an int >= 1, got {value!r}"
-                    )
+                check_range(
+                    value, field=f"{_FIELD}.{name}", integer=True, at_least=1, also=("auto",)
+                )
             for name in ("decode_shard_min_rows", "process_min_rows"):
                 value = getattr(self, name)
-                if not _is_int(value) or value < 1:
-                    raise ValueError(f"{_FIELD}.{name} must be an int >= 1, got {value!r}")
+                check_range(value, field=f"{_FIELD}.{name}", integer=True, at_least=1)
 
         def num_processes(self) -> int:
             """`processes`, with 'auto' as the cores this process may run on (Linux; else
@@ -203,7 +198,3 @@ def _pick_twin(config: CpuDecoding.Config, *, dtype: torch.dtype) -> Twin:
     if config.fused_projections and dtype == torch.float32:
         return "fused"
     return "none"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -33,10 +33,8 @@ from temper.api.threads import pin_thread_count
 from temper.distributed.placement import Link, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
-from temper.models.build import materialize
-from temper.sampler.engine import SamplerEngine
-from temper.sampler.generator import Generator, GeneratorChoice
-from temper.sampler.remote import (
+from temper.generator.choice import GeneratorChoice
+from temper.generator.remote import (
     Answer,
     Commit,
     Failure,
@@ -49,6 +47,9 @@ from temper.sampler.remote import (
     Weights,
     WeightsCall,
 )
+from temper.generator.seam import Generator
+from temper.models.build import materialize
+from temper.sampler.engine import SamplerEngine
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.weight_source import WeightSource
 

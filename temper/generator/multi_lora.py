@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from temper.api.types import SampleResponse
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.models.lora import LoraConfig
 from temper.models.multi_lora import install_slots, load_adapter, set_rows
@@ -95,17 +96,17 @@ class MultiLoraSampler(Configurable):
         there)."""
 
         def __post_init__(self) -> None:
-            if not 0 <= self.batch_window_s <= 1:
-                raise ValueError(
-                    "MultiLoraSampler.Config.batch_window_s must be in [0, 1] seconds, got "
-                    f"{self.batch_window_s!r}"
-                )
+            owner = "MultiLoraSampler.Config"
+            check_range(
+                self.batch_window_s,
+                field=f"{owner}.batch_window_s",
+                at_least=0,
+                at_most=1,
+                hint="seconds",
+            )
             for name in ("max_resident_adapters", "max_adapters"):
                 value = getattr(self, name)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(
-                        f"MultiLoraSampler.Config.{name} must be an int >= 1, got {value!r}"
-                    )
+                check_range(value, field=f"{owner}.{name}", integer=True, at_least=1)
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The reference greedy decoder equals the argmax of a full forward at every step."""
+"""The oracle greedy decoder equals the argmax of a full forward at every step."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A generator on other ranks: the trainer's side of a disaggregated placement.
 
-`RemoteGenerator` is a `Generator` (generator.py) whose work runs on generator ranks
+`RemoteGenerator` is a `Generator` (seam.py) whose work runs on generator ranks
 (generator_rank.py serves it). Each trainer rank holds one, linked to its generators
 (placement.py): `generate` and `score` split their batch over those links, send the parts,
 and join the answers in order. `update_weights` streams the trainer's weights to every

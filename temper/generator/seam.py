@@ -1,11 +1,12 @@
 """The generator seam: what sampling clients, jobs and the server ask of a generator backend.
 
-Two backends stand behind it: Temper's KV-cache engine (engine.py, the default) and vLLM
-(vllm.py, extra `vllm`). Both take token-id prompts with Temper's `SamplingParams` and return
-Temper's `SampleResponse`s; both report each sampled token's logprob under the distribution it
-was drawn from; both take new weights by name while they run. Which one a client gets is
-chosen by `GeneratorChoice.Config.backend`; the Temper engine's own settings stay in its
-`SamplerEngine.Config` (the `sampler` field of job and server configs).
+Two backends stand behind it: Temper's KV-cache engine (temper/sampler/engine.py, the
+default) and vLLM (vllm.py, extra `vllm`). Both take token-id prompts with Temper's
+`SamplingParams` and return Temper's `SampleResponse`s; both report each sampled token's
+logprob under the distribution it was drawn from; both take new weights by name while they
+run. Which one a client gets is chosen by `GeneratorChoice.Config.backend` (choice.py); the
+Temper engine's own settings stay in its `SamplerEngine.Config` (the `sampler` field of job
+and server configs).
 
 What differs between them, and what the callers rely on:
 - `model`: the module whose tensors the generator reads in place (Temper's engine on a
@@ -18,23 +19,15 @@ What differs between them, and what the callers rely on:
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from temper.api.types import SampleResponse
-from temper.config.configurable import Configurable
-from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
-from temper.sampler.vllm import INSTALL_HINT, VllmGenerator  # vLLM itself: when built
 from temper.sampler.weight_source import WeightUpdate
-from temper.tokenizer import Tokenizer
-
-Backend = Literal["temper", "vllm"]
 
 
 @runtime_checkable
@@ -92,38 +85,3 @@ def score_each_alone(
     if score_alone is not None:
         return score_alone(sequences)
     return [generator.score([sequence])[0] for sequence in sequences]
-
-
-class GeneratorChoice(Configurable):
-    """Which generator backend sampling clients get, and the vLLM backend's settings."""
-
-    @dataclass(kw_only=True)
-    class Config(Configurable.Config):
-        backend: Backend = "temper"
-        """'temper': Temper's KV-cache engine (its settings: the `sampler` config); 'vllm':
-        vLLM (install with `make vllm`, README), set up by `vllm` below."""
-        vllm: VllmGenerator.Config = field(default_factory=VllmGenerator.Config)
-        """The vLLM engine's settings (backend 'vllm' only)."""
-
-        def missing_packages(self) -> dict[str, str]:
-            if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-                return {"backend": f"vLLM: {INSTALL_HINT}"}
-            return {}
-
-        def __post_init__(self) -> None:
-            if self.backend not in ("temper", "vllm"):
-                raise ValueError(
-                    f"GeneratorChoice.Config.backend must be 'temper' or 'vllm', got "
-                    f"{self.backend!r}"
-                )
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-
-    def generator(
-        self, *, engine: SamplerEngine.Config, model: nn.Module, tokenizer: Tokenizer | None
-    ) -> Generator:
-        """A generator on `model`'s weights: Temper's engine (set up by `engine`) or vLLM."""
-        if self.config.backend == "vllm":
-            return self.config.vllm.build(model=model, tokenizer=tokenizer)
-        return engine.build(model=model, tokenizer=tokenizer)

@@ -15,17 +15,17 @@ import torch
 
 from temper.api import SamplingParams
 from temper.api.prompt_targets import PromptTargets
+from temper.generator.seam import Generator
 from temper.models import materialize, qwen3_size
 from temper.sampler import sampling
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.generator import Generator
 from temper.tokenizer import build_builtin_tokenizer
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.sampler import vllm as vllm_backend  # noqa: E402
-from temper.sampler.vllm import VllmGenerator  # noqa: E402
+from temper.generator import vllm as vllm_backend  # noqa: E402
+from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32: KV-cache decode vs a full forward differ by ~1e-6 here
 PROMPTS = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 6, 2]]

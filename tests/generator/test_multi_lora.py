@@ -1,4 +1,4 @@
-"""MultiLoraSampler (sampler/multi_lora.py): many adapters on one engine, rows mixed.
+"""MultiLoraSampler (generator/multi_lora.py): many adapters on one engine, rows mixed.
 
 A mixed batch (rows of different adapters, continuous batching, one KV-cache pool) gives each
 adapter's samples as that adapter alone on the same sampler (seeded tokens equal, logprobs
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
+from temper.generator.multi_lora import AdapterCapacityError, MultiLoraSampler
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine, SampleRequest
-from temper.sampler.multi_lora import AdapterCapacityError, MultiLoraSampler
 from tests.models.test_multi_lora import trained_adapters
 
 CONFIGS = [

@@ -21,7 +21,7 @@ How Temper's semantics map onto vLLM's, exactly or not at all:
   (0, 1e-5), which vLLM would decode greedily; `score()` at a temperature other than 1.
 
 vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
-(`_refresh_output_layer` rebuilds it; tests/sampler/test_vllm.py fails without it). vLLM's
+(`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it). vLLM's
 CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
 original is put back after the engine is built, since the trainer in this process sets its
 own thread counts; so are the global random generators vLLM seeds. With tensor parallelism on
@@ -47,6 +47,7 @@ from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
 from temper.checkpoint.hf import save_pretrained
+from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.models.build import dtype_name
 from temper.models.registry import family_of_model
@@ -108,16 +109,12 @@ class VllmGenerator(Configurable, OnePromptSampling):
         tensor_parallel_size > 1)."""
 
         def __post_init__(self) -> None:
+            owner = "VllmGenerator.Config"
             for name in ("tensor_parallel_size", "kv_cache_mib", "max_num_seqs"):
-                if getattr(self, name) < 1:
-                    raise ValueError(
-                        f"VllmGenerator.Config.{name} must be >= 1, got {getattr(self, name)}"
-                    )
-            if self.max_model_len is not None and self.max_model_len < 2:
-                raise ValueError(
-                    f"VllmGenerator.Config.max_model_len must be >= 2 or None, got "
-                    f"{self.max_model_len}"
-                )
+                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
+            check_range(
+                self.max_model_len, field=f"{owner}.max_model_len", at_least=2, also=(None,)
+            )
 
     def __init__(
         self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None

@@ -1,0 +1,57 @@
+"""GeneratorChoice: which generator backend sampling clients, jobs and the server get.
+
+'temper' is Temper's KV-cache engine (temper/sampler/engine.py), set up by its own
+`SamplerEngine.Config` (the `sampler` field of job and server configs); 'vllm' is vLLM
+(vllm.py, extra `vllm`), set up by `GeneratorChoice.Config.vllm`. Both stand behind the
+`Generator` seam (seam.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from temper.config.checks import check_choice
+from temper.config.configurable import Configurable
+from temper.generator.seam import Generator
+from temper.generator.vllm import INSTALL_HINT, VllmGenerator  # vLLM itself: when built
+from temper.sampler.engine import SamplerEngine
+from temper.tokenizer import Tokenizer
+
+Backend = Literal["temper", "vllm"]
+
+
+class GeneratorChoice(Configurable):
+    """Which generator backend sampling clients get, and the vLLM backend's settings."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        backend: Backend = "temper"
+        """'temper': Temper's KV-cache engine (its settings: the `sampler` config); 'vllm':
+        vLLM (install with `make vllm`, README), set up by `vllm` below."""
+        vllm: VllmGenerator.Config = field(default_factory=VllmGenerator.Config)
+        """The vLLM engine's settings (backend 'vllm' only)."""
+
+        def missing_packages(self) -> dict[str, str]:
+            if self.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+                return {"backend": f"vLLM: {INSTALL_HINT}"}
+            return {}
+
+        def __post_init__(self) -> None:
+            check_choice(
+                self.backend, field="GeneratorChoice.Config.backend", choices=("temper", "vllm")
+            )
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+
+    def generator(
+        self, *, engine: SamplerEngine.Config, model: nn.Module, tokenizer: Tokenizer | None
+    ) -> Generator:
+        """A generator on `model`'s weights: Temper's engine (set up by `engine`) or vLLM."""
+        if self.config.backend == "vllm":
+            return self.config.vllm.build(model=model, tokenizer=tokenizer)
+        return engine.build(model=model, tokenizer=tokenizer)
