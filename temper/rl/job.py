@@ -1,12 +1,15 @@
 """The RL job (GRPO-style), written only against the public client API.
 
-One step: a sampling client on the current weights -> `group_size` completions for each of
-`prompts_per_step` problems (one batched decode) -> rewards -> group-relative advantages
+One step: a sampling client on the current weights -> `rl.group_size` episodes for each of
+`rl.prompts_per_step` groups from the env source (a single-turn task's problems or a multi-turn
+environment's episodes, one rollout path: episodes.py) -> rewards -> group-relative advantages
 (optionally a KL penalty to the initial policy) -> `forward_backward(loss_fn)` -> `optim_step`.
-An optional supervised warm-up runs first. The step functions live in steps.py and the loops
-that run them in loops.py: lock-step (`mode="sync"`) or sampling overlapped with training
-(`mode="async"`). This module sets a run up and runs its phases (warm-up, RL, finish), each a
-method of `_RLRun`. The same job runs in-process (here) or against a Tinker-compatible server.
+An optional supervised warm-up on the source's demonstrations runs first; held-out evaluations
+play the source's held-out episodes (evaluation.py). The step functions and their settings
+(`RLSteps.Config`, the job config's `rl`) live in steps.py and the loops that run them in
+loops.py: lock-step (`mode="sync"`) or sampling overlapped with training (`mode="async"`).
+This module sets a run up and runs its phases (warm-up, RL, finish), each a method of
+`_RLRun`. The same job runs in-process (here) or against a Tinker-compatible server.
 
 Several ranks (SPMD, `temper train RECIPE --nproc N` or torchrun): every rank runs this job
 with the trainer sharded over all ranks (`sharding`); each samples its share of every step's
@@ -36,11 +39,9 @@ from typing import IO, Any, ClassVar, Literal
 
 from rich.console import Console
 
-from temper.api.types import SamplingParams
 from temper.checkpoint.run_state import rng_from_json, rng_to_json, truncate_jsonl
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
-from temper.client.training_client import TrainingClient
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
@@ -71,6 +72,7 @@ from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.env import EnvSource, ProblemSource
 from temper.rl.envs import EnvConfig
 from temper.rl.episodes import EpisodeRunner
+from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
@@ -274,42 +276,6 @@ class RLJob(Configurable):
             run.warmup()
             run.reinforce()
             return run.finish()
-
-
-class HeldoutSuccess:
-    """The share of a source's fixed held-out episodes, played greedily, that succeed (the
-    env's `correct`, at most 1 an episode; a single-turn task's reward), each rank playing its
-    part. Every evaluation plays fresh envs from the source's `heldout_envs`: an env keeps its
-    episode's state, so a played one cannot replay."""
-
-    def __init__(
-        self,
-        *,
-        training: TrainingClient,
-        source: EnvSource,
-        num_envs: int,
-        episodes: EpisodeRunner,
-        max_tokens: int,
-        ranks: Ranks,
-    ) -> None:
-        if not source.heldout_envs(num_envs):
-            raise ValueError("RLJob: the env source has no held-out environments to evaluate on")
-        self.training, self.source, self.num_envs = training, source, num_envs
-        self.episodes, self.ranks = episodes, ranks
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-
-    def __call__(self) -> float:
-        sampler = self.training.save_weights_and_get_sampling_client()
-        envs = self.source.heldout_envs(self.num_envs)
-        mine = envs[self.ranks.split(len(envs))]
-        total = 0.0
-        if mine:
-            # Groups of one; greedy, so the seeds change nothing.
-            running = self.episodes.start(
-                sampler, [[env] for env in mine], params=self.params, seeds=[0] * len(mine)
-            )
-            total = sum(min(group[0].metrics.get("correct", 0.0), 1.0) for group in running.wait())
-        return self.ranks.sum([total])[0] / len(envs)
 
 
 class _RLRun:

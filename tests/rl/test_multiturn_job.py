@@ -13,7 +13,8 @@ from temper.observability import MetricsLogger, read_metrics
 from temper.rl.env import StepResult
 from temper.rl.envs import ToolArithmetic
 from temper.rl.episodes import EpisodeRunner
-from temper.rl.job import HeldoutSuccess, RLJob
+from temper.rl.evaluation import HeldoutSuccess
+from temper.rl.job import RLJob
 from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
