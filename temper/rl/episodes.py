@@ -34,10 +34,11 @@ sent, in episode order, inside one `SamplingClient.batch()` once all steps of th
 returned, so a slow step holds up every episode of the batch.
 
 A group of a single-turn source (`turns="single"`, env.py) is one request of `group_size`
-completions of its shared prompt, seeded with the group's seed: one prefill for the group, and
-each completion is scored by its env's one step (on the pool). Its trajectories carry the env's
-metrics only (no turns, end reasons or env seconds: there is one turn and nothing else to end
-it) and no action mask.
+completions of its shared prompt, seeded with the group's seed: one prefill for the group.
+Each completion is scored by its env's one step, on the driver thread as the request returns
+(a problem's reward is cheap, and no later turn waits for it: handing it to the pool cost more
+than the step). Its trajectories carry the env's metrics only (no turns, end reasons or env
+seconds: there is one turn and nothing else to end it) and no action mask.
 
 An env whose `step` raises stops the batch with an `EnvStepError` naming the env, the group,
 the episode and the turn.
@@ -278,7 +279,8 @@ class RunningEpisodes:
             elif kind == "group":  # a single-turn group's request: `episode` is the group
                 self._num_sampling -= 1
                 for member, sequence in zip(episode, future.result().sequences, strict=True):
-                    self._start_step(member, sequence)
+                    action = self._take_action(member, sequence)
+                    self._apply_step(member, _step_now(member.env, action))
             else:
                 self._num_stepping -= 1
                 if self._apply_step(episode, future):
@@ -326,12 +328,17 @@ class RunningEpisodes:
         self._num_sampling += 1
         future.add_done_callback(lambda done: self._events.put(("sample", episode, done)))
 
-    def _start_step(self, episode: _Episode, sequence: Any) -> None:
+    def _take_action(self, episode: _Episode, sequence: Any) -> list[int]:
+        """Append a sampled action to the episode; its tokens."""
         action = list(sequence.tokens)
         episode.completion += action
         episode.logprobs += list(sequence.logprobs)
         episode.mask += [1.0] * len(action)
         episode.stop_reason = sequence.stop_reason
+        return action
+
+    def _start_step(self, episode: _Episode, sequence: Any) -> None:
+        action = self._take_action(episode, sequence)
         future = self._pool.submit(_timed_step, episode.env, action)
         self._num_stepping += 1
         future.add_done_callback(lambda done: self._events.put(("step", episode, done)))
@@ -394,6 +401,16 @@ def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:
     start = time.perf_counter()
     result = env.step(action)
     return result, time.perf_counter() - start
+
+
+def _step_now(env: Env, action: list[int]) -> concurrent.futures.Future:
+    """`_timed_step` on this thread, as a done future (what `_apply_step` reads)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(_timed_step(env, action))
+    except Exception as error:
+        future.set_exception(error)
+    return future
 
 
 def _episodes(group: Sequence[Env], *, group_index: int, seed: int, turns: Turns) -> list[_Episode]:
