@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from temper.distributed.placement import Placement
@@ -91,3 +93,15 @@ def test_a_flag_of_a_setting_that_moved_names_its_new_flag(tmp_path, capsys):
             f"--{flag.removeprefix('--').partition('=')[0].replace('-', '_')} is now --rl." in err
         )
         assert not run_dir.exists()
+
+
+def test_a_config_saved_with_a_moved_field_names_its_new_place(tmp_path):
+    from temper.config import serialize
+
+    path = tmp_path / "config.json"
+    serialize.save_config(path, RLJob.Config(), recipe=None)
+    saved = json.loads(path.read_text())
+    saved["config"]["group_size"] = saved["config"]["rl"].pop("group_size")
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"unknown field 'group_size' .*now 'rl\.group_size'"):
+        serialize.load_config(path)
