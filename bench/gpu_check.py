@@ -225,7 +225,9 @@ def vllm(shapes: Shapes) -> dict:
     from temper.sampler.engine import SampleRequest
 
     model = materialize(qwen3_size(shapes.model), dtype=shapes.dtype, seed=0)
-    generator = VllmGenerator.Config(max_model_len=2048, kv_cache_mib=8192).build(model=model)
+    generator = VllmGenerator.Config(
+        max_model_len=2048, kv_cache_mib=8192, sleep="keep_weights"
+    ).build(model=model)
     requests = [
         SampleRequest(
             prompt=[(7 * row + j) % 1000 for j in range(16)],

@@ -2,8 +2,8 @@
 
 Subcommands are listed by `commands()`, built on each call rather than kept in a module-level
 table. A new command is one entry there: usually `function_command(fn, name=...)`, which turns
-the documented keyword-only parameters of `fn` into flags with tyro. `train` is special: its
-flags come from the chosen recipe's config (see temper/config/cli.py).
+the documented keyword-only parameters of `fn` into flags with tyro. `train` and `plan` are
+special: their flags come from the chosen recipe's config (see temper/config/cli.py).
 
 Every command returns an exit code; `main` never calls sys.exit, so tests call it in-process.
 Usage errors exit with code 2, as tyro's do.
@@ -57,7 +57,11 @@ def commands(*, recipe_package: str = recipes.RECIPES_PACKAGE) -> dict[str, Comm
             run=functools.partial(show_recipes, package=recipe_package),
         ),
         "init-model": function_command(model_dir.init_model, name="init-model"),
-        "plan": function_command(plan.plan, name="plan"),
+        "plan": Command(
+            description="Print the GPU memory each rank of a recipe's RL job would hold, and "
+            "whether it fits; flags override the recipe's fields as in `train`.",
+            run=functools.partial(plan_memory, package=recipe_package),
+        ),
         "plot": function_command(plot.plot, name="plot"),
         "sample": function_command(sample_command.sample, name="sample"),
         "serve": Command(
@@ -160,6 +164,17 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
     except KeyboardInterrupt:
         return _interrupted(invocation.run_dir)
     return 0
+
+
+def plan_memory(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
+    """`temper plan`: a recipe's memory plan (commands/plan.py); bad input exits with 2."""
+    try:
+        return plan.plan(argv, package=package)
+    except SystemExit as exit_:
+        return _exit_code(exit_)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"temper plan: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _interrupted(run_dir: pathlib.Path, *, nproc: int | None = None) -> int:

@@ -42,7 +42,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop: str | Sequence[str] | Sequence[int] | None = None
     seed: int | None = None
-    """Same seed, prompt and weights give the same tokens, whatever else shares the batch."""
+    """Same seed, prompt and weights give the same tokens, whatever else shares the batch (on
+    CPU; on CUDA, kernels chosen by batch size can move logits at a near tie)."""
 
     def __post_init__(self) -> None:
         check_range(self.max_tokens, field="max_tokens", integer=True, also=(None,))

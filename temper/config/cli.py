@@ -60,7 +60,9 @@ class Job(Protocol):
     """What a root config builds: something that runs into a run directory. A job that can run
     on several ranks (under torchrun, `--nproc N`) says so with `runs_on_ranks = True`, and may
     check its settings against the world size before torchrun starts with
-    `check_ranks(*, world_size)` (a ValueError)."""
+    `check_ranks(*, world_size)` (a ValueError). A job `temper plan` can plan has
+    `memory_plan(*, nproc_per_node, nnodes, gpu_memory_gib, headroom)` returning a
+    `MemoryPlan` (temper/job/memory_plan.py)."""
 
     def run(self, *, run_dir: pathlib.Path) -> object: ...
 
@@ -111,23 +113,13 @@ def parse_train_argv(
             raise ValueError(f"--config-file {config_file}: no such file")
         loaded = serialize.load_config(config_file)
         recipe_name, config = loaded.recipe, loaded.config
-    elif recipe_arg is not None:
-        info = recipes.get_recipe(recipe_arg, package=package)
-        recipe_name, config = info.name, info.fn()
+        check_root_config(config, recipe=recipe_name)
+        config = override_config(config, args=overrides, prog=f"{prog} --config-file {config_file}")
+        make_local_paths_absolute(config)
     else:
-        try:
-            info = recipes.default_recipe(package=package)
-        except ValueError as error:
-            if "-h" in overrides or "--help" in overrides:
-                # Help must work before any recipe is marked default.
-                print(f"usage: {prog} [RECIPE] [OPTIONS]\n\n{TRAIN_USAGE}\n\n({error})")
-                raise SystemExit(0) from None
-            raise
-        recipe_name, config = info.name, info.fn()
-    check_root_config(config, recipe=recipe_name)
-    subject = recipe_arg or (f"--config-file {config_file}" if config_file else recipe_name)
-    config = override_config(config, args=overrides, prog=f"{prog} {subject}")
-    make_local_paths_absolute(config)
+        recipe_name, config = recipe_config(
+            recipe_arg, overrides=overrides, prog=prog, package=package
+        )
     run_dir = options.get("--run-dir")
     if run_dir is None and launch["nnodes"] > 1:
         raise ValueError(
@@ -142,13 +134,44 @@ def parse_train_argv(
     )
 
 
+def recipe_config(
+    recipe_arg: str | None,
+    *,
+    overrides: Sequence[str],
+    prog: str,
+    package: str = recipes.RECIPES_PACKAGE,
+    usage: str = TRAIN_USAGE,
+) -> tuple[str, Configurable.Config]:
+    """The recipe `recipe_arg` names (None: the default recipe), its config's name and its
+    config with the command-line `overrides` applied, local paths made absolute. `usage`
+    heads `--help`. Raises ValueError for a bad recipe, SystemExit (tyro) for `--help` and
+    bad overrides."""
+    if recipe_arg is not None:
+        info = recipes.get_recipe(recipe_arg, package=package)
+    else:
+        try:
+            info = recipes.default_recipe(package=package)
+        except ValueError as error:
+            if "-h" in overrides or "--help" in overrides:
+                # Help must work before any recipe is marked default.
+                print(f"usage: {prog} [RECIPE] [OPTIONS]\n\n{usage}\n\n({error})")
+                raise SystemExit(0) from None
+            raise
+    config = info.fn()
+    check_root_config(config, recipe=info.name)
+    subject = recipe_arg or info.name
+    config = override_config(config, args=overrides, prog=f"{prog} {subject}", description=usage)
+    make_local_paths_absolute(config)
+    return info.name, config
+
+
 def _launch(options: dict[str, str]) -> dict[str, Any]:
     """The torchrun settings among the options (removed from them), checked."""
     nproc, per_node = options.pop("--nproc", None), options.pop("--nproc-per-node", None)
     if nproc is not None and per_node is not None and nproc != per_node:
         raise ValueError(f"--nproc {nproc} and --nproc-per-node {per_node}: give one of them")
-    nproc = _count(nproc or per_node, flag="--nproc" if nproc else "--nproc-per-node")
-    nnodes = _count(options.pop("--nnodes", None), flag="--nnodes") or 1
+    nproc = count_option(nproc or per_node, flag="--nproc" if nproc else "--nproc-per-node")
+    nnodes = count_option(options.pop("--nnodes", None), flag="--nnodes") or 1
     endpoint = options.pop("--rdzv-endpoint", None)
     if nnodes > 1 and (nproc is None or endpoint is None):
         raise ValueError(
@@ -164,7 +187,8 @@ def _launch(options: dict[str, str]) -> dict[str, Any]:
     return {"nproc": nproc, "nnodes": nnodes, "rdzv_endpoint": endpoint}
 
 
-def _count(value: str | None, *, flag: str) -> int | None:
+def count_option(value: str | None, *, flag: str) -> int | None:
+    """The number an option such as `--nproc` gives (None when it is not given)."""
     if value is None:
         return None
     if not value.isdigit() or int(value) < 1:
@@ -205,13 +229,19 @@ def _resume_invocation(
 
 
 def _split_train_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    return split_options(args, names=_TRAIN_OPTIONS)
+
+
+def split_options(args: Sequence[str], *, names: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The options `names` among `args` (`--flag VALUE` or `--flag=VALUE`), and the other
+    arguments in order; an option given twice or without a value is a ValueError."""
     options: dict[str, str] = {}
     rest: list[str] = []
     index = 0
     while index < len(args):
         arg = args[index]
         flag, has_value, value = arg.partition("=")
-        if flag not in _TRAIN_OPTIONS:
+        if flag not in names:
             rest.append(arg)
             index += 1
             continue
@@ -247,24 +277,27 @@ def check_root_config(config: Any, *, recipe: str | None) -> None:
         )
 
 
-def override_config(config: Any, *, args: Sequence[str], prog: str) -> Any:
-    """A copy of `config` with command-line field overrides applied (tyro; exits on errors).
-    A flag of a setting that moved raises a ValueError naming its new flag."""
+def override_config(
+    config: Any, *, args: Sequence[str], prog: str, description: str = TRAIN_USAGE
+) -> Any:
+    """A copy of `config` with command-line field overrides applied (tyro; exits on errors);
+    `description` heads `--help`. A flag of a setting that moved raises a ValueError naming
+    its new flag."""
     _check_renamed_flags(config, args=args)
     with warnings.catch_warnings():
         # A recipe's own class in a union field (a task or env source of your own) is not one
         # of the union's members; tyro warns, then takes its fields as they are, as intended.
         warnings.filterwarnings("ignore", ".*does not match any type in Union", UserWarning)
-        return _tyro_overrides(config, args=args, prog=prog)
+        return _tyro_overrides(config, args=args, prog=prog, description=description)
 
 
-def _tyro_overrides(config: Any, *, args: Sequence[str], prog: str) -> Any:
+def _tyro_overrides(config: Any, *, args: Sequence[str], prog: str, description: str) -> Any:
     return tyro.cli(
         type(config),
         default=config,
         args=list(args),
         prog=prog,
-        description=TRAIN_USAGE,
+        description=description,
         use_underscores=True,
         registry=config_registry(),
         # Enums by value, as config.json writes them; booleans as `--flag True`. Cascading

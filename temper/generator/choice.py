@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch import nn
@@ -51,7 +51,21 @@ class GeneratorChoice(Configurable):
     def generator(
         self, *, engine: SamplerEngine.Config, model: nn.Module, tokenizer: Tokenizer | None
     ) -> Generator:
-        """A generator on `model`'s weights: Temper's engine (set up by `engine`) or vLLM."""
+        """A generator on `model`'s weights: Temper's engine (set up by `engine`) or vLLM, whose
+        unset context and batch follow `engine`'s (so its KV reserve is the engine's)."""
         if self.config.backend == "vllm":
-            return self.config.vllm.build(model=model, tokenizer=tokenizer)
+            vllm = self.vllm_config(engine=engine, model_max_seq_len=model.config.max_seq_len)
+            return vllm.build(model=model, tokenizer=tokenizer)
         return engine.build(model=model, tokenizer=tokenizer)
+
+    def vllm_config(
+        self, *, engine: SamplerEngine.Config, model_max_seq_len: int
+    ) -> VllmGenerator.Config:
+        """The vLLM settings with those left unset taken from the sampler's (its context at
+        most the model's)."""
+        vllm = self.config.vllm
+        return replace(
+            vllm,
+            max_model_len=vllm.max_model_len or min(engine.max_seq_len, model_max_seq_len),
+            max_num_seqs=vllm.max_num_seqs or engine.max_batch,
+        )

@@ -248,6 +248,13 @@ class GeneratorRank:
                 return Answer(version=self._engine.version, result=result)
             except ValueError as error:
                 return Failure("ValueError", str(error))
+            except torch.AcceleratorError as error:
+                # A CUDA error is sticky: every later kernel of this process fails too, so
+                # the rank ends here and says why, rather than answering on with garbage.
+                why = f"its device failed ({type(error).__name__}: {error}); it serves no more"
+                self._ended = why
+                self._changed.notify_all()
+                return Failure("RuntimeError", why)
             except Exception as error:
                 return Failure("RuntimeError", f"{type(error).__name__}: {error}")
 

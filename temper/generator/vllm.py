@@ -47,8 +47,15 @@ from torch import nn
 
 from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
 from temper.checkpoint.hf import save_pretrained
-from temper.config.checks import check_range
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.generator.vllm_arguments import (
+    DEFAULT_MAX_NUM_SEQS,
+    SLEEP_LEVELS,
+    GpuMemory,
+    SleepMode,
+    engine_arguments,
+)
 from temper.models.build import dtype_name
 from temper.models.registry import family_of_model
 from temper.sampler.requests import OnePromptSampling, SampleRequest, sample_seed, validate
@@ -94,12 +101,23 @@ class VllmGenerator(Configurable, OnePromptSampling):
         """Weights and activations in vLLM; 'auto': the dtype of the model it is built on."""
         tensor_parallel_size: int = 1
         """GPUs one engine spans (vLLM's tensor parallelism; > 1 runs separate processes)."""
-        kv_cache_mib: int = 256
-        """KV-cache memory vLLM reserves, in MiB."""
+        kv_cache_mib: int | None = None
+        """KV-cache memory vLLM reserves, in MiB; None: room for max_num_seqs sequences of
+        max_model_len tokens (what Temper's engine reserves for the same settings)."""
         max_model_len: int | None = None
-        """Longest prompt + completion; None: the model's max_seq_len."""
-        max_num_seqs: int = 256
-        """Sequences vLLM decodes at once."""
+        """Longest prompt + completion; None: the sampler's max_seq_len (--sampler.max_seq_len)
+        for a job's or the server's generator, the model's max_seq_len when built directly."""
+        max_num_seqs: int | None = None
+        """Sequences vLLM decodes at once; None: the sampler's max_batch for a job's or the
+        server's generator, 256 when built directly."""
+        gpu_memory_fraction: float | None = None
+        """Share of the GPU vLLM may take (its gpu_memory_utilization); None: what is free
+        when it starts, less 5% (a colocated trainer keeps what it holds)."""
+        sleep: SleepMode = "off"
+        """'keep_weights' / 'drop_weights': start vLLM in sleep mode, so that `sleep()` gives
+        its memory back (moving the weights to host memory, or dropping them for new ones
+        after each wake-up); 'off': `sleep()` is refused. A job with sleep_generator sets
+        'keep_weights'. One engine a process may sleep (vLLM's allocator)."""
         execution: Literal["eager", "compiled"] = "eager"
         """'eager' starts in seconds; 'compiled' lets vLLM compile the model (and capture
         CUDA graphs on a GPU): minutes to start, faster decoding."""
@@ -110,8 +128,21 @@ class VllmGenerator(Configurable, OnePromptSampling):
 
         def __post_init__(self) -> None:
             owner = "VllmGenerator.Config"
-            for name in ("tensor_parallel_size", "kv_cache_mib", "max_num_seqs"):
-                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
+            check_range(
+                self.tensor_parallel_size, field=f"{owner}.tensor_parallel_size", at_least=1
+            )
+            for name in ("kv_cache_mib", "max_num_seqs"):
+                check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1, also=(None,))
+            check_range(
+                self.gpu_memory_fraction,
+                field=f"{owner}.gpu_memory_fraction",
+                greater_than=0,
+                at_most=1,
+                also=(None,),
+            )
+            check_choice(
+                self.sleep, field=f"{owner}.sleep", choices=("off", "keep_weights", "drop_weights")
+            )
             check_range(
                 self.max_model_len, field=f"{owner}.max_model_len", at_least=2, also=(None,)
             )
@@ -149,22 +180,24 @@ class VllmGenerator(Configurable, OnePromptSampling):
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
             _bind_cpu_workers(config.tensor_parallel_size)
+        self._arguments = engine_arguments(
+            model_dir=str(model_dir),
+            model_config=model_config,
+            dtype=self.dtype,
+            max_model_len=self.max_seq_len,
+            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            kv_cache_mib=config.kv_cache_mib,
+            tensor_parallel_size=config.tensor_parallel_size,
+            eager=config.execution == "eager",
+            sleep=config.sleep,
+            gpu_memory_fraction=config.gpu_memory_fraction,
+            tokenizer_given=tokenizer is not None,
+            gpu=GpuMemory.now(),
+        )
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):
-                self._llm = vllm.LLM(
-                    model=str(model_dir),
-                    skip_tokenizer_init=tokenizer is None,
-                    dtype=self.dtype,
-                    max_model_len=self.max_seq_len,
-                    tensor_parallel_size=config.tensor_parallel_size,
-                    kv_cache_memory_bytes=config.kv_cache_mib * 2**20,
-                    max_num_seqs=config.max_num_seqs,
-                    enforce_eager=config.execution == "eager",
-                    logprobs_mode="processed_logprobs",
-                    max_logprobs=-1,
-                    enable_prefix_caching=True,
-                )
+                self._llm = vllm.LLM(**self._arguments)
         finally:
             torch.set_num_threads = set_num_threads  # see the module docstring
             random.setstate(python_random)  # vLLM seeds the process's global generators
@@ -186,7 +219,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
         mode = "in this process" if self._inline else "in its own processes"
         return (
             f"vLLM {_import_vllm().__version__} {mode} ({self.config.execution}), {self.dtype}, "
-            f"KV cache {self.config.kv_cache_mib} MiB, max_model_len {self.max_seq_len}"
+            f"KV cache {self._arguments['kv_cache_memory_bytes'] / 2**20:.0f} MiB, "
+            f"max_model_len {self.max_seq_len}, max_num_seqs {self._arguments['max_num_seqs']}"
         )
 
     # -- sampling -------------------------------------------------------------------------
@@ -378,7 +412,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
 
     def sleep(self) -> None:
         self._check_can_sleep()
-        self._llm.sleep(level=1)
+        self._llm.sleep(level=SLEEP_LEVELS[self.config.sleep])
 
     def wake_up(self) -> None:
         self._check_can_sleep()
@@ -389,6 +423,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
             raise ValueError(
                 "the vllm backend cannot release memory on CPU (vLLM's sleep mode needs "
                 "CUDA); use backend 'temper', whose engine releases its KV cache on CPU too"
+            )
+        if self.config.sleep == "off":
+            raise ValueError(
+                "this vLLM engine was started without sleep mode, so sleep() would free "
+                "nothing: set VllmGenerator.Config.sleep (--generator.vllm.sleep keep_weights)"
             )
 
     def close(self) -> None:

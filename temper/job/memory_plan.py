@@ -4,8 +4,10 @@
 colocated; trainer and generator ranks when disaggregated) rows of (item, bytes, phase),
 where the phase says when a row is held: `always`, only while `training` (from the first
 backward to the optimizer step), or only during a `sync` (pushing new weights to the
-generator). A role's peak is what it always holds plus its larger phase. memory_report.py
-renders plans; `temper plan` prints them.
+generator). A role's peak is what it always holds plus its larger phase. A job's settings
+come from its configs (`plan_settings`, job/placement.py); memory_report.py renders plans;
+`temper plan RECIPE` prints them and a job logs its rank's. The bytes of each piece come from
+model_bytes.py, which the server's estimates use too.
 
 What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 
@@ -26,17 +28,18 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   engine's share of the batch) x `max_seq_len` positions x layers x 2 x kv heads x head dim.
   Colocated in one process with full fine-tuning in one dtype, the sampler reads the
   trainer's own tensors (no copy); otherwise (LoRA, a sharded trainer) it holds a merged copy.
-- Weight sync, `bucketed`: two buckets of `bucket_mb` (a tensor larger than a
-  bucket is split by rows) on every rank that sends or receives. `whole`: every
-  trainer rank gathers a whole copy, and LoRA merging makes new tensors for every adapted
-  weight while the gathered ones are still alive. Merging LoRA keeps three fp32 tensors the
-  size of the largest adapted weight (the weight, B @ A scaled, their sum).
+- Weight sync, `bucketed` (what jobs run): two buckets of `bucket_mb` (a tensor larger than a
+  bucket is split by rows) on every rank that sends or receives. `whole` (`sampler_state_dict`
+  gathering whole tensors, a what-if no job runs): every trainer rank gathers a whole copy,
+  and LoRA merging makes new tensors for every adapted weight while the gathered ones are
+  still alive. Merging LoRA keeps three fp32 tensors the size of the largest adapted weight
+  (the weight, B @ A scaled, their sum).
 - Async mode, colocated: the snapshot of the previous version keeps its own engine (weights
   and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
   Disaggregated generators update in place between requests (no copy), unless they overlap
   the transfer with sampling (`overlap_sync`) or run vLLM (which takes whole tensors): then
   each holds a second copy of the weights.
-- A KL reference (`kl_coef > 0`) is one more sampler on every colocated rank: weights and its
+- A KL reference (`rl.kl_coef > 0`) is one more sampler on every colocated rank: weights and its
   own KV cache. Disaggregated, it loads on the generator ranks as whole weights that only
   score (no KV cache), and the trainer ranks hold none of it.
 
@@ -46,6 +49,7 @@ prefill and decode scratch, the allocator's fragmentation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +58,18 @@ from typing import Literal
 from temper.checkpoint.hf import read_hf_config
 from temper.checkpoint.model_source import DType
 from temper.config.checks import check_choice, check_range
-from temper.job.model_bytes import ModelShapes, activation_bytes, kv_cache_bytes, logits_bytes
+from temper.job.model_bytes import (
+    ModelShapes,
+    SamplerBytes,
+    TrainerBytes,
+    activation_bytes,
+    logits_bytes,
+)
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
 from temper.sampler.engine import SamplerEngine
+from temper.tokenizer import build_builtin_tokenizer
 from temper.trainer.engine import TrainerEngine
 
 Placement = Literal["colocated", "disaggregated"]
@@ -72,7 +83,8 @@ _SIZES = MODEL_FAMILIES["qwen3"].sizes
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    """What a memory plan is computed from; `temper plan` takes each field as a flag."""
+    """What a memory plan is computed from: a job's configs read by `plan_settings`
+    (job/placement.py), the one mapping `temper plan RECIPE` and a job's startup log share."""
 
     model: str
     """A named Qwen3 size (0.6B, 1.7B, 4B, 8B, 14B, 32B, tiny) or a model directory (its
@@ -102,7 +114,7 @@ class PlanSettings:
     and AdamW moments are sharded over trainer ranks / dp_replicate (FSDP when 1; DDP, whole
     copies on every rank, when it equals the trainer ranks)."""
     batch: int = 256
-    """Sequences sampled per step, over all generators (prompts_per_step x group_size)."""
+    """Sequences sampled per step, over all generators (rl.prompts_per_step x rl.group_size)."""
     max_seq_len: int = 2048
     """Longest prompt + completion (--sampler.max_seq_len): KV-cache positions per slot and
     tokens per trained sequence."""
@@ -116,8 +128,8 @@ class PlanSettings:
     activation_checkpointing: Literal["none", "full"] = "none"
     """--sharding.activation_checkpointing: 'full' keeps only each block's input."""
     weight_sync: WeightSyncMode = "bucketed"
-    """bucketed: weights streamed in `bucket_mb` buckets; whole: a gather of whole
-    weights on every rank."""
+    """bucketed: weights streamed in `bucket_mb` buckets (what jobs run); whole: every rank
+    gathers whole weights (`sampler_state_dict`)."""
     bucket_mb: int = 256
     """Size of one weight-sync bucket in MiB."""
     overlap_sync: bool = False
@@ -126,7 +138,7 @@ class PlanSettings:
     mode: Literal["sync", "async"] = "sync"
     """async: colocated ranks keep the previous version's sampler while the next samples."""
     kl_reference: bool = False
-    """A KL penalty's reference policy (kl_coef > 0): one more sampler."""
+    """A KL penalty's reference policy (rl.kl_coef > 0): one more sampler."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (an '80 GB' H100 or A100 reports about 79 GiB)."""
     headroom: float = 0.1
@@ -269,14 +281,21 @@ class MemoryPlan:
 
 
 def model_config(model: str) -> DecoderConfig:
-    """The config of a named size or of a model directory's config.json."""
-    if model in _SIZES:
-        return _SIZES[model]
+    """The config of a model directory's config.json, or of a named size: its published
+    shapes, or with a built-in tokenizer ('tiny:letters') that tokenizer's vocabulary, as
+    `temper train` builds it."""
     if Path(model).expanduser().is_dir():
         hf_config = read_hf_config(Path(model).expanduser())
         return family_for_hf_config(hf_config).config_from_hf(hf_config)
+    size, _, tokenizer = model.partition(":")
+    if size in _SIZES and not tokenizer:
+        return _SIZES[size]
+    if size in _SIZES:
+        vocab_size = build_builtin_tokenizer(tokenizer).vocab_size
+        return dataclasses.replace(_SIZES[size], vocab_size=vocab_size)
     raise ValueError(
-        f"model {model!r} is neither a named size ({', '.join(_SIZES)}) nor a model directory"
+        f"model {model!r} is neither a named size ({', '.join(_SIZES)}, optionally with a "
+        "built-in tokenizer: 'tiny:letters') nor a model directory"
     )
 
 
@@ -372,25 +391,21 @@ class _Rows:
         return [*self._trainer_state(), *self._training_step()]
 
     def _trainer_state(self) -> list[PlanRow]:
-        settings, shapes = self.settings, self.shapes
-        ranks, size = settings.shard_ranks, _itemsize(self.dtype)
+        settings = self.settings
+        ranks = settings.shard_ranks
+        held = TrainerBytes.of(self.shapes, dtype=self.dtype, num_ranks=ranks)
         share = f"1/{ranks} of " if ranks > 1 else ""
-
-        def shard(item: str, *, trainable: bool | None) -> PlanRow:
-            return PlanRow(
-                item=item, num_bytes=shapes.shard_numel(ranks, trainable=trainable) * size
-            )
-
         if self.lora:
             rows = [
-                shard(f"base weights (frozen), {share}{self.dtype}", trainable=False),
-                shard(f"LoRA adapters, {share}rank {settings.lora_rank}", trainable=True),
+                PlanRow(item=f"base weights (frozen), {share}{self.dtype}", num_bytes=held.frozen),
+                PlanRow(
+                    item=f"LoRA adapters, {share}rank {settings.lora_rank}", num_bytes=held.trained
+                ),
             ]
         else:
-            rows = [shard(f"weights, {share}{self.dtype}", trainable=None)]
-        trained = shapes.shard_numel(ranks, trainable=True) * size
-        rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=2 * trained))
-        rows.append(PlanRow(item="gradients", num_bytes=trained, phase="training"))
+            rows = [PlanRow(item=f"weights, {share}{self.dtype}", num_bytes=held.weights)]
+        rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=held.moments))
+        rows.append(PlanRow(item="gradients", num_bytes=held.gradients, phase="training"))
         return rows
 
     def _training_step(self) -> list[PlanRow]:
@@ -436,15 +451,17 @@ class _Rows:
         """A generator's weights and KV cache, and the extra samplers async and KL keep."""
         settings = self.settings
         tp = 1 if colocated else settings.generator_tp
-        weights = math.ceil(self.shapes.sampler_numel * _itemsize(self.generator_dtype) / tp)
         slots = settings.max_batch or math.ceil(settings.batch / settings.num_engines)
-        kv = kv_cache_bytes(
+        engine = SamplerBytes.of(
             self.decoder,
+            self.shapes,
             num_slots=slots,
             max_seq_len=settings.max_seq_len,
             dtype=self.generator_dtype,
+            prefix_cache_mib=settings.prefix_cache_mib,
             tp=tp,
         )
+        weights, kv, prefix = engine.weights, engine.kv_cache, engine.prefix_cache
         if colocated and not self.sampler_copy:
             rows = [PlanRow(item="generator weights: the trainer's own (no copy)", num_bytes=0)]
         else:
@@ -453,7 +470,6 @@ class _Rows:
             rows = [PlanRow(item=item, num_bytes=weights)]
         kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
-        prefix = int(settings.prefix_cache_mib * 2**20)
         if prefix:
             item = "prefix cache, at most"
             rows.append(PlanRow(item=item, num_bytes=prefix))

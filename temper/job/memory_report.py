@@ -67,17 +67,25 @@ def verdict(plan: MemoryPlan) -> str:
 
 
 _REMEDIES = (
-    ("activations", "--activation-checkpointing full, or fewer --micro-batch-tokens"),
-    ("logits", "fewer --micro-batch-tokens"),
-    ("KV cache", "a smaller --max-batch or --max-seq-len"),
-    ("generator weights", "--placement disaggregated with --generator-ranks and --generator-tp"),
+    (
+        "activations",
+        "--sharding.activation_checkpointing full, or a smaller "
+        "--trainer.max_tokens_per_microbatch",
+    ),
+    ("logits", "a smaller --trainer.max_tokens_per_microbatch"),
+    ("KV cache", "a smaller --sampler.max_batch or --sampler.max_seq_len"),
+    (
+        "generator weights",
+        "--placement.mode disaggregated with --placement.generator_ranks and "
+        "--placement.generator_tp",
+    ),
     ("LoRA merge", "room elsewhere (the merge holds the largest adapted weight in fp32 3 times)"),
-    ("weight-sync", "a smaller --bucket-mb"),
+    ("weight-sync", "a smaller --placement.bucket_mb"),
 )
-"""What shrinks a plan's row, by how its item starts (flags of `temper plan`, and the job's
-fields of the same names). Anything else (weights, moments, gradients, FSDP's gathered
-blocks) shrinks with more ranks or LoRA."""
-_MORE_RANKS = "more ranks (--nproc-per-node, --nnodes), or LoRA (--lora-rank)"
+"""What shrinks a plan's row, by how its item starts (the job's flags, which `temper plan`
+takes too). Anything else (weights, moments, gradients, FSDP's gathered blocks) shrinks with
+more ranks or LoRA."""
+_MORE_RANKS = "more ranks (--nproc, --nnodes), or LoRA (--model.lora_rank)"
 
 
 def advice(plan: MemoryPlan) -> list[str]:

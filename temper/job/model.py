@@ -9,7 +9,7 @@ and the RL job adapts them to the number of ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,15 @@ from temper.trainer.engine import TrainerEngine
 def default_device() -> str:
     """'cuda' where torch sees a GPU, else 'cpu'."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def with_vllm_sleep(generator: GeneratorChoice.Config) -> GeneratorChoice.Config:
+    """A vLLM generator that a job puts to sleep while it trains starts in vLLM's sleep mode
+    (without it sleep() frees nothing), keeping its weights in host memory unless the job's
+    config chose otherwise."""
+    if generator.vllm.sleep != "off":
+        return generator
+    return replace(generator, vllm=replace(generator.vllm, sleep="keep_weights"))
 
 
 class ModelChoice(Configurable):
@@ -75,6 +84,11 @@ class ModelChoice(Configurable):
         # Named by its flag: the job's user set it there.
         named = f"--model.device is {config.device!r}"
         check_device(config.device, named=named, instead="pass --model.device cpu")
+        if config.device.startswith("cuda"):
+            # fp32 matmuls on tensor cores (TF32); bf16 ones are unaffected.
+            torch.set_float32_matmul_precision("high")
+        if sleep_generator and generator is not None and generator.backend == "vllm":
+            generator = with_vllm_sleep(generator)
         return ServiceClient(
             storage_dir=storage_dir,
             device=config.device,

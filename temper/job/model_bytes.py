@@ -1,6 +1,9 @@
 """What a model's tensors take, from its config alone: parameter shapes of the trainer (LoRA
-applied) and of the generator's merged copy, FSDP shards, the KV cache, and an estimate of the
-activations autograd keeps. memory_plan.py adds them up per rank.
+applied) and of the generator's merged copy, FSDP shards, what a trainer holds of them
+(weights, gradients, AdamW moments), what one of Temper's engines holds (weights, KV cache,
+prefix cache), and an estimate of the activations autograd keeps. memory_plan.py adds them up
+per rank for `temper plan` and a job's startup log; the server counts its models with them
+(server/base_models.py).
 
 Shapes come from a model built on the meta device (nothing is allocated), so they are the
 model code's own, LoRA targets and the untying of a merged tied unembedding included.
@@ -27,6 +30,7 @@ from temper.models.lora import (
     lora_modules,
     merged_config,
 )
+from temper.sampler.engine import SamplerEngine
 from temper.sampler.kv_cache import KVCacheShape
 
 
@@ -86,6 +90,105 @@ class ModelShapes:
             for name, shape, _ in self.trainer
             if (not name.startswith("blocks.") if root else name.startswith(prefix))
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerBytes:
+    """What one trainer rank holds of its model between steps, all in the trainer's dtype (no
+    fp32 master copy): the weights, and for the trained ones their gradients and AdamW's two
+    moments."""
+
+    frozen: int
+    """Weights that are not trained (a LoRA model's base)."""
+    trained: int
+    """Weights that are trained: every weight for full fine-tuning, else the adapters."""
+
+    @classmethod
+    def of(cls, shapes: ModelShapes, *, dtype: str, num_ranks: int = 1) -> TrainerBytes:
+        """One rank's share of `shapes` sharded over `num_ranks` (FSDP2's padded shards)."""
+        size = parse_dtype(dtype).itemsize
+        return cls(
+            frozen=shapes.shard_numel(num_ranks, trainable=False) * size,
+            trained=shapes.shard_numel(num_ranks, trainable=True) * size,
+        )
+
+    @property
+    def weights(self) -> int:
+        return self.frozen + self.trained
+
+    @property
+    def gradients(self) -> int:
+        return self.trained
+
+    @property
+    def moments(self) -> int:
+        """AdamW's exp_avg and exp_avg_sq."""
+        return 2 * self.trained
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.moments
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerBytes:
+    """What one of Temper's engines holds: its weights (none when it decodes on the trainer's
+    own tensors), the KV cache it allocates up front and at most its prefix cache."""
+
+    weights: int
+    kv_cache: int
+    prefix_cache: int
+
+    @classmethod
+    def of(
+        cls,
+        decoder: DecoderConfig,
+        shapes: ModelShapes,
+        *,
+        num_slots: int,
+        max_seq_len: int,
+        dtype: str,
+        prefix_cache_mib: float,
+        tp: int = 1,
+        own_weights: bool = True,
+    ) -> SamplerBytes:
+        """An engine on `shapes`' plain (merged) model with `num_slots` x `max_seq_len` KV
+        positions; with tensor parallelism one rank's share (1/tp of the weights)."""
+        weights = math.ceil(shapes.sampler_numel * parse_dtype(dtype).itemsize / tp)
+        kv = kv_cache_bytes(
+            decoder, num_slots=num_slots, max_seq_len=max_seq_len, dtype=dtype, tp=tp
+        )
+        return cls(
+            weights=weights if own_weights else 0,
+            kv_cache=kv,
+            prefix_cache=int(prefix_cache_mib * 2**20),
+        )
+
+    @classmethod
+    def of_engine(
+        cls,
+        decoder: DecoderConfig,
+        shapes: ModelShapes,
+        *,
+        engine: SamplerEngine.Config,
+        dtype: str,
+        own_weights: bool = True,
+    ) -> SamplerBytes:
+        """An engine built from `engine` (its max_batch slots, its max_seq_len cut to the
+        model's)."""
+        return cls.of(
+            decoder,
+            shapes,
+            num_slots=engine.max_batch,
+            max_seq_len=min(engine.max_seq_len, decoder.max_seq_len),
+            dtype=dtype,
+            prefix_cache_mib=engine.prefix_cache_mib,
+            own_weights=own_weights,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.prefix_cache
 
 
 def _adapted_weight(model: nn.Module, module: nn.Module) -> torch.Tensor:

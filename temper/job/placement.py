@@ -82,8 +82,10 @@ def serve_generator(
             generator.vllm, engine_process="separate", tensor_parallel_size=tp
         )
         generator = dataclasses.replace(generator, vllm=vllm)
-        if tp > 1 and torch.device(device).type == "cuda":
-            _lend_group_devices(tp)
+        if torch.device(device).type == "cuda":
+            # Also at tp 1: vLLM's engine process would otherwise see every GPU and take
+            # cuda:0, a trainer's.
+            lend_group_devices(tp)
     GeneratorRank(
         roles=roles,
         engine=rank_sampler(sampler),
@@ -95,7 +97,7 @@ def serve_generator(
     ).serve()
 
 
-def _lend_group_devices(tp: int) -> None:
+def lend_group_devices(tp: int) -> None:
     """vLLM's processes (started by this rank) see this rank's GPU and the next `tp - 1`
     local ranks' (torchrun gives local rank i GPU i; the group must sit on one node)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -134,29 +136,33 @@ def remote_generators(
     )
 
 
-def memory_plan_line(
+def plan_settings(
     placement: Placement,
     *,
-    role: Role,
-    decoder: DecoderConfig,
+    nnodes: int = 1,
     model: ModelChoice.Config,
     sampler: SamplerEngine.Config,
     trainer: TrainerEngine.Config,
     sharding: Sharding.Config,
+    generator: GeneratorChoice.Config,
     batch: int,
     mode: Literal["sync", "async"],
     kl_reference: bool,
-    generator: GeneratorChoice.Config,
-) -> str:
-    """This rank's planned bytes (job/memory_plan.py), one line for its startup log."""
+    gpu_memory_gib: float,
+    headroom: float = PlanSettings.headroom,
+) -> PlanSettings:
+    """What a job's memory plan (job/memory_plan.py) is computed from, read off its configs:
+    the one mapping `temper plan` and a job's startup log share. `placement` holds the world
+    size, spread over `nnodes` machines."""
     config = placement.config
     disaggregated = placement.disaggregated
-    settings = PlanSettings(
+    return PlanSettings(
         model=model.base_model,
         lora_rank=model.lora_rank,
         dtype=model.dtype,
         transfer_dtype=config.transfer_dtype,
-        nproc_per_node=placement.world_size,
+        nnodes=nnodes,
+        nproc_per_node=placement.world_size // nnodes,
         placement=config.mode,
         generator_ranks=config.generator_ranks if disaggregated else 0,
         generator_tp=config.generator_tp,
@@ -173,10 +179,22 @@ def memory_plan_line(
         and keeps_second_copy(overlap_sync=config.overlap_sync, backend=generator),
         mode=mode,
         kl_reference=kl_reference,
-        gpu_memory_gib=_rank_memory_bytes(model.device, ranks=placement.world_size) / 2**30,
+        gpu_memory_gib=gpu_memory_gib,
+        headroom=headroom,
     )
+
+
+def memory_plan_line(settings: PlanSettings, *, role: Role, decoder: DecoderConfig) -> str:
+    """This rank's planned bytes (job/memory_plan.py) for the model it built, one line for its
+    startup log."""
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return describe_for_rank(plan_memory(settings, decoder=decoder), rank=rank, role=role)
+
+
+def rank_memory_gib(device: str, *, ranks: int) -> float:
+    """Memory one rank may use in GiB: its GPU's, or on CPU this machine's shared by its
+    ranks."""
+    return _rank_memory_bytes(device, ranks=ranks) / 2**30
 
 
 def _rank_memory_bytes(device: str, *, ranks: int) -> int:

@@ -58,9 +58,11 @@ from temper.job import (
     state_to_resume,
 )
 from temper.job.long_lived import long_lived_objects_frozen
-from temper.job.memory_plan import Role
+from temper.job.memory_plan import MemoryPlan, PlanSettings, Role, model_config, plan_memory
 from temper.job.placement import (
     memory_plan_line,
+    plan_settings,
+    rank_memory_gib,
     rank_sampler,
     remote_generators,
     serve_generator,
@@ -255,6 +257,26 @@ class RLJob(Configurable):
         placement = Placement(self.config.placement, world_size=world_size)
         _check_ranks(self.config, num_ranks=placement.num_trainers)
         return placement
+
+    def memory_plan(
+        self, *, nproc_per_node: int, nnodes: int = 1, gpu_memory_gib: float, headroom: float
+    ) -> MemoryPlan:
+        """What each rank of this job on `nnodes` x `nproc_per_node` ranks would hold on a GPU
+        of `gpu_memory_gib` (`temper plan`), from the config alone: the model's shapes come
+        from its named size or its directory's config.json; nothing is built."""
+        placement = self.check_ranks(world_size=nnodes * nproc_per_node)
+        try:
+            decoder = model_config(self.config.model.base_model)
+        except ValueError as error:  # named by its flag: the plan's user set it there
+            raise ValueError(f"--model.base_model: {error}") from None
+        settings = _plan_settings(
+            self.config,
+            placement,
+            nnodes=nnodes,
+            gpu_memory_gib=gpu_memory_gib,
+            headroom=headroom,
+        )
+        return plan_memory(settings, decoder=decoder)
 
     def _run(
         self,
@@ -495,20 +517,34 @@ def _log_memory_plan(
     config: RLJob.Config, *, placement: Placement, role: Role, decoder: DecoderConfig
 ) -> None:
     """Every rank says what memory it plans to hold (job/memory_plan.py), on stderr."""
-    line = memory_plan_line(
+    memory = rank_memory_gib(config.model.device, ranks=placement.world_size)
+    settings = _plan_settings(config, placement, gpu_memory_gib=memory)
+    print(memory_plan_line(settings, role=role, decoder=decoder), file=sys.stderr, flush=True)
+
+
+def _plan_settings(
+    config: RLJob.Config,
+    placement: Placement,
+    *,
+    nnodes: int = 1,
+    gpu_memory_gib: float,
+    headroom: float = PlanSettings.headroom,
+) -> PlanSettings:
+    """The memory plan's settings of this job (the startup log's and `temper plan`'s)."""
+    return plan_settings(
         placement,
-        role=role,
-        decoder=decoder,
+        nnodes=nnodes,
         model=config.model,
         sampler=config.sampler,
         trainer=config.trainer,
         sharding=config.sharding,
+        generator=config.generator,
         batch=config.rl.prompts_per_step * config.rl.group_size,
         mode=config.mode,
         kl_reference=config.rl.kl_coef > 0,
-        generator=config.generator,
+        gpu_memory_gib=gpu_memory_gib,
+        headroom=headroom,
     )
-    print(line, file=sys.stderr, flush=True)
 
 
 def _truncate_logs(run_dir: Path, *, before_step: int) -> None:

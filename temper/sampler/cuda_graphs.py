@@ -14,11 +14,18 @@ CPU. Capturing writes to cache position 0 of the bucket's slots, so it happens o
 sequence is active: when the engine is built, when its weights move to another module
 (replaying a graph reads the parameters it was captured with) and when it wakes up (graphs
 hold the KV cache's pointers, so they go when it sleeps).
+
+Capture is serialized over the process (`CAPTURE_LOCK`: engines are built on several threads,
+e.g. a snapshot's at an optimizer step while another thread decodes, and two captures at once
+corrupt each other) and in thread-local mode: another thread's allocations and syncs during a
+capture are its own business, where the global mode fails them ("operation not permitted when
+stream is capturing").
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +34,9 @@ from torch import nn
 from temper.sampler.decoding import DecodeModel, Decoding
 from temper.sampler.kv_cache import DecodeAttention, KVCache
 from temper.sampler.weight_source import WeightSource
+
+CAPTURE_LOCK = threading.Lock()
+"""Held while a decoder captures its graphs: one capture at a time in this process."""
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -61,6 +71,10 @@ class StaticDecoder:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
+        with CAPTURE_LOCK:
+            self._capture_buckets()
+
+    def _capture_buckets(self) -> None:
         self.tokens_S.zero_()
         self.positions_S.zero_()
         pool = torch.cuda.graph_pool_handle()
@@ -72,7 +86,7 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(side)
         for bucket in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits_BV = self._step(bucket)
             self.graphs[bucket] = (graph, logits_BV)
 

@@ -16,8 +16,11 @@ How a call to `generate` runs:
   prefills only its new tokens. Emptied when the weights change.
 
 Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
-row's random draw depends only on its seed and how many tokens it has drawn, so seeded
-results do not depend on which other requests share the batch.
+row's random draw depends only on its seed and how many tokens it has drawn. On CPU a row's
+logits are also the same in any batch, so seeded results do not depend on which other
+requests share it. On CUDA they can: cuBLAS picks its kernels by the number of rows (and a
+CUDA graph pads them to its bucket), so a row's logits, and at a near tie its token, move with
+the batch's size; its draws stay its own.
 
 How a decode step runs is chosen once, when the engine is built (`self.decoding`,
 decoding.py): the model itself, on CPU the speed wing's twins and row shards
@@ -210,8 +213,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
         """Release the KV cache and the prefix cache until `wake_up` (the weights stay: they
         may be the trainer's)."""
         self.prefix_cache.clear()
+        self.decoding.sleep()  # first: CUDA graphs' pool goes back with the cache's memory
         self.cache.release()
-        self.decoding.sleep()
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeros, as when built)."""

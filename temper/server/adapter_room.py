@@ -36,6 +36,12 @@ def shares_sampler(config: TemperServer.Config, served: ServedModel) -> bool:
     )
 
 
+def sampler_reads_trainer(config: TemperServer.Config) -> bool:
+    """A full fine-tuning model's sampler decodes on the trainer's own tensors (one process,
+    Temper's engine; client/sampler_weights.py): it holds no copy of the weights."""
+    return config.trainer.sharding is None and config.generator.backend == "temper"
+
+
 def snapshot_bytes(config: TemperServer.Config, served: ServedModel) -> int | None:
     """What a snapshot of `served` holds once its weights change: its adapters on the
     multi-LoRA sampler, else None (a sampler copy: the retention's default)."""

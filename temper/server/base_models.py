@@ -18,18 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
 from temper.checkpoint.hf import read_hf_config
-from temper.models.build import materialize
-from temper.models.lora import LoraConfig, apply_lora
+from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
 from temper.models.registry import family
 from temper.sampler.engine import SamplerEngine
 from temper.server.errors import BadRequest, NotFound
-from temper.server.snapshots import sampler_copy_bytes
-
-TRAINING_FACTOR = 4
-"""A trainer holds its trained weights, their gradients and AdamW's two moments."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,27 +48,47 @@ class BaseModel:
     weights_bytes: int
     """Its parameters in the served dtype (a full copy; LoRA clients share one)."""
     sampler_bytes: int
-    """One sampler on it: weights and KV cache (--sampler.max-batch x --sampler.max-seq-len)."""
+    """One sampler on it: weights, KV cache (--sampler.max-batch x --sampler.max-seq-len) and
+    at most its prefix cache."""
+    merged_sampler_bytes: int
+    """One sampler on a LoRA model's merged weights: `sampler_bytes`, and for a model with
+    tied embeddings its untied output projection (merging the unembedding adapter unties it)."""
     lora_bytes_per_rank: int
     """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
     served dtype; rank R takes R times this."""
 
     def training_bytes(
-        self, *, lora_rank: int | None, shared_base: bool = True, shared_sampler: bool = False
+        self,
+        *,
+        lora_rank: int | None,
+        shared_base: bool = True,
+        shared_sampler: bool = False,
+        sampler_reads_trainer: bool = True,
     ) -> int:
-        """Estimate for one training model: what it trains (every weight for full
-        fine-tuning, else its adapters at most) x4 (gradients and AdamW moments), and the
-        sampler its snapshots read. A LoRA model's frozen base weights are shared by every
-        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless
-        not `shared_base` (a sharded trainer: each model has its own); with `shared_sampler`
-        the base's multi-LoRA sampler is counted there too, and a model adds its adapters."""
+        """Estimate for one training model (job/model_bytes.py): what it trains (every weight
+        for full fine-tuning, else its adapters) with their gradients and AdamW moments, and
+        the sampler its snapshots read. A LoRA model's frozen base weights are shared by every
+        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless not
+        `shared_base` (a sharded trainer: each model has its own); with `shared_sampler` the
+        base's multi-LoRA sampler is counted there too, and a model adds its adapters. A full
+        fine-tuning model's sampler decodes on the trainer's own tensors when
+        `sampler_reads_trainer` (one process, Temper's engine), adding only its caches."""
         if lora_rank is None:
-            return TRAINING_FACTOR * self.weights_bytes + self.sampler_bytes
-        own_base = 0 if shared_base else self.weights_bytes
+            trainer = TrainerBytes(frozen=0, trained=self.weights_bytes)
+            sampler = self.sampler_bytes
+            if sampler_reads_trainer:
+                sampler -= self.weights_bytes
+            return trainer.total + sampler
         adapters = lora_rank * self.lora_bytes_per_rank
+        trainer = TrainerBytes(frozen=0 if shared_base else self.weights_bytes, trained=adapters)
         # A sampling snapshot's adapters, or a merged sampler of its own.
-        sampler = adapters if shared_sampler else self.sampler_bytes
-        return TRAINING_FACTOR * adapters + own_base + sampler
+        sampler = adapters if shared_sampler else self.merged_sampler_bytes
+        return trainer.total + sampler
+
+    def sampler_copy_bytes(self, *, lora: bool) -> int:
+        """What an older sampling snapshot's own sampler holds (snapshots.py): the plain
+        sampler, or a LoRA model's merged one."""
+        return self.merged_sampler_bytes if lora else self.sampler_bytes
 
     def shared_bytes(self, *, shared_sampler: bool) -> int:
         """What the LoRA models on this base share, counted once: its weights, or with
@@ -146,6 +159,11 @@ class BaseModels:
             )
         return model
 
+    def largest_sampler_copy(self, *, lora: bool) -> int:
+        """The most an older sampling snapshot of a trainable model holds (snapshots.py)."""
+        trainable = [model for model in self.models if model.trainable]
+        return max((model.sampler_copy_bytes(lora=lora) for model in trainable), default=0)
+
     def summary(self) -> str:
         described = [
             f"{model.name!r}" + ("" if model.trainable else " (sample-only)")
@@ -188,7 +206,9 @@ def load_base_model(
     hf_config = read_hf_config(model_dir)
     arch = str(hf_config.get("model_type", "qwen3"))
     decoder = family(arch).config_from_hf(hf_config)
-    meta = materialize(decoder, device="meta", dtype=dtype, init="empty")  # allocates nothing
+    # Shapes of models built on the meta device: nothing is allocated.
+    plain = ModelShapes.of(decoder, lora_rank=None)
+    adapted = ModelShapes.of(decoder, lora_rank=1)
     name = str(model_dir.resolve())
     return BaseModel(
         name=name,
@@ -201,16 +221,13 @@ def load_base_model(
         ),
         trainable=trainable,
         sampleable=True,
-        weights_bytes=sum(p.numel() * p.element_size() for p in meta.parameters()),
-        lora_bytes_per_rank=_lora_bytes_per_rank(meta),
-        sampler_bytes=sampler_copy_bytes(decoder, sampler=sampler, dtype=dtype),
+        weights_bytes=TrainerBytes.of(plain, dtype=dtype).weights,
+        lora_bytes_per_rank=TrainerBytes.of(adapted, dtype=dtype).trained,
+        sampler_bytes=SamplerBytes.of_engine(decoder, plain, engine=sampler, dtype=dtype).total,
+        merged_sampler_bytes=SamplerBytes.of_engine(
+            decoder, adapted, engine=sampler, dtype=dtype
+        ).total,
     )
-
-
-def _lora_bytes_per_rank(meta: nn.Module) -> int:
-    """Bytes of rank-1 adapters on every target of a meta model (allocates nothing)."""
-    apply_lora(meta, LoraConfig(rank=1))
-    return sum(p.numel() * p.element_size() for p in meta.parameters() if p.requires_grad)
 
 
 def describe(model: BaseModel) -> dict:

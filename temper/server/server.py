@@ -265,9 +265,7 @@ class TemperServer(Configurable):
         self.sampling_sessions: dict[str, SamplingSession] = {}
         self.ended = EndedIds()
         # One budget for every model's snapshots: each counts as the largest model's copy.
-        copy_bytes = max(
-            (model.sampler_bytes for model in self.base_models if model.trainable), default=0
-        )
+        copy_bytes = self.base_models.largest_sampler_copy(lora=config.fine_tuning == "lora")
         budget_mb = config.snapshot_memory_mb
         self.snapshots = SnapshotRetention(
             copy_bytes=copy_bytes,
@@ -395,6 +393,7 @@ class TemperServer(Configurable):
                         lora_rank=served.lora_rank,
                         shared_base=shares_base,
                         shared_sampler=shares_sampler,
+                        sampler_reads_trainer=adapter_room.sampler_reads_trainer(self.config),
                     ),
                     pinned=True,
                 )

@@ -3,7 +3,8 @@
 Tinker has no call that releases a snapshot, so the server decides. A live snapshot other
 than its model's newest holds a sampler copy of its own once the trainer's weights change
 (copy-on-write, temper/client/weight_sync.py); each such copy is counted at `copy_bytes` (the
-sampler's weights and KV cache). Two rules, both Temper's own (Tinker publishes none):
+sampler's weights, KV cache and prefix cache: `BaseModel.sampler_copy_bytes`, base_models.py).
+Two rules, both Temper's own (Tinker publishes none):
 
 - memory: taking a snapshot first evicts the least recently used snapshots until the copies
   the server would then hold fit `budget_bytes`. A model's newest snapshot costs no copy (it
@@ -19,17 +20,12 @@ which setting keeps it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from temper.models.build import materialize, parse_dtype
-from temper.models.common.decoder import DecoderConfig
-from temper.sampler.engine import SamplerEngine
 
 log = logging.getLogger("temper.server")
 MIB = 2**20
@@ -178,14 +174,3 @@ class SnapshotRetention:
             f"expired after {self.idle_seconds:g} s without a sample (--snapshot-idle-seconds); "
             "raise --snapshot-idle-seconds to keep idle snapshots longer"
         )
-
-
-def sampler_copy_bytes(decoder: DecoderConfig, *, sampler: SamplerEngine.Config, dtype: str) -> int:
-    """What one sampler copy of `decoder` holds: its weights, its KV cache and at most its
-    prefix cache."""
-    model = materialize(decoder, device="meta", dtype=dtype, init="empty")  # allocates nothing
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    max_seq_len = min(sampler.max_seq_len, decoder.max_seq_len)
-    sampler = dataclasses.replace(sampler, max_seq_len=max_seq_len)
-    kv_bytes = sampler.kv_cache_bytes(decoder, dtype=parse_dtype(dtype))
-    return weight_bytes + kv_bytes + sampler.prefix_cache_bytes()

@@ -46,7 +46,7 @@ def test_a_plan_that_does_not_fit_names_its_largest_item_and_what_shrinks_it():
     assert "DOES NOT FIT" in over
     advice = over.splitlines()[-1]
     assert advice.startswith("colocated: over by ") and "activations (estimate)" in advice
-    assert "--activation-checkpointing full" in advice
+    assert "--sharding.activation_checkpointing full" in advice
     # Following it, the plan fits and gives no advice.
     fits = PlanSettings(model="8B", nnodes=2, lora_rank=32, activation_checkpointing="full")
     assert plan_text(plan_memory(fits)).splitlines()[-1].startswith("fits: ")
@@ -58,7 +58,7 @@ def test_an_over_budget_generator_is_told_to_shrink_its_kv_cache():
     )
     advice = plan_text(plan_memory(settings)).splitlines()[-1]
     assert advice.startswith("generator: over by ")
-    assert "KV cache" in advice and "--max-batch or --max-seq-len" in advice
+    assert "KV cache" in advice and "--sampler.max_batch or --sampler.max_seq_len" in advice
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,7 @@ def test_the_largest_lora_rank_is_the_last_the_budget_holds(shared_base, shared_
         sampleable=True,
         weights_bytes=30 * MIB,
         sampler_bytes=50 * MIB,
+        merged_sampler_bytes=50 * MIB,
         lora_bytes_per_rank=3000,
     )
     sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}

@@ -125,5 +125,5 @@ def test_a_sharded_trainer_counts_a_base_per_lora_model(model_dir, tmp_path):
         )
         server.add_model(served)
     one = base.training_bytes(lora_rank=4, shared_base=False)
-    assert one == 4 * 4 * base.lora_bytes_per_rank + base.weights_bytes + base.sampler_bytes
+    assert one == 4 * 4 * base.lora_bytes_per_rank + base.weights_bytes + base.merged_sampler_bytes
     assert server.memory.loaded()[base.name] == 2 * one

@@ -8,9 +8,10 @@ import dataclasses
 
 import torch
 
+from temper.job.model_bytes import ModelShapes, SamplerBytes
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine
-from temper.server.snapshots import MIB, SnapshotRetention, sampler_copy_bytes
+from temper.server.snapshots import MIB, SnapshotRetention
 
 
 class Clock:
@@ -69,8 +70,11 @@ def test_a_sampler_copy_counts_its_weights_kv_cache_and_prefix_cache_budget():
     meta = materialize(decoder, device="meta", init="empty")
     weights = sum(p.numel() for p in meta.parameters()) * 4  # fp32
     kv_bytes = without.kv_cache_bytes(decoder, dtype=torch.float32)
-    assert sampler_copy_bytes(decoder, sampler=without, dtype="float32") == weights + kv_bytes
+    shapes = ModelShapes.of(decoder, lora_rank=None)
+
+    def sampler_copy_bytes(sampler: SamplerEngine.Config) -> int:
+        return SamplerBytes.of_engine(decoder, shapes, engine=sampler, dtype="float32").total
+
+    assert sampler_copy_bytes(without) == weights + kv_bytes
     with_prefixes = dataclasses.replace(without, prefix_cache_mib=8)
-    assert sampler_copy_bytes(decoder, sampler=with_prefixes, dtype="float32") == (
-        weights + kv_bytes + 8 * MIB
-    )
+    assert sampler_copy_bytes(with_prefixes) == weights + kv_bytes + 8 * MIB

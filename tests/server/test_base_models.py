@@ -1,0 +1,50 @@
+"""A served model's memory estimates are the memory plan's (job/model_bytes.py): the same
+weights, adapters, gradients and moments, and the same sampler (a LoRA model's merged, a full
+fine-tuning model's on the trainer's own tensors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from temper.job.memory_plan import PlanSettings, plan_memory
+from temper.sampler.engine import SamplerEngine
+from temper.server.base_models import load_base_model
+
+SAMPLER = SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=1)
+
+
+def _rows(model_dir, *, lora_rank: int | None) -> dict[str, int]:
+    settings = PlanSettings(
+        model=str(model_dir),
+        lora_rank=lora_rank,
+        dtype="float32",
+        nproc_per_node=1,
+        batch=SAMPLER.max_batch,
+        max_seq_len=SAMPLER.max_seq_len,
+        max_batch=SAMPLER.max_batch,
+        prefix_cache_mib=SAMPLER.prefix_cache_mib,
+    )
+    rows = plan_memory(settings).role("colocated").rows
+    return {row.item.split(",")[0].split(":")[0]: row.num_bytes for row in rows}
+
+
+@pytest.mark.parametrize("lora_rank", [None, 3])
+def test_a_training_models_estimate_is_the_plans_trainer_and_generator(model_dir, lora_rank):
+    base = load_base_model(str(model_dir), trainable=True, sampler=SAMPLER, dtype="float32")
+    rows = _rows(model_dir, lora_rank=lora_rank)
+    trainer = rows["AdamW moments (2)"] + rows["gradients"]
+    sampler = rows["generator weights"] + rows["KV cache"] + rows["prefix cache"]
+    if lora_rank is None:
+        assert rows["weights"] == base.weights_bytes
+        trainer += rows["weights"]
+        assert rows["generator weights"] == 0  # the trainer's own tensors
+    else:
+        assert rows["base weights (frozen)"] == base.weights_bytes
+        assert rows["LoRA adapters"] == lora_rank * base.lora_bytes_per_rank
+        trainer += rows["LoRA adapters"]
+        assert sampler == base.merged_sampler_bytes
+    # A LoRA model on its own base and sampler (a sharded trainer's) holds its base too.
+    shared_base = lora_rank is None
+    own_base = 0 if shared_base else base.weights_bytes
+    estimate = base.training_bytes(lora_rank=lora_rank, shared_base=shared_base)
+    assert estimate == trainer + own_base + sampler
