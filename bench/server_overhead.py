@@ -254,7 +254,7 @@ def main() -> None:
     from temper import api as temper_types
     from temper.checkpoint.model_source import init_model_dir
     from temper.client.service_client import ServiceClient
-    from temper.server.server import TemperServer
+    from temper.server.state.server import TemperServer
 
     load_before = round(os.getloadavg()[0], 2)
     root = Path(tempfile.mkdtemp(prefix="temper-bench-"))

@@ -7,11 +7,20 @@ server by implementing these verbs.
 
 Every verb returns an `APIFuture` except the ones Tinker also makes synchronous: creating
 clients, `save_weights_and_get_sampling_client`, `get_info` and `get_tokenizer`.
+
+Beyond the verbs, a server uses two hooks, each with a trivial answer for a backend that has
+nothing to offer there: `SamplingBackend.batch` (samples started inside one block decode as
+one batch; `contextlib.nullcontext()` where the backend batches on its own or not at all) and
+`TrainingBackend.adapter_slots` (how full the shared multi-LoRA sampler that a LoRA model's
+sampling snapshots register their adapters on is; None where each snapshot holds a sampler of
+its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from temper.api.futures import APIFuture
@@ -27,6 +36,17 @@ from temper.api.types import (
     SamplingParams,
     SaveWeightsResponse,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdapterSlots:
+    """The multi-LoRA sampler a LoRA model's sampling snapshots register their adapters on
+    (one per base model, shared with the other LoRA models on it), as it is now."""
+
+    held: int
+    """Adapter versions registered on it (live snapshots of every LoRA model on the base)."""
+    limit: int
+    """Most it holds at once (`--multi-lora.max-adapters`)."""
 
 
 @runtime_checkable
@@ -47,6 +67,11 @@ class SamplingBackend(Protocol):
     @property
     def version(self) -> int:
         """The policy version of the weights it samples from."""
+        ...
+
+    def batch(self) -> AbstractContextManager[None]:
+        """`sample` calls made inside the block decode as one batch (hook: a backend without
+        batching returns `contextlib.nullcontext()`)."""
         ...
 
 
@@ -83,6 +108,11 @@ class TrainingBackend(Protocol):
     def get_info(self) -> Any: ...
 
     def get_tokenizer(self) -> Any: ...
+
+    def adapter_slots(self) -> AdapterSlots | None:
+        """The shared multi-LoRA sampler its sampling snapshots' adapters take room on, as it
+        is now (hook: None where each snapshot holds a sampler of its own)."""
+        ...
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from temper.api.backend import AdapterSlots
 from temper.api.futures import APIFuture, Worker
 from temper.api.types import (
     AdamParams,
@@ -204,6 +205,14 @@ class TrainingClient:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def adapter_slots(self) -> AdapterSlots | None:
+        """How full `adapter_sampler` is now (`TrainingBackend`'s hook, for a server's room
+        for snapshots); None without one (snapshots sample merged weights of their own)."""
+        sampler = self.adapter_sampler
+        if sampler is None:
+            return None
+        return AdapterSlots(held=sampler.num_adapters, limit=sampler.config.max_adapters)
 
     # -- async variants (Tinker: a coroutine that returns the future) -----------------------
 

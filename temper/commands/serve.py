@@ -22,8 +22,8 @@ def serve(argv: Sequence[str]) -> int:
         import uvicorn  # noqa: F401  (the server extra: missing -> the install hint below)
 
         from temper.server import TemperServer
-        from temper.server.request_log import configure_logging
-        from temper.server.security import check_bind, check_port_free
+        from temper.server.http.request_log import configure_logging
+        from temper.server.http.security import check_bind, check_port_free
     except ImportError as error:
         print(
             f"temper serve: error: {error}; install the server extra from the repository's "

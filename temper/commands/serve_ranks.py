@@ -1,6 +1,6 @@
 """`temper serve` on several ranks: `--nproc N` starts torchrun; under torchrun every rank
 builds the same sharded backend, rank 0 serves HTTP and the others replay its calls
-(temper/server/replicated.py).
+(temper/server/backends/replicated.py).
 
 Stopping: the command `temper serve --nproc N` starts torchrun in a session of its own with a
 pipe on its stdin and adds `--stop-on-stdin-eof` for rank 0. SIGINT/SIGTERM to the command
@@ -81,7 +81,7 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
 def check_one_model(config: TemperServer.Config) -> None:
     """Several ranks serve one base model: the ranks replay one backend's calls, and the
     model memory rules (loading, releasing) run on rank 0 alone."""
-    from temper.server.base_models import model_dirs
+    from temper.server.state.base_models import model_dirs
 
     dirs = model_dirs(
         models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
@@ -103,9 +103,9 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
     """One rank of `temper serve` under torchrun (every rank calls this)."""
     from temper.client.service_client import ServiceClient
     from temper.job import check_generator_ranks
-    from temper.server.replicated import ReplicatedService, follow, replay_ranks
-    from temper.server.request_log import configure_logging
-    from temper.server.security import check_bind
+    from temper.server.backends.replicated import ReplicatedService, follow, replay_ranks
+    from temper.server.http.request_log import configure_logging
+    from temper.server.http.security import check_bind
     from temper.trainer.sharding import Sharding
 
     if config.trainer.sharding is None:  # default: FSDP over every rank

@@ -29,7 +29,7 @@ def users(
         key_file: The key file (created by the first add).
         admin: With add: the user sees and may use every user's sessions and checkpoints.
     """
-    from temper.server import users as key_file_users
+    from temper.server.http import users as key_file_users
 
     if action == "list":
         for user, _ in key_file_users.read_key_file(key_file.expanduser()):

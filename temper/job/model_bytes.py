@@ -3,7 +3,7 @@ applied) and of the generator's merged copy, FSDP shards, what a trainer holds o
 (weights, gradients, AdamW moments), what one of Temper's engines holds (weights, KV cache,
 prefix cache), and an estimate of the activations autograd keeps. memory_plan.py adds them up
 per rank for `temper plan` and a job's startup log; the server counts its models with them
-(server/base_models.py).
+(server/state/base_models.py).
 
 Shapes come from a model built on the meta device (nothing is allocated), so they are the
 model code's own, LoRA targets and the untying of a merged tied unembedding included.

@@ -7,7 +7,7 @@
 `server` extra and are imported only here.
 """
 
-from temper.server.app import create_app
-from temper.server.server import TemperServer
+from temper.server.http.app import create_app
+from temper.server.state.server import TemperServer
 
 __all__ = ["TemperServer", "create_app"]

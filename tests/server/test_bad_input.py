@@ -15,8 +15,8 @@ import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
-from temper.server import wire
-from temper.server.errors import BadRequest
+from temper.server.http.errors import BadRequest
+from temper.server.wire import codec as wire
 from tests.server.conftest import API_KEY
 from tests.server.test_sdk import datum
 

@@ -8,7 +8,7 @@ import pytest
 
 from temper.job.memory_plan import PlanSettings, plan_memory
 from temper.sampler.engine import SamplerEngine
-from temper.server.base_models import load_base_model
+from temper.server.state.base_models import load_base_model
 
 SAMPLER = SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=1)
 

@@ -18,9 +18,9 @@ from fastapi.responses import PlainTextResponse
 from starlette.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
-from temper.server.body_limits import MAX_JSON_ITEMS, BodyLimits
-from temper.server.errors import BadRequest, error_body
-from temper.server.validation import MAX_LABEL_CHARS, check_tags, check_user_metadata
+from temper.server.http.body_limits import MAX_JSON_ITEMS, BodyLimits
+from temper.server.http.errors import BadRequest, error_body
+from temper.server.routes.validation import MAX_LABEL_CHARS, check_tags, check_user_metadata
 from tests.server.conftest import API_KEY
 from tests.server.test_bad_input import PROTOBUF, post, raw_sampling_session, sample_body
 

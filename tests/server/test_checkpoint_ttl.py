@@ -12,8 +12,8 @@ import pytest
 import tinker
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
-from temper.server.catalog import CheckpointCatalog
-from temper.server.users import SERVER
+from temper.server.http.users import SERVER
+from temper.server.state.catalog import CheckpointCatalog
 from tests.server.conftest import API_KEY, start_server
 
 HOUR = 3600

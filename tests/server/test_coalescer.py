@@ -5,15 +5,19 @@ sampler's slots; a burst that arrived slowly still teaches its whole size."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from temper.server.coalescer import SampleCoalescer
-from temper.server.server import TemperServer
+from temper.server.dispatch.coalescer import SampleCoalescer
+from temper.server.state.server import TemperServer
 
 
 class Client:
     """Stands for a backend sampling client (the coalescer holds clients weakly)."""
+
+    def batch(self):
+        return contextlib.nullcontext()
 
 
 def run_burst(
@@ -70,7 +74,8 @@ def test_a_burst_on_one_client_starts_together_and_clients_are_separate():
 def test_a_steady_stream_still_starts_after_the_longest_hold():
     # Each arrival would push the flush back by a minute; the hold cap starts them anyway.
     coalescer = SampleCoalescer(60.0, max_hold_s=0.05)
-    groups = run_burst(coalescer, [(coalescer, "a"), (coalescer, "b")])
+    client = Client()
+    groups = run_burst(coalescer, [(client, "a"), (client, "b")])
     assert sorted(name for group in groups for name in group) == ["a", "b"]
 
 

@@ -9,7 +9,7 @@ import torch
 
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
-from temper.server.server import TemperServer
+from temper.server.state.server import TemperServer
 
 
 def test_sampler_processes_stay_within_the_compute_threads(model_dir, tmp_path):

@@ -14,9 +14,9 @@ from starlette.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 
 from temper.api.types import TensorData
-from temper.server import wire
-from temper.server.data_bodies import OFF_LOOP_BYTES, read_forward_backward
-from temper.server.errors import BadRequest
+from temper.server.http.errors import BadRequest
+from temper.server.wire import codec as wire
+from temper.server.wire.data_bodies import OFF_LOOP_BYTES, read_forward_backward
 
 
 async def decoded(request: Request) -> PlainTextResponse:

@@ -163,7 +163,7 @@ class Target:
 def app_routes(model_dir, storage) -> list[RouteSpec]:
     """Every route of the app `temper serve` runs, and the query parameters each reads."""
     from temper.server import TemperServer
-    from temper.server.app import create_app
+    from temper.server.http.app import create_app
 
     config = TemperServer.Config(model=[str(model_dir)], storage=str(storage))
     app = create_app(TemperServer(config, backend=object()))  # no model runs here

@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from temper.server.body_limits import _crowded
-from temper.server.errors import BadRequest
-from temper.server.json_bodies import MAX_JSON_DEPTH, parse_json
+from temper.server.http.body_limits import _crowded
+from temper.server.http.errors import BadRequest
+from temper.server.http.json_bodies import MAX_JSON_DEPTH, parse_json
 from tests.server.conftest import API_KEY
 
 JSON = {"Content-Type": "application/json", "X-API-Key": API_KEY}

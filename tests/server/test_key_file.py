@@ -9,9 +9,9 @@ import stat
 import pytest
 
 from temper.cli import main
-from temper.server.errors import Unauthorized
-from temper.server.security import check_bind
-from temper.server.users import (
+from temper.server.http.errors import Unauthorized
+from temper.server.http.security import check_bind
+from temper.server.http.users import (
     KEY_FILE_FORMAT,
     Users,
     add_user,

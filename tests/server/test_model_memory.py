@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from temper.server.base_models import BaseModel, ModelLimits
-from temper.server.errors import BadRequest
-from temper.server.model_memory import MIB, ModelMemory, OverBudget
-from temper.server.validation import check_lora_rank_fits
+from temper.server.http.errors import BadRequest
+from temper.server.routes.validation import check_lora_rank_fits
+from temper.server.state.base_models import BaseModel, ModelLimits
+from temper.server.state.model_memory import MIB, ModelMemory, OverBudget
 
 
 class Clock:

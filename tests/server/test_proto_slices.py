@@ -7,7 +7,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from temper.server.proto_slices import merge_in_slices
+from temper.server.wire.proto_slices import merge_in_slices
 
 
 def request_body(num_datums: int) -> bytes:

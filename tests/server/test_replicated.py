@@ -20,7 +20,7 @@ from temper import api
 from temper.api import AdamParams, Datum, ModelInput
 from temper.api.backend import ServiceBackend, TrainingBackend
 from temper.client.service_client import ServiceClient
-from temper.server.replicated import ReplicatedService, follow, replay_ranks
+from temper.server.backends.replicated import ReplicatedService, follow, replay_ranks
 from temper.trainer import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.distributed.spawn import spawn

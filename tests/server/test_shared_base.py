@@ -2,7 +2,8 @@
 
 Their verbs interleave; afterwards twins of each (same rank and seed) run the same verbs
 alone, one at a time, and see bitwise the same losses, logprobs, optimizer metrics and
-seeded samples. The budget counts the shared base once (client/shared_base.py, server.py).
+seeded samples. The budget counts the shared base once (client/shared_base.py,
+server/state/server.py).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import random
 import pytest
 from tinker import types
 
-from temper.server.base_models import load_base_model
-from temper.server.server import ServedModel, Session, TemperServer
+from temper.server.state.base_models import load_base_model
+from temper.server.state.server import ServedModel, Session, TemperServer
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.server.conftest import start_server

@@ -11,7 +11,7 @@ import torch
 from temper.job.model_bytes import ModelShapes, SamplerBytes
 from temper.models import materialize, qwen3_size
 from temper.sampler.engine import SamplerEngine
-from temper.server.snapshots import MIB, SnapshotRetention
+from temper.server.state.snapshots import MIB, SnapshotRetention
 
 
 class Clock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from temper.server.stability import SequenceRecord, StabilityStore
+from temper.server.state.stability import SequenceRecord, StabilityStore
 
 
 class Clock:

@@ -17,7 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
-from temper.server.users import add_user
+from temper.server.http.users import add_user
 from tests.server.conftest import start_server
 from tests.server.test_sdk import datum
 

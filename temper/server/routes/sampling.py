@@ -1,0 +1,201 @@
+"""Sampling routes: create_sampling_session, samplers/{id}, and asample (a plain route).
+
+A sampling session is a handle on one backend sampling client. Sessions on a base model
+share one client, as do sessions on the same sampler checkpoint (released when idle and
+loaded again on the next sample, state/server.py); each
+`save_weights_and_get_sampling_client` makes its own (routes/training.py). Samples on one
+client that arrive together are started together (dispatch/coalescer.py), and the backend
+decodes them as one batch. `asample`, two requests per sample with `retrieve_future`
+(futures.py), is a plain route (http/plain_routes.py). With `record_stability_info`, each
+finished sequence is recorded under its `sample_sequence_ids` entry for stable_reinforce
+(state/stability.py) before its result can be retrieved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+from fastapi import Response
+from tinker import types as tinker_types
+
+from temper.api.backend import SamplingBackend
+from temper.api.types import SampleResponse
+from temper.server.dispatch.scheduler import Answer
+from temper.server.http.errors import BadRequest
+from temper.server.http.plain_routes import plain_post
+from temper.server.http.responses import future_response, json_response, protobuf_answer
+from temper.server.http.security import CurrentUser
+from temper.server.http.users import User
+from temper.server.routes.common import Server, api_router
+from temper.server.routes.validation import check_prompt_json, check_sample
+from temper.server.state.ids import new_sampling_session_id
+from temper.server.state.model_memory import OverBudget
+from temper.server.state.server import TemperServer
+from temper.server.state.sessions import SamplingSession
+from temper.server.state.stability import SequenceRecord, StabilityStore
+from temper.server.wire import codec
+
+router = api_router()
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(
+    body: tinker_types.CreateSamplingSessionRequest, user: CurrentUser, server: Server
+) -> Response:
+    session = server.session(body.session_id, user=user)
+    server.check_room(user, kind="sampling sessions")
+    if body.model_path is not None:
+        path = server.catalog.parse(body.model_path, kind="sampler_weights", user=user)
+        run = server.catalog.run(path.run_id, user=user)
+        base = server.base_model(run["base_model"])
+        model_path = str(path)
+    elif body.base_model is not None:
+        base, model_path = server.base_model(body.base_model), None
+    else:
+        raise BadRequest("create_sampling_session needs model_path or base_model")
+    sampling = SamplingSession(
+        sampling_session_id=new_sampling_session_id(),
+        client=None,
+        base_model=base.name,
+        model_path=model_path,
+        lineage=model_path or base.name,
+        session_id=body.session_id,
+        owner=session.user,
+    )
+    # Loads the sampler now (503 if it cannot fit), so a bad checkpoint fails here.
+    await asyncio.to_thread(server.load_client, sampling)
+    server.add_sampling_session(body.session_id, sampling)
+    return json_response(
+        tinker_types.CreateSamplingSessionResponse(sampling_session_id=sampling.sampling_session_id)
+    )
+
+
+@router.get("/samplers/{sampling_session_id}")
+async def get_sampler(sampling_session_id: str, user: CurrentUser, server: Server) -> Response:
+    sampling = server.sampling_session(sampling_session_id, user=user)
+    return json_response(
+        tinker_types.GetSamplerResponse(
+            sampler_id=sampling.sampling_session_id,
+            base_model=sampling.base_model,
+            model_path=sampling.model_path,
+        )
+    )
+
+
+async def asample(body: tinker_types.SampleRequest, user: User, server: TemperServer) -> Response:
+    if body.sampling_session_id is None:
+        raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
+    sampling = server.sampling_session(body.sampling_session_id, user=user)
+    call = codec.decode_sample(body)
+    check_sample(call, limits=server.base_model(sampling.base_model).limits)
+    key = None if body.seq_id is None else (sampling.sampling_session_id, body.seq_id)
+    request_id = server.scheduler.known(key)
+    if request_id is not None:
+        return future_response(request_id, sample_sequence_ids=_sequence_ids(request_id, call))
+    server.check_queue_room(user)
+    started = asyncio.get_running_loop().create_future()
+    # Filled right after submit; `encode` runs in a later turn of the event loop.
+    sequence_ids: list[str] = []
+    client = server.loaded_client(sampling)
+    if client is None:  # released after --model-idle-seconds: load it again
+        try:
+            client = await asyncio.to_thread(server.load_client, sampling)
+        except OverBudget as error:
+            # The SDK's sampler retries a 503 without end: fail the request's future.
+            started.set_exception(error)
+    if client is not None:
+        start = _starter(client, call, started)
+        server.coalescer.add(
+            client, start, lineage=sampling.lineage, num_sequences=call.num_samples
+        )
+    request_id = server.scheduler.submit(
+        lambda: started,
+        encode=_encoder(server.stability, sampling, client, call, sequence_ids),
+        owner=sampling.owner,
+        scope=sampling.session_id,
+        key=key,
+    )
+    sequence_ids += _sequence_ids(request_id, call)
+    return future_response(request_id, sample_sequence_ids=sequence_ids)
+
+
+asample_route = plain_post(
+    "/api/v1/asample", tinker_types.SampleRequest, asample, precheck=check_prompt_json
+)
+
+
+def _sequence_ids(request_id: str, call: codec.SampleCall) -> list[str]:
+    return [f"{request_id}-{index}" for index in range(call.num_samples)]
+
+
+def _starter(
+    client: SamplingBackend, call: codec.SampleCall, started: asyncio.Future
+) -> Callable[[], None]:
+    """What the coalescer calls to start the sample: the backend verb, its future (or error)
+    handed to `started`, which the request's future waits on."""
+
+    def start() -> None:
+        try:
+            started.set_result(
+                client.sample(
+                    call.prompt,
+                    call.num_samples,
+                    call.params,
+                    include_prompt_logprobs=call.prompt_logprobs,
+                    topk_prompt_logprobs=call.topk_prompt_logprobs,
+                    topk_sample_logprobs=call.topk_sample_logprobs,
+                    target_prompt_logprobs=call.target_prompt_logprobs,
+                )
+            )
+        except Exception as error:  # becomes the request's failed future
+            started.set_exception(error)
+
+    return start
+
+
+def _encoder(
+    store: StabilityStore,
+    sampling: SamplingSession,
+    client: SamplingBackend | None,
+    call: codec.SampleCall,
+    sequence_ids: list[str],
+) -> Callable[[SampleResponse], Answer]:
+    """The wire answer of a finished sample, its sequences recorded first if asked."""
+    prompt_length = call.prompt.length
+
+    def encode(result: SampleResponse) -> Answer:
+        if call.record_stability_info:
+            assert client is not None, "a sample that ran had a client"
+            record_samples(store, result, sampling, client, call, sequence_ids)
+        return protobuf_answer(
+            codec.encode_sample_response(result, call=call, prompt_length=prompt_length)
+        )
+
+    return encode
+
+
+def record_samples(
+    store: StabilityStore,
+    result: SampleResponse,
+    sampling: SamplingSession,
+    client: SamplingBackend,
+    call: codec.SampleCall,
+    sequence_ids: list[str],
+) -> None:
+    """Record each sequence of a finished sample for stable_reinforce (state/stability.py)."""
+    prompt_P = np.asarray(call.prompt.to_ints(), dtype=np.int32)
+    version = client.version
+    for sequence_id, sequence in zip(sequence_ids, result.sequences, strict=True):
+        store.record(
+            sequence_id,
+            SequenceRecord(
+                session_id=sampling.session_id,
+                prompt_P=prompt_P,
+                tokens_S=np.asarray(sequence.tokens, dtype=np.int32),
+                logprobs_S=np.asarray(sequence.logprobs, dtype=np.float32),
+                weights=sampling.lineage,
+                weights_version=version,
+            ),
+        )

@@ -1,0 +1,243 @@
+"""The base models one server serves: their names, shapes, capabilities and memory estimates.
+
+Each served model is a HF model directory, given with `--model DIR` (trainable and
+sampleable), `--sample-only-model DIR` (sampling and prompt logprobs only: a teacher, grader
+or answerer) or found in `--models-dir DIR` (every directory inside with a config.json,
+trainable). A directory given as sample-only is sample-only wherever else it is listed.
+Reading a model's config.json is all that happens at startup; weights load on first use
+(model_memory.py).
+
+A client may name a model by its canonical name (the directory's absolute path, which
+get_info and the capabilities answer with), the string it was given as, or the directory's
+name; a name two models share is refused at startup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from temper.checkpoint.hf import read_hf_config
+from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
+from temper.models.registry import family
+from temper.sampler.engine import SamplerEngine
+from temper.server.http.errors import BadRequest, NotFound
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelLimits:
+    vocab_size: int
+    max_seq_len: int
+    """Longest training sequence."""
+    max_sample_len: int
+    """Longest prompt + completion a sampler holds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BaseModel:
+    name: str
+    """Canonical name: the directory's absolute path (get_info's model_name and tokenizer_id,
+    so the SDK's `get_tokenizer()` loads it offline)."""
+    names: frozenset[str]
+    """Every name a client may use for it."""
+    arch: str
+    limits: ModelLimits
+    trainable: bool
+    sampleable: bool
+    weights_bytes: int
+    """Its parameters in the served dtype (a full copy; LoRA clients share one)."""
+    sampler_bytes: int
+    """One sampler on it: weights, KV cache (--sampler.max-batch x --sampler.max-seq-len) and
+    at most its prefix cache."""
+    merged_sampler_bytes: int
+    """One sampler on a LoRA model's merged weights: `sampler_bytes`, and for a model with
+    tied embeddings its untied output projection (merging the unembedding adapter unties it)."""
+    lora_bytes_per_rank: int
+    """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
+    served dtype; rank R takes R times this."""
+
+    def training_bytes(
+        self,
+        *,
+        lora_rank: int | None,
+        shared_base: bool = True,
+        shared_sampler: bool = False,
+        sampler_reads_trainer: bool = True,
+    ) -> int:
+        """Estimate for one training model (job/model_bytes.py): what it trains (every weight
+        for full fine-tuning, else its adapters) with their gradients and AdamW moments, and
+        the sampler its snapshots read. A LoRA model's frozen base weights are shared by every
+        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless not
+        `shared_base` (a sharded trainer: each model has its own); with `shared_sampler` the
+        base's multi-LoRA sampler is counted there too, and a model adds its adapters. A full
+        fine-tuning model's sampler decodes on the trainer's own tensors when
+        `sampler_reads_trainer` (one process, Temper's engine), adding only its caches."""
+        if lora_rank is None:
+            trainer = TrainerBytes(frozen=0, trained=self.weights_bytes)
+            sampler = self.sampler_bytes
+            if sampler_reads_trainer:
+                sampler -= self.weights_bytes
+            return trainer.total + sampler
+        adapters = lora_rank * self.lora_bytes_per_rank
+        trainer = TrainerBytes(frozen=0 if shared_base else self.weights_bytes, trained=adapters)
+        # A sampling snapshot's adapters, or a merged sampler of its own.
+        sampler = adapters if shared_sampler else self.merged_sampler_bytes
+        return trainer.total + sampler
+
+    def sampler_copy_bytes(self, *, lora: bool) -> int:
+        """What an older sampling snapshot's own sampler holds (snapshots.py): the plain
+        sampler, or a LoRA model's merged one."""
+        return self.merged_sampler_bytes if lora else self.sampler_bytes
+
+    def shared_bytes(self, *, shared_sampler: bool) -> int:
+        """What the LoRA models on this base share, counted once: its weights, or with
+        `shared_sampler` the multi-LoRA sampler that reads them (weights and KV cache)."""
+        return self.sampler_bytes if shared_sampler else self.weights_bytes
+
+    def lora_model_bytes(self, *, lora_rank: int, shared_base: bool, shared_sampler: bool) -> int:
+        """A LoRA training model with what it cannot do without: `training_bytes`, and the
+        weights it shares with other LoRA models when it shares them (`shared_base`)."""
+        shared = self.shared_bytes(shared_sampler=shared_sampler) if shared_base else 0
+        return shared + self.training_bytes(
+            lora_rank=lora_rank, shared_base=shared_base, shared_sampler=shared_sampler
+        )
+
+    def largest_lora_rank(
+        self, *, budget_bytes: int, shared_base: bool, shared_sampler: bool
+    ) -> int:
+        """The largest LoRA rank whose training model (`lora_model_bytes`) fits `budget_bytes`
+        with nothing else held; 0 when not even rank 1 fits."""
+        sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+        fixed = self.lora_model_bytes(lora_rank=0, **sharing)
+        per_rank = self.lora_model_bytes(lora_rank=1, **sharing) - fixed
+        assert per_rank > 0, "a LoRA adapter of rank 1 holds parameters"
+        return max(0, (budget_bytes - fixed) // per_rank)
+
+
+class BaseModels:
+    """The served base models, looked up by any of their names."""
+
+    def __init__(self, models: list[BaseModel]) -> None:
+        assert models, "a server serves at least one model"
+        self.models = models
+        self._by_name: dict[str, BaseModel] = {}
+        for model in models:
+            for name in model.names:
+                other = self._by_name.setdefault(name, model)
+                if other is not model:
+                    raise ValueError(
+                        f"two served models answer to the name {name!r}: {other.name} and "
+                        f"{model.name}; serve directories with distinct names"
+                    )
+
+    def __iter__(self):
+        return iter(self.models)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    @property
+    def first(self) -> BaseModel:
+        return self.models[0]
+
+    def resolve(self, name: str) -> BaseModel:
+        """The served model called `name`; 404 naming the served ones otherwise."""
+        model = self._by_name.get(name)
+        if model is None:
+            raise NotFound(f"base model {name!r} is not served here; {self.summary()}")
+        return model
+
+    def trainable(self, name: str) -> BaseModel:
+        """The served model called `name` if it can be trained; 400 saying why otherwise."""
+        model = self.resolve(name)
+        if not model.trainable:
+            trainable = [m.name for m in self.models if m.trainable]
+            raise BadRequest(
+                f"base model {name!r} is served for sampling only (--sample-only-model), so "
+                f"it cannot be trained; trainable models here: {trainable}"
+            )
+        return model
+
+    def largest_sampler_copy(self, *, lora: bool) -> int:
+        """The most an older sampling snapshot of a trainable model holds (snapshots.py)."""
+        trainable = [model for model in self.models if model.trainable]
+        return max((model.sampler_copy_bytes(lora=lora) for model in trainable), default=0)
+
+    def summary(self) -> str:
+        described = [
+            f"{model.name!r}" + ("" if model.trainable else " (sample-only)")
+            for model in self.models
+        ]
+        return f"this server serves {', '.join(described)}"
+
+
+def model_dirs(
+    *, models: list[str], sample_only: list[str], models_dir: str | None
+) -> list[tuple[str, bool]]:
+    """(directory as given, trainable) for each served model, in order: --model, then
+    --models-dir, then --sample-only-model; one entry per directory."""
+    given = [(path, True) for path in models]
+    if models_dir is not None:
+        root = Path(models_dir).expanduser()
+        if not root.is_dir():
+            raise FileNotFoundError(f"--models-dir {models_dir}: no such directory")
+        found = sorted(child for child in root.iterdir() if (child / "config.json").is_file())
+        if not found:
+            raise FileNotFoundError(
+                f"--models-dir {models_dir} holds no HF model directory (one with config.json)"
+            )
+        given += [(str(child), True) for child in found]
+    given += [(path, False) for path in sample_only]
+    sample_only_dirs = {_canonical(path) for path in sample_only}
+    entries: dict[str, tuple[str, bool]] = {}
+    for path, trainable in given:
+        canonical = _canonical(path)
+        if canonical not in entries:
+            entries[canonical] = (path, trainable and canonical not in sample_only_dirs)
+    return list(entries.values())
+
+
+def load_base_model(
+    path: str, *, trainable: bool, sampler: SamplerEngine.Config, dtype: str
+) -> BaseModel:
+    """Read a model directory's config (not its weights)."""
+    model_dir = Path(path).expanduser()
+    hf_config = read_hf_config(model_dir)
+    arch = str(hf_config.get("model_type", "qwen3"))
+    decoder = family(arch).config_from_hf(hf_config)
+    # Shapes of models built on the meta device: nothing is allocated.
+    plain = ModelShapes.of(decoder, lora_rank=None)
+    adapted = ModelShapes.of(decoder, lora_rank=1)
+    name = str(model_dir.resolve())
+    return BaseModel(
+        name=name,
+        names=frozenset({path, name, model_dir.name, str(model_dir)}),
+        arch=arch,
+        limits=ModelLimits(
+            vocab_size=decoder.vocab_size,
+            max_seq_len=decoder.max_seq_len,
+            max_sample_len=min(decoder.max_seq_len, sampler.max_seq_len),
+        ),
+        trainable=trainable,
+        sampleable=True,
+        weights_bytes=TrainerBytes.of(plain, dtype=dtype).weights,
+        lora_bytes_per_rank=TrainerBytes.of(adapted, dtype=dtype).trained,
+        sampler_bytes=SamplerBytes.of_engine(decoder, plain, engine=sampler, dtype=dtype).total,
+        merged_sampler_bytes=SamplerBytes.of_engine(
+            decoder, adapted, engine=sampler, dtype=dtype
+        ).total,
+    )
+
+
+def describe(model: BaseModel) -> dict:
+    return {
+        "name": model.name,
+        "trainable": model.trainable,
+        "limits": dataclasses.asdict(model.limits),
+        "weights_mib": round(model.weights_bytes / 2**20, 1),
+    }
+
+
+def _canonical(path: str) -> str:
+    return str(Path(path).expanduser().resolve())

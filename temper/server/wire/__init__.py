@@ -1,0 +1,2 @@
+"""Tinker wire types <-> `temper.api.types`: the codecs, and reading big bodies without
+holding up the event loop."""
