@@ -17,21 +17,21 @@ prints both sides' configuration as read back from the live objects (`temper_con
 `trl_config`), so a mismatch shows.
 
 Temper's step is the RL loop's: `save_weights_and_get_sampling_client`, a group of
-`ProblemEnv`s per problem (what `make_groups` builds) and `rollout_groups` (the "sample"
-phase), then group advantages, `policy_datum`, `forward_backward("ppo")` and `optim_step`
-("train"), on the default recipe's engines (what `RLJob.Config()` runs: helper sampler
-processes, two trainer thread shards). TRL's "sample"
-phase is its `_generate_and_score_completions` (generate, decode, reward, advantages). Each
-side is timed over `--steps` steps after `--warmup` untimed steps (default 5), in `--rounds`
-rounds (default 6) that alternate which side runs first; each round's medians and ratio are
-printed (`per_round`), and the speedup is the median of the rounds' ratios. Before the timed
-rounds, `--warmup-rounds` (default 2) whole rounds of both sides run untimed: each side's first
-runs in a process are slower than its later ones (first-call setup, the heap growing to the
-step's size; Temper's first run also starts its sampler helper process), and without these
-rounds the first timed rounds would flatter whichever side they slowed less. The
-load average before and after is printed (the machine may be shared). Prints one JSON line.
-Without `trl` installed (the `bench` extra), only Temper's numbers are printed, with the
-reason in `trl_skipped`.
+`ProblemEnv`s per problem (what `ProblemSource.make_group` builds, here without EOS stops)
+rolled out as one-turn episodes by the `EpisodeRunner` (the "sample" phase), then group
+advantages, `policy_datum`, `forward_backward("ppo")` and `optim_step` ("train"), on the
+default recipe's engines (what `RLJob.Config()` runs: helper sampler processes, two trainer
+thread shards). TRL's "sample" phase is its `_generate_and_score_completions` (generate,
+decode, reward, advantages). Each side is timed over `--steps` steps after `--warmup` untimed
+steps (default 5), in `--rounds` rounds (default 6) that alternate which side runs first; each
+round's medians and ratio are printed (`per_round`), and the speedup is the median of the
+rounds' ratios. Before the timed rounds, `--warmup-rounds` (default 2) whole rounds of both
+sides run untimed: each side's first runs in a process are slower than its later ones
+(first-call setup, the heap growing to the step's size; Temper's first run also starts its
+sampler helper process), and without these rounds the first timed rounds would flatter
+whichever side they slowed less. The load average before and after is printed (the machine may
+be shared). Prints one JSON line. Without `trl` installed (the `bench` extra), only Temper's
+numbers are printed, with the reason in `trl_skipped`.
 
     OMP_WAIT_POLICY=PASSIVE python bench/grpo_step.py [--steps 10 --rounds 6]
 """
@@ -56,7 +56,8 @@ from temper.client.service_client import ServiceClient
 from temper.config.recipes import default_recipe
 from temper.rl.advantages import group_advantages
 from temper.rl.env import ProblemEnv
-from temper.rl.rollout import policy_datum, rollout_groups
+from temper.rl.episodes import EpisodeRunner
+from temper.rl.rollout import policy_datum
 from temper.tasks import Problem, SumDigits
 
 PROMPTS = 16
@@ -99,6 +100,13 @@ def checkpointing(model) -> bool:
     raise AttributeError(f"{type(model).__name__} says nothing of activation checkpointing")
 
 
+class _FixedLengthEnv(ProblemEnv):
+    """A problem without stop tokens: every completion has `NEW_TOKENS` tokens, as TRL's."""
+
+    def stop_token_ids(self) -> list[int]:
+        return []
+
+
 def temper_steps(
     model_dir: Path, problems: list[Problem], *, steps: int, warmup: int
 ) -> tuple[Times, dict[str, object]]:
@@ -111,19 +119,25 @@ def temper_steps(
         training = service.create_training_client(str(model_dir))
         tokenizer, task = training.get_tokenizer(), SumDigits.Config().build()
         rng = random.Random(0)
-        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, stop=[])
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0)
+        runner = EpisodeRunner.Config().build(max_seq_len=job.sampler.max_seq_len)
         times: Times = {"sample": [], "train": [], "total": []}
         prompt_tokens = 0
         for step in range(warmup + steps):
             started = time.perf_counter()
             sampler = training.save_weights_and_get_sampling_client()
-            # make_groups' groups, on this step's problems rather than fresh draws.
+            # ProblemSource's groups, on this step's problems rather than fresh draws.
             groups = [
-                [ProblemEnv(problem, task=task, tokenizer=tokenizer) for _ in range(GROUP_SIZE)]
+                [
+                    _FixedLengthEnv(problem, task=task, tokenizer=tokenizer)
+                    for _ in range(GROUP_SIZE)
+                ]
                 for problem in problems[step * PROMPTS : (step + 1) * PROMPTS]
             ]
             prompt_tokens += sum(len(group[0].initial_observation()) for group in groups)
-            trajectories = rollout_groups(sampler, groups, params=params, rng=rng)
+            seeds = [rng.getrandbits(63) for _ in groups]
+            running = runner.start(sampler, groups, params=params, seeds=seeds, turns="single")
+            trajectories = running.wait()
             # As the RL loop does: no client holds this version while the trainer steps, so
             # optim_step changes the weights in place instead of copying them for the client.
             del sampler

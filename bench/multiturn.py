@@ -103,8 +103,12 @@ def main() -> None:
                 source.make_group(rng, split="train", group_size=1)[0] for _ in range(args.episodes)
             ]
 
-        seeds = list(range(args.episodes))
-        play(runner, sampler, [envs()], seeds=seeds)  # warm up
+        seeds = list(range(args.episodes))  # one an episode: each is a group of its own
+
+        def groups() -> list:
+            return [[env] for env in envs()]
+
+        play(runner, sampler, groups(), seeds=seeds)  # warm up
         results = {}
         cache = sampler.generator.prefix_cache
         for name in ("concurrent", "concurrent_no_prefix_cache", "naive"):
@@ -112,7 +116,7 @@ def main() -> None:
             cache.max_bytes = 0 if name == "concurrent_no_prefix_cache" else cache_bytes
             for _ in range(args.repeats):
                 if name.startswith("concurrent"):
-                    times.append(play(runner, sampler, [envs()], seeds=seeds))
+                    times.append(play(runner, sampler, groups(), seeds=seeds))
                 else:
                     times.append(sum(play(runner, sampler, [[env]], seeds=[seed])
                                      for env, seed in zip(envs(), seeds, strict=True)))  # fmt: skip

@@ -27,7 +27,7 @@ Every CPU case runs Temper at two settings, side by side with HF in the same rou
   unless the flags say otherwise: `--tiny-threads 1` runs every part on one thread,
   `--decode-shards auto` splits decode steps over the threads, `--cpu-processes 1` keeps
   every call in one process;
-- `rl_job_*`: what an RL job samples with (`RLJobConfig().sampler.cpu`: one process per core,
+- `rl_job_*`: what an RL job samples with (`RLJob.Config().sampler.cpu`: one process per core,
   each on one thread), at the same batch.
 
     OMP_WAIT_POLICY=PASSIVE python bench/sampler.py [--quick] [--vocab 1024] [--batches 1,64]
@@ -47,7 +47,7 @@ from timing import interleaved_median_seconds, median_seconds, require_baseline
 from temper.api import SamplingParams
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.models import materialize, qwen3_size
-from temper.rl.config import RLJobConfig
+from temper.rl.job import RLJob
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.packed_linear import PackedLinear
 from temper.sampler.engine import SamplerEngine, SampleRequest
@@ -190,9 +190,9 @@ def cpu_config(**settings: int | str | None) -> CpuDecoding.Config:
 
 
 def rl_job_cpu() -> CpuDecoding.Config:
-    """The CPU settings an RL job samples with (`RLJobConfig().sampler.cpu`: one process per
+    """The CPU settings an RL job samples with (`RLJob.Config().sampler.cpu`: one process per
     core, each on one thread), which differ from the engine's defaults."""
-    return RLJobConfig().sampler.cpu
+    return RLJob.Config().sampler.cpu
 
 
 def _local_engine(sampler) -> SamplerEngine:

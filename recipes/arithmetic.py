@@ -11,6 +11,7 @@ from __future__ import annotations
 from temper.config.recipes import recipe
 from temper.job import ModelChoice
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.tasks import Arithmetic
 
@@ -21,12 +22,14 @@ def arithmetic() -> RLJob.Config:
         model=ModelChoice.Config(base_model="tiny"),
         task=Arithmetic.Config(ops=("add", "sub"), min_digits=1, max_digits=2),
         warmup=SFTWarmup.Config(steps=1000, batch_size=64, learning_rate=2e-3),
-        steps=100,
-        prompts_per_step=32,
-        group_size=8,
-        max_tokens=5,
-        learning_rate=5e-5,
-        eval_every=25,
+        rl=RLSteps.Config(
+            steps=100,
+            prompts_per_step=32,
+            group_size=8,
+            max_tokens=5,
+            learning_rate=5e-5,
+            eval_every=25,
+        ),
     )
 
 
@@ -34,9 +37,9 @@ def arithmetic() -> RLJob.Config:
 def arithmetic_smoke() -> RLJob.Config:
     config = arithmetic()
     config.warmup.steps = 20
-    config.steps = 4
-    config.prompts_per_step = 8
-    config.group_size = 4
-    config.eval_every = 2
+    config.rl.steps = 4
+    config.rl.prompts_per_step = 8
+    config.rl.group_size = 4
+    config.rl.eval_every = 2
     config.eval_problems = 32
     return config

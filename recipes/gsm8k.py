@@ -21,6 +21,7 @@ from pathlib import Path
 from temper.config.recipes import recipe
 from temper.job import ModelChoice
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.engine import SamplerEngine
 from temper.tasks import Math
@@ -37,13 +38,15 @@ def gsm8k_qwen3_0_6b() -> RLJob.Config:
         model=ModelChoice.Config(base_model="models/Qwen3-0.6B", lora_rank=32, device="cuda"),
         task=Math.Config(path=str(DATA_DIR / "gsm8k_sample.jsonl")),
         warmup=SFTWarmup.Config(steps=20, batch_size=16, learning_rate=1e-4, warmup_steps=5),
-        steps=200,
-        prompts_per_step=32,
-        group_size=8,
-        max_tokens=384,
-        temperature=1.0,
-        learning_rate=4e-5,
-        eval_every=25,
+        rl=RLSteps.Config(
+            steps=200,
+            prompts_per_step=32,
+            group_size=8,
+            max_tokens=384,
+            temperature=1.0,
+            learning_rate=4e-5,
+            eval_every=25,
+        ),
         eval_problems=128,
         sampler=SamplerEngine.Config(max_batch=256, max_seq_len=1024),
     )

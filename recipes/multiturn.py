@@ -11,22 +11,24 @@ bitwise.
 
 from __future__ import annotations
 
+import dataclasses
+
 from temper.config.recipes import recipe
 from temper.job import ModelChoice
 from temper.rl.envs import GuessNumber, ToolArithmetic
 from temper.rl.episodes import EpisodeRunner
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.trainer import TrainerEngine
 
 
-def _multiturn(**fields) -> RLJob.Config:
+def _multiturn(*, rl: RLSteps.Config, **fields) -> RLJob.Config:
     return RLJob.Config(
         model=ModelChoice.Config(base_model="tiny"),
-        prompts_per_step=16,
-        group_size=8,
+        rl=dataclasses.replace(rl, prompts_per_step=16, group_size=8),
         sampler=SamplerEngine.Config(
             max_batch=256, max_seq_len=64, cpu=CpuDecoding.Config(num_threads=1)
         ),
@@ -50,11 +52,9 @@ def guess_number() -> RLJob.Config:
         ),
         episodes=EpisodeRunner.Config(max_turns=7, max_context=64, turn_batching="by_turn"),
         warmup=SFTWarmup.Config(steps=250, batch_size=32, learning_rate=2e-3, eval_every=0),
-        steps=40,
-        max_tokens=4,
-        learning_rate=2e-4,
-        lr_schedule="cosine",
-        eval_every=20,
+        rl=RLSteps.Config(
+            steps=40, max_tokens=4, learning_rate=2e-4, lr_schedule="cosine", eval_every=20
+        ),
         eval_problems=256,
     )
 
@@ -65,9 +65,6 @@ def tool_arithmetic() -> RLJob.Config:
         env=ToolArithmetic.Config(num_terms=3, min_digits=2, max_digits=2),
         episodes=EpisodeRunner.Config(max_turns=3, max_context=64, turn_batching="by_turn"),
         warmup=SFTWarmup.Config(steps=300, batch_size=32, learning_rate=2e-3, eval_every=0),
-        steps=20,
-        max_tokens=12,
-        learning_rate=3e-4,
-        eval_every=10,
+        rl=RLSteps.Config(steps=20, max_tokens=12, learning_rate=3e-4, eval_every=10),
         eval_problems=64,
     )

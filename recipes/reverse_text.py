@@ -14,6 +14,7 @@ import string
 from temper.config.recipes import recipe
 from temper.job import ModelChoice
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.tasks import ReverseText
 
@@ -24,10 +25,12 @@ def reverse_text() -> RLJob.Config:
         model=ModelChoice.Config(base_model="tiny:letters"),
         task=ReverseText.Config(alphabet=string.ascii_lowercase, min_length=4, max_length=8),
         warmup=SFTWarmup.Config(steps=110, batch_size=64, learning_rate=2e-3),
-        steps=100,
-        prompts_per_step=32,
-        group_size=8,
-        max_tokens=9,
-        learning_rate=5e-5,
-        eval_every=20,
+        rl=RLSteps.Config(
+            steps=100,
+            prompts_per_step=32,
+            group_size=8,
+            max_tokens=9,
+            learning_rate=5e-5,
+            eval_every=20,
+        ),
     )

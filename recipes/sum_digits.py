@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from temper.config.recipes import recipe
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sft import SFTJob
 from temper.trainer import TrainerEngine
@@ -25,11 +26,9 @@ def cpu_trainer() -> TrainerEngine.Config:
 def sum_digits() -> RLJob.Config:
     return RLJob.Config(
         warmup=SFTWarmup.Config(steps=1000, batch_size=64, learning_rate=2e-3),
-        steps=100,
-        prompts_per_step=32,
-        group_size=8,
-        learning_rate=3e-5,
-        eval_every=25,
+        rl=RLSteps.Config(
+            steps=100, prompts_per_step=32, group_size=8, learning_rate=3e-5, eval_every=25
+        ),
         trainer=cpu_trainer(),
     )
 
@@ -40,10 +39,10 @@ def sum_digits_short_warmup() -> RLJob.Config:
     modest rate that decays, not a high constant rate (2e-4 and up first unlearns)."""
     config = sum_digits()
     config.warmup.steps = 150
-    config.steps = 1500
-    config.learning_rate = 1e-4
-    config.lr_schedule = "cosine"
-    config.eval_every = 100
+    config.rl.steps = 1500
+    config.rl.learning_rate = 1e-4
+    config.rl.lr_schedule = "cosine"
+    config.rl.eval_every = 100
     return config
 
 

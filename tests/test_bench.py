@@ -98,7 +98,7 @@ def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
     assert case["batch"] == 1 and case["hf_tokens_per_s"] > 0
     # The engine's default: a process per core (batch 1 never splits, so none starts).
     assert case["temper_cpu_processes"] == CpuDecoding.Config().num_processes()
-    assert case["rl_job_threads"] == 1  # RLJobConfig().sampler.cpu
+    assert case["rl_job_threads"] == 1  # RLJob.Config().sampler.cpu
     assert case["speedup_vs_hf"] == case["temper_speedup_vs_hf"] > 0
     assert case["rl_job_speedup_vs_hf"] > 0
     assert "processes='auto'" in report["rl_job_cpu_config"]

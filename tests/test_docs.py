@@ -61,7 +61,7 @@ TIMEOUT_S = 120
 
 QUICK_FLAGS = {
     # One sampler process: a helper process per core costs seconds to start.
-    "RLJob.Config": "--steps 2 --warmup.steps 2 --eval_problems 8 --metrics.display none "
+    "RLJob.Config": "--rl.steps 2 --warmup.steps 2 --eval_problems 8 --metrics.display none "
     "--sampler.cpu.processes 1",
     "SFTJob.Config": "--steps 2 --eval_every 2 --eval_problems 8 --metrics.display none",
 }

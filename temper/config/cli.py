@@ -28,7 +28,7 @@ import tyro
 import tyro.constructors
 
 from temper.config import recipes, serialize
-from temper.config.configurable import Configurable
+from temper.config.configurable import Configurable, renamed_fields
 from temper.config.local_paths import make_local_paths_absolute
 
 TRAIN_USAGE = """\
@@ -267,8 +267,7 @@ def check_root_config(config: Any, *, recipe: str | None) -> None:
     owner = type(config)._owner
     if owner is None or not callable(getattr(owner, "run", None)):
         what = (
-            "it is not nested in a job class (return the job's own Config, e.g. RLJob.Config "
-            "rather than RLJobConfig)"
+            "it is not nested in a job class (return the job's own Config, e.g. RLJob.Config)"
             if owner is None
             else f"its owner {owner.__qualname__} has no run(*, run_dir) method"
         )
@@ -282,7 +281,9 @@ def override_config(
     config: Any, *, args: Sequence[str], prog: str, description: str = TRAIN_USAGE
 ) -> Any:
     """A copy of `config` with command-line field overrides applied (tyro; exits on errors);
-    `description` heads `--help`."""
+    `description` heads `--help`. A flag of a setting that moved raises a ValueError naming
+    its new flag."""
+    _check_renamed_flags(config, args=args)
     with warnings.catch_warnings():
         # A recipe's own class in a union field (a task or env source of your own) is not one
         # of the union's members; tyro warns, then takes its fields as they are, as intended.
@@ -308,6 +309,14 @@ def _tyro_overrides(config: Any, *, args: Sequence[str], prog: str, description:
             tyro.conf.CascadeSubcommandArgs,
         ),
     )
+
+
+def _check_renamed_flags(config: Any, *, args: Sequence[str]) -> None:
+    renamed = renamed_fields(config)
+    for arg in args:
+        name = arg.removeprefix("--").partition("=")[0].replace("-", "_")
+        if arg.startswith("--") and name in renamed:
+            raise ValueError(f"--{name} is now --{renamed[name]}")
 
 
 def config_registry() -> tyro.constructors.ConstructorRegistry:

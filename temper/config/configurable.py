@@ -18,6 +18,8 @@ error rather than a silent override.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 
@@ -29,6 +31,9 @@ class Configurable:
         """Base config; subclasses are `@dataclass(kw_only=True)` nested in their owner."""
 
         _owner: ClassVar[type | None] = None
+        renamed_fields: ClassVar[Mapping[str, str]] = MappingProxyType({})
+        """Settings that moved: old field name -> its new path from this config
+        (`{"group_size": "rl.group_size"}`), so that the old flag fails naming the new one."""
 
         def build(self, **runtime_objects: Any) -> Any:
             """Construct the owning component from this config and runtime objects."""
@@ -86,3 +91,20 @@ def missing_packages(config: Configurable.Config) -> list[str]:
 
     visit(config, "")
     return lines
+
+
+def renamed_fields(config: Configurable.Config) -> dict[str, str]:
+    """The old paths of settings that moved in `config` or the configs nested in it -> their
+    new paths (flag names without `--`: `group_size` -> `rl.group_size`)."""
+    renamed: dict[str, str] = {}
+
+    def visit(value: Any, path: str) -> None:
+        if not isinstance(value, Configurable.Config):
+            return
+        for old, new in type(value).renamed_fields.items():
+            renamed[f"{path}{old}"] = f"{path}{new}"
+        for field in dataclasses.fields(value):
+            visit(getattr(value, field.name), f"{path}{field.name}.")
+
+    visit(config, "")
+    return renamed

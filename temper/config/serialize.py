@@ -174,8 +174,10 @@ def _from_dataclass(cls: type, value: Any, *, path: str) -> Any:
     names = _init_names(cls)
     unknown = [key for key in value if key not in names]
     if unknown:
+        renamed = vars(cls).get("renamed_fields", {}).get(unknown[0])
+        moved = f" (now '{_join(path, renamed)}': saved before it moved)" if renamed else ""
         raise ValueError(
-            f"unknown field '{_join(path, str(unknown[0]))}' for {cls.__qualname__}; "
+            f"unknown field '{_join(path, str(unknown[0]))}' for {cls.__qualname__}{moved}; "
             f"valid fields: {', '.join(names)}"
         )
     missing = [name for name in names if name not in value]

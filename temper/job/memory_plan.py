@@ -44,7 +44,7 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   Disaggregated generators update in place between requests (no copy), unless they overlap
   the transfer with sampling (`overlap_sync`) or run vLLM (which takes whole tensors): then
   each holds a second copy of the weights.
-- A KL reference (`kl_coef > 0`) is one more sampler on every colocated rank: weights and its
+- A KL reference (`rl.kl_coef > 0`) is one more sampler on every colocated rank: weights and its
   own KV cache. Disaggregated, it loads on the generator ranks as whole weights that only
   score (no KV cache), and the trainer ranks hold none of it.
 
@@ -123,7 +123,7 @@ class PlanSettings:
     and AdamW moments are sharded over trainer ranks / dp_replicate (FSDP when 1; DDP, whole
     copies on every rank, when it equals the trainer ranks)."""
     batch: int = 256
-    """Sequences sampled per step, over all generators (prompts_per_step x group_size)."""
+    """Sequences sampled per step, over all generators (rl.prompts_per_step x rl.group_size)."""
     max_seq_len: int = 2048
     """Longest prompt + completion (--sampler.max_seq_len): KV-cache positions per slot and
     tokens per trained sequence."""
@@ -147,7 +147,7 @@ class PlanSettings:
     mode: Literal["sync", "async"] = "sync"
     """async: colocated ranks keep the previous version's sampler while the next samples."""
     kl_reference: bool = False
-    """A KL penalty's reference policy (kl_coef > 0): one more sampler."""
+    """A KL penalty's reference policy (rl.kl_coef > 0): one more sampler."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (an '80 GB' H100 or A100 reports about 79 GiB)."""
     headroom: float = 0.1

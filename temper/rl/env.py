@@ -2,14 +2,14 @@
 
 An `Env` gives an initial observation (prompt tokens) and a stop condition, and turns the
 policy's action tokens into a reward; `done=False` with a next observation makes it multi-turn.
-Rewards live here, never in the sampler or trainer. `ProblemEnv` adapts a single-turn task
-(problem -> answer checker) to this protocol, and `make_groups` builds the `group_size` copies
-of each problem that GRPO compares.
+Rewards live here, never in the sampler or trainer.
 
-Multi-turn: an `EnvSource` makes groups of episodes that start alike (episodes.py runs them),
-fixed held-out environments, and demonstrations for the supervised warm-up. Everything is
-tokens: the episode runner appends the exact sampled tokens and the observation tokens a step
-returns to the context; nothing is re-tokenized from text.
+An `EnvSource` makes groups of episodes that start alike (episodes.py runs them), fixed
+held-out environments, and demonstrations for the supervised warm-up; the RL job rolls out,
+evaluates and warms up through one. `ProblemSource` is the source of a single-turn task
+(problem -> answer checker): its `ProblemEnv`s are one-turn episodes. Everything is tokens: the
+episode runner appends the exact sampled tokens and the observation tokens a step returns to
+the context; nothing is re-tokenized from text.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
+from temper.tasks.evaluation import heldout_problems
 from temper.tasks.problem import Problem, Task, scored
 from temper.tokenizer import Tokenizer
 
@@ -60,8 +61,19 @@ class Demonstration:
             )
 
 
+Turns = Literal["single", "multi"]
+"""How many actions a source's episodes take, and so how the episode runner samples them.
+'single': one action each (a problem and its answer); a group's actions are one sample request
+of `group_size` completions of its shared prompt (one prefill), seeded with the group's seed.
+'multi': each episode samples its turns on a seed stream of its own (drawn from the group's
+seed), turn after turn until its env says done."""
+
+
 class EnvSource(Protocol):
-    """Where multi-turn episodes come from (a built-in one lives in temper/rl/envs/)."""
+    """Where episodes come from: `ProblemSource` below, or a multi-turn source (the built-in
+    ones live in temper/rl/envs/)."""
+
+    turns: Turns
 
     def make_group(self, rng: random.Random, *, split: str, group_size: int) -> list[Env]:
         """`group_size` fresh environments in the same starting state, drawn from `split`."""
@@ -78,7 +90,8 @@ class EnvSource(Protocol):
 
 
 class ProblemEnv:
-    """One problem, one answer: reward from the task's checker on the decoded completion."""
+    """One problem, one answer: reward from the task's checker on the decoded completion (the
+    episode ends after that one action)."""
 
     def __init__(self, problem: Problem, *, task: Task, tokenizer: Tokenizer) -> None:
         self.problem = problem
@@ -100,20 +113,35 @@ class ProblemEnv:
         )
 
 
-def make_groups(
-    task: Task,
-    *,
-    tokenizer: Tokenizer,
-    rng: random.Random,
-    num_groups: int,
-    group_size: int,
-    split: str,
-) -> list[list[ProblemEnv]]:
-    """`num_groups` problems, each repeated `group_size` times."""
-    groups = []
-    for _ in range(num_groups):
-        problem = task.sample(rng, split=split)
-        groups.append(
-            [ProblemEnv(problem, task=task, tokenizer=tokenizer) for _ in range(group_size)]
+class ProblemSource:
+    """A single-turn task as an `EnvSource`: a group is `group_size` copies of one problem, the
+    held-out environments are the task's fixed held-out problems, and a demonstration is a
+    problem with its reference answer (and EOS)."""
+
+    turns: Turns = "single"
+
+    def __init__(self, task: Task, *, tokenizer: Tokenizer) -> None:
+        self.task, self.tokenizer = task, tokenizer
+        self._heldout: list[Problem] = []
+        """The first held-out problems, drawn once (they do not depend on the run)."""
+
+    def make_group(self, rng: random.Random, *, split: str, group_size: int) -> list[ProblemEnv]:
+        problem = self.task.sample(rng, split=split)
+        return [self._env(problem) for _ in range(group_size)]
+
+    def heldout_envs(self, count: int) -> list[ProblemEnv]:
+        if len(self._heldout) < count:
+            self._heldout = heldout_problems(self.task, count=count)
+        return [self._env(problem) for problem in self._heldout[:count]]
+
+    def demonstration(self, rng: random.Random) -> Demonstration:
+        """A training problem and its answer, with loss weight on the answer's tokens."""
+        problem = self.task.sample(rng, split="train")
+        prompt = self.tokenizer.encode(problem.prompt)
+        answer = [*self.tokenizer.encode(problem.answer), self.tokenizer.eos_token_id]
+        return Demonstration(
+            tokens=prompt + answer, weights=[0.0] * len(prompt) + [1.0] * len(answer)
         )
-    return groups
+
+    def _env(self, problem: Problem) -> ProblemEnv:
+        return ProblemEnv(problem, task=self.task, tokenizer=self.tokenizer)

@@ -1,4 +1,6 @@
-"""Multi-turn episodes: many in flight, each turn sampled as soon as the last step returned.
+"""Episodes: the one rollout path of RL, single-turn problems and multi-turn environments alike.
+
+Many episodes are in flight at once, each turn sampled as soon as the last step returned.
 
 Shapes: C completion tokens of an episode (every token after its initial observation: the
 policy's actions and the environment's observations between them).
@@ -19,14 +21,24 @@ only its own episode. When the sampler is idle and steps that started together a
 running, the driver waits up to `batch_window_s` for them, so a fast env's next turns are not
 split into a lone first request and the rest.
 
-Each episode's turns are seeded from one seed drawn by the caller, so a seeded run's tokens
-are reproducible whatever order the steps finish in (the engine's draws depend only on a row's
+`start` sends every episode's first turn before it returns (so the batches of successive
+starts never mix) and `wait` collects the trajectories. The caller gives one seed per group.
+A group of a multi-turn source (`turns="multi"`) draws one seed per episode from it, and each
+episode's turns are seeded from its own, so a seeded run's tokens are reproducible whatever
+order the steps finish in (the engine's draws depend only on a row's
 seed and position, not on the batch). Its logprobs are not: the engine's results depend on the
 batch at rounding level, and which turns share a batch depends on when env steps return.
 `turn_batching="by_turn"` makes them reproducible too (a resumed run then equals an
 uninterrupted one bitwise): episodes advance in lockstep, every live episode's next turn is
 sent, in episode order, inside one `SamplingClient.batch()` once all steps of the turn have
 returned, so a slow step holds up every episode of the batch.
+
+A group of a single-turn source (`turns="single"`, env.py) is one request of `group_size`
+completions of its shared prompt, seeded with the group's seed: one prefill for the group.
+Each completion is scored by its env's one step, on the driver thread as the request returns
+(a problem's reward is cheap, and no later turn waits for it: handing it to the pool cost more
+than the step). Its trajectories carry the env's metrics only (no turns, end reasons or env
+seconds: there is one turn and nothing else to end it) and no action mask.
 
 An env whose `step` raises stops the batch with an `EnvStepError` naming the env, the group,
 the episode and the turn.
@@ -47,7 +59,7 @@ from typing import Any, Literal
 from temper.api.types import ModelInput, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
-from temper.rl.env import Env, StepResult
+from temper.rl.env import Env, StepResult, Turns
 from temper.rl.rollout import Trajectory
 from temper.tasks.problem import finite_float
 
@@ -110,14 +122,15 @@ class EpisodeRunner(Configurable):
         *,
         params: SamplingParams,
         seeds: Sequence[int],
+        turns: Turns = "multi",
     ) -> RunningEpisodes:
-        """Start every episode of `groups` (one seed per episode, in order) and return at once."""
-        num_episodes = sum(len(group) for group in groups)
-        if len(seeds) != num_episodes:
-            raise ValueError(f"EpisodeRunner.start: {len(seeds)} seeds for {num_episodes} episodes")
+        """Start every episode of `groups` (one seed per group, in order; `turns` as the groups'
+        source says, env.py) and return once their first turns are sent."""
+        if len(seeds) != len(groups):
+            raise ValueError(f"EpisodeRunner.start: {len(seeds)} seeds for {len(groups)} groups")
         return RunningEpisodes(
             self.config, sampling_client=sampling_client, groups=groups, params=params,
-            seeds=seeds, pool=self._pool,
+            seeds=seeds, turns=turns, pool=self._pool,
         )  # fmt: skip
 
     def close(self) -> None:
@@ -130,8 +143,8 @@ class _Episode:
     group: int
     index: int
     prompt: list[int]
-    seeds: random.Random
-    """Draws each turn's sampling seed."""
+    seeds: random.Random | None
+    """Draws each turn's sampling seed (None: one turn, sampled with its group's request)."""
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[float] = field(default_factory=list)
@@ -148,7 +161,16 @@ class _Episode:
     def name(self) -> str:
         return f"{type(self.env).__name__} (group {self.group}, episode {self.index})"
 
-    def trajectory(self) -> Trajectory:
+    def trajectory(self, *, turns: Turns) -> Trajectory:
+        if turns == "single":
+            return Trajectory(
+                prompt=self.prompt,
+                completion=self.completion,
+                sampler_logprobs=self.logprobs,
+                reward=self.turn_rewards[0] if self.turn_rewards else 0.0,
+                stop_reason=self.stop_reason,
+                metrics=dict(self.metrics),
+            )
         metrics = dict(self.metrics)
         metrics["turns"] = float(self.num_turns)
         metrics["env_seconds"] = self.env_seconds
@@ -175,28 +197,26 @@ class RunningEpisodes:
         groups: Sequence[Sequence[Env]],
         params: SamplingParams,
         seeds: Sequence[int],
+        turns: Turns,
         pool: concurrent.futures.Executor,
     ) -> None:
-        self.config, self.params, self._pool = config, params, pool
+        self.config, self.params, self.turns, self._pool = config, params, turns, pool
         self.sampler_version: int = sampling_client.version
         self._client = sampling_client
-        seed_iter = iter(seeds)
+        self._max_turns = 1 if turns == "single" else config.max_turns
         self._groups = [
-            [
-                _Episode(
-                    env=env,
-                    group=g,
-                    index=i,
-                    prompt=list(env.initial_observation()),
-                    seeds=random.Random(next(seed_iter)),
-                )
-                for i, env in enumerate(group)
-            ]
-            for g, group in enumerate(groups)
+            _episodes(group, group_index=g, seed=seed, turns=turns)
+            for g, (group, seed) in enumerate(zip(groups, seeds, strict=True))
         ]
-        self._events: queue.SimpleQueue[tuple[str, _Episode, Any]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._num_sampling = self._num_stepping = 0
         self._error: BaseException | None = None
+        if turns == "single":
+            with self._client.batch():
+                for group, seed in zip(self._groups, seeds, strict=True):
+                    self._sample_group(group, seed=seed)
+        else:
+            self._next_turns([episode for group in self._groups for episode in group])
         self._thread = threading.Thread(target=self._drive, name="episodes", daemon=True)
         self._thread.start()
 
@@ -206,13 +226,12 @@ class RunningEpisodes:
         if self._error is not None:
             raise self._error
         self._client = None  # the version's snapshot may go (weight_sync copy-on-write)
-        return [[episode.trajectory() for episode in group] for group in self._groups]
+        return [[e.trajectory(turns=self.turns) for e in group] for group in self._groups]
 
     # -- the driver thread -----------------------------------------------------------------
 
     def _drive(self) -> None:
         try:
-            self._next_turns([episode for group in self._groups for episode in group])
             by_turn = self.config.turn_batching == "by_turn"
             waiting: list[_Episode] = []  # by_turn: episodes whose turn's step is back
             while self._num_sampling or self._num_stepping:
@@ -230,7 +249,7 @@ class RunningEpisodes:
         finally:
             self._client = None
 
-    def _drain(self) -> list[tuple[str, _Episode, Any]]:
+    def _drain(self) -> list[tuple[str, Any, Any]]:
         events = []
         while True:
             try:
@@ -250,13 +269,18 @@ class RunningEpisodes:
             ready += self._handle([event, *self._drain()])
         return ready
 
-    def _handle(self, events: list[tuple[str, _Episode, Any]]) -> list[_Episode]:
+    def _handle(self, events: list[tuple[str, Any, Any]]) -> list[_Episode]:
         """Sampled actions go to their env; returned steps give the episodes to sample next."""
         ready = []
         for kind, episode, future in events:
             if kind == "sample":
                 self._num_sampling -= 1
                 self._start_step(episode, future.result().sequences[0])
+            elif kind == "group":  # a single-turn group's request: `episode` is the group
+                self._num_sampling -= 1
+                for member, sequence in zip(episode, future.result().sequences, strict=True):
+                    action = self._take_action(member, sequence)
+                    self._apply_step(member, _step_now(member.env, action))
             else:
                 self._num_stepping -= 1
                 if self._apply_step(episode, future):
@@ -269,11 +293,30 @@ class RunningEpisodes:
             for episode in episodes:
                 self._next_turn(episode)
 
+    def _sample_group(self, group: list[_Episode], *, seed: int) -> None:
+        """A single-turn group's one request: `len(group)` completions of its shared prompt."""
+        first = group[0]
+        room = self.config.max_context - len(first.prompt)
+        if room < 1:
+            for episode in group:
+                episode.end_reason = "context"
+            return
+        params = dataclasses.replace(
+            self.params,
+            max_tokens=min(self.params.max_tokens, room),
+            stop=list(first.env.stop_token_ids()),
+            seed=seed,
+        )
+        future = self._client.sample(ModelInput.from_ints(first.prompt), len(group), params)
+        self._num_sampling += 1
+        future.add_done_callback(lambda done: self._events.put(("group", group, done)))
+
     def _next_turn(self, episode: _Episode) -> None:
         room = self.config.max_context - len(episode.prompt) - len(episode.completion)
         if room < 1:
             episode.end_reason = "context"
             return
+        assert episode.seeds is not None
         params = dataclasses.replace(
             self.params,
             max_tokens=min(self.params.max_tokens, room),
@@ -285,12 +328,17 @@ class RunningEpisodes:
         self._num_sampling += 1
         future.add_done_callback(lambda done: self._events.put(("sample", episode, done)))
 
-    def _start_step(self, episode: _Episode, sequence: Any) -> None:
+    def _take_action(self, episode: _Episode, sequence: Any) -> list[int]:
+        """Append a sampled action to the episode; its tokens."""
         action = list(sequence.tokens)
         episode.completion += action
         episode.logprobs += list(sequence.logprobs)
         episode.mask += [1.0] * len(action)
         episode.stop_reason = sequence.stop_reason
+        return action
+
+    def _start_step(self, episode: _Episode, sequence: Any) -> None:
+        action = self._take_action(episode, sequence)
         future = self._pool.submit(_timed_step, episode.env, action)
         self._num_stepping += 1
         future.add_done_callback(lambda done: self._events.put(("step", episode, done)))
@@ -320,7 +368,7 @@ class RunningEpisodes:
         if result.done:
             episode.end_reason = result.end_reason or "done"
             return False
-        if turn >= self.config.max_turns:
+        if turn >= self._max_turns:
             episode.end_reason = "max_turns"
             return False
         observation = list(result.next_observation or [])
@@ -355,6 +403,39 @@ def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:
     return result, time.perf_counter() - start
 
 
+def _step_now(env: Env, action: list[int]) -> concurrent.futures.Future:
+    """`_timed_step` on this thread, as a done future (what `_apply_step` reads)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(_timed_step(env, action))
+    except Exception as error:
+        future.set_exception(error)
+    return future
+
+
+def _episodes(group: Sequence[Env], *, group_index: int, seed: int, turns: Turns) -> list[_Episode]:
+    """A group's episodes: a single-turn group's share its first env's prompt (a group starts
+    alike) and its request's seed; a multi-turn group's draw their seeds from the group's."""
+    if turns == "single":
+        prompt = list(group[0].initial_observation())
+        return [
+            _Episode(env=env, group=group_index, index=i, prompt=list(prompt), seeds=None)
+            for i, env in enumerate(group)
+        ]
+    rng = random.Random(seed)
+    member_seeds = [rng.getrandbits(63) for _ in group]
+    return [
+        _Episode(
+            env=env,
+            group=group_index,
+            index=i,
+            prompt=list(env.initial_observation()),
+            seeds=random.Random(member_seed),
+        )
+        for i, (env, member_seed) in enumerate(zip(group, member_seeds, strict=True))
+    ]
+
+
 def run_episodes(
     runner: EpisodeRunner,
     sampling_client: Any,
@@ -362,18 +443,8 @@ def run_episodes(
     *,
     params: SamplingParams,
     rng: random.Random,
+    turns: Turns = "multi",
 ) -> list[list[Trajectory]]:
-    """Start and wait in one call, with every episode's seed drawn from `rng` in order."""
-    seeds = [rng.getrandbits(63) for group in groups for _ in group]
-    return runner.start(sampling_client, groups, params=params, seeds=seeds).wait()
-
-
-def heldout_success(
-    runner: EpisodeRunner, sampling_client: Any, envs: Sequence[Env], *, max_tokens: int
-) -> float:
-    """Share of held-out episodes, played greedily, whose env reported `correct`."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    groups = [[env] for env in envs]
-    trajectories = runner.start(sampling_client, groups, params=params, seeds=[0] * len(envs))
-    done = [group[0] for group in trajectories.wait()]
-    return sum(min(t.metrics.get("correct", 0.0), 1.0) for t in done) / len(done)
+    """Start and wait in one call, with every group's seed drawn from `rng` in order."""
+    seeds = [rng.getrandbits(63) for _ in groups]
+    return runner.start(sampling_client, groups, params=params, seeds=seeds, turns=turns).wait()

@@ -1,12 +1,15 @@
 """The RL job (GRPO-style), written only against the public client API.
 
-One step: a sampling client on the current weights -> `group_size` completions for each of
-`prompts_per_step` problems (one batched decode) -> rewards -> group-relative advantages
+One step: a sampling client on the current weights -> `rl.group_size` episodes for each of
+`rl.prompts_per_step` groups from the env source (a single-turn task's problems or a multi-turn
+environment's episodes, one rollout path: episodes.py) -> rewards -> group-relative advantages
 (optionally a KL penalty to the initial policy) -> `forward_backward(loss_fn)` -> `optim_step`.
-An optional supervised warm-up runs first. The step functions live in steps.py and the loops
-that run them in loops.py: lock-step (`mode="sync"`) or sampling overlapped with training
-(`mode="async"`). This module sets a run up and runs its phases (warm-up, RL, finish), each a
-method of `_RLRun`. The same job runs in-process (here) or against a Tinker-compatible server.
+An optional supervised warm-up on the source's demonstrations runs first; held-out evaluations
+play the source's held-out episodes (evaluation.py). The step functions and their settings
+(`RLSteps.Config`, the job config's `rl`) live in steps.py and the loops that run them in
+loops.py: lock-step (`mode="sync"`) or sampling overlapped with training (`mode="async"`).
+This module sets a run up and runs its phases (warm-up, RL, finish), each a method of
+`_RLRun`. The same job runs in-process (here) or against a Tinker-compatible server.
 
 Several ranks (SPMD, `temper train RECIPE --nproc N` or torchrun): every rank runs this job
 with the trainer sharded over all ranks (`sharding`); each samples its share of every step's
@@ -27,17 +30,19 @@ import dataclasses
 import functools
 import random
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from types import MappingProxyType
+from typing import IO, Any, ClassVar, Literal
 
 from rich.console import Console
 
 from temper.checkpoint.run_state import rng_from_json, rng_to_json, truncate_jsonl
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
-from temper.client.training_client import TrainingClient
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
@@ -66,14 +71,19 @@ from temper.job.placement import (
 from temper.models.common.decoder import DecoderConfig
 from temper.observability import MetricsLogger
 from temper.observability.metrics import METRICS_FILE_NAME
-from temper.rl.config import RLJobConfig
-from temper.rl.env import EnvSource
-from temper.rl.episodes import EpisodeRunner, heldout_success
+from temper.rl.env import EnvSource, ProblemSource
+from temper.rl.envs import EnvConfig
+from temper.rl.episodes import EpisodeRunner
+from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loops import run_async, run_sync
 from temper.rl.steps import RLSteps
-from temper.tasks.evaluation import greedy_accuracy, heldout_problems
-from temper.tasks.problem import Task
+from temper.rl.warmup import SFTWarmup
+from temper.sampler.cpu.decoding import CpuDecoding
+from temper.sampler.engine import SamplerEngine
+from temper.tasks import SumDigits, TaskConfig
 from temper.tokenizer import Tokenizer
+from temper.trainer.engine import TrainerEngine
+from temper.trainer.sharding import Sharding
 
 ROLLOUTS_FILE_NAME = "rollouts.jsonl"
 
@@ -121,10 +131,88 @@ class RLLoopState:
 
 class RLJob(Configurable):
     @dataclass(kw_only=True)
-    class Config(RLJobConfig):
-        """The job's settings: all of them are `RLJobConfig`'s (temper/rl/config.py, below the
-        step functions and loops, which read them); this subclass is the one `build()` makes
-        an `RLJob` of and config.json names."""
+    class Config(Configurable.Config):
+        """The RL job: what it trains and on what, the steps' own settings (`rl`), the loop,
+        and the engines. Bad settings fail when the config is made, before any model is
+        built."""
+
+        model: ModelChoice.Config = field(default_factory=ModelChoice.Config)
+        """The model trained: base model, LoRA, device, dtype."""
+        task: TaskConfig = field(default_factory=SumDigits.Config)
+        """The single-turn task problems and rewards come from (unused when `env` is set)."""
+        env: EnvConfig | None = None
+        """A multi-turn environment source to roll out against instead of `task` (its
+        episodes, held-out envs and warm-up demonstrations); None: the single-turn `task`."""
+        episodes: EpisodeRunner.Config = field(default_factory=EpisodeRunner.Config)
+        """How episodes run (turn and context limits, env step threads); a single-turn
+        task's episodes are one turn each."""
+        warmup: SFTWarmup.Config = field(default_factory=SFTWarmup.Config)
+        """Supervised warm-up before RL."""
+        rl: RLSteps.Config = field(default_factory=RLSteps.Config)
+        """The RL steps: how many, problems and completions per step, sampling, loss,
+        learning rate, advantages, KL penalty, evaluations."""
+        mode: Literal["sync", "async"] = "sync"
+        """sync: sample, then train, every step. async: sample later steps while this one
+        trains, from weights at most `max_staleness` steps old (the PPO / importance ratio
+        against the sampler's logprobs corrects for the lag)."""
+        max_staleness: int = 1
+        """async: how many RL steps older than the trained policy the sampling weights may be
+        (0 behaves exactly like sync)."""
+        checkpoint_every: int = 0
+        """Steps (warm-up and RL together) between full-state checkpoints that
+        `temper train --resume` continues from; 0 = only at the end."""
+        eval_problems: int = 256
+        """Held-out problems (episodes) per evaluation, in warm-up and RL (a fixed set)."""
+        seed: int = 0
+        """Seed of the problem stream, and of LoRA initialization unless `model.lora_seed`
+        is set."""
+        sampler: SamplerEngine.Config = field(
+            default_factory=lambda: SamplerEngine.Config(
+                max_batch=256,
+                max_seq_len=64,
+                cpu=CpuDecoding.Config(num_threads=1, processes="auto"),
+            )
+        )
+        """Temper's sampling engine behind the sampling clients (generator backend 'temper').
+        On CPU each rollout batch is split over one process per core (`cpu.processes`), each
+        decoding on one thread."""
+        generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
+        """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
+        `generator.vllm`)."""
+        metrics: MetricsLogger.Config = field(
+            default_factory=lambda: MetricsLogger.Config(
+                progress_keys=("reward/mean", "eval/accuracy", "warmup/loss"), table_every=100
+            )
+        )
+        """Console, metrics.jsonl and TensorBoard logging."""
+        trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
+        """The engine behind the training client (micro-batch budget, shared prefixes, CPU
+        thread shards). Its `sharding` stays unset: on several ranks `sharding` below applies,
+        and thread shards are off (the ranks already use the cores)."""
+        sharding: Sharding.Config = field(default_factory=Sharding.Config)
+        """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
+        torchrun); data-parallel only (tp must be 1). Unused in one process."""
+        placement: Placement.Config = field(default_factory=Placement.Config)
+        """Where trainer and generator run on several ranks: 'colocated' (every rank does
+        both) or 'disaggregated' (the last `placement.generator_ranks` ranks generate, the
+        others train; weights are streamed to the generators after every step)."""
+        sleep_generator: bool = False
+        """Release the generator's KV cache while the trainer steps (colocated, mode 'sync'):
+        less peak memory, a re-allocation before each sampling."""
+
+        renamed_fields: ClassVar[Mapping[str, str]] = MappingProxyType(
+            {f.name: f"rl.{f.name}" for f in dataclasses.fields(RLSteps.Config)}
+        )
+        """The steps' settings moved into `rl`: `temper train --group_size 8` says to give
+        `--rl.group_size 8`."""
+
+        def __post_init__(self) -> None:
+            _check_config(self)
+
+        @property
+        def total_steps(self) -> int:
+            """Warm-up and RL steps together: the run's step count (logs, checkpoints)."""
+            return self.warmup.steps + self.rl.steps
 
     runs_on_ranks: ClassVar[bool] = True
     """`temper train` may run this job on several ranks (torchrun, `--nproc`)."""
@@ -212,74 +300,13 @@ class RLJob(Configurable):
             return run.finish()
 
 
-class HeldoutAccuracy:
-    """Greedy accuracy on the task's fixed held-out problems, each rank scoring its part."""
-
-    def __init__(
-        self,
-        *,
-        training: TrainingClient,
-        task: Task,
-        tokenizer: Tokenizer,
-        num_problems: int,
-        max_tokens: int,
-        ranks: Ranks,
-    ) -> None:
-        self.training, self.task, self.tokenizer = training, task, tokenizer
-        self.problems = heldout_problems(task, count=num_problems)
-        self.max_tokens = max_tokens
-        self.ranks = ranks
-
-    def __call__(self) -> float:
-        sampler = self.training.save_weights_and_get_sampling_client()
-        mine = self.problems[self.ranks.split(len(self.problems))]
-        total = 0.0
-        if mine:
-            _, examples = greedy_accuracy(
-                sampler, mine, task=self.task, tokenizer=self.tokenizer, max_tokens=self.max_tokens
-            )
-            total = sum(reward for _, _, reward in examples)
-        return self.ranks.sum([total])[0] / len(self.problems)
-
-
-class HeldoutSuccess:
-    """Multi-turn: the share of fixed held-out episodes, played greedily, that succeed (the
-    env's `correct`), each rank playing its part. Every evaluation plays fresh envs from the
-    source's `heldout_envs`: an env keeps its episode's state, so a played one cannot replay."""
-
-    def __init__(
-        self,
-        *,
-        training: TrainingClient,
-        source: EnvSource,
-        num_envs: int,
-        episodes: EpisodeRunner,
-        max_tokens: int,
-        ranks: Ranks,
-    ) -> None:
-        if not source.heldout_envs(num_envs):
-            raise ValueError("RLJob: the env source has no held-out environments to evaluate on")
-        self.training, self.source, self.num_envs = training, source, num_envs
-        self.episodes, self.max_tokens, self.ranks = episodes, max_tokens, ranks
-
-    def __call__(self) -> float:
-        sampler = self.training.save_weights_and_get_sampling_client()
-        envs = self.source.heldout_envs(self.num_envs)
-        mine = envs[self.ranks.split(len(envs))]
-        total = 0.0
-        if mine:
-            success = heldout_success(self.episodes, sampler, mine, max_tokens=self.max_tokens)
-            total = success * len(mine)
-        return self.ranks.sum([total])[0] / len(envs)
-
-
 class _RLRun:
     """One run of the job: set up (fresh, or resumed from the run's last checkpoint) when
     made, then its phases in order: `warmup`, `reinforce`, `finish`."""
 
     def __init__(
         self,
-        config: RLJobConfig,
+        config: RLJob.Config,
         *,
         run_dir: Path,
         resume: bool,
@@ -306,31 +333,18 @@ class _RLRun:
         else:
             self.start, self.state = saved.step, RLLoopState.from_json(saved.loop)
             ranks.on_writer(functools.partial(_truncate_logs, run_dir, before_step=saved.step))
-        self.tokenizer, self.task = self.training.get_tokenizer(), config.task.build()
+        self.tokenizer = self.training.get_tokenizer()
         self.sft_warmup = config.warmup.build()
-        self.env_source: EnvSource | None = None
-        self.episodes: EpisodeRunner | None = None
-        self.evaluate: Callable[[], float]
-        if config.env is None:
-            self.evaluate = HeldoutAccuracy(
-                training=self.training,
-                task=self.task,
-                tokenizer=self.tokenizer,
-                num_problems=config.eval_problems,
-                max_tokens=config.max_tokens,
-                ranks=ranks,
-            )
-        else:
-            self.env_source = config.env.build(tokenizer=self.tokenizer)
-            self.episodes = config.episodes.build(max_seq_len=config.sampler.max_seq_len)
-            self.evaluate = HeldoutSuccess(
-                training=self.training,
-                source=self.env_source,
-                num_envs=config.eval_problems,
-                episodes=self.episodes,
-                max_tokens=config.max_tokens,
-                ranks=ranks,
-            )
+        self.source = _env_source(config, tokenizer=self.tokenizer)
+        self.episodes = config.episodes.build(max_seq_len=config.sampler.max_seq_len)
+        self.evaluate = HeldoutSuccess(
+            training=self.training,
+            source=self.source,
+            num_envs=config.eval_problems,
+            episodes=self.episodes,
+            max_tokens=config.rl.max_tokens,
+            ranks=ranks,
+        )
         self.checkpoints = RunCheckpoints(
             run_dir=run_dir,
             training=self.training,
@@ -358,20 +372,9 @@ class _RLRun:
             return
         self.logger.console.print(f"SFT warm-up: {num_warmup} steps")
         self.logger.begin_phase("SFT warm-up", first_step=0, num_steps=num_warmup)
-        if self.env_source is not None:
-            self.sft_warmup.run_demonstrations(
-                self.training,
-                demonstrate=self.env_source.demonstration,
-                rng=self.state.rng,
-                on_step=self._warmup_step_done,
-                start_step=self.start,
-                ranks=self.ranks,
-            )
-            return
-        self.sft_warmup.run(
+        self.sft_warmup.run_demonstrations(
             self.training,
-            task=self.task,
-            tokenizer=self.tokenizer,
+            demonstrate=self.source.demonstration,
             rng=self.state.rng,
             on_step=self._warmup_step_done,
             start_step=self.start,
@@ -391,14 +394,15 @@ class _RLRun:
         config = self.config
         reference = self._kl_reference()
         self.logger.console.print(
-            f"RL ({config.loss_fn}, {config.advantages}, {config.mode}): {config.steps} steps"
+            f"RL ({config.rl.loss_fn}, {config.rl.advantages}, {config.mode}): "
+            f"{config.rl.steps} steps"
         )
-        self.logger.begin_phase("GRPO", first_step=config.warmup.steps, num_steps=config.steps)
+        self.logger.begin_phase("GRPO", first_step=config.warmup.steps, num_steps=config.rl.steps)
         with _rollouts_file(self.run_dir, ranks=self.ranks) as rollouts_file:
-            steps = RLSteps(
-                config,
+            steps = config.rl.build(
                 training=self.training,
-                task=self.task,
+                source=self.source,
+                episodes=self.episodes,
                 tokenizer=self.tokenizer,
                 rng=self.state.rng,
                 reference=reference,
@@ -406,8 +410,7 @@ class _RLRun:
                 rollouts_file=rollouts_file,
                 evaluate=self.evaluate,
                 ranks=self.ranks,
-                env_source=self.env_source,
-                episodes=self.episodes,
+                first_step=config.warmup.steps,
             )
             first = max(self.start - config.warmup.steps, 0)
             if config.mode == "sync":
@@ -423,7 +426,7 @@ class _RLRun:
 
     def _kl_reference(self) -> SamplingClient | None:
         """A sampling client on the policy at the start of RL (saved the first time)."""
-        if self.config.kl_coef <= 0:
+        if self.config.rl.kl_coef <= 0:
             return None
         if self.state.kl_reference is None:
             saved = self.training.save_weights_for_sampler("kl_reference").result()
@@ -474,8 +477,15 @@ class _RLRun:
         )
 
 
+def _env_source(config: RLJob.Config, *, tokenizer: Tokenizer) -> EnvSource:
+    """Where the run's episodes come from: the multi-turn `env`, else the single-turn `task`."""
+    if config.env is not None:
+        return config.env.build(tokenizer=tokenizer)
+    return ProblemSource(config.task.build(), tokenizer=tokenizer)
+
+
 def _service_client(
-    config: RLJobConfig,
+    config: RLJob.Config,
     *,
     model: ModelChoice,
     run_dir: Path,
@@ -504,7 +514,7 @@ def _service_client(
 
 
 def _log_memory_plan(
-    config: RLJobConfig, *, placement: Placement, role: Role, decoder: DecoderConfig
+    config: RLJob.Config, *, placement: Placement, role: Role, decoder: DecoderConfig
 ) -> None:
     """Every rank says what memory it plans to hold (job/memory_plan.py), on stderr."""
     memory = rank_memory_gib(config.model.device, ranks=placement.world_size)
@@ -513,7 +523,7 @@ def _log_memory_plan(
 
 
 def _plan_settings(
-    config: RLJobConfig,
+    config: RLJob.Config,
     placement: Placement,
     *,
     nnodes: int = 1,
@@ -529,9 +539,9 @@ def _plan_settings(
         trainer=config.trainer,
         sharding=config.sharding,
         generator=config.generator,
-        batch=config.prompts_per_step * config.group_size,
+        batch=config.rl.prompts_per_step * config.rl.group_size,
         mode=config.mode,
-        kl_reference=config.kl_coef > 0,
+        kl_reference=config.rl.kl_coef > 0,
         gpu_memory_gib=gpu_memory_gib,
         headroom=headroom,
     )
@@ -567,7 +577,7 @@ def _rollouts_file(
     return (run_dir / ROLLOUTS_FILE_NAME).open("a")
 
 
-def _check_ranks(config: RLJobConfig, *, num_ranks: int) -> None:
+def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
     """Settings that depend on the number of (trainer) ranks; raises the same error on every
     rank."""
     if num_ranks == 1:
@@ -579,5 +589,48 @@ def _check_ranks(config: RLJobConfig, *, num_ranks: int) -> None:
             "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
         )
     Ranks(rank=0, world_size=num_ranks).share(
-        config.prompts_per_step, field="RLJob.Config.prompts_per_step"
+        config.rl.prompts_per_step, field="RLJob.Config.rl.prompts_per_step"
     )
+
+
+def _check_config(config: RLJob.Config) -> None:
+    """Bad settings fail when the config is made, before any model is built (the steps' own
+    are checked by `RLSteps.Config`)."""
+    name = "RLJob.Config"
+    for field_name, least in (("eval_problems", 1), ("max_staleness", 0), ("checkpoint_every", 0)):
+        check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
+    check_choice(config.mode, field=f"{name}.mode", choices=("sync", "async"))
+    if config.trainer.sharding is not None:
+        raise ValueError(
+            f"{name}.trainer.sharding is set by the loop on several ranks; configure it "
+            f"through {name}.sharding (--sharding.* flags) and leave trainer.sharding:none"
+        )
+    max_context = config.episodes.max_context
+    if max_context is not None and max_context > config.sampler.max_seq_len:
+        raise ValueError(
+            f"{name}.episodes.max_context ({max_context}) exceeds "
+            f"{name}.sampler.max_seq_len ({config.sampler.max_seq_len}); an episode's context "
+            "must fit the sampler's cache"
+        )
+    placement, generator = config.placement, config.generator
+    if placement.generator_tp > 1 and generator.backend != "vllm":
+        raise ValueError(
+            f"{name}.placement.generator_tp={placement.generator_tp} needs "
+            f"{name}.generator.backend='vllm' (Temper's engine has no tensor parallelism)"
+        )
+    if placement.mode == "disaggregated" and generator.vllm.tensor_parallel_size != 1:
+        raise ValueError(
+            f"{name}.generator.vllm.tensor_parallel_size is set by the placement on generator "
+            f"ranks: use {name}.placement.generator_tp (--placement.generator_tp) instead"
+        )
+    if config.sleep_generator and config.mode != "sync":
+        raise ValueError(
+            f"{name}.sleep_generator needs mode='sync': in mode='async' sampling runs while "
+            "the trainer steps"
+        )
+    if config.mode == "sync" and config.max_staleness != 1:
+        warnings.warn(
+            f"{name}.max_staleness={config.max_staleness} is ignored in mode='sync' "
+            "(set mode='async')",
+            stacklevel=3,
+        )

@@ -1,28 +1,19 @@
-"""Rollouts through a sampling client, and the Datums that train on them.
+"""A rolled-out episode (`Trajectory`), and the Datums that train on it.
 
 Shapes: P prompt tokens, C completion tokens; a datum has P + C - 1 positions.
 
-A rollout is submitted, then collected: `submit_rollouts` draws every request's seed and sends
-all groups of a step before any result is read, inside `SamplingClient.batch()`, so the sampler
-decodes them as one batch whatever the timing (its logprobs depend on the batch at rounding
-level, and a seeded or resumed run must reproduce them), and an asynchronous loop can go on
-training meanwhile; `PendingRollouts.wait()` blocks for the
-completions and `score_rollouts` asks the environments for rewards. A datum's loss inputs
-cover every position; prompt positions get advantage 0 and logprob 0, so they contribute
-nothing to the importance-sampling and PPO losses.
+Episodes are rolled out by the episode runner (episodes.py), single-turn problems and
+multi-turn environments alike. A datum's loss inputs cover every position; prompt positions
+get advantage 0 and logprob 0, so they contribute nothing to the importance-sampling and PPO
+losses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from temper.api.futures import APIFuture
-from temper.api.types import Datum, ModelInput, SampleResponse, SamplingParams
-from temper.client.sampling_client import SamplingClient
-from temper.rl.env import ProblemEnv
+from temper.api.types import Datum, ModelInput
 
 
 @dataclass(frozen=True)
@@ -50,89 +41,6 @@ class Trajectory:
         if self.action_mask is None:
             return list(values)
         return [v for v, weight in zip(values, self.action_mask, strict=True) if weight]
-
-
-@dataclass(frozen=True)
-class PendingRollouts:
-    """Sample requests in flight: one per group, answered by one sampling client."""
-
-    groups: list[list[ProblemEnv]]
-    futures: list[APIFuture[SampleResponse]]
-    sampler_version: int
-    """Policy version of the sampling client that answers them."""
-
-    def wait(self) -> list[SampleResponse]:
-        return [future.result() for future in self.futures]
-
-
-def submit_rollouts(
-    sampling_client: SamplingClient,
-    groups: Sequence[Sequence[ProblemEnv]],
-    *,
-    params: SamplingParams,
-    rng: random.Random | None = None,
-    seeds: Sequence[int] | None = None,
-) -> PendingRollouts:
-    """Send one request of `len(group)` samples per group; with `rng`, every request gets a
-    seed from it (drawn here, in order), so a seeded run reproduces its rollouts exactly; or
-    give each group's seed in `seeds`."""
-    if rng is not None and seeds is not None:
-        raise ValueError("submit_rollouts takes rng or seeds, not both")
-    if seeds is not None and len(seeds) != len(groups):
-        raise ValueError(f"submit_rollouts: {len(seeds)} seeds for {len(groups)} groups")
-    futures = []
-    with sampling_client.batch():
-        for index, group in enumerate(groups):
-            request_params = params
-            if rng is not None:
-                request_params = dataclasses.replace(params, seed=rng.getrandbits(63))
-            elif seeds is not None:
-                request_params = dataclasses.replace(params, seed=seeds[index])
-            prompt = ModelInput.from_ints(group[0].initial_observation())
-            futures.append(sampling_client.sample(prompt, len(group), request_params))
-    return PendingRollouts(
-        groups=[list(group) for group in groups],
-        futures=futures,
-        sampler_version=sampling_client.version,
-    )
-
-
-def score_rollouts(
-    groups: Sequence[Sequence[ProblemEnv]], responses: Sequence[SampleResponse]
-) -> list[list[Trajectory]]:
-    """Rewards from each group's environments for its sampled completions."""
-    results = []
-    for group, response in zip(groups, responses, strict=True):
-        # The prompt every sample of the group was drawn from (submit_rollouts sends the first
-        # environment's), tokenized once per group rather than once per sample.
-        prompt = group[0].initial_observation()
-        trajectories = []
-        for env, sequence in zip(group, response.sequences, strict=True):
-            step = env.step(sequence.tokens)
-            trajectories.append(
-                Trajectory(
-                    prompt=list(prompt),
-                    completion=list(sequence.tokens),
-                    sampler_logprobs=list(sequence.logprobs),
-                    reward=step.reward,
-                    stop_reason=sequence.stop_reason,
-                    metrics=step.metrics,
-                )
-            )
-        results.append(trajectories)
-    return results
-
-
-def rollout_groups(
-    sampling_client: SamplingClient,
-    groups: Sequence[Sequence[ProblemEnv]],
-    *,
-    params: SamplingParams,
-    rng: random.Random | None = None,
-) -> list[list[Trajectory]]:
-    """Submit, wait and score in one call."""
-    pending = submit_rollouts(sampling_client, groups, params=params, rng=rng)
-    return score_rollouts(pending.groups, pending.wait())
 
 
 def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) -> Datum:

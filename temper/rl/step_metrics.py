@@ -121,8 +121,11 @@ def mismatch_stats(
 
 def episode_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:
     """Multi-turn episodes: turns, tool calls and failures, env seconds per episode, and the
-    share of episodes that ended for each reason (`episode/end/<reason>`)."""
-    flat = [t for group in groups for t in group]
+    share of episodes that ended for each reason (`episode/end/<reason>`). Single-turn
+    rollouts (whose trajectories count no turns, episodes.py) have none of these."""
+    flat = [t for group in groups for t in group if "turns" in t.metrics]
+    if not flat:
+        return
     for name in ("turns", "tool_calls", "tool_failures", "env_seconds"):
         stats.mean(f"episode/{name}", sum(t.metrics.get(name, 0.0) for t in flat), len(flat))
     reasons = dict.fromkeys(END_REASONS)

@@ -1,12 +1,13 @@
-"""The parts of one RL step that the synchronous and asynchronous loops share.
+"""The RL steps and their settings (`RLSteps.Config`: batch, sampling, loss, advantages, KL):
+the parts of one RL step that the synchronous and asynchronous loops share.
 
-`submit` takes a sampling client on the current weights, draws the step's problems and seeds
-from the run's RNG and sends the sample requests; `finish` waits for them, scores, applies the
-optional KL penalty, trains (`forward_backward` + `optim_step`, once per substep), evaluates
-and logs. The synchronous loop (loops.py) calls submit(k) then finish(k); the asynchronous
-one submits up to `max_staleness` steps ahead, so sampling for later steps runs while this one
-trains. Both call the RNG in the same order (submission order is step order), so they draw the
-same problems.
+`submit` takes a sampling client on the current weights, draws the step's groups and seeds
+from the run's RNG and starts their episodes (episodes.py: single-turn problems and multi-turn
+environments alike); `finish` waits for the trajectories, applies the optional KL penalty,
+trains (`forward_backward` + `optim_step`, once per substep), evaluates and logs. The
+synchronous loop (loops.py) calls submit(k) then finish(k); the asynchronous one submits up to
+`max_staleness` steps ahead, so sampling for later steps runs while this one trains. Both call
+the RNG in the same order (submission order is step order), so they draw the same problems.
 
 On several ranks (SPMD) every rank draws the whole step's problems and seeds from its own copy
 of the run's RNG (so the copies stay equal) and samples only its share of the groups, with its
@@ -22,27 +23,21 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Literal
 
 from temper.api.types import AdamParams, SamplingParams
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
+from temper.config.checks import check_choice, check_range
+from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.observability import MetricsLogger, PhaseTimer
-from temper.rl.advantages import group_advantages, is_uniform
-from temper.rl.config import RLJobConfig
-from temper.rl.env import EnvSource, make_groups
+from temper.rl.advantages import AdvantageMode, group_advantages, is_uniform
+from temper.rl.env import EnvSource
 from temper.rl.episodes import EpisodeRunner, RunningEpisodes
-from temper.rl.kl import kl_penalty, submit_reference_logprobs
-from temper.rl.rollout import (
-    PendingRollouts,
-    Trajectory,
-    policy_datum,
-    score_rollouts,
-    submit_rollouts,
-)
+from temper.rl.kl import KLEstimator, kl_penalty, submit_reference_logprobs
+from temper.rl.rollout import Trajectory, policy_datum
 from temper.rl.step_metrics import StepStats, episode_stats, mismatch_stats, rollout_stats
-from temper.tasks.problem import Task
 from temper.tokenizer import Tokenizer
 from temper.trainer.schedule import warmup_cosine
 
@@ -53,18 +48,62 @@ class SubmittedStep:
     """The RL step that will train on this batch."""
     steps_done: int
     """RL steps trained when it was submitted; rl_step - steps_done is its staleness."""
-    rollouts: PendingRollouts | RunningEpisodes
+    rollouts: RunningEpisodes
 
 
-class RLSteps:
+_LEAST = {"steps": 0, "prompts_per_step": 1, "num_substeps": 1, "max_tokens": 1, "eval_every": 1}
+"""The smallest valid value of each integer count of `RLSteps.Config`."""
+
+
+class RLSteps(Configurable):
     """Step functions over one training client."""
+
+    @dataclass(kw_only=True)
+    class Config(Configurable.Config):
+        steps: int = 60
+        """RL steps."""
+        prompts_per_step: int = 16
+        """Problems (groups) per RL step."""
+        group_size: int = 8
+        """Completions (episodes) per problem, compared with each other (GRPO groups)."""
+        num_substeps: int = 1
+        """Optimizer steps per RL step: the step's problems split into this many equal
+        minibatches (prompts_per_step must be divisible by it)."""
+        max_tokens: int = 4
+        """Most tokens per completion (per action, in a multi-turn episode)."""
+        temperature: float = 1.0
+        """Sampling temperature of rollouts."""
+        loss_fn: Literal["ppo", "importance_sampling", "stable_reinforce"] = "ppo"
+        """Policy loss; the sampler's logprobs give the importance ratios (stable_reinforce:
+        truncated-importance-weighted REINFORCE, docs/server.md)."""
+        learning_rate: float = 2e-4
+        """AdamW learning rate of RL steps (the peak, under a schedule)."""
+        lr_schedule: Literal["constant", "cosine"] = "constant"
+        """constant, or cosine decay from `learning_rate` to a tenth of it at the last RL
+        step."""
+        advantages: AdvantageMode = "grpo"
+        """grpo (std-normalized), dr_grpo (mean baseline only) or rloo."""
+        drop_uniform_groups: bool = True
+        """Skip groups whose rewards are all equal (no signal)."""
+        kl_coef: float = 0.0
+        """Weight of the KL penalty to the policy at the start of RL (0 = off)."""
+        kl_estimator: KLEstimator = "k3"
+        """Per-token KL estimator of the penalty: k1 (log-ratio) or k3 (nonnegative)."""
+        eval_every: int = 20
+        """RL steps between held-out evaluations (plus one at the last RL step)."""
+        rollouts_per_step: int = 4
+        """Decoded completions written to rollouts.jsonl per RL step."""
+
+        def __post_init__(self) -> None:
+            _check_config(self)
 
     def __init__(
         self,
-        config: RLJobConfig,
+        config: Config,
         *,
         training: TrainingClient,
-        task: Task,
+        source: EnvSource,
+        episodes: EpisodeRunner,
         tokenizer: Tokenizer,
         rng: random.Random,
         reference: SamplingClient | None,
@@ -72,12 +111,13 @@ class RLSteps:
         rollouts_file: IO[str] | None,
         evaluate: Callable[[], float],
         ranks: Ranks,
-        env_source: EnvSource | None = None,
-        episodes: EpisodeRunner | None = None,
+        first_step: int = 0,
     ) -> None:
+        """`source` makes the groups and `episodes` rolls them out; `first_step` is the run's
+        step number of RL step 0 (the steps before it are the warm-up's)."""
         self.config = config
         self.training = training
-        self.task = task
+        self.source, self.episodes = source, episodes
         self.tokenizer = tokenizer
         self.rng = rng
         self.reference = reference
@@ -85,79 +125,46 @@ class RLSteps:
         self.rollouts_file = rollouts_file
         self.evaluate = evaluate
         self.ranks = ranks
-        self.env_source, self.episodes = env_source, episodes
-        """Multi-turn: where episodes come from and what runs them (None: single-turn)."""
-        self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.prompts_per_step")
+        self.first_step = first_step
+        self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.rl.prompts_per_step")
         """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
-        self.params = SamplingParams(
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
-            stop=[tokenizer.eos_token_id],
-        )
+        self.params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
+        """Each request's stop tokens are its env's."""
         self._started = time.perf_counter()
 
     def submit(self, rl_step: int, *, steps_done: int) -> SubmittedStep:
+        """Every group's episodes, started on the current weights; each rank runs its share."""
         config = self.config
         with self.timer.phase("sync"):
             sampler = self.training.save_weights_and_get_sampling_client()
-        if self.env_source is not None:
-            return SubmittedStep(
-                rl_step=rl_step, steps_done=steps_done, rollouts=self._start_episodes(sampler)
-            )
-        groups = make_groups(
-            self.task,
-            tokenizer=self.tokenizer,
-            rng=self.rng,
-            num_groups=config.prompts_per_step,
-            group_size=config.group_size,
-            split="train",
-        )
-        # Every rank draws every group's seed, in order (as submit_rollouts(rng=) would), so
-        # the RNG copies stay equal and a group gets the same seed on any number of ranks.
-        seeds = [self.rng.getrandbits(63) for _ in groups]
-        with self.timer.phase("sample"):
-            rollouts = submit_rollouts(
-                sampler, groups[self.share], params=self.params, seeds=seeds[self.share]
-            )
-        # `sampler` goes out of scope here: only the requests in flight keep its version alive,
-        # so the trainer copies weights only if they are still running when it steps.
-        return SubmittedStep(rl_step=rl_step, steps_done=steps_done, rollouts=rollouts)
-
-    def _start_episodes(self, sampler: SamplingClient) -> RunningEpisodes:
-        """Every group's episodes, started on `sampler`; each rank runs its share."""
-        assert self.env_source is not None and self.episodes is not None
-        config = self.config
         groups = [
-            self.env_source.make_group(self.rng, split="train", group_size=config.group_size)
+            self.source.make_group(self.rng, split="train", group_size=config.group_size)
             for _ in range(config.prompts_per_step)
         ]
-        # One seed per group from the run's RNG (as single-turn), then one per episode from it.
-        group_seeds = [self.rng.getrandbits(63) for _ in groups]
-        seeds = [
-            seed
-            for group_seed in group_seeds[self.share]
-            for seed in _member_seeds(group_seed, config.group_size)
-        ]
+        # Every rank draws every group's seed, in order, so the RNG copies stay equal and a
+        # group gets the same seed on any number of ranks.
+        seeds = [self.rng.getrandbits(63) for _ in groups]
         with self.timer.phase("sample"):
-            return self.episodes.start(sampler, groups[self.share], params=self.params, seeds=seeds)
+            rollouts = self.episodes.start(
+                sampler,
+                groups[self.share],
+                params=self.params,
+                seeds=seeds[self.share],
+                turns=self.source.turns,
+            )
+        # `sampler` goes out of scope here: only the episodes in flight keep its version alive,
+        # so the trainer copies weights only if they are still running when it steps.
+        return SubmittedStep(rl_step=rl_step, steps_done=steps_done, rollouts=rollouts)
 
     def finish(self, submitted: SubmittedStep) -> dict[str, float]:
         """Train on a submitted batch and log the step; returns its metrics (all ranks')."""
         config, timer = self.config, self.timer
-        rollouts = submitted.rollouts
-        if isinstance(rollouts, RunningEpisodes):
-            with timer.phase("sample"):  # sampling and env steps, interleaved
-                groups = rollouts.wait()
-        else:
-            with timer.phase("sample"):
-                responses = rollouts.wait()
-            with timer.phase("score"):
-                groups = score_rollouts(rollouts.groups, responses)
+        with timer.phase("sample"):  # sampling and env steps (scoring), interleaved
+            groups = submitted.rollouts.wait()
         stats = StepStats()
         rollout_stats(stats, groups)
-        if isinstance(rollouts, RunningEpisodes):
-            episode_stats(stats, groups)
+        episode_stats(stats, groups)
         stats.values["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
         with timer.phase("train"):
             self._train_on(groups, stats, adam=self._adam(submitted.rl_step))
@@ -172,7 +179,7 @@ class RLSteps:
         for name, seconds in timer.collect().items():
             stats.maximum(name, seconds)  # the slowest rank's time
         metrics = StepStats.combine(self.ranks.all_gather(stats))
-        step = config.warmup.steps + rl_step
+        step = self.first_step + rl_step
         self.logger.log(step, metrics)
         self._write_rollouts(step, groups)
         return metrics
@@ -271,6 +278,24 @@ class RLSteps:
         self.rollouts_file.flush()
 
 
-def _member_seeds(group_seed: int, group_size: int) -> list[int]:
-    rng = random.Random(group_seed)
-    return [rng.getrandbits(63) for _ in range(group_size)]
+def _check_config(config: RLSteps.Config) -> None:
+    """Bad settings fail when the config is made, before any model is built."""
+    name = "RLSteps.Config"
+    check_range(
+        config.group_size,
+        field=f"{name}.group_size",
+        at_least=2,
+        hint="GRPO compares members of a group",
+    )
+    for field_name, least in _LEAST.items():
+        check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
+    # 0 is allowed (a run that only samples)
+    check_range(config.learning_rate, field=f"{name}.learning_rate", at_least=0)
+    if config.prompts_per_step % config.num_substeps:
+        raise ValueError(
+            f"{name}.prompts_per_step ({config.prompts_per_step}) must be divisible by "
+            f"num_substeps ({config.num_substeps}): each substep trains on an equal share"
+        )
+    check_range(config.kl_coef, field=f"{name}.kl_coef", at_least=0, hint="0 turns the penalty off")
+    check_choice(config.lr_schedule, field=f"{name}.lr_schedule", choices=("constant", "cosine"))
+    check_choice(config.kl_estimator, field=f"{name}.kl_estimator", choices=("k1", "k3"))

@@ -17,9 +17,6 @@ from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.rl.env import Demonstration
-from temper.rl.rollout import supervised_datum
-from temper.tasks.problem import Task
-from temper.tokenizer import Tokenizer
 from temper.trainer.schedule import warmup_cosine
 
 
@@ -63,37 +60,6 @@ class SFTWarmup(Configurable):
         factor = warmup_cosine(step, warmup_steps=config.warmup_steps, total_steps=config.steps)
         return config.learning_rate * factor
 
-    def run(
-        self,
-        training_client: TrainingClient,
-        *,
-        task: Task,
-        tokenizer: Tokenizer,
-        rng: random.Random,
-        on_step: Callable[[int, dict[str, float]], None],
-        start_step: int = 0,
-        ranks: Ranks | None = None,
-    ) -> None:
-        """Train steps `start_step`..`steps - 1`; `on_step(step, metrics)` after each (for
-        logging, evals and checkpoints). A resumed run passes the steps already done.
-
-        On several `ranks` every rank draws the whole batch (the RNG copies stay equal) and
-        trains on its part; the loss is normalized by the whole batch's answer tokens, so the
-        summed gradient is the one-process gradient of the batch."""
-
-        def batch(part: slice) -> list[Datum]:
-            problems = [task.sample(rng, split="train") for _ in range(self.config.batch_size)]
-            pairs = [
-                (tokenizer.encode(p.prompt), [*tokenizer.encode(p.answer), tokenizer.eos_token_id])
-                for p in problems
-            ]
-            # Losses are sums (Tinker); weighting each answer token by 1/count makes this the
-            # mean loss per answer token.
-            num_targets = sum(len(answer) for _, answer in pairs)
-            return [supervised_datum(p, a, weight=1.0 / num_targets) for p, a in pairs[part]]
-
-        self._train(training_client, batch, on_step=on_step, start_step=start_step, ranks=ranks)
-
     def run_demonstrations(
         self,
         training_client: TrainingClient,
@@ -104,8 +70,15 @@ class SFTWarmup(Configurable):
         start_step: int = 0,
         ranks: Ranks | None = None,
     ) -> None:
-        """`run` for multi-turn envs: each step trains on `batch_size` whole demonstrated
-        episodes (`demonstrate(rng)`), weighted per policy token as the demonstration says."""
+        """Train steps `start_step`..`steps - 1`, each on `batch_size` whole demonstrated
+        episodes (`demonstrate(rng)`, an env source's: a single-turn task's problem and answer,
+        or a multi-turn episode), weighted per policy token as the demonstration says; the loss
+        is the mean over the batch's weighted tokens. `on_step(step, metrics)` after each (for
+        logging, evals and checkpoints); a resumed run passes the steps already done.
+
+        On several `ranks` every rank draws the whole batch (the RNG copies stay equal) and
+        trains on its part; the loss is normalized by the whole batch's weighted tokens, so
+        the summed gradient is the one-process gradient of the batch."""
 
         def batch(part: slice) -> list[Datum]:
             demos = [demonstrate(rng) for _ in range(self.config.batch_size)]

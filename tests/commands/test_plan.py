@@ -16,7 +16,7 @@ _PLAN_AND_OUTPUT = re.compile(r"```bash\n(temper plan [^`]*?)\n```\n\n```text\n(
 
 # The GSM8K recipe: LoRA rank 32, bf16, 32 prompts x 8 samples of up to 1024 tokens.
 RECIPE = ["gsm8k_qwen3_0_6b", "--model.base_model", "8B"]
-SPLIT = [*RECIPE, "--nnodes", "2", "--nproc-per-node", "8", "--prompts_per_step", "24"]
+SPLIT = [*RECIPE, "--nnodes", "2", "--nproc-per-node", "8", "--rl.prompts_per_step", "24"]
 SPLIT += ["--placement.mode", "disaggregated", "--placement.generator_ranks", "4"]
 SPLIT += ["--sampler.max_batch", "64"]
 
@@ -37,7 +37,7 @@ def test_the_plan_takes_its_settings_from_the_recipe_and_its_overrides(capsys):
     assert recipe.startswith("8B (8.19B parameters), LoRA rank 32, bfloat16; 1 x 8 ranks")
     assert "batch 256 x 1024 tokens" in recipe  # 32 prompts x 8, the sampler's max_seq_len
     assert "| KV cache: 256 slots x 1024 tokens" in recipe  # the recipe's sampler.max_batch
-    overrides = ["--model.lora_rank", "8", "--group_size", "4", "--sampler.max_seq_len", "512"]
+    overrides = ["--model.lora_rank", "8", "--rl.group_size", "4", "--sampler.max_seq_len", "512"]
     assert main(["plan", *RECIPE, "--nproc", "8", *overrides]) == 0
     changed = capsys.readouterr().out
     assert "LoRA rank 8" in changed and "batch 128 x 512 tokens" in changed
@@ -93,7 +93,14 @@ def test_plan_of_a_model_directory_reads_its_config(tmp_path, capsys):
     directory = tmp_path / "model"
     assert main(["init-model", str(directory), "--tokenizer", "letters"]) == 0
     capsys.readouterr()
-    plan = ["plan", "arithmetic", "--model.base_model", str(directory), "--prompts_per_step", "1"]
+    plan = [
+        "plan",
+        "arithmetic",
+        "--model.base_model",
+        str(directory),
+        "--rl.prompts_per_step",
+        "1",
+    ]
     assert main(plan) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{directory} (0.")

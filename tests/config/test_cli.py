@@ -468,8 +468,8 @@ def test_a_run_that_fails_at_startup_leaves_no_directory_behind(
 
 
 def test_a_config_outside_a_job_class_is_refused_naming_the_job_config() -> None:
-    # What a recipe returns when it builds RLJobConfig (the settings' base class) instead of
-    # RLJob.Config: a config with no owner to run.
+    # What a recipe returns when it builds a settings class that no job owns (one of a job's
+    # parts) instead of the job's own config (RLJob.Config): a config with no owner to run.
     @dataclasses.dataclass(kw_only=True)
     class Loose(Configurable.Config):
         steps: int = 1

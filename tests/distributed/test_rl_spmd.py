@@ -59,18 +59,17 @@ def _rank_main(rank: int, directory) -> dict:
             errors[name] = str(error)
 
     rollouts = []  # per RL step: this rank's groups as (reward, tokens, sum of logprobs)
-    score = steps.score_rollouts
+    rollout_stats = steps.rollout_stats
 
-    def recording_score(groups, responses):
-        scored = score(groups, responses)
+    def recording_stats(stats, groups):
         rollouts.append(
-            [[(t.reward, len(t.completion), sum(t.sampler_logprobs)) for t in g] for g in scored]
+            [[(t.reward, len(t.completion), sum(t.sampler_logprobs)) for t in g] for g in groups]
         )
-        return scored
+        rollout_stats(stats, groups)
 
-    steps.score_rollouts = recording_score
+    steps.rollout_stats = recording_stats
     result = RLJob(rl_config()).run(run_dir=directory / "run")
-    steps.score_rollouts = score
+    steps.rollout_stats = rollout_stats
     return {
         "errors": errors,
         "rollouts": rollouts,

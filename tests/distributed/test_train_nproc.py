@@ -25,7 +25,7 @@ from tests.distributed.spawn import free_port
 def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     run_dir = tmp_path / "run"
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--warmup.steps", "4", "--steps", "2"]
+    argv += ["--metrics.display", "none", "--warmup.steps", "4", "--rl.steps", "2"]
     argv += ["--eval_problems", "8"]
     assert main(argv) == 0
     out = capfd.readouterr().out
@@ -41,7 +41,7 @@ def test_train_nproc_2_runs_the_recipe_on_two_ranks(tmp_path, capfd):
     ("override", "message"),
     [
         (["--sharding.dims.dp_shard", "3"], "ParallelDims: dp_replicate (1) x dp_shard (3)"),
-        (["--prompts_per_step", "7"], "RLJob.Config.prompts_per_step=7 must be divisible"),
+        (["--rl.prompts_per_step", "7"], "RLJob.Config.rl.prompts_per_step=7 must be divisible"),
         (
             ["--placement.mode", "disaggregated", "--placement.generator_ranks", "2"],
             "Placement.Config.generator_ranks=2 leaves no trainer rank",
@@ -118,7 +118,7 @@ def test_two_nodes_meet_at_the_rendezvous_and_run_disaggregated(tmp_path):
     run_dir = tmp_path / "shared-run"
     argv = ["train", "arithmetic_smoke", "--nnodes", "2", "--nproc-per-node", "1"]
     argv += ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--warmup.steps", "2", "--steps", "2"]
+    argv += ["--metrics.display", "none", "--warmup.steps", "2", "--rl.steps", "2"]
     argv += ["--eval_problems", "8", "--placement.mode", "disaggregated"]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     nodes = [
@@ -181,7 +181,7 @@ def _run_past_first_checkpoint(run_dir: Path) -> Iterator[subprocess.Popen]:
     """`temper train --nproc 2` of a long run, once it has saved its first full-state
     checkpoint; whatever of it is left afterwards is killed."""
     argv = ["train", "arithmetic_smoke", "--nproc", "2", "--run-dir", str(run_dir)]
-    argv += ["--metrics.display", "none", "--steps", "1000", "--checkpoint_every", "5"]
+    argv += ["--metrics.display", "none", "--rl.steps", "1000", "--checkpoint_every", "5"]
     command = subprocess.Popen(
         [sys.executable, "-m", "temper", *argv],
         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},

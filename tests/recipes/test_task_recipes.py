@@ -151,7 +151,7 @@ def test_math_task_runs_through_the_rl_loop(tmp_path):
     argv += [
         "--model.base_model",
         "tiny:letters",
-        "--max_tokens",
+        "--rl.max_tokens",
         "8",
         "--sampler.max_seq_len",
         "256",

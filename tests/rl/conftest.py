@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from safetensors.torch import load_file
 
 from temper.observability import MetricsLogger, read_metrics
 from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -16,15 +19,17 @@ from temper.tasks import SumDigits
 TIMING_PREFIXES = ("time/", "throughput/", "episode/env_seconds")
 
 
+STEPS_FIELDS = {field.name for field in dataclasses.fields(RLSteps.Config)}
+"""Overrides by these names set the steps' own config (`config.rl`)."""
+
+
 def tiny_rl_config(**overrides) -> RLJob.Config:
     config = RLJob.Config(
         task=SumDigits.Config(min_digits=1, max_digits=2, heldout_percent=20),
         warmup=SFTWarmup.Config(steps=8, batch_size=16, warmup_steps=2),
-        steps=6,
-        prompts_per_step=6,
-        group_size=4,
-        learning_rate=1e-3,
-        eval_every=3,
+        rl=RLSteps.Config(
+            steps=6, prompts_per_step=6, group_size=4, learning_rate=1e-3, eval_every=3
+        ),
         eval_problems=16,
         sampler=SamplerEngine.Config(
             max_batch=64, max_seq_len=32, cpu=CpuDecoding.Config(num_threads=1)
@@ -32,7 +37,8 @@ def tiny_rl_config(**overrides) -> RLJob.Config:
         metrics=MetricsLogger.Config(display="none"),
     )
     for name, value in overrides.items():
-        setattr(config, name, value)
+        setattr(config.rl if name in STEPS_FIELDS else config, name, value)
+    config.rl.__post_init__()
     config.__post_init__()
     return config
 

@@ -14,6 +14,7 @@ from temper.api.types import SamplingParams
 from temper.client.service_client import ServiceClient
 from temper.rl.env import StepResult
 from temper.rl.episodes import EnvStepError, EpisodeRunner, run_episodes
+from temper.rl.job import RLJob
 from temper.rl.rollout import policy_datum
 from temper.rl.step_metrics import StepStats, episode_stats, mismatch_stats
 
@@ -171,15 +172,14 @@ def test_turn_batching_must_be_a_known_mode():
 
 
 def test_max_context_defaults_to_the_samplers_whole_context():
-    from temper.rl.config import RLJobConfig
     from temper.rl.envs import GuessNumber
     from temper.rl.episodes import DEFAULT_MAX_CONTEXT
 
     # The job's defaults fit together for any env: the sampler's 64 positions, not 256.
-    config = RLJobConfig(env=GuessNumber.Config())
+    config = RLJob.Config(env=GuessNumber.Config())
     assert config.episodes.max_context is None and config.sampler.max_seq_len == 64
     assert config.episodes.build(max_seq_len=64).config.max_context == 64
     assert EpisodeRunner.Config(max_context=32).build(max_seq_len=64).config.max_context == 32
     assert EpisodeRunner.Config().build().config.max_context == DEFAULT_MAX_CONTEXT
     with pytest.raises(ValueError, match=r"episodes.max_context \(128\) exceeds"):
-        RLJobConfig(env=GuessNumber.Config(), episodes=EpisodeRunner.Config(max_context=128))
+        RLJob.Config(env=GuessNumber.Config(), episodes=EpisodeRunner.Config(max_context=128))

@@ -16,7 +16,7 @@ def test_grpo_after_a_short_warmup_improves_accuracy_and_reward(tmp_path):
     # command on vLLM against the figures below.
     run_dir = tmp_path / "run"
     argv = ["train", "sum_digits_short_warmup", "--run-dir", str(run_dir)]
-    argv += ["--steps", "400", "--eval_every", "100", "--eval_problems", "256"]
+    argv += ["--rl.steps", "400", "--rl.eval_every", "100", "--eval_problems", "256"]
     argv += ["--metrics.display", "none"]
     assert main(argv) == 0
 

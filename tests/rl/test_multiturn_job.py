@@ -13,7 +13,9 @@ from temper.observability import MetricsLogger, read_metrics
 from temper.rl.env import StepResult
 from temper.rl.envs import ToolArithmetic
 from temper.rl.episodes import EpisodeRunner
-from temper.rl.job import HeldoutSuccess, RLJob
+from temper.rl.evaluation import HeldoutSuccess
+from temper.rl.job import RLJob
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -72,13 +74,9 @@ def test_tool_failures_and_timeouts_do_not_stop_a_run(tmp_path, monkeypatch, no_
         env=ToolArithmetic.Config(min_digits=1, max_digits=2, tool_timeout_s=0.05),
         episodes=EpisodeRunner.Config(max_turns=3, max_context=48),
         warmup=SFTWarmup.Config(steps=40, batch_size=32, eval_every=0),
-        steps=3,
-        prompts_per_step=4,
-        group_size=4,
-        max_tokens=10,
+        rl=RLSteps.Config(steps=3, prompts_per_step=4, group_size=4, max_tokens=10, eval_every=3),
         mode="async",
         max_staleness=1,
-        eval_every=3,
         eval_problems=8,
         sampler=SamplerEngine.Config(
             max_batch=64, max_seq_len=48, cpu=CpuDecoding.Config(num_threads=1)

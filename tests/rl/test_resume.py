@@ -146,7 +146,7 @@ def test_resume_needs_a_checkpoint_and_no_other_options(tmp_path, capsys):
     serialize.save_config(run_dir / "config.json", tiny_rl_config(), recipe=None)
     assert main(["train", "--resume", str(run_dir)]) == 1
     assert "no checkpoint to resume from" in capsys.readouterr().err
-    assert main(["train", "--resume", str(run_dir), "--steps", "3"]) == 2
+    assert main(["train", "--resume", str(run_dir), "--rl.steps", "3"]) == 2
     assert "takes no other options" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
     assert "no run there" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from temper.observability import read_metrics
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STEPS = ["--steps", "400", "--eval_every", "100", "--eval_problems", "256"]
+STEPS = ["--rl.steps", "400", "--rl.eval_every", "100", "--eval_problems", "256"]
 
 
 def _run(tmp_path, backend: str) -> tuple[float, float, dict]:

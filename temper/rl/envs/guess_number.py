@@ -22,7 +22,7 @@ from typing import Literal
 
 from temper.config.checks import check_choice, check_range, check_span
 from temper.config.configurable import Configurable
-from temper.rl.env import Demonstration, StepResult
+from temper.rl.env import Demonstration, StepResult, Turns
 from temper.tasks.problem import split_of
 from temper.tokenizer import Tokenizer
 
@@ -100,6 +100,9 @@ class GuessNumber(Configurable):
                 choices=("all", "on_search_paths"),
             )
             check_range(self.turn_penalty, field=f"{owner}.turn_penalty", at_least=0)
+
+    turns: Turns = "multi"
+    """An env source (temper/rl/env.py) of multi-turn episodes."""
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from temper.config.checks import check_range, check_span
 from temper.config.configurable import Configurable
-from temper.rl.env import Demonstration, StepResult
+from temper.rl.env import Demonstration, StepResult, Turns
 from temper.rl.tools import ToolRunner
 from temper.tasks.problem import split_of
 from temper.tokenizer import Tokenizer
@@ -116,6 +116,9 @@ class ToolArithmetic(Configurable):
             check_range(self.num_terms, field=f"{owner}.num_terms", at_least=2)
             check_range(self.tool_timeout_s, field=f"{owner}.tool_timeout_s", greater_than=0)
             check_range(self.direct_share, field=f"{owner}.direct_share", at_least=0, at_most=1)
+
+    turns: Turns = "multi"
+    """An env source (temper/rl/env.py) of multi-turn episodes."""
 
     def __init__(self, config: Config, *, tokenizer: Tokenizer) -> None:
         self.config, self.tokenizer = config, tokenizer
