@@ -34,7 +34,7 @@ def test_plan_prints_a_table_per_role_and_whether_it_fits(capsys):
 def test_the_plan_takes_its_settings_from_the_recipe_and_its_overrides(capsys):
     assert main(["plan", *RECIPE, "--nproc", "8"]) == 0
     recipe = capsys.readouterr().out
-    assert recipe.startswith("8B (8.19B parameters), LoRA rank 32, bfloat16; 1 x 8 ranks")
+    assert recipe.startswith("8B (8.19B parameters), LoRA rank 32, bf16-mixed; 1 x 8 ranks")
     assert "batch 256 x 1024 tokens" in recipe  # 32 prompts x 8, the sampler's max_seq_len
     assert "| KV cache: 256 slots x 1024 tokens" in recipe  # the recipe's sampler.max_batch
     overrides = ["--model.lora_rank", "8", "--rl.group_size", "4", "--sampler.max_seq_len", "512"]
