@@ -423,9 +423,9 @@ def test_top_level_help_gives_each_command_its_whole_first_paragraph(
 ) -> None:
     assert main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    # `plan`'s docstring opens with a three-line sentence: all of it is shown, wrapped.
-    assert "KV cache, weight-sync buffers, activations) for a model" in out
-    assert "and whether it fits the GPU." in out
+    # `plan`'s first paragraph runs over two lines: all of it is shown, wrapped.
+    assert "Print the GPU memory each rank of a recipe's RL job would hold" in out
+    assert "flags override the recipe's fields as in `train`." in out
 
 
 def test_function_command_parses_keyword_only_flags(capsys: pytest.CaptureFixture[str]) -> None:
