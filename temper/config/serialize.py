@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from temper.config import recipes
+import temper.config.recipes as recipes
 
 # Config classes are imported by name from a file, so only trusted packages are importable;
 # a recipe given as "module:function" also vouches for the module it came from.

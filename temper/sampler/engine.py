@@ -41,10 +41,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+import temper.sampler.sampling as sampling
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
-from temper.sampler import sampling
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler

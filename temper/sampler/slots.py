@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+import temper.sampler.sampling as sampling
 from temper.api.types import TopkLogprobs
-from temper.sampler import sampling
 from temper.sampler.requests import RequestState
 from temper.sampler.stopping import StopStringMatcher
 
