@@ -204,7 +204,7 @@ def rl_smoke(shapes: Shapes) -> dict:
     command += ["--model.device", shapes.device]
     command += ["--run-dir", str(run_dir), "--metrics.display", "none"]
     if shapes.device == "cpu":
-        command += ["--warmup.steps", "2", "--steps", "1"]
+        command += ["--warmup.steps", "2", "--rl.steps", "1"]
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
         if result.returncode != 0:
