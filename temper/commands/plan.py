@@ -29,7 +29,8 @@ options below override the recipe's fields, as in `temper train`.
   --nproc N           ranks per machine (default 1); --nproc-per-node is the same
   --nnodes N          machines (default 1)
   --gpu-memory-gib G  memory of one GPU in GiB (default 80; an '80 GB' GPU reports about 79)
-  --headroom H        share of it kept free for what the plan does not count (default 0.1)"""
+  --headroom H        share of it kept free for what the plan does not count: scratch and
+                      fragmentation (default 0.05)"""
 
 _OPTIONS = ("--nproc", "--nproc-per-node", "--nnodes", "--gpu-memory-gib", "--headroom")
 

@@ -7,7 +7,8 @@ backward to the optimizer step), or only during a `sync` (pushing new weights to
 generator). A role's peak is what it always holds plus its larger phase. A job's settings
 come from its configs (`plan_settings`, job/placement.py); memory_report.py renders plans;
 `temper plan RECIPE` prints them and a job logs its rank's. The bytes of each piece come from
-model_bytes.py, which the server's estimates use too.
+model_bytes.py, which the server's estimates use too, and what a process holds besides tensors
+from runtime_bytes.py.
 
 What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 
@@ -48,8 +49,19 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   own KV cache. Disaggregated, it loads on the generator ranks as whole weights that only
   score (no KV cache), and the trainer ranks hold none of it.
 
-Not counted (the headroom is for them): the CUDA context, NCCL buffers, CUDA graph pools,
-prefill and decode scratch, the allocator's fragmentation.
+- What a GPU process holds besides tensors (runtime_bytes.py, estimates that a GPU run's
+  measurements should replace): a CUDA context on every rank; the buffers of each NCCL
+  communicator the rank takes part in (colocated: the default group, and the two mesh
+  dimensions of a hybrid dp_replicate x dp_shard trainer; a disaggregated trainer rank: the
+  default group, the trainers' group, its mesh's groups and its weight channel; a generator
+  rank: the default group and a weight channel per trainer rank); and the CUDA graph pool of
+  each of Temper's engines (the generator, and colocated the async previous version's and
+  the KL reference's): one decode step's temporaries at `max_batch` slots. A tensor-parallel
+  generator is vLLM's, which runs eagerly: no graph pool.
+
+Not counted (the headroom is for them): prefill and decode scratch outside the graphs, the
+allocator's fragmentation. Nor is the engine process of a vLLM generator (its own CUDA
+context, on the rank's GPU): the plan does not know the generator's backend.
 """
 
 from __future__ import annotations
@@ -71,6 +83,13 @@ from temper.job.model_bytes import (
     autocast_copy_bytes,
     logits_bytes,
 )
+from temper.job.runtime_bytes import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
+    Role,
+    graph_pool_bytes,
+    nccl_communicators,
+)
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
@@ -82,7 +101,6 @@ from temper.trainer.precision import Precision
 Placement = Literal["colocated", "disaggregated"]
 WeightSyncMode = Literal["bucketed", "whole"]
 Phase = Literal["always", "training", "sync"]
-Role = Literal["colocated", "trainer", "generator"]
 GIB, MIB = 2**30, 2**20
 
 _SIZES = MODEL_FAMILIES["qwen3"].sizes
@@ -150,9 +168,9 @@ class PlanSettings:
     """A KL penalty's reference policy (rl.kl_coef > 0): one more sampler."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (an '80 GB' H100 or A100 reports about 79 GiB)."""
-    headroom: float = 0.1
-    """Share of GPU memory kept free for what the plan does not count (CUDA context, NCCL,
-    CUDA graphs, fragmentation)."""
+    headroom: float = 0.05
+    """Share of GPU memory kept free for what the plan does not count (prefill and decode
+    scratch, the allocator's fragmentation)."""
 
     def __post_init__(self) -> None:
         check_range(self.prefix_cache_mib, field="prefix_cache_mib", at_least=0)
@@ -325,7 +343,12 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
                 role="colocated",
                 num_ranks=world,
                 description=f"{world} ranks, each a {_shard(settings)} and a generator",
-                rows=(*rows.trainer(), *rows.generator(colocated=True), *rows.sender_sync()),
+                rows=(
+                    *rows.trainer(),
+                    *rows.generator(colocated=True),
+                    *rows.sender_sync(),
+                    *rows.process("colocated"),
+                ),
             ),
         )
     else:
@@ -336,14 +359,18 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
                 role="trainer",
                 num_ranks=trainers,
                 description=f"{trainers} trainer ranks ({_layout(settings)})",
-                rows=(*rows.trainer(), *rows.sender_sync()),
+                rows=(*rows.trainer(), *rows.sender_sync(), *rows.process("trainer")),
             ),
             RolePlan(
                 role="generator",
                 num_ranks=generators,
                 description=f"{generators} generator ranks ({settings.num_engines} engines"
                 + (f", tp {tp})" if tp > 1 else ")"),
-                rows=(*rows.generator(colocated=False), *rows.receiver_sync()),
+                rows=(
+                    *rows.generator(colocated=False),
+                    *rows.receiver_sync(),
+                    *rows.process("generator"),
+                ),
             ),
         )
     return MemoryPlan(
@@ -532,6 +559,36 @@ class _Rows:
                 "no KV cache"
             )
             rows.append(PlanRow(item=item, num_bytes=whole))
+        if tp == 1:  # a tensor-parallel engine is vLLM's, run eagerly: no graphs
+            rows.append(self._graph_pools(slots, colocated=colocated))
+        return rows
+
+    def _graph_pools(self, slots: int, *, colocated: bool) -> PlanRow:
+        """One graph pool per engine that decodes: the generator's, and colocated the async
+        previous version's and the KL reference's (disaggregated, the reference only scores)."""
+        settings = self.settings
+        engines = 1
+        if colocated:
+            engines += (settings.mode == "async") + settings.kl_reference
+        pool = graph_pool_bytes(self.decoder, num_slots=slots, dtype=self.generator_dtype)
+        what = f"pools (estimate): {engines} engines x" if engines > 1 else "pool (estimate):"
+        return PlanRow(item=f"CUDA graph {what} {slots} slots", num_bytes=engines * pool)
+
+    def process(self, role: Role) -> list[PlanRow]:
+        """What every process of `role` holds besides tensors: its CUDA context and the
+        buffers of its NCCL communicators."""
+        settings = self.settings
+        rows = [PlanRow(item="CUDA context (estimate)", num_bytes=CUDA_CONTEXT_BYTES)]
+        groups = nccl_communicators(
+            role,
+            world_size=settings.world_size,
+            trainer_ranks=settings.trainer_ranks,
+            dp_replicate=settings.dp_replicate,
+        )
+        if groups:
+            count = f"{len(groups)} communicator" + ("s" if len(groups) > 1 else "")
+            item = f"NCCL buffers (estimate): {count}"
+            rows.append(PlanRow(item=item, num_bytes=len(groups) * NCCL_COMMUNICATOR_BYTES))
         return rows
 
     @property

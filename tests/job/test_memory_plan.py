@@ -1,7 +1,8 @@
 """The memory plan against real tensors: the tiny model's weights, AdamW state and gradients
 (in one process and as FSDP shards on 2 gloo ranks), the sampler's copy and KV cache, the
 tensors autograd saves, and the whole-weights sync; then the relations between
-placements and the errors for bad settings."""
+placements, the estimated rows of a process (its NCCL communicators, graph pools) and the
+errors for bad settings."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from temper.job.memory_plan import (
     ModelShapes,
     PlanSettings,
     activation_bytes,
+    model_config,
     plan_memory,
+)
+from temper.job.runtime_bytes import (
+    CUDA_CONTEXT_BYTES,
+    NCCL_COMMUNICATOR_BYTES,
+    graph_pool_bytes,
+    nccl_communicators,
 )
 from temper.models import materialize
 from temper.models.lora import apply_lora
@@ -343,9 +351,10 @@ def test_async_and_kl_reference_each_add_a_sampler():
     prefix = "prefix cache"
     one_copy = sampler["generator weights"] + sampler["KV cache"] + sampler[prefix]
     assert sampler[prefix] == 32 * 2**20  # the engine's default
+    pool = sampler["CUDA graph pool (estimate)"]  # each engine captures its own graphs
     for changes in ({"mode": "async"}, {"kl_reference": True}):
         assert plan_memory(_big(**changes)).role("colocated").steady_bytes == (
-            base.steady_bytes + one_copy
+            base.steady_bytes + one_copy + pool
         )
 
 
@@ -385,9 +394,69 @@ def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
 
 def test_colocated_8b_lora_with_256_slots_per_rank_is_the_issues_56_gb():
     """The back-of-envelope in docs/distributed.md: 8B LoRA on 16 GPUs, each engine with 256
-    slots x 1024, about 56 GB steady."""
+    slots x 1024, about 56 GB steady in tensors; the process (a CUDA context, the default
+    group's NCCL buffers, the engine's graph pool) adds about 1 GB."""
     plan = plan_memory(_big(max_batch=256))
-    assert plan.role("colocated").steady_bytes / 1e9 == pytest.approx(56, abs=1)
+    process = CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES
+    process += graph_pool_bytes(model_config("8B"), num_slots=256, dtype="bfloat16")
+    tensors = plan.role("colocated").steady_bytes - process
+    assert tensors / 1e9 == pytest.approx(56, abs=1)
+    assert process / 1e9 == pytest.approx(1.05, abs=0.01)
+
+
+def _communicators(plan, role: str) -> int:
+    rows = _rows(plan, role)
+    assert rows["CUDA context (estimate)"] == CUDA_CONTEXT_BYTES  # one per process
+    nccl = rows.get("NCCL buffers (estimate)", 0)
+    assert nccl % NCCL_COMMUNICATOR_BYTES == 0
+    return nccl // NCCL_COMMUNICATOR_BYTES
+
+
+def test_each_rank_counts_the_nccl_communicators_it_takes_part_in():
+    # One process: no process group. Colocated FSDP or DDP over the world: its mesh groups
+    # span the world, so they are the default group; hybrid adds its two dimensions.
+    assert _communicators(plan_memory(_settings()), "colocated") == 0
+    assert _communicators(plan_memory(_big()), "colocated") == 1
+    assert _communicators(plan_memory(_big(dp_replicate=16)), "colocated") == 1
+    assert _communicators(plan_memory(_big(dp_replicate=2)), "colocated") == 3
+    assert nccl_communicators("colocated", world_size=16, trainer_ranks=16, dp_replicate=2) == (
+        "default",
+        "mesh dp_replicate",
+        "mesh dp_shard",
+    )
+    # Disaggregated, 12 trainer ranks: the default group, the trainers', the mesh's dp_shard
+    # and flattened dp (neither spans the world), its weight channel; a generator rank: the
+    # default group and the 12 weight channels.
+    split = {"placement": "disaggregated", "generator_ranks": 4}
+    assert _communicators(plan_memory(_big(**split)), "trainer") == 5
+    assert _communicators(plan_memory(_big(**split, dp_replicate=2)), "trainer") == 6
+    assert _communicators(plan_memory(_big(**split)), "generator") == 13
+    # One trainer rank: no trainers' group and no mesh.
+    alone = _settings(nproc_per_node=2, placement="disaggregated")
+    assert nccl_communicators("trainer", world_size=2, trainer_ranks=1, dp_replicate=1) == (
+        "default",
+        "weight channel",
+    )
+    assert _communicators(plan_memory(alone), "trainer") == 2
+    assert _communicators(plan_memory(alone), "generator") == 2
+
+
+def test_each_engine_that_decodes_has_a_graph_pool():
+    config = model_config("8B")
+    # 16 slots of 8B in bf16: fp32 and bf16 logits, one layer's temporaries.
+    pool = 16 * config.vocab_size * (4 + 2)
+    pool += 16 * (2 * config.ffn_dim + 4 * config.dim + 3 * config.num_heads * config.head_dim) * 2
+    assert graph_pool_bytes(config, num_slots=16, dtype="bfloat16") == pool
+    assert _rows(plan_memory(_big()))["CUDA graph pool (estimate)"] == pool
+    both = _rows(plan_memory(_big(mode="async", kl_reference=True)))
+    assert both["CUDA graph pools (estimate)"] == 3 * pool
+    split = {"placement": "disaggregated", "generator_ranks": 4, "max_batch": 16}
+    # The disaggregated KL reference only scores; a tensor-parallel engine is vLLM's (eager).
+    generator = _rows(plan_memory(_big(**split, kl_reference=True)), "generator")
+    assert generator["CUDA graph pool (estimate)"] == pool
+    assert "CUDA graph pool (estimate)" not in _rows(plan_memory(_big(**split)), "trainer")
+    tp = _rows(plan_memory(_big(**split, generator_tp=2)), "generator")
+    assert "CUDA graph pool (estimate)" not in tp
 
 
 def test_32b_colocated_does_not_fit_and_disaggregated_does():
