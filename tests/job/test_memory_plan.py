@@ -284,7 +284,7 @@ class _LiveBytes(TorchDispatchMode):
         self.live -= size
 
 
-def test_whole_sync_holds_what_the_plan_says_today():
+def test_whole_sync_holds_what_the_plan_says():
     """The whole sync of a sharded LoRA trainer (sampler_state_dict: gather every tensor, then
     merge) holds the gathered copy, new merged tensors and the merge's fp32 scratch at once."""
     model = training.tiny_model()
@@ -392,7 +392,7 @@ def test_bucketed_sync_holds_two_buckets_instead_of_whole_copies():
     assert _rows(tiny)["weight-sync buffers"] == 2 * tiny.num_params * 2  # bf16
 
 
-def test_colocated_8b_lora_with_256_slots_per_rank_is_the_issues_56_gb():
+def test_colocated_8b_lora_with_256_slots_per_rank_holds_about_56_gb():
     """The back-of-envelope in docs/distributed.md: 8B LoRA on 16 GPUs, each engine with 256
     slots x 1024, about 56 GB steady in tensors; the process (a CUDA context, the default
     group's NCCL buffers, the engine's graph pool) adds about 1 GB."""
