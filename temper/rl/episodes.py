@@ -35,9 +35,9 @@ returned, so a slow step holds up every episode of the batch.
 
 A group of a single-turn source (`turns="single"`, env.py) is one request of `group_size`
 completions of its shared prompt, seeded with the group's seed: one prefill for the group.
-Each completion is scored by its env's one step, on the driver thread as the request returns
-(a problem's reward is cheap, and no later turn waits for it: handing it to the pool cost more
-than the step). Its trajectories carry the env's metrics only (no turns, end reasons or env
+Every group's request is sent at once and `wait` scores each completion by its env's one step
+on the caller's thread, group by group (a problem's reward is cheap and no later turn waits for
+it: a driver thread or the pool would cost more than the step). Its trajectories carry the env's metrics only (no turns, end reasons or env
 seconds: there is one turn and nothing else to end it) and no action mask.
 
 An env whose `step` raises stops the batch with an `EnvStepError` naming the env, the group,
@@ -211,20 +211,28 @@ class RunningEpisodes:
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._num_sampling = self._num_stepping = 0
         self._error: BaseException | None = None
+        # Single-turn: one request a group, all sent now; `wait` reads them in order and
+        # scores each completion on the caller's thread (no driver: a reward is cheap).
+        self._requests: list[tuple[list[_Episode], Any]] = []
+        self._thread: threading.Thread | None = None
         if turns == "single":
             with self._client.batch():
                 for group, seed in zip(self._groups, seeds, strict=True):
                     self._sample_group(group, seed=seed)
         else:
             self._next_turns([episode for group in self._groups for episode in group])
-        self._thread = threading.Thread(target=self._drive, name="episodes", daemon=True)
-        self._thread.start()
+            self._thread = threading.Thread(target=self._drive, name="episodes", daemon=True)
+            self._thread.start()
 
     def wait(self) -> list[list[Trajectory]]:
         """The episodes' trajectories, by group, once all have ended."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+        if self._thread is None:
+            for group, future in self._requests:
+                self._finish_group(group, future)
+        else:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
         self._client = None  # the version's snapshot may go (weight_sync copy-on-write)
         return [[e.trajectory(turns=self.turns) for e in group] for group in self._groups]
 
@@ -276,11 +284,6 @@ class RunningEpisodes:
             if kind == "sample":
                 self._num_sampling -= 1
                 self._start_step(episode, future.result().sequences[0])
-            elif kind == "group":  # a single-turn group's request: `episode` is the group
-                self._num_sampling -= 1
-                for member, sequence in zip(episode, future.result().sequences, strict=True):
-                    action = self._take_action(member, sequence)
-                    self._apply_step(member, _step_now(member.env, action))
             else:
                 self._num_stepping -= 1
                 if self._apply_step(episode, future):
@@ -308,8 +311,12 @@ class RunningEpisodes:
             seed=seed,
         )
         future = self._client.sample(ModelInput.from_ints(first.prompt), len(group), params)
-        self._num_sampling += 1
-        future.add_done_callback(lambda done: self._events.put(("group", group, done)))
+        self._requests.append((group, future))
+
+    def _finish_group(self, group: list[_Episode], future: Any) -> None:
+        """A single-turn group's completions, each scored by its env."""
+        for member, sequence in zip(group, future.result().sequences, strict=True):
+            self._step_inline(member, self._take_action(member, sequence))
 
     def _next_turn(self, episode: _Episode) -> None:
         room = self.config.max_context - len(episode.prompt) - len(episode.completion)
@@ -344,15 +351,24 @@ class RunningEpisodes:
         future.add_done_callback(lambda done: self._events.put(("step", episode, done)))
 
     def _apply_step(self, episode: _Episode, future: concurrent.futures.Future) -> bool:
-        """Record a returned step; whether the episode goes on."""
-        turn = episode.num_turns + 1
+        """Record a step returned from the env pool; whether the episode goes on."""
         try:
             result, seconds = future.result()
         except Exception as error:
-            raise EnvStepError(
-                f"environment {episode.name()} raised in turn {turn}: "
-                f"{type(error).__name__}: {error}"
-            ) from error
+            raise _step_error(episode, error) from error
+        return self._record_step(episode, result, seconds=seconds)
+
+    def _step_inline(self, episode: _Episode, action: list[int]) -> bool:
+        """Step the env on this thread (a single-turn reward: cheaper than a hand-off)."""
+        try:
+            result, seconds = _timed_step(episode.env, action)
+        except Exception as error:
+            raise _step_error(episode, error) from error
+        return self._record_step(episode, result, seconds=seconds)
+
+    def _record_step(self, episode: _Episode, result: StepResult, *, seconds: float) -> bool:
+        """Record a step's result; whether the episode goes on."""
+        turn = episode.num_turns + 1
         if not isinstance(result, StepResult):
             raise EnvStepError(
                 f"environment {episode.name()} returned {type(result).__name__} from step in "
@@ -385,10 +401,11 @@ class RunningEpisodes:
 
 def _bad_step_field(result: StepResult) -> str | None:
     """What is wrong with a step's result, naming the field; None if nothing is."""
-    values = {"reward": result.reward, **{f"metrics[{k!r}]": v for k, v in result.metrics.items()}}
-    for name, value in values.items():
+    if finite_float(result.reward) is None:
+        return f"StepResult.reward must be a finite number, got {result.reward!r}"
+    for name, value in result.metrics.items():
         if finite_float(value) is None:
-            return f"StepResult.{name} must be a finite number, got {value!r}"
+            return f"StepResult.metrics[{name!r}] must be a finite number, got {value!r}"
     observation = result.next_observation
     if observation is not None and (
         isinstance(observation, str) or not all(isinstance(t, int) for t in observation)
@@ -403,14 +420,11 @@ def _timed_step(env: Env, action: list[int]) -> tuple[StepResult, float]:
     return result, time.perf_counter() - start
 
 
-def _step_now(env: Env, action: list[int]) -> concurrent.futures.Future:
-    """`_timed_step` on this thread, as a done future (what `_apply_step` reads)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-        future.set_result(_timed_step(env, action))
-    except Exception as error:
-        future.set_exception(error)
-    return future
+def _step_error(episode: _Episode, error: Exception) -> EnvStepError:
+    turn = episode.num_turns + 1
+    return EnvStepError(
+        f"environment {episode.name()} raised in turn {turn}: {type(error).__name__}: {error}"
+    )
 
 
 def _episodes(group: Sequence[Env], *, group_index: int, seed: int, turns: Turns) -> list[_Episode]:
