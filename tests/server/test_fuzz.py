@@ -168,16 +168,28 @@ def app_routes(model_dir, storage) -> list[RouteSpec]:
     config = TemperServer.Config(model=[str(model_dir)], storage=str(storage))
     app = create_app(TemperServer(config, backend=object()))  # no model runs here
     specs = []
-    for route in app.routes:
+    for prefix, route in _flat_routes(app.routes):
         assert isinstance(route, Route), route
         dependant = getattr(route, "dependant", None)
         query = () if dependant is None else tuple(p.name for p in dependant.query_params)
         body = getattr(route, "body_field", None)
         body_model = None if body is None else body.field_info.annotation
-        path = route.path.replace(":path}", "}")
+        path = prefix + route.path.replace(":path}", "}")
         for method in sorted(route.methods - {"HEAD"}):
             specs.append(RouteSpec(method, path, query, body_model))
     return specs
+
+
+def _flat_routes(routes: list, prefix: str = "") -> Iterator[tuple[str, Route]]:
+    """(path prefix, route) of every route. FastAPI 0.16x keeps an included router whole in
+    the app's routes (its `original_router`, with the include's own prefix); older versions
+    copy its routes in."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is None:
+            yield prefix, route
+        else:
+            yield from _flat_routes(included.routes, prefix + route.include_context.prefix)
 
 
 # -- the well-behaved client that runs alongside -----------------------------------------------
