@@ -135,7 +135,7 @@ def sdpa_kernels(shapes: Shapes) -> dict:
                 masked_attention(q, kv, kv, visible_B1TC=visible)
             runs.append(backend.name)
         except RuntimeError as error:
-            refused[backend.name] = str(error).splitlines()[0][:120]
+            refused[backend.name] = str(error).splitlines()[0]
     return {"runs": runs, "refused": refused}
 
 

@@ -166,6 +166,9 @@ class PlanSettings:
     """async: colocated ranks keep the previous version's sampler while the next samples."""
     kl_reference: bool = False
     """A KL penalty's reference policy (rl.kl_coef > 0): one more sampler."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    """What the ranks run on: 'cpu' (a job's startup log on CPU) counts no CUDA context, NCCL
+    buffers or CUDA graph pools."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (an '80 GB' H100 or A100 reports about 79 GiB)."""
     headroom: float = 0.05
@@ -189,6 +192,7 @@ class PlanSettings:
         check_choice(self.placement, field="placement", choices=("colocated", "disaggregated"))
         check_choice(self.weight_sync, field="weight_sync", choices=("bucketed", "whole"))
         check_choice(self.mode, field="mode", choices=("sync", "async"))
+        check_choice(self.device, field="device", choices=("cuda", "cpu"))
         check_choice(
             self.activation_checkpointing,
             field="activation_checkpointing",
@@ -559,7 +563,8 @@ class _Rows:
                 "no KV cache"
             )
             rows.append(PlanRow(item=item, num_bytes=whole))
-        if tp == 1:  # a tensor-parallel engine is vLLM's, run eagerly: no graphs
+        # A tensor-parallel engine is vLLM's, run eagerly: no graphs; nor on CPU.
+        if tp == 1 and settings.device == "cuda":
             rows.append(self._graph_pools(slots, colocated=colocated))
         return rows
 
@@ -578,6 +583,8 @@ class _Rows:
         """What every process of `role` holds besides tensors: its CUDA context and the
         buffers of its NCCL communicators."""
         settings = self.settings
+        if settings.device == "cpu":
+            return []
         rows = [PlanRow(item="CUDA context (estimate)", num_bytes=CUDA_CONTEXT_BYTES)]
         groups = nccl_communicators(
             role,

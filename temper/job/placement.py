@@ -179,6 +179,7 @@ def plan_settings(
         and keeps_second_copy(overlap_sync=config.overlap_sync, backend=generator),
         mode=mode,
         kl_reference=kl_reference,
+        device="cuda" if model.device.startswith("cuda") else "cpu",
         gpu_memory_gib=gpu_memory_gib,
         headroom=headroom,
     )

@@ -488,3 +488,18 @@ def test_bad_settings_name_the_field(changes, field):
     settings = {"model": "tiny", "nproc_per_node": 16, **changes}
     with pytest.raises(ValueError, match=field):
         plan_memory(PlanSettings(**settings))
+
+
+def test_a_cpu_plan_counts_no_cuda_runtime():
+    """A job on CPU logs its plan too: no CUDA context, NCCL buffers or graph pools in it."""
+    gpu, cpu = plan_memory(_big()), plan_memory(_big(device="cpu"))
+    gpu_items = {row.item for row in gpu.role("colocated").rows}
+    cpu_items = {row.item for row in cpu.role("colocated").rows}
+    runtime = gpu_items - cpu_items
+    assert {item.split(" (")[0].split(":")[0] for item in runtime} == {
+        "CUDA context",
+        "NCCL buffers",
+        "CUDA graph pool",
+    }
+    dropped = sum(r.num_bytes for r in gpu.role("colocated").rows if r.item in runtime)
+    assert gpu.role("colocated").steady_bytes - cpu.role("colocated").steady_bytes == dropped
