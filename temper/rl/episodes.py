@@ -36,9 +36,10 @@ returned, so a slow step holds up every episode of the batch.
 A group of a single-turn source (`turns="single"`, env.py) is one request of `group_size`
 completions of its shared prompt, seeded with the group's seed: one prefill for the group.
 Every group's request is sent at once and `wait` scores each completion by its env's one step
-on the caller's thread, group by group (a problem's reward is cheap and no later turn waits for
-it: a driver thread or the pool would cost more than the step). Its trajectories carry the env's metrics only (no turns, end reasons or env
-seconds: there is one turn and nothing else to end it) and no action mask.
+on the caller's thread, group by group (a problem's reward is cheap and no later turn waits
+for it: a driver thread or the pool would cost more than the step). Its trajectories carry the
+env's metrics only (no turns, end reasons or env seconds: there is one turn and nothing else to
+end it) and no action mask.
 
 An env whose `step` raises stops the batch with an `EnvStepError` naming the env, the group,
 the episode and the turn.
