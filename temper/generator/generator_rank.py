@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from temper.api.threads import pin_thread_count
+from temper.api.threads import ThreadSettings
 from temper.distributed.placement import Link, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
@@ -93,9 +93,9 @@ class GeneratorRank:
 
     def serve(self) -> None:
         """Serve until trainer rank 0 says the job is done; raises if a peer fails."""
-        thread_count = torch.get_num_threads()
+        settings = ThreadSettings.of_caller()  # the rank's thread count and GPU
         threads = [
-            threading.Thread(target=self._serve_link, args=(link, thread_count), daemon=True)
+            threading.Thread(target=self._serve_link, args=(link, settings), daemon=True)
             for link in self._links
         ]
         for thread in threads:
@@ -205,9 +205,10 @@ class GeneratorRank:
                 self._ended = why
             self._changed.notify_all()
 
-    def _serve_link(self, link: Link, thread_count: int) -> None:
-        # The rank's own count, whatever the other links' generate calls set meanwhile.
-        pin_thread_count(thread_count)
+    def _serve_link(self, link: Link, settings: ThreadSettings) -> None:
+        # The rank's own thread count, whatever the other links' generate calls set
+        # meanwhile, and its own GPU (a new thread starts on cuda:0).
+        settings.apply()
         try:
             while not isinstance(call := _receive(link), Stop):
                 _send(link, self._answer(call))
