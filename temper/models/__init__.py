@@ -1,6 +1,15 @@
 """Model library: shared layers, model families, meta-device construction."""
 
 from temper.models.build import materialize
+from temper.models.llama import LLAMA_SIZES, Llama, llama_size
 from temper.models.qwen3 import QWEN3_SIZES, Qwen3, qwen3_size
 
-__all__ = ["QWEN3_SIZES", "Qwen3", "materialize", "qwen3_size"]
+__all__ = [
+    "LLAMA_SIZES",
+    "QWEN3_SIZES",
+    "Llama",
+    "Qwen3",
+    "llama_size",
+    "materialize",
+    "qwen3_size",
+]

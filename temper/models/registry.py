@@ -14,6 +14,10 @@ from typing import Any
 
 from torch import nn
 
+from temper.models.llama import state_dict_adapter as llama_adapter
+from temper.models.llama.model import Llama
+from temper.models.llama.parallelize import parallelize_llama
+from temper.models.llama.sizes import LLAMA_SIZES
 from temper.models.qwen3 import state_dict_adapter as qwen3_adapter
 from temper.models.qwen3.model import Qwen3
 from temper.models.qwen3.parallelize import parallelize_qwen3
@@ -47,7 +51,18 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
             key_to_hf=qwen3_adapter.key_to_hf,
             key_from_hf=qwen3_adapter.key_from_hf,
             parallelize=parallelize_qwen3,
-        )
+        ),
+        "llama": ModelFamily(
+            name=llama_adapter.HF_MODEL_TYPE,
+            hf_architecture=llama_adapter.HF_ARCHITECTURE,
+            model_cls=Llama,
+            sizes=LLAMA_SIZES,
+            config_from_hf=llama_adapter.config_from_hf,
+            config_to_hf=llama_adapter.config_to_hf,
+            key_to_hf=llama_adapter.key_to_hf,
+            key_from_hf=llama_adapter.key_from_hf,
+            parallelize=parallelize_llama,
+        ),
     }
 )
 

@@ -83,9 +83,10 @@ def test_unsupported_architecture_is_named(tmp_path, model_dir):
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((model_dir / name).read_bytes())
     config = json.loads((tmp_path / "config.json").read_text())
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"'LlamaForCausalLM'.*supported architectures: Qwen3"):
+    supported = r"supported architectures: Qwen3ForCausalLM .*, LlamaForCausalLM"
+    with pytest.raises(ValueError, match=rf"'MistralForCausalLM'.*{supported}"):
         load_pretrained(tmp_path)
 
 

@@ -1,4 +1,4 @@
-"""Random tiny HF Qwen3 models built from a config (no hub), for numerics references."""
+"""Random tiny HF Qwen3 and Llama models built from a config (no hub), for numerics references."""
 
 from __future__ import annotations
 
@@ -44,3 +44,48 @@ def tiny_hf_qwen3(
 def save_hf(model, directory: Path, **kwargs) -> Path:
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Far below max_position_embeddings (512): the scaled band holds most frequencies.
+    "original_max_position_embeddings": 64,
+}
+
+
+def tiny_hf_llama(
+    *,
+    vocab_size: int = 97,
+    tie: bool = True,
+    rope_scaling: dict | None = LLAMA3_ROPE,
+    seed: int = 0,
+    num_layers: int = 2,
+):
+    """A random tiny HF Llama 3 (GQA, no q/k norms), by default with llama3 RoPE scaling."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10_000.0,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    # The HF init leaves norms at 1; perturb them so a mix-up would show.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model

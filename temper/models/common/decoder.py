@@ -19,7 +19,7 @@ from temper.config.checks import check_range
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.rmsnorm import RMSNorm
-from temper.models.common.rope import rope_cos_sin
+from temper.models.common.rope import Llama3RopeScaling, rope_cos_sin
 
 
 @dataclass(kw_only=True)
@@ -42,6 +42,8 @@ class DecoderConfig:
     """Hidden width of the SwiGLU feed-forward."""
     rope_theta: float = 1_000_000.0
     """RoPE base frequency."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """RoPE frequency scaling (Llama 3.1's); None: plain RoPE."""
     norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     tie_embeddings: bool = False
@@ -179,6 +181,7 @@ class Decoder(nn.Module):
             head_dim=self.config.head_dim,
             theta=self.config.rope_theta,
             dtype=x_BTD.dtype,
+            scaling=self.config.rope_scaling,
         )
         for block in self.blocks:
             x_BTD = block(x_BTD, cos_B1TH, signed_sin_B1TH, attention)

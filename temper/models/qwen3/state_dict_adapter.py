@@ -1,68 +1,20 @@
 """Qwen3 <-> Hugging Face: config.json fields and state-dict key names.
 
-Our modules are named for reading (`blocks.3.attention.wq`); HF checkpoints use
-`model.layers.3.self_attn.q_proj`. This file is the only place that knows both. Tensor values
-are never transformed: both sides use the same rotate-half RoPE layout, so every tensor maps
-one to one.
+The key names are the dense decoder's, shared with Llama (temper/models/common/hf_names.py).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from temper.models.common.hf_names import key_from_hf, key_to_hf
 from temper.models.qwen3.model import Qwen3
 
 HF_ARCHITECTURE = "Qwen3ForCausalLM"
 HF_MODEL_TYPE = "qwen3"
 
-_GLOBAL_KEYS = {
-    "embed.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_KEYS = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wq.bias": "self_attn.q_proj.bias",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wv.bias": "self_attn.v_proj.bias",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.wo.bias": "self_attn.o_proj.bias",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "feed_forward.w_gate.weight": "mlp.gate_proj.weight",
-    "feed_forward.w_up.weight": "mlp.up_proj.weight",
-    "feed_forward.w_down.weight": "mlp.down_proj.weight",
-}
-_HF_BLOCK_KEYS = {hf: ours for ours, hf in _BLOCK_KEYS.items()}
-_HF_GLOBAL_KEYS = {hf: ours for ours, hf in _GLOBAL_KEYS.items()}
-_OUR_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
-_HF_BLOCK = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def key_to_hf(key: str) -> str:
-    """Our state-dict key -> the HF checkpoint key."""
-    if key in _GLOBAL_KEYS:
-        return _GLOBAL_KEYS[key]
-    match = _OUR_BLOCK.fullmatch(key)
-    if match is None or match.group(2) not in _BLOCK_KEYS:
-        raise KeyError(f"no HF name for Qwen3 parameter {key!r}")
-    return f"model.layers.{match.group(1)}.{_BLOCK_KEYS[match.group(2)]}"
-
-
-def key_from_hf(hf_key: str) -> str | None:
-    """HF checkpoint key -> our key, or None for a tensor Qwen3 does not use."""
-    if hf_key in _HF_GLOBAL_KEYS:
-        return _HF_GLOBAL_KEYS[hf_key]
-    match = _HF_BLOCK.fullmatch(hf_key)
-    if match is None or match.group(2) not in _HF_BLOCK_KEYS:
-        return None
-    return f"blocks.{match.group(1)}.{_HF_BLOCK_KEYS[match.group(2)]}"
+__all__ = ["config_from_hf", "config_to_hf", "key_from_hf", "key_to_hf", "to_hf"]
 
 
 def to_hf(state_dict: Mapping[str, Any]) -> dict[str, Any]:

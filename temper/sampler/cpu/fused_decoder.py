@@ -168,6 +168,7 @@ class FusedDecoder:
             head_dim=model.config.head_dim,
             theta=model.config.rope_theta,
             dtype=x_BTD.dtype,
+            scaling=model.config.rope_scaling,
         )
         for layer in self._layers:
             x_BTD = layer(x_BTD, cos_B1TH, signed_sin_B1TH, attention)
