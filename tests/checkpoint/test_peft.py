@@ -16,11 +16,15 @@ from temper.checkpoint.hf import load_pretrained
 from temper.checkpoint.merge import save_merged_pretrained
 from temper.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, save_peft_adapter
 from temper.models.lora import LoraConfig, apply_lora, lora_modules
-from tests.models.hf_reference import save_hf, tiny_hf_qwen3
+from tests.models.hf_reference import save_hf, tiny_hf_llama, tiny_hf_qwen3
 
 pytest.importorskip("transformers")
 
 VOCAB = 97
+HF_BUILDERS = {
+    "qwen3": lambda **kwargs: tiny_hf_qwen3(attention_bias=True, **kwargs),
+    "llama": tiny_hf_llama,
+}
 
 
 def _tokens() -> torch.Tensor:
@@ -41,10 +45,11 @@ def _lora_model(base_dir, config: LoraConfig):
     return model
 
 
+@pytest.mark.parametrize("family", HF_BUILDERS)
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_peft_loads_the_adapter_with_equal_logits(tmp_path, tie):
+def test_peft_loads_the_adapter_with_equal_logits(tmp_path, tie, family):
     peft = pytest.importorskip("peft")
-    hf_model = tiny_hf_qwen3(tie=tie, attention_bias=True, seed=2)
+    hf_model = HF_BUILDERS[family](tie=tie, seed=2)
     save_hf(hf_model, tmp_path / "base")
     model = _lora_model(tmp_path / "base", LoraConfig(rank=4, alpha=8.0))
     save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny-qwen3")
@@ -97,11 +102,12 @@ def test_saving_a_model_without_adapters_raises(tmp_path):
     assert not (tmp_path / "adapter").exists()
 
 
+@pytest.mark.parametrize("family", HF_BUILDERS)
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path, tie):
+def test_merged_export_loads_in_transformers_with_equal_logits(tmp_path, tie, family):
     from transformers import AutoModelForCausalLM
 
-    save_hf(tiny_hf_qwen3(tie=tie, seed=4), tmp_path / "base")
+    save_hf(HF_BUILDERS[family](tie=tie, seed=4), tmp_path / "base")
     model = _lora_model(tmp_path / "base", LoraConfig(rank=4, alpha=8.0))
     save_merged_pretrained(model, tmp_path / "merged")
 
