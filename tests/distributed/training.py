@@ -9,7 +9,7 @@ import torch
 from temper.api import AdamParams, Datum, ModelInput
 from temper.checkpoint.gather import full_state_dict
 from temper.distributed.parallel_dims import ParallelDims
-from temper.models import materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_size
 from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -19,9 +19,12 @@ STEPS = 3
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)
 
 
-def tiny_model(**changes) -> torch.nn.Module:
+SIZES = {"qwen3": qwen3_size, "llama": llama_size}
+
+
+def tiny_model(*, family: str = "qwen3", **changes) -> torch.nn.Module:
     config = dataclasses.replace(
-        qwen3_size("tiny", vocab_size=VOCAB), num_layers=2, init_std=0.1, **changes
+        SIZES[family]("tiny", vocab_size=VOCAB), num_layers=2, init_std=0.1, **changes
     )
     return materialize(config, seed=0)
 
@@ -48,6 +51,7 @@ def engine(
     lora: LoraConfig | None = None,
     max_tokens: int = 8192,
     activation_checkpointing: str = "none",
+    family: str = "qwen3",
 ) -> TrainerEngine:
     sharding = (
         None
@@ -55,7 +59,7 @@ def engine(
         else Sharding.Config(dims=dims, activation_checkpointing=activation_checkpointing)
     )
     config = TrainerEngine.Config(max_tokens_per_microbatch=max_tokens, sharding=sharding)
-    return config.build(model=tiny_model(), lora=lora)
+    return config.build(model=tiny_model(family=family), lora=lora)
 
 
 def engine_with_heads(*, dims: ParallelDims.Config, num_heads: int, num_kv_heads: int):
