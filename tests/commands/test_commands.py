@@ -17,6 +17,17 @@ def test_init_model_writes_a_loadable_directory(tmp_path, capsys):
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
 
 
+def test_init_model_writes_a_llama_directory(tmp_path, capsys):
+    out = tmp_path / "llama"
+    assert main(["init-model", str(out), "--family", "llama", "--tokenizer", "letters"]) == 0
+    assert "tiny llama model" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    model = load_pretrained(out)
+    assert type(model).__name__ == "Llama" and model.config.vocab_size == 99
+
+
 def test_init_model_refuses_to_clobber(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert main(["init-model", str(out)]) == 0

@@ -89,9 +89,11 @@ def test_documented_plans_are_the_commands_output(command, output, capsys):
     )
 
 
-def test_plan_of_a_model_directory_reads_its_config(tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_plan_of_a_model_directory_reads_its_config(tmp_path, capsys, family):
     directory = tmp_path / "model"
-    assert main(["init-model", str(directory), "--tokenizer", "letters"]) == 0
+    init = ["init-model", str(directory), "--tokenizer", "letters", "--family", family]
+    assert main(init) == 0
     capsys.readouterr()
     plan = [
         "plan",
