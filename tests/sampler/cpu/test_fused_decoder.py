@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_size
 from temper.models.lora import LoraConfig, apply_lora
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
@@ -17,8 +17,8 @@ from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
 
-def _model(seed=3):
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=37), init_std=0.1)
+def _model(seed=3, *, size=qwen3_size):
+    config = dataclasses.replace(size("tiny", vocab_size=37), init_std=0.1)
     return materialize(config, seed=seed, dtype="float32").eval()
 
 
@@ -48,8 +48,10 @@ def _generate(model, *, fused: bool):
     return engine, engine.generate(_REQUESTS)
 
 
-def test_fused_decode_is_bitwise_the_models_own():
-    model = _model()
+@pytest.mark.parametrize("size", [qwen3_size, llama_size], ids=["qwen3", "llama"])
+def test_fused_decode_is_bitwise_the_models_own(size):
+    # Llama: no q/k norms, and its llama3-scaled RoPE tables.
+    model = _model(size=size)
     fused_engine, fused = _generate(model, fused=True)
     assert fused_engine.decoding.twin == "fused"
     assert isinstance(_decoder(fused_engine), FusedDecoder)
