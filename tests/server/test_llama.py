@@ -1,0 +1,54 @@
+"""`temper serve` on a Llama 3 directory, driven by the unmodified tinker SDK: two LoRA users
+on the one base train independently, and a trained adapter samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tinker import types
+
+from tests.server.conftest import start_server
+from tests.server.test_sdk import PROMPT, datum
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    from temper.checkpoint.model_source import init_model_dir
+
+    directory = tmp_path_factory.mktemp("models") / "llama-digits"
+    init_model_dir(directory, family="llama", size="tiny", tokenizer="digits", seed=0)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def service(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama-server")
+    process = start_server(llama_dir, root / "storage", root / "server.log")
+    client = process.service()
+    yield client
+    client.close("success").result()
+    process.stop()
+
+
+def test_two_lora_users_train_a_llama_base_and_sample(service, llama_dir):
+    first = service.create_lora_training_client(str(llama_dir), rank=4, seed=1).result()
+    second = service.create_lora_training_client(str(llama_dir), rank=4, seed=1).result()
+    tokenizer = first.get_tokenizer()
+    data = [datum(tokenizer, "12=3"), datum(tokenizer, "45=9")]
+    before = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    losses = []
+    for _ in range(3):
+        fb = first.forward_backward(data, "cross_entropy")
+        first.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < losses[0]
+    assert second.forward(data, "cross_entropy").result().metrics["loss:sum"] == before
+
+    sampler = first.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode(PROMPT))
+    params = types.SamplingParams(max_tokens=5, temperature=0.0)
+    response = sampler.sample(prompt, 2, params).result()
+    assert len(response.sequences) == 2
+    assert response.sequences[0].tokens == response.sequences[1].tokens
+    assert len(response.sequences[0].tokens) == len(response.sequences[0].logprobs) > 0
