@@ -18,14 +18,16 @@ from temper.checkpoint.dcp import (
     read_train_state_metadata,
     save_train_state,
 )
-from temper.models import materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_size
 
 VOCAB = 31
 METADATA = {"step": 3, "policy_version": 3, "lora": {"rank": 4, "alpha": 8.0}, "rng": [1, 2]}
 
 
-def _model(*, seed: int = 0, num_layers: int = 2, vocab_size: int = VOCAB) -> torch.nn.Module:
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=vocab_size), num_layers=num_layers)
+def _model(
+    *, seed: int = 0, num_layers: int = 2, vocab_size: int = VOCAB, size=qwen3_size
+) -> torch.nn.Module:
+    config = dataclasses.replace(size("tiny", vocab_size=vocab_size), num_layers=num_layers)
     return materialize(config, seed=seed)
 
 
@@ -70,12 +72,13 @@ def _saved_keys(directory) -> set[str]:
     return set(torch_dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
 
 
-def test_resume_from_checkpoint_is_bitwise_equal_to_uninterrupted_training(tmp_path):
-    reference = _model()
+@pytest.mark.parametrize("size", [qwen3_size, llama_size], ids=["qwen3", "llama"])
+def test_resume_from_checkpoint_is_bitwise_equal_to_uninterrupted_training(tmp_path, size):
+    reference = _model(size=size)
     reference_optimizer = _adamw(reference)
     _train(reference, reference_optimizer, steps=range(5))
 
-    model = _model()
+    model = _model(size=size)
     optimizer = _adamw(model)
     _train(model, optimizer, steps=range(3))
     with warnings.catch_warnings():
@@ -87,7 +90,7 @@ def test_resume_from_checkpoint_is_bitwise_equal_to_uninterrupted_training(tmp_p
             metadata=METADATA,
             trainable_only=False,
         )
-        resumed = _model(seed=1)
+        resumed = _model(seed=1, size=size)
         resumed_optimizer = _adamw(resumed, lr=0.5)  # the saved lr wins
         metadata = load_train_state(
             path, model=resumed, optimizer=resumed_optimizer, trainable_only=False
