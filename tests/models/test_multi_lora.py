@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_size
 from temper.models.lora import (
     LoraConfig,
     apply_lora,
@@ -31,11 +31,11 @@ CONFIGS = [
 ]
 
 
-def trained_adapters(configs):
+def trained_adapters(configs, *, size=qwen3_size):
     """(a frozen tiny base, [(config, adapter tensors)] with B away from zero, [each
     adapter's merged plain model]); also used by tests/generator/test_multi_lora.py."""
     # Logits of order 2 (as tests/sampler/test_engine.py), so greedy outputs vary.
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=31), init_std=0.1)
+    config = dataclasses.replace(size("tiny", vocab_size=31), init_std=0.1)
     base = materialize(config, seed=5, dtype="float32").eval().requires_grad_(False)
     adapters, merged = [], []
     generator = torch.Generator().manual_seed(0)
@@ -52,9 +52,9 @@ def trained_adapters(configs):
     return base, adapters, merged
 
 
-@pytest.fixture(scope="module")
-def models():
-    return trained_adapters(CONFIGS)
+@pytest.fixture(scope="module", params=[qwen3_size, llama_size], ids=["qwen3", "llama"])
+def models(request):
+    return trained_adapters(CONFIGS, size=request.param)
 
 
 def _multi(base, adapters):
