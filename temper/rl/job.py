@@ -14,8 +14,8 @@ This module sets a run up and runs its phases (warm-up, RL, finish), each a meth
 Several ranks (SPMD, `temper train RECIPE --nproc N` or torchrun): every rank runs this job
 with the trainer sharded over all ranks (`sharding`); each samples its share of every step's
 groups and of the warm-up batches and evaluation problems, and metrics are combined over ranks
-(steps.py). Rank 0 alone writes metrics.jsonl, rollouts.jsonl, plots and the run state; the
-training client's checkpoints are written by all ranks together (DCP).
+(steps.py). Rank 0 alone writes metrics.jsonl, rollouts.jsonl (run_logs.py), plots and the
+run state; the training client's checkpoints are written by all ranks together (DCP).
 
 Resume: every `checkpoint_every` steps (warm-up and RL steps counted together) the job saves
 the training client's state and its `RLLoopState` (temper/job/run_checkpoints.py);
@@ -25,7 +25,6 @@ bitwise equal to a run that never stopped.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import random
@@ -35,11 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from rich.console import Console
-
-from temper.checkpoint.run_state import rng_from_json, rng_to_json, truncate_jsonl
+from temper.checkpoint.run_state import rng_from_json, rng_to_json
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.config.checks import check_choice, check_range
@@ -70,22 +67,19 @@ from temper.job.placement import (
 )
 from temper.models.common.decoder import DecoderConfig
 from temper.observability import MetricsLogger
-from temper.observability.metrics import METRICS_FILE_NAME
 from temper.rl.env import EnvSource, ProblemSource
 from temper.rl.envs import EnvConfig
 from temper.rl.episodes import EpisodeRunner
 from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loops import run_async, run_sync
+from temper.rl.run_logs import metrics_logger, open_rollouts, truncate_logs
 from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
 from temper.tasks import SumDigits, TaskConfig
-from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
-
-ROLLOUTS_FILE_NAME = "rollouts.jsonl"
 
 
 @dataclass(frozen=True)
@@ -332,10 +326,15 @@ class _RLRun:
             self.start, self.state = 0, RLLoopState(rng=random.Random(config.seed))
         else:
             self.start, self.state = saved.step, RLLoopState.from_json(saved.loop)
-            ranks.on_writer(functools.partial(_truncate_logs, run_dir, before_step=saved.step))
+            ranks.on_writer(functools.partial(truncate_logs, run_dir, before_step=saved.step))
         self.tokenizer = self.training.get_tokenizer()
         self.sft_warmup = config.warmup.build()
-        self.source = _env_source(config, tokenizer=self.tokenizer)
+        # Where episodes come from: the multi-turn `env`, else the single-turn `task`.
+        self.source: EnvSource = (
+            ProblemSource(config.task.build(), tokenizer=self.tokenizer)
+            if config.env is None
+            else config.env.build(tokenizer=self.tokenizer)
+        )
         self.episodes = config.episodes.build(max_seq_len=config.sampler.max_seq_len)
         self.evaluate = HeldoutSuccess(
             training=self.training,
@@ -354,7 +353,7 @@ class _RLRun:
             ranks=ranks,
         )
         # After the logs are cut: the logger appends to metrics.jsonl.
-        self.logger = _metrics_logger(
+        self.logger = metrics_logger(
             config.metrics, ranks=ranks, run_dir=run_dir, total_steps=config.total_steps
         )
         if saved is not None:
@@ -398,7 +397,7 @@ class _RLRun:
             f"{config.rl.steps} steps"
         )
         self.logger.begin_phase("GRPO", first_step=config.warmup.steps, num_steps=config.rl.steps)
-        with _rollouts_file(self.run_dir, ranks=self.ranks) as rollouts_file:
+        with open_rollouts(self.run_dir, ranks=self.ranks) as rollouts_file:
             steps = config.rl.build(
                 training=self.training,
                 source=self.source,
@@ -477,13 +476,6 @@ class _RLRun:
         )
 
 
-def _env_source(config: RLJob.Config, *, tokenizer: Tokenizer) -> EnvSource:
-    """Where the run's episodes come from: the multi-turn `env`, else the single-turn `task`."""
-    if config.env is not None:
-        return config.env.build(tokenizer=tokenizer)
-    return ProblemSource(config.task.build(), tokenizer=tokenizer)
-
-
 def _service_client(
     config: RLJob.Config,
     *,
@@ -545,36 +537,6 @@ def _plan_settings(
         gpu_memory_gib=gpu_memory_gib,
         headroom=headroom,
     )
-
-
-def _truncate_logs(run_dir: Path, *, before_step: int) -> None:
-    """Cut the per-step logs a stopped run wrote after its last checkpoint."""
-    for name in (METRICS_FILE_NAME, ROLLOUTS_FILE_NAME):
-        truncate_jsonl(run_dir / name, before_step=before_step)
-
-
-def _metrics_logger(
-    config: MetricsLogger.Config, *, ranks: Ranks, run_dir: Path, total_steps: int
-) -> MetricsLogger:
-    """Rank 0's logger writes and shows; the other ranks' log the same metrics silently."""
-    console = None
-    if not ranks.is_writer:
-        config = dataclasses.replace(
-            config, display="none", jsonl=False, tensorboard=False, progress_keys=()
-        )
-        console = Console(quiet=True)
-    return MetricsLogger(
-        config, run_dir=run_dir, total_steps=total_steps, description="GRPO", console=console
-    )
-
-
-def _rollouts_file(
-    run_dir: Path, *, ranks: Ranks
-) -> contextlib.AbstractContextManager[IO[str] | None]:
-    """rollouts.jsonl, opened for appending on rank 0; None on the others."""
-    if not ranks.is_writer:
-        return contextlib.nullcontext(None)
-    return (run_dir / ROLLOUTS_FILE_NAME).open("a")
 
 
 def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:

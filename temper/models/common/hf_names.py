@@ -9,6 +9,9 @@ simply has no keys that map to them.
 from __future__ import annotations
 
 import re
+from typing import Any
+
+from temper.models.common.decoder import DecoderConfig
 
 _GLOBAL_KEYS = {
     "embed.weight": "model.embed_tokens.weight",
@@ -32,6 +35,33 @@ _BLOCK_KEYS = {
     "feed_forward.w_up.weight": "mlp.up_proj.weight",
     "feed_forward.w_down.weight": "mlp.down_proj.weight",
 }
+
+
+def decoder_config_to_hf(config: DecoderConfig, *, dtype_name: str) -> dict[str, Any]:
+    """The config.json fields every dense decoder family writes alike; a family's adapter adds
+    its architecture, model type and RoPE fields."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "initializer_range": config.init_std,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "attention_bias": config.attention_bias,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
 _HF_BLOCK_KEYS = {hf: ours for ours, hf in _BLOCK_KEYS.items()}
 _HF_GLOBAL_KEYS = {hf: ours for ours, hf in _GLOBAL_KEYS.items()}
 _OUR_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")

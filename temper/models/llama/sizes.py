@@ -8,10 +8,10 @@ it takes its vocabulary from the tokenizer it is paired with.
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 
 from temper.models.common.rope import Llama3RopeScaling
+from temper.models.common.sizes import TINY_SHAPE, named_size
 from temper.models.llama.model import Llama
 
 LLAMA3_VOCAB_SIZE = 128_256
@@ -49,21 +49,13 @@ LLAMA_SIZES = MappingProxyType(
     {
         "tiny": Llama.Config(
             vocab_size=LLAMA3_VOCAB_SIZE,
-            dim=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            ffn_dim=384,
-            tie_embeddings=True,
-            rope_theta=10_000.0,
+            **TINY_SHAPE,
             rope_scaling=Llama3RopeScaling(
                 factor=8.0,
                 low_freq_factor=1.0,
                 high_freq_factor=4.0,
                 original_max_position_embeddings=256,
             ),
-            max_seq_len=2048,
         ),
         "1B": _published(
             dim=2048, num_layers=16, num_heads=32, head_dim=64, ffn_dim=8192, tie=True, factor=32
@@ -83,9 +75,4 @@ LLAMA_SIZES = MappingProxyType(
 
 def llama_size(name: str, *, vocab_size: int | None = None) -> Llama.Config:
     """A fresh config for a named size, optionally with another vocabulary size."""
-    if name not in LLAMA_SIZES:
-        raise ValueError(f"unknown Llama size {name!r}; valid sizes: {', '.join(LLAMA_SIZES)}")
-    config = dataclasses.replace(LLAMA_SIZES[name])
-    if vocab_size is not None:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
-    return config
+    return named_size(LLAMA_SIZES, name, family="Llama", vocab_size=vocab_size)

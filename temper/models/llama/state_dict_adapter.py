@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from temper.models.common.hf_names import key_from_hf, key_to_hf
+from temper.models.common.hf_names import decoder_config_to_hf, key_from_hf, key_to_hf
 from temper.models.common.rope import Llama3RopeScaling
 from temper.models.llama.model import Llama
 
@@ -120,26 +120,9 @@ def config_to_hf(config: Llama.Config, *, dtype_name: str) -> dict[str, Any]:
     return {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "initializer_range": config.init_std,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
+        **decoder_config_to_hf(config, dtype_name=dtype_name),
         "rope_scaling": rope_scaling,
         "rope_parameters": rope_parameters,
-        "attention_bias": config.attention_bias,
-        "attention_dropout": 0.0,
         "mlp_bias": False,
         "pretraining_tp": 1,
-        "use_cache": True,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
     }

@@ -7,9 +7,9 @@ with, since toy tasks use small built-in vocabularies.
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 
+from temper.models.common.sizes import TINY_SHAPE, named_size
 from temper.models.qwen3.model import Qwen3
 
 QWEN3_VOCAB_SIZE = 151_936
@@ -32,18 +32,7 @@ def _published(
 
 QWEN3_SIZES = MappingProxyType(
     {
-        "tiny": Qwen3.Config(
-            vocab_size=QWEN3_VOCAB_SIZE,
-            dim=128,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            ffn_dim=384,
-            tie_embeddings=True,
-            rope_theta=10_000.0,
-            max_seq_len=2048,
-        ),
+        "tiny": Qwen3.Config(vocab_size=QWEN3_VOCAB_SIZE, **TINY_SHAPE),
         "0.6B": _published(dim=1024, num_layers=28, num_heads=16, ffn_dim=3072, tie=True),
         "1.7B": _published(dim=2048, num_layers=28, num_heads=16, ffn_dim=6144, tie=True),
         "4B": _published(dim=2560, num_layers=36, num_heads=32, ffn_dim=9728, tie=True),
@@ -56,9 +45,4 @@ QWEN3_SIZES = MappingProxyType(
 
 def qwen3_size(name: str, *, vocab_size: int | None = None) -> Qwen3.Config:
     """A fresh config for a named size, optionally with another vocabulary size."""
-    if name not in QWEN3_SIZES:
-        raise ValueError(f"unknown Qwen3 size {name!r}; valid sizes: {', '.join(QWEN3_SIZES)}")
-    config = dataclasses.replace(QWEN3_SIZES[name])
-    if vocab_size is not None:
-        config = dataclasses.replace(config, vocab_size=vocab_size)
-    return config
+    return named_size(QWEN3_SIZES, name, family="Qwen3", vocab_size=vocab_size)

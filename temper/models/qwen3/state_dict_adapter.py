@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from temper.models.common.hf_names import key_from_hf, key_to_hf
+from temper.models.common.hf_names import decoder_config_to_hf, key_from_hf, key_to_hf
 from temper.models.qwen3.model import Qwen3
 
 HF_ARCHITECTURE = "Qwen3ForCausalLM"
@@ -79,27 +79,10 @@ def config_to_hf(config: Qwen3.Config, *, dtype_name: str) -> dict[str, Any]:
     return {
         "architectures": [HF_ARCHITECTURE],
         "model_type": HF_MODEL_TYPE,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "initializer_range": config.init_std,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
+        **decoder_config_to_hf(config, dtype_name=dtype_name),
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "attention_bias": config.attention_bias,
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": config.num_layers,
-        "use_cache": True,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
     }
