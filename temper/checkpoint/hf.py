@@ -22,7 +22,7 @@ from torch import nn
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.build import dtype_name, materialize, parse_dtype
-from temper.models.registry import family_for_hf_config, family_of_model
+from temper.models.registry import WeightSlot, family_for_hf_config, family_of_model
 from temper.tokenizer import Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -99,43 +99,51 @@ def empty_pretrained(
 
 def locate_weights(
     model_dir: Path, *, model: nn.Module, shapes: Mapping[str, tuple[int, ...]]
-) -> dict[Path, dict[str, str]]:
+) -> dict[Path, dict[str, WeightSlot]]:
     """Where each of `shapes` (our state-dict key -> whole shape) is stored: safetensors file
-    -> {our key: HF key}, in the files' order. Reads only the files' headers.
+    -> {HF key: where it goes}, in the files' order. A stacked expert tensor is stored as one
+    HF tensor per expert. Reads only the files' headers.
 
     Raises ValueError naming the tensor when a shape differs from the one `model` (built from
     config.json) expects, a stored tensor is not used by the model, or one is missing.
     """
     family = family_of_model(model)
     tied = getattr(model, "output", "absent") is None
-    remaining = dict(shapes)
-    located: dict[Path, dict[str, str]] = {}
+    remaining: dict[WeightSlot, tuple[int, ...]] = {}
+    names: dict[WeightSlot, str] = {}
+    for key, shape in shapes.items():
+        slots = family.hf_slots(key, tuple(shape))
+        names.update(slots)
+        remaining.update(
+            {slot: tuple(shape if slot.expert is None else shape[1:]) for slot in slots}
+        )
+    located: dict[Path, dict[str, WeightSlot]] = {}
     unexpected = []
     for path in _weight_files(model_dir):
         located[path] = {}
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for hf_key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                key = family.key_from_hf(hf_key)
-                if key == "output.weight" and tied:
+                slot = family.slot_from_hf(hf_key)
+                if slot == WeightSlot("output.weight") and tied:
                     continue  # some exporters store the tied unembedding; the embedding is it
-                if key is None or key not in remaining:
+                if slot is None or slot not in remaining:
                     if not hf_key.endswith(_IGNORED_SUFFIXES):
                         unexpected.append(hf_key)
                     continue
                 shape = tuple(handle.get_slice(hf_key).get_shape())
-                expected = tuple(remaining.pop(key))
+                expected = remaining.pop(slot)
                 if shape != expected:
                     raise ValueError(
                         f"checkpoint tensor {hf_key!r} has shape {shape} but the model built "
-                        f"from config.json expects {expected} for {key!r}"
+                        f"from config.json expects {expected} for {slot.key!r}"
                     )
-                located[path][key] = hf_key
+                located[path][hf_key] = slot
     if unexpected:
         raise ValueError(
             f"{model_dir}: tensors not used by {family.hf_architecture}: {sorted(unexpected)}"
         )
     if remaining:
-        missing = sorted(family.key_to_hf(key) for key in remaining)
+        missing = sorted(names[slot] for slot in remaining)
         raise ValueError(f"{model_dir}: checkpoint lacks tensors {missing}")
     return located
 
@@ -145,10 +153,13 @@ def _copy_weights(model: nn.Module, *, model_dir: Path, device: torch.device) ->
     targets = model.state_dict()
     shapes = {key: tuple(value.shape) for key, value in targets.items()}
     safetensors_device = "cpu" if device.type == "meta" else str(device)
-    for path, keys in locate_weights(model_dir, model=model, shapes=shapes).items():
+    for path, slots in locate_weights(model_dir, model=model, shapes=shapes).items():
         with safe_open(str(path), framework="pt", device=safetensors_device) as handle:
-            for key, hf_key in keys.items():
-                targets[key].copy_(handle.get_tensor(hf_key))
+            for hf_key, slot in slots.items():
+                target = targets[slot.key]
+                if slot.expert is not None:
+                    target = target[slot.expert]
+                target.copy_(handle.get_tensor(hf_key))
 
 
 def _shards(
@@ -206,8 +217,9 @@ def save_pretrained(
     state_dict = model.state_dict()
     dtype = next(iter(state_dict.values())).dtype
     tensors = {
-        family.key_to_hf(key): value.detach().to("cpu").contiguous()
+        hf_key: tensor.detach().to("cpu").contiguous()
         for key, value in state_dict.items()
+        for hf_key, tensor in family.tensors_to_hf(key, value)
     }
     hf_config = family.config_to_hf(model.config, dtype_name=dtype_name(dtype))
     generation_config: dict[str, Any] = {}

@@ -7,10 +7,11 @@ Shapes: R LoRA rank, I a linear's input features.
 (`to_empty`) and fills them in place:
 - From a HF model directory: each parameter's local box (temper/distributed/local_shard.py) is
   read straight from its safetensors file with `get_slice`, after the same name mapping and
-  checks as `load_pretrained` (`locate_weights`). The Qwen3 adapter maps tensors one to one,
-  with no value transformation, so every box can be sliced from the file; a family whose
-  adapter transformed values (fused or permuted tensors) would have to read such a tensor
-  whole and slice it here, one tensor at a time.
+  checks as `load_pretrained` (`locate_weights`). The adapters map tensors one to one (or,
+  for stacked experts, one expert's row to one HF tensor), with no value transformation, so
+  every box can be sliced from the file; a family whose adapter transformed values (fused or
+  permuted tensors) would have to read such a tensor whole and slice it here, one tensor at a
+  time.
 - A random init (a named size): every module's own parameters are drawn whole, one module at a
   time, on an unsharded meta-device twin of the model, in `modules()` order from one generator
   seeded as `materialize` seeds it, and only this rank's box is kept. The values are bitwise
@@ -77,12 +78,20 @@ def load_local_shards(model: nn.Module, *, model_dir: Path) -> None:
     """Read each base parameter's local box from the HF checkpoint into its local shard."""
     parameters = _base_parameters(model)
     shapes = {name: tuple(parameter.shape) for name, parameter in parameters.items()}
-    for path, keys in locate_weights(model_dir, model=model, shapes=shapes).items():
+    for path, slots in locate_weights(model_dir, model=model, shapes=shapes).items():
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for key, hf_key in keys.items():
-                local = local_part(parameters[key])
+            for hf_key, slot in slots.items():
+                local = local_part(parameters[slot.key])
+                box = local_box(parameters[slot.key])
+                if slot.expert is not None:
+                    # One expert's row of a stacked tensor: this rank holds it if its box's
+                    # first (expert) range covers it.
+                    rows = box[0]
+                    if not rows.start <= slot.expert < rows.stop:
+                        continue
+                    local, box = local[slot.expert - rows.start], box[1:]
                 if local.numel() > 0:  # an uneven split can leave a rank an empty shard
-                    local.copy_(handle.get_slice(hf_key)[local_box(parameters[key])])
+                    local.copy_(handle.get_slice(hf_key)[box])
 
 
 @torch.no_grad()

@@ -400,7 +400,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
                     f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, the "
                     f"model expects {expected}"
                 )
-            yield self._family.key_to_hf(name), tensor.detach()
+            yield from self._family.tensors_to_hf(name, tensor.detach())
 
     def _reload_through_file(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file

@@ -7,11 +7,12 @@ architecture without knowing which one it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from torch import nn
 
 from temper.models.llama import state_dict_adapter as llama_adapter
@@ -22,6 +23,29 @@ from temper.models.qwen3 import state_dict_adapter as qwen3_adapter
 from temper.models.qwen3.model import Qwen3
 from temper.models.qwen3.parallelize import parallelize_qwen3
 from temper.models.qwen3.sizes import QWEN3_SIZES
+from temper.models.qwen3_moe import state_dict_adapter as qwen3_moe_adapter
+from temper.models.qwen3_moe.model import Qwen3Moe
+from temper.models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from temper.models.qwen3_moe.sizes import QWEN3_MOE_SIZES
+
+
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one HF tensor goes in our state dict: a whole tensor, or one expert's row of a
+    stacked expert tensor (HF stores each expert's projections separately)."""
+
+    key: str
+    expert: int | None = None
+
+
+def _no_stacked_keys(key: str, expert: int) -> str | None:
+    del key, expert
+    return None
+
+
+def _no_expert_keys(hf_key: str) -> tuple[str, int] | None:
+    del hf_key
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +61,29 @@ class ModelFamily:
     key_from_hf: Callable[[str], str | None]
     parallelize: Callable[..., nn.Module]
     """Applies TP, activation checkpointing, compile and FSDP2 to a model of this family."""
+    expert_key_to_hf: Callable[[str, int], str | None] = _no_stacked_keys
+    """(our stacked expert key, expert) -> that expert's HF key; None for other keys."""
+    expert_key_from_hf: Callable[[str], tuple[str, int] | None] = _no_expert_keys
+    """HF per-expert key -> (our stacked key, expert); None for other keys."""
+
+    def slot_from_hf(self, hf_key: str) -> WeightSlot | None:
+        """Where a HF tensor goes, or None for one this family does not use."""
+        expert = self.expert_key_from_hf(hf_key)
+        if expert is not None:
+            return WeightSlot(*expert)
+        key = self.key_from_hf(hf_key)
+        return None if key is None else WeightSlot(key)
+
+    def hf_slots(self, key: str, shape: tuple[int, ...]) -> dict[WeightSlot, str]:
+        """The HF tensors one of our tensors (of `shape`) is stored as: slot -> HF key."""
+        if self.expert_key_to_hf(key, 0) is None:
+            return {WeightSlot(key): self.key_to_hf(key)}
+        return {WeightSlot(key, e): self.expert_key_to_hf(key, e) for e in range(shape[0])}
+
+    def tensors_to_hf(self, key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, tensor) pairs of one of our tensors: itself, or one per expert row."""
+        for slot, hf_key in self.hf_slots(key, tuple(tensor.shape)).items():
+            yield hf_key, tensor if slot.expert is None else tensor[slot.expert]
 
 
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
@@ -62,6 +109,19 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
             key_to_hf=llama_adapter.key_to_hf,
             key_from_hf=llama_adapter.key_from_hf,
             parallelize=parallelize_llama,
+        ),
+        "qwen3_moe": ModelFamily(
+            name=qwen3_moe_adapter.HF_MODEL_TYPE,
+            hf_architecture=qwen3_moe_adapter.HF_ARCHITECTURE,
+            model_cls=Qwen3Moe,
+            sizes=QWEN3_MOE_SIZES,
+            config_from_hf=qwen3_moe_adapter.config_from_hf,
+            config_to_hf=qwen3_moe_adapter.config_to_hf,
+            key_to_hf=qwen3_moe_adapter.key_to_hf,
+            key_from_hf=qwen3_moe_adapter.key_from_hf,
+            parallelize=parallelize_qwen3_moe,
+            expert_key_to_hf=qwen3_moe_adapter.expert_key_to_hf,
+            expert_key_from_hf=qwen3_moe_adapter.expert_key_from_hf,
         ),
     }
 )

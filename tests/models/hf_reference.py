@@ -89,3 +89,49 @@ def tiny_hf_llama(
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
     return model
+
+
+def tiny_hf_qwen3_moe(
+    *,
+    vocab_size: int = 97,
+    tie: bool = False,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (1,),
+    decoder_sparse_step: int = 1,
+    num_layers: int = 3,
+    seed: int = 0,
+):
+    """A random tiny HF Qwen3-MoE: 8 experts of width 32, 2 per token; layer 1 dense by
+    default. The router is drawn wide so that top-k choices are far apart."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=160,
+        moe_intermediate_size=32,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=list(mlp_only_layers),
+        decoder_sparse_step=decoder_sparse_step,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif ".mlp.experts." in name:
+                param.normal_(0.0, 0.05)
+    return model

@@ -18,6 +18,7 @@ from torch import nn
 from temper.config.checks import check_range
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
+from temper.models.common.moe import GroupedExperts
 from temper.models.common.rmsnorm import RMSNorm
 from temper.models.common.rope import Llama3RopeScaling, rope_cos_sin
 
@@ -67,6 +68,12 @@ class DecoderConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"{name}.head_dim must be even for RoPE, got {self.head_dim}")
 
+    def feed_forward(self, *, layer_index: int) -> nn.Module:
+        """The feed-forward of block `layer_index`: a SwiGLU of width ffn_dim (a MoE family
+        returns its routed experts for sparse layers)."""
+        del layer_index
+        return SwiGLU(dim=self.dim, hidden_dim=self.ffn_dim)
+
 
 class DecoderBlock(nn.Module):
     def __init__(self, config: DecoderConfig, *, layer_index: int, qk_norm: bool) -> None:
@@ -83,7 +90,7 @@ class DecoderBlock(nn.Module):
             norm_eps=config.norm_eps,
         )
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = SwiGLU(dim=config.dim, hidden_dim=config.ffn_dim)
+        self.feed_forward = config.feed_forward(layer_index=layer_index)
 
     def forward(
         self,
@@ -158,6 +165,9 @@ class Decoder(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std, generator=generator)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, GroupedExperts):
+            for weight in (module.w_gate, module.w_up, module.w_down):
+                nn.init.normal_(weight, mean=0.0, std=self.config.init_std, generator=generator)
 
     def hidden_states(
         self,

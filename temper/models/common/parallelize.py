@@ -1,10 +1,12 @@
-"""Parallelize a dense decoder (Qwen3, Llama 3): tensor parallel, activation checkpointing,
+"""Parallelize a decoder (Qwen3, Llama 3, Qwen3-MoE): tensor parallel, activation checkpointing,
 compile, FSDP2.
 
 Applied in that order, to a model built on one device (model code stays single-device):
 
 1. TP (tp > 1): in each block, q/k/v and gate/up split column-wise (by heads, by hidden
-   width), o and down row-wise; the per-head q/k RMSNorms (Qwen3) see the local heads. Embedding,
+   width), o and down row-wise; the per-head q/k RMSNorms (Qwen3) see the local heads. Routed
+   experts (MoE blocks) stay whole on every tp rank: splitting them is expert parallelism's
+   job, not TP's. Embedding,
    block norms and unembedding stay whole on every tp rank (activations between sublayers are
    replicated), so the logprob code works on plain tensors and needs no vocabulary-parallel
    loss; the price is one full [V, D] unembedding per tp rank.
@@ -36,6 +38,7 @@ from temper.distributed.tensor_parallel import (
     per_head_parallel,
 )
 from temper.models.build import parse_dtype
+from temper.models.common.feed_forward import SwiGLU
 from temper.models.lora import has_lora
 
 # [B, T, N, H] activations: the heads are dimension 2.
@@ -49,10 +52,11 @@ def decoder_tp_plan(block: nn.Module) -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(),
-        "feed_forward.w_gate": ColwiseParallel(),
-        "feed_forward.w_up": ColwiseParallel(),
-        "feed_forward.w_down": RowwiseParallel(),
     }
+    if isinstance(block.feed_forward, SwiGLU):  # routed experts stay whole on each tp rank
+        plan["feed_forward.w_gate"] = ColwiseParallel()
+        plan["feed_forward.w_up"] = ColwiseParallel()
+        plan["feed_forward.w_down"] = RowwiseParallel()
     if block.attention.q_norm is not None:
         plan["attention.q_norm"] = per_head_parallel(head_dim=_HEADS_DIM)
         plan["attention.k_norm"] = per_head_parallel(head_dim=_HEADS_DIM)

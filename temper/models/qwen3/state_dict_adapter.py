@@ -25,7 +25,8 @@ def unknown_hf_keys(hf_keys: Iterable[str]) -> list[str]:
     return sorted(key for key in hf_keys if key_from_hf(key) is None)
 
 
-def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+def rope_theta(hf_config: Mapping[str, Any]) -> float:
+    """RoPE base of a Qwen3-style config.json; any RoPE type but the default fails."""
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has `rope_theta` and
     # `rope_scaling` at the top level.
     rope = hf_config.get("rope_parameters") or {}
@@ -42,20 +43,26 @@ def _rope_theta(hf_config: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3.Config:
-    """Build our config from a HF Qwen3 config.json dict."""
+def check_qwen3_fields(hf_config: Mapping[str, Any], *, family: str) -> None:
+    """The config.json checks Qwen3 and Qwen3-MoE share: no sliding window, silu, the
+    required shape fields."""
     if hf_config.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported for Qwen3")
+        raise ValueError(f"config.json: use_sliding_window=true is not supported for {family}")
     if hf_config.get("hidden_act", "silu") != "silu":
         raise ValueError(
             f"config.json: hidden_act {hf_config['hidden_act']!r} is not supported; "
-            "Qwen3 uses 'silu'"
+            f"{family} uses 'silu'"
         )
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     required += ("intermediate_size",)
     missing = [name for name in required if name not in hf_config]
     if missing:
-        raise ValueError(f"config.json: missing required Qwen3 fields {missing}")
+        raise ValueError(f"config.json: missing required {family} fields {missing}")
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3.Config:
+    """Build our config from a HF Qwen3 config.json dict."""
+    check_qwen3_fields(hf_config, family="Qwen3")
     num_heads = hf_config["num_attention_heads"]
     return Qwen3.Config(
         vocab_size=hf_config["vocab_size"],
@@ -65,7 +72,7 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3.Config:
         num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
         head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
         ffn_dim=hf_config["intermediate_size"],
-        rope_theta=_rope_theta(hf_config),
+        rope_theta=rope_theta(hf_config),
         norm_eps=hf_config.get("rms_norm_eps", 1e-6),
         tie_embeddings=hf_config.get("tie_word_embeddings", False),
         attention_bias=hf_config.get("attention_bias", False),

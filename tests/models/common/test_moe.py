@@ -1,0 +1,129 @@
+"""The MoE block: its hand-written backward against autograd of the reference path, the
+grouped-kernel path against the sliced one, router top-k with and without renormalizing, a
+token's output independent of its batch, and config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from temper.models.common.moe import MoE, route
+from temper.models.qwen3_moe import Qwen3Moe, qwen3_moe_size
+
+
+def _moe(seed: int = 0, *, norm_topk_prob: bool = True) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(dim=32, hidden_dim=24, num_experts=6, top_k=2, norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        for parameter in moe.parameters():
+            parameter.normal_(0.0, 0.3)
+    return moe
+
+
+def _reference(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
+    """The block computed token by token with plain autograd ops."""
+    _, weights_NK, experts_NK = route(moe.router(x_ND), top_k=2, norm_topk_prob=moe.norm_topk_prob)
+    experts = moe.experts
+    rows = []
+    for n in range(x_ND.shape[0]):
+        total = 0
+        for k in range(2):
+            e = experts_NK[n, k]
+            hidden = torch.nn.functional.silu(experts.w_gate[e] @ x_ND[n]) * (
+                experts.w_up[e] @ x_ND[n]
+            )
+            total = total + weights_NK[n, k] * (experts.w_down[e] @ hidden)
+        rows.append(total)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_forward_and_gradients_equal_a_token_by_token_reference(norm_topk_prob):
+    moe = _moe(norm_topk_prob=norm_topk_prob)
+    x_BTD = torch.randn(2, 9, 32, requires_grad=True)
+    grad_BTD = torch.randn(2, 9, 32)
+    out_BTD = moe(x_BTD)
+    grads = torch.autograd.grad(out_BTD, [x_BTD, *moe.parameters()], grad_BTD)
+    expected_BTD = _reference(moe, x_BTD.reshape(-1, 32)).view(2, 9, 32)
+    expected = torch.autograd.grad(expected_BTD, [x_BTD, *moe.parameters()], grad_BTD)
+    torch.testing.assert_close(out_BTD, expected_BTD, rtol=1e-5, atol=1e-5)
+    for actual, wanted in zip(grads, expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
+
+
+def test_sliced_backward_equals_autograd_of_the_grouped_reference():
+    moe = _moe(1)
+    experts = moe.experts
+    counts_E = [5, 0, 3, 7, 1, 0]
+    x_AD = torch.randn(sum(counts_E), 32, requires_grad=True)
+    grad_AD = torch.randn(sum(counts_E), 32)
+    inputs = [x_AD, experts.w_gate, experts.w_up, experts.w_down]
+    sliced = experts(x_AD, counts_E=counts_E, offsets_E=None)
+    reference = experts.reference(x_AD, counts_E=counts_E, offsets_E=None)
+    torch.testing.assert_close(sliced, reference, rtol=0, atol=1e-6)
+    sliced_grads = torch.autograd.grad(sliced, inputs, grad_AD)
+    for actual, wanted in zip(
+        sliced_grads, torch.autograd.grad(reference, inputs, grad_AD), strict=True
+    ):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5)
+    # Experts without rows get zero gradients.
+    assert sliced_grads[2][1].abs().sum() == 0 and sliced_grads[3][5].abs().sum() == 0
+
+
+def test_grouped_kernel_path_equals_the_sliced_path():
+    # F.grouped_mm runs on CPU too (slowly); the CUDA bf16 path uses it as the kernel.
+    experts = _moe(2).experts
+    counts_E = [4, 2, 0, 6, 3, 1]
+    x_AD = torch.randn(sum(counts_E), 32)
+    offsets_E = torch.tensor(counts_E).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        grouped = experts(x_AD, counts_E=None, offsets_E=offsets_E)
+        sliced = experts(x_AD, counts_E=counts_E, offsets_E=None)
+    torch.testing.assert_close(grouped, sliced, rtol=1e-5, atol=1e-6)
+
+
+def test_router_renormalizes_the_top_k_only_when_asked():
+    logits_NE = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs_NE, weights_NK, experts_NK = route(logits_NE, top_k=2, norm_topk_prob=False)
+    assert experts_NK.tolist() == [[0, 1]]
+    torch.testing.assert_close(weights_NK, probs_NE[:, :2])
+    _, renormalized_NK, _ = route(logits_NE, top_k=2, norm_topk_prob=True)
+    torch.testing.assert_close(renormalized_NK.sum(-1), torch.ones(1))
+
+
+def test_a_tokens_output_does_not_depend_on_which_tokens_share_its_batch():
+    # Up to the matmul kernels' own blocking by row count (as in any linear layer).
+    moe = _moe(3)
+    x_ND = torch.randn(16, 32)
+    with torch.no_grad():
+        together = moe(x_ND.unsqueeze(0))[0]
+        alone = torch.cat([moe(x_ND[n : n + 1].unsqueeze(0))[0] for n in range(16)])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_keep_routing_records_the_router_choices():
+    moe = _moe(4)
+    x_BTD = torch.randn(1, 5, 32)
+    moe(x_BTD)
+    assert moe.routing is None
+    moe.keep_routing = True
+    moe(x_BTD)
+    assert moe.routing.probs_NE.shape == (5, 6) and moe.routing.experts_NK.shape == (5, 2)
+    torch.testing.assert_close(moe.routing.probs_NE.sum(-1), torch.ones(5))
+
+
+def test_top_k_above_the_expert_count_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"Qwen3Moe\.Config\.top_k=9 exceeds num_experts=8"):
+        qwen3_moe_size("tiny", vocab_size=17).__class__(
+            vocab_size=17,
+            dim=8,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=4,
+            ffn_dim=8,
+            num_experts=8,
+            top_k=9,
+            moe_ffn_dim=4,
+        )
+    assert Qwen3Moe.Config  # the family the message names
