@@ -48,3 +48,19 @@ def test_a_training_models_estimate_is_the_plans_trainer_and_generator(model_dir
     own_base = 0 if shared_base else base.weights_bytes
     estimate = base.training_bytes(lora_rank=lora_rank, shared_base=shared_base)
     assert estimate == trainer + own_base + sampler
+
+
+def test_an_unsupported_family_is_refused_naming_its_directory(model_dir, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "hybrid"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as raised:
+        load_base_model(str(other), trainable=True, sampler=SAMPLER, dtype="float32")
+    message = str(raised.value)
+    assert message.startswith(f"model directory {other}: ")
+    assert "'Qwen3_5ForCausalLM'" in message and "Qwen3MoeForCausalLM" in message

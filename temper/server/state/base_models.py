@@ -20,7 +20,7 @@ from pathlib import Path
 
 from temper.checkpoint.hf import read_hf_config
 from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
-from temper.models.registry import family
+from temper.models.registry import family_for_hf_config
 from temper.sampler.engine import SamplerEngine
 from temper.server.http.errors import BadRequest, NotFound
 
@@ -204,8 +204,12 @@ def load_base_model(
     """Read a model directory's config (not its weights)."""
     model_dir = Path(path).expanduser()
     hf_config = read_hf_config(model_dir)
-    arch = str(hf_config.get("model_type", "qwen3"))
-    decoder = family(arch).config_from_hf(hf_config)
+    try:
+        model_family = family_for_hf_config(hf_config)
+        decoder = model_family.config_from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"model directory {path}: {error}") from None
+    arch = model_family.name
     # Shapes of models built on the meta device: nothing is allocated.
     plain = ModelShapes.of(decoder, lora_rank=None)
     adapted = ModelShapes.of(decoder, lora_rank=1)
