@@ -78,6 +78,16 @@ def test_a_reload_that_fails_keeps_the_users(tmp_path):
     assert users.authenticate(alice).name == "alice"
 
 
+def test_a_reload_of_an_emptied_key_file_keeps_the_users(tmp_path):
+    key_file = tmp_path / "keys.json"
+    alice = add_user(key_file, "alice")
+    users = Users(key_file=key_file)
+    key_file.write_text('{"users": []}')
+    with pytest.raises(ValueError, match=r"holds no users; the server keeps its 1 \(add one"):
+        users.reload()
+    assert users.authenticate(alice).name == "alice"
+
+
 def test_the_users_command_adds_lists_and_removes(tmp_path, capsys):
     key_file = str(tmp_path / "team.json")
     assert main(["users", "add", "alice", "--key-file", key_file]) == 0

@@ -193,6 +193,8 @@ def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path)
         missing = httpx.get(f"{guarded.base_url}/api/v1/training_runs")
         assert missing.status_code == 401
         assert httpx.get(f"{guarded.base_url}/api/v1/healthz").is_success  # probes need no key
+        for page in ("openapi.json", "docs", "redoc"):  # FastAPI's schema pages are off
+            assert httpx.get(f"{guarded.base_url}/{page}").status_code == 404
         for path in ("asample", "retrieve_future"):  # plain routes check the key themselves
             lean = httpx.post(f"{guarded.base_url}/api/v1/{path}", json={"request_id": "x"})
             assert lean.status_code == 401 and lean.json()["category"] == "user"

@@ -41,6 +41,11 @@ def create_app(server: TemperServer) -> FastAPI:
     app = FastAPI(
         title="Temper (Tinker-compatible)",
         dependencies=[Depends(current_user)],
+        # FastAPI's schema pages are routes of their own that skip the app's key check; the
+        # protocol is Tinker's (docs/server.md), so they are off rather than open.
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
         lifespan=lifespan,
     )
     app.state.server = server

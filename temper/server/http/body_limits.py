@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from temper.server.http.errors import BadRequest, error_body
 from temper.server.http.json_bodies import parse_json
 
-DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/forward", "/api/v1/asample"})
+# The SDK sends `forward` to forward_backward too (with forward_only set).
+DATA_ROUTES = frozenset({"/api/v1/forward_backward", "/api/v1/asample"})
 SAMPLE_ROUTE = "/api/v1/asample"
 MAX_SAMPLE_BYTES = 32 << 20
 """asample's own cap under the data limit: its JSON is validated by pydantic holding the GIL

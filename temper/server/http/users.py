@@ -94,6 +94,13 @@ class Users:
         by_digest = {entry_digest: user for user, entry_digest in users}
         if self.api_key is not None:
             by_digest.setdefault(digest(self.api_key), User(DEFAULT_USER))
+        if self._by_digest and not by_digest:
+            # Every key, the admins' too, would be refused: nobody could reload again.
+            raise ValueError(
+                f"key file {self.key_file} holds no users; the server keeps its "
+                f"{len(self._by_digest)} (add one with `temper users add`, or stop the server "
+                "to revoke every key)"
+            )
         self._by_digest = by_digest
         return len(users)
 
