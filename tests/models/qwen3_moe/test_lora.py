@@ -1,6 +1,6 @@
 """LoRA on a Qwen3-MoE model: which weights get adapters (attention, dense layers, every routed
 expert; never the router), an exact no-op at init, the merged model, the init a sharded model
-draws again, and the sampler's merged weights."""
+draws again, the sampler's merged weights, and the shapes memory plans count."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from temper.checkpoint.gather import sampler_state_dict
 from temper.checkpoint.sharded_load import init_lora_shards
+from temper.job.model_bytes import ModelShapes
 from temper.models import materialize
 from temper.models.lora import (
     LoraConfig,
@@ -142,3 +143,15 @@ def test_another_seed_draws_other_expert_adapters():
     apply_lora(second, LoraConfig(rank=2, seed=2))
     key = "blocks.0.feed_forward.experts.w_gate_adapter.lora_A"
     assert not torch.equal(lora_state_dict(first)[key], lora_state_dict(second)[key])
+
+
+def test_model_shapes_count_expert_adapters_at_their_rank():
+    config = _model(device="meta").config
+    shapes = ModelShapes.of(config, lora_rank=4)
+    model = _model(device="meta")
+    apply_lora(model, LoraConfig(rank=4))
+    assert list(shapes.trainer) == [
+        (name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters()
+    ]
+    stacked = model.blocks[0].feed_forward.experts.w_gate.numel()
+    assert shapes.largest_adapted_numel >= stacked  # a merge upcasts a whole stacked weight
