@@ -67,9 +67,12 @@ def swiglu_with_low_rank(
     low_rank: LowRank,
     counts_E: list[int] | None,
     offsets_E: torch.Tensor | None,
+    weights_A: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' SwiGLU [A, D] on rows sorted by expert, each projection's output plus
-    `low_rank` of its input (`GroupedExperts.reference` with adapters)."""
+    `low_rank` of its input (`GroupedExperts.reference` with adapters); each row scaled by its
+    router weight `weights_A` when given (applied before the down projection, which is linear
+    with its adapter too)."""
     groups = {"counts_E": counts_E, "offsets_E": offsets_E}
 
     def project(name: str, x_AI: torch.Tensor) -> torch.Tensor:
@@ -78,6 +81,8 @@ def swiglu_with_low_rank(
         return out_AO if delta_AO is None else out_AO + delta_AO
 
     act_AF = F.silu(project("w_gate", x_AD)) * project("w_up", x_AD)
+    if weights_A is not None:
+        act_AF = act_AF * weights_A.unsqueeze(-1)
     return project("w_down", act_AF)
 
 
@@ -117,19 +122,30 @@ class LoraGroupedExperts(GroupedExperts):
     weight (`w_gate_adapter`, ...; set by `apply_lora`)."""
 
     def __init__(self, base: GroupedExperts) -> None:
-        nn.Module.__init__(self)  # not GroupedExperts.__init__: it would allocate fresh weights
-        self.num_experts = base.num_experts
+        num_experts, hidden_dim, dim = base.w_gate.shape
+        with torch.device("meta"):  # the weights it allocates are replaced by base's below
+            super().__init__(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
         self.w_gate, self.w_up, self.w_down = base.w_gate, base.w_up, base.w_down
         for name in EXPERT_TARGETS:
             setattr(self, f"{name}{ADAPTER_SUFFIX}", None)
 
     def forward(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.reference(x_AD, counts_E=counts_E, offsets_E=offsets_E)
+        return self.reference(x_AD, counts_E=counts_E, offsets_E=offsets_E, weights_A=weights_A)
 
     def reference(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Base experts plus each adapter's low-rank term, through `grouped_linear` and
         autograd (on either device; the forward is this too)."""
@@ -141,5 +157,10 @@ class LoraGroupedExperts(GroupedExperts):
             return adapter.low_rank(x_AI, counts_E=counts_E, offsets_E=offsets_E)
 
         return swiglu_with_low_rank(
-            self, x_AD, low_rank=low_rank, counts_E=counts_E, offsets_E=offsets_E
+            self,
+            x_AD,
+            low_rank=low_rank,
+            counts_E=counts_E,
+            offsets_E=offsets_E,
+            weights_A=weights_A,
         )

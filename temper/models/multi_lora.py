@@ -4,7 +4,8 @@ Shapes: B rows, M positions per row, D model dim, V vocab, K adapter slots, R ra
 largest loaded so far; a smaller adapter is zero-padded, and an adapter without a target has
 zeros there: both add exact zeros), U slots used by a batch, N rows per used slot (padded),
 I/O a linear's in/out features; in a MoE block, T tokens (rows and positions flattened), P
-experts per token (top-k), E experts, A token-expert assignments sorted by expert.
+experts per token (top-k), E experts, A token-expert assignments sorted by expert (`combine`
+keeps `MoE.combine`'s argument names, with N for T and K for P).
 
 `install_slots(model)` swaps every adaptable linear of a plain decoder (whose weights may be
 shared, frozen, with other clients) for a `MultiLoraLinear` and sets a `MultiLoraUnembedding`
@@ -22,10 +23,10 @@ for every row) extends both factors of the logit product as `LoraUnembedding` do
 
 A MoE block becomes a `MultiLoraMoE`: its experts hold K slots of per-expert factors for each
 projection (`_ExpertSlots`, the adapters `apply_lora` puts on experts) and run as
-`LoraGroupedExperts` do, with one slot's factors. The router runs once for all rows; with one
-slot for every row the experts run once, else the tokens of each used slot are combined
-separately (a token's output does not depend on the other tokens of its batch), each with its
-slot's factors.
+`LoraGroupedExperts` do, with one slot's factors. The router runs once for all rows (the
+plain block's forward, routing kept as it keeps it); with one slot for every row the experts
+run once, else the tokens of each used slot are combined separately (a token's output does
+not depend on the other tokens of its batch), each with its slot's factors.
 
 Row indices are thread-local: the sampler's decode shards run row groups on threads.
 """
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.models.common.decoder import Decoder
-from temper.models.common.moe import GroupedExperts, MoE, Routing, route
+from temper.models.common.moe import GroupedExperts, MoE
 from temper.models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraConfig
 from temper.models.lora_experts import (
     ADAPTER_SUFFIX,
@@ -291,62 +292,73 @@ class MultiLoraExperts(GroupedExperts):
     """Frozen stacked experts plus, for the slot every row uses, each expert's B' @ A."""
 
     def __init__(self, base: GroupedExperts, *, rows: AdapterRows) -> None:
-        nn.Module.__init__(self)  # not GroupedExperts.__init__: it would allocate fresh weights
-        self.num_experts = base.num_experts
+        num_experts, hidden_dim, dim = base.w_gate.shape
+        with torch.device("meta"):  # the weights it allocates are replaced by base's below
+            super().__init__(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
         self.w_gate, self.w_up, self.w_down = base.w_gate, base.w_up, base.w_down
         for name in EXPERT_TARGETS:
             setattr(self, f"{name}{ADAPTER_SUFFIX}", _ExpertSlots(getattr(base, name)))
         self.rows = rows
 
     def forward(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
         slot = self.rows.uniform()
         assert slot is not None, "MultiLoraMoE runs its experts one slot at a time"
         rank = self.rows.ranks.get(slot, 0)
-        if rank == 0:  # no adapter in this slot: the plain experts
-            return super().forward(x_AD, counts_E=counts_E, offsets_E=offsets_E)
         groups = {"counts_E": counts_E, "offsets_E": offsets_E}
 
-        def low_rank(name: str, x_AI: torch.Tensor) -> torch.Tensor:
+        def low_rank(name: str, x_AI: torch.Tensor) -> torch.Tensor | None:
+            if rank == 0:  # nothing loaded in this slot
+                return None
             slots = getattr(self, f"{name}{ADAPTER_SUFFIX}")
             return slots.low_rank(x_AI, slot=slot, rank=rank, **groups)
 
-        return swiglu_with_low_rank(self, x_AD, low_rank=low_rank, **groups)
+        return swiglu_with_low_rank(self, x_AD, low_rank=low_rank, weights_A=weights_A, **groups)
 
 
 class MultiLoraMoE(MoE):
-    """A frozen MoE block whose experts add the adapter of each token's row."""
+    """A frozen MoE block whose experts add the adapter of each token's row: routed as the
+    plain block is (`MoE.forward`), then combined once for the rows' one slot, or once per
+    used slot on that slot's tokens."""
 
     def __init__(self, base: MoE, *, rows: AdapterRows) -> None:
-        nn.Module.__init__(self)  # not MoE.__init__: it would allocate fresh weights
-        self.num_experts, self.top_k = base.num_experts, base.top_k
-        self.norm_topk_prob = base.norm_topk_prob
+        num_experts, hidden_dim, dim = base.experts.w_gate.shape
+        with torch.device("meta"):  # the weights it allocates are replaced by base's below
+            super().__init__(
+                dim=dim,
+                hidden_dim=hidden_dim,
+                num_experts=num_experts,
+                top_k=base.top_k,
+                norm_topk_prob=base.norm_topk_prob,
+            )
         self.router = base.router
         self.experts = MultiLoraExperts(base.experts, rows=rows)
-        self.keep_routing, self.routing = base.keep_routing, None
+        self.keep_routing = base.keep_routing
         self.rows = rows
 
-    def forward(self, x_BMD: torch.Tensor) -> torch.Tensor:
+    def combine(
+        self, x_ND: torch.Tensor, *, weights_NK: torch.Tensor, experts_NK: torch.Tensor
+    ) -> torch.Tensor:
         index = self.rows.index()
         if isinstance(index, int):
-            return super().forward(x_BMD)
-        x_TD = x_BMD.reshape(-1, x_BMD.shape[-1])
-        probs_TE, weights_TP, experts_TP = route(
-            self.router(x_TD), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob
-        )
-        if self.keep_routing:
-            self.routing = Routing(probs_NE=probs_TE, experts_NK=experts_TP)
-        # Rows come first in x, so each row's tokens are consecutive in x_TD.
+            return super().combine(x_ND, weights_NK=weights_NK, experts_NK=experts_NK)
+        x_TD, weights_TP, experts_TP = x_ND, weights_NK, experts_NK  # this file's letters
+        # Rows come first in the block's input, so each row's tokens are consecutive in x_TD.
         slots_T = index.repeat_interleave(x_TD.shape[0] // index.shape[0])
         out_TD = torch.empty_like(x_TD)
         for slot in torch.unique(slots_T).tolist():
             tokens = torch.nonzero(slots_T == slot).squeeze(1)
             with self.rows.one_slot(slot):
-                out_TD[tokens] = self.combine(
+                out_TD[tokens] = super().combine(
                     x_TD[tokens], weights_NK=weights_TP[tokens], experts_NK=experts_TP[tokens]
                 )
-        return out_TD.view_as(x_BMD)
+        return out_TD
 
 
 def _targets(model: Decoder) -> dict[str, _Slots | _ExpertSlots]:

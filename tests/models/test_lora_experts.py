@@ -94,6 +94,18 @@ def test_merged_delta_is_each_experts_scaled_product():
     torch.testing.assert_close(delta_EOI[4], expected, rtol=0, atol=1e-7)
 
 
+def test_router_weights_given_to_the_experts_scale_each_rows_output():
+    experts = _lora_moe(2).experts
+    counts_E = [4, 0, 2, 6, 1, 3]
+    generator = torch.Generator().manual_seed(3)
+    x_AD = torch.randn(sum(counts_E), 32, generator=generator)
+    weights_A = torch.rand(sum(counts_E), generator=generator)
+    with torch.no_grad():
+        scaled_AD = experts(x_AD, counts_E=counts_E, offsets_E=None, weights_A=weights_A)
+        plain_AD = experts(x_AD, counts_E=counts_E, offsets_E=None)
+    torch.testing.assert_close(scaled_AD, plain_AD * weights_A[:, None], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("rank", [8, 4], ids=["grouped-kernel", "slices-for-odd-rank"])
