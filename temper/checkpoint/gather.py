@@ -31,7 +31,13 @@ from temper.distributed.weight_pieces import (
     WeightRows,
     as_bytes,
 )
-from temper.models.lora import LORA_SUFFIXES, LoraLinear, LoraUnembedding, lora_modules
+from temper.models.lora import (
+    LORA_SUFFIXES,
+    LoraModule,
+    LoraUnembedding,
+    adapted_key,
+    lora_modules,
+)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -122,13 +128,13 @@ class _SamplerPlan:
     with their LoRA adapters."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._merges: dict[str, tuple[str, str, LoraLinear | LoraUnembedding]] = {}
+        self._merges: dict[str, tuple[str, str, LoraModule]] = {}
         for name, module in lora_modules(model).items():
-            if isinstance(module, LoraUnembedding):
-                base_key = "embed.weight" if model.output is None else "output.weight"
-                self._merges["output.weight"] = (name, base_key, module)
+            key = adapted_key(name, module)
+            if isinstance(module, LoraUnembedding) and model.output is None:
+                self._merges[key] = (name, "embed.weight", module)
             else:
-                self._merges[f"{name}.weight"] = (name, f"{name}.weight", module)
+                self._merges[key] = (name, key, module)
         self.state = model.state_dict()
         self.plain = [
             key for key in self.state if not key.endswith(LORA_SUFFIXES) and key not in self._merges

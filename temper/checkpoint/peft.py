@@ -11,11 +11,25 @@ wraps `lm_head` only and shares its base weight with the embedding, so the two a
 `PeftModel.save_pretrained` we do not also write the base `lm_head` weight (PEFT does so for
 targeted embedding layers in case the vocabulary was resized, which Temper never does): the
 adapter stays small and loads onto the unchanged base model.
+
+Expert adapters are saved per expert under the released per-expert module names
+(`model.layers.0.mlp.experts.3.gate_proj.lora_A.weight`, target modules `gate_proj`, `up_proj`,
+`down_proj`), the format PEFT writes for a model whose experts are linears. transformers 5
+holds experts as fused stacked parameters (`gate_up_proj` [E, 2F, D], `down_proj`); PEFT (0.21)
+converts such an adapter on load: the three names become `target_parameters` on the fused
+weights, and gate's and up's pairs are joined (A stacked, B block-diagonal, rank and alpha
+doubled), which is exact. That conversion takes every `gate_proj`/`up_proj`/`down_proj`
+target for an expert, so a model that also has dense MLP layers (`mlp_only_layers`) lists
+those layers' weights again in `target_parameters` (`mlp.gate_proj.weight`: PEFT then adapts
+them as parameters, the same W + scale * B @ A). That entry is written only for such models:
+transformers 4, whose experts are linears, would see the dense layers targeted twice.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +37,8 @@ from safetensors.torch import save_file
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.common.decoder import Decoder
-from temper.models.lora import LoraUnembedding, lora_modules
+from temper.models.lora import adapted_key, lora_modules
+from temper.models.lora_experts import ExpertsLora
 from temper.models.registry import family_of_model
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -43,10 +58,41 @@ _HF_TARGET_ORDER = (
 )
 
 
-def _hf_module_name(model: Decoder, name: str, module: torch.nn.Module) -> str:
-    """HF module path of one LoRA module (e.g. 'model.layers.0.self_attn.q_proj', 'lm_head')."""
-    key = "output.weight" if isinstance(module, LoraUnembedding) else f"{name}.weight"
-    return family_of_model(model).key_to_hf(key).removesuffix(".weight")
+@dataclass(frozen=True)
+class _HfAdapter:
+    """One adapted HF module: a linear, or one expert's projection."""
+
+    name: str
+    """Its HF module path, e.g. 'model.layers.0.self_attn.q_proj', 'lm_head',
+    'model.layers.0.mlp.experts.3.gate_proj'."""
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    expert: bool
+
+
+def _hf_adapters(model: Decoder) -> Iterator[_HfAdapter]:
+    """Every adapter of `model` under its HF module name, expert adapters one per expert."""
+    family = family_of_model(model)
+    for name, module in lora_modules(model).items():
+        key = adapted_key(name, module)
+        lora_A, lora_B = module.lora_A.detach(), module.lora_B.detach()
+        expert = isinstance(module, ExpertsLora)
+        for slot, hf_key in family.hf_slots(key, tuple(lora_A.shape)).items():
+            pair = (lora_A[slot.expert], lora_B[slot.expert]) if expert else (lora_A, lora_B)
+            yield _HfAdapter(hf_key.removesuffix(".weight"), *pair, expert=expert)
+
+
+def _dense_twins(adapters: list[_HfAdapter]) -> list[str]:
+    """`target_parameters` for linears that share a target name with an expert projection
+    (a MoE model's dense MLP layers): 'mlp.gate_proj.weight' and so on, in model order."""
+    expert_targets = {a.name.rsplit(".", 1)[-1] for a in adapters if a.expert}
+    twins = {
+        ".".join(a.name.split(".")[-2:])
+        for a in adapters
+        if not a.expert and a.name.rsplit(".", 1)[-1] in expert_targets
+    }
+    order = sorted(twins, key=lambda twin: _HF_TARGET_ORDER.index(twin.rsplit(".", 1)[-1]))
+    return [f"{twin}.weight" for twin in order]
 
 
 def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict:
@@ -57,8 +103,9 @@ def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict
     shapes = {(module.rank, module.alpha) for module in modules.values()}
     assert len(shapes) == 1, f"LoRA modules disagree on (rank, alpha): {shapes}"
     ((rank, alpha),) = shapes
-    targets = {_hf_module_name(model, name, m).rsplit(".", 1)[-1] for name, m in modules.items()}
-    return {
+    adapters = list(_hf_adapters(model))
+    targets = {adapter.name.rsplit(".", 1)[-1] for adapter in adapters}
+    config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
@@ -74,16 +121,19 @@ def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict
         "modules_to_save": None,
         "inference_mode": True,
     }
+    twins = _dense_twins(adapters)
+    if twins:
+        config["target_parameters"] = twins
+    return config
 
 
 def peft_adapter_tensors(model: Decoder) -> dict[str, torch.Tensor]:
     """LoRA tensors under PEFT's key names, on the CPU and contiguous."""
     tensors = {}
-    for name, module in lora_modules(model).items():
-        hf_name = _PEFT_PREFIX + _hf_module_name(model, name, module)
+    for adapter in _hf_adapters(model):
         for factor in ("lora_A", "lora_B"):
-            tensor = getattr(module, factor).detach().to("cpu").contiguous()
-            tensors[f"{hf_name}.{factor}.weight"] = tensor
+            key = f"{_PEFT_PREFIX}{adapter.name}.{factor}.weight"
+            tensors[key] = getattr(adapter, factor).to("cpu").contiguous()
     return tensors
 
 

@@ -1,7 +1,7 @@
 """Sharded loading: fill a model that was built and sharded (FSDP2/TP) on the meta device, so
 that no rank ever holds the whole model.
 
-Shapes: R LoRA rank, I a linear's input features.
+Shapes: R LoRA rank, I a linear's input features, E experts.
 
 `DeferredWeights.materialize` gives the parallelized model storage for this rank's shards only
 (`to_empty`) and fills them in place:
@@ -115,7 +115,7 @@ def init_local_shards(model: nn.Module, *, seed: int, device: torch.device) -> N
 def init_lora_shards(model: nn.Module, *, lora: LoraConfig) -> None:
     """The initial adapters of `apply_lora(model, lora)`, kept shard by shard."""
     parameters = dict(model.named_parameters())
-    for name, lora_A_RI in initial_lora_A(model, lora):
+    for name, whole in initial_lora_A(model, lora):  # [R, I], or [E, R, I] for experts
         lora_A = parameters[f"{name}.lora_A"]
-        copy_local_part(lora_A, lora_A_RI.to(lora_A.dtype))
+        copy_local_part(lora_A, whole.to(lora_A.dtype))
         local_part(parameters[f"{name}.lora_B"]).zero_()

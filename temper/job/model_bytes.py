@@ -26,6 +26,7 @@ from temper.models.lora import (
     LORA_SUFFIXES,
     LoraConfig,
     LoraUnembedding,
+    adapted_key,
     apply_lora,
     lora_modules,
     merged_config,
@@ -54,12 +55,14 @@ class ModelShapes:
         untied = 0
         adapted: list[int] = []
         if lora_rank is not None:
-            # Rank 1 on meta, then the rank-R shapes: A is [R, in] and B [out, R].
+            # Rank 1 on meta, then the rank-R shapes: A is [R, in] and B [out, R] (with a
+            # leading expert dimension for expert adapters).
             apply_lora(model, LoraConfig(rank=1))
             if not merged_config(model).tie_embeddings and decoder.tie_embeddings:
                 untied = decoder.vocab_size * decoder.dim  # merging unties the output
             adapted = [
-                _adapted_weight(model, module).numel() for module in lora_modules(model).values()
+                _adapted_weight(model, name, module).numel()
+                for name, module in lora_modules(model).items()
             ]
         trainer = tuple(
             (name, _at_rank(name, tuple(parameter.shape), lora_rank), parameter.requires_grad)
@@ -200,15 +203,15 @@ class SamplerBytes:
         return self.weights + self.kv_cache + self.prefix_cache
 
 
-def _adapted_weight(model: nn.Module, module: nn.Module) -> torch.Tensor:
+def _adapted_weight(model: nn.Module, name: str, module: nn.Module) -> torch.Tensor:
     if isinstance(module, LoraUnembedding):
         return model.output_weight_VD
-    return module.weight
+    return model.get_parameter(adapted_key(name, module))
 
 
 def _at_rank(name: str, shape: tuple[int, ...], rank: int | None) -> tuple[int, ...]:
     if name.endswith(".lora_A"):
-        return (rank, *shape[1:])
+        return (*shape[:-2], rank, shape[-1])
     if name.endswith(".lora_B"):
         return (*shape[:-1], rank)
     return shape

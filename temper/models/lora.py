@@ -1,10 +1,13 @@
 """LoRA adapters: low-rank trainable additions to a frozen decoder's projections.
 
-Shapes: B batch, T tokens, D model dim, V vocab, R LoRA rank, I/O a linear's in/out features.
+Shapes: B batch, T tokens, D model dim, V vocab, R LoRA rank, I/O a linear's in/out features,
+E experts.
 
 `apply_lora` swaps each target `nn.Linear` for a `LoraLinear` that keeps the very same
 `weight`/`bias` Parameter objects, so base state-dict keys (`blocks.0.attention.wq.weight`)
-and any code holding those Parameters are unaffected; only `lora_A`/`lora_B` are added. The
+and any code holding those Parameters are unaffected; only `lora_A`/`lora_B` are added. In a
+MoE block, `train_mlp` adapts every routed expert's gate, up and down projections instead, one
+low-rank pair per expert held stacked (lora_experts.py); the router is never adapted. The
 unembedding is adapted through the decoder's `output_adapter` hook rather than by wrapping a
 module, because a tied model has no output module: the adapter extends both factors of
 `logits = hidden @ weight.T` (see `LoraUnembedding.augment`), so the input embedding stays
@@ -15,7 +18,12 @@ Initialization follows PEFT: A ~ kaiming_uniform(a=sqrt(5)), B = 0, scale = alph
 fresh adapter changes nothing. A is drawn in fp32 on the CPU from one generator seeded with
 `LoraConfig.seed` (same seed, same adapter, whatever the model's device) and then cast to the
 model's dtype and device; `initial_lora_A` yields those draws again, for a model whose adapters
-were applied on the meta device and sharded before they had values.
+were applied on the meta device and sharded before they had values. The E experts' A of one
+projection are drawn as one [E * R, I] matrix, so each expert's [R, I] has a dense adapter's
+bound (PEFT draws its stacked expert adapters the same way).
+
+Targets are chosen by the three `train_*` switches; a switch whose projections a model lacks
+fails in `apply_lora` before anything is changed, naming the switch and the valid ones.
 """
 
 from __future__ import annotations
@@ -31,6 +39,13 @@ from torch import nn
 
 from temper.config.checks import check_range
 from temper.models.common.decoder import Decoder, DecoderConfig
+from temper.models.common.moe import MoE
+from temper.models.lora_experts import (
+    ADAPTER_SUFFIX,
+    EXPERT_TARGETS,
+    ExpertsLora,
+    LoraGroupedExperts,
+)
 
 ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
 MLP_TARGETS = ("w_gate", "w_up", "w_down")
@@ -48,7 +63,8 @@ class LoraConfig:
     train_attn: bool = True
     """Adapt the attention projections (q, k, v, o)."""
     train_mlp: bool = True
-    """Adapt the feed-forward projections (gate, up, down)."""
+    """Adapt the feed-forward projections (gate, up, down): a dense layer's, and in a MoE
+    layer every routed expert's (one pair per expert; the router is never adapted)."""
     train_unembed: bool = True
     """Adapt the unembedding (output projection; the input embedding is never changed)."""
     seed: int = 0
@@ -130,31 +146,86 @@ class LoraUnembedding(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}"
 
 
+LoraModule = LoraLinear | LoraUnembedding | ExpertsLora
+"""What `lora_modules` finds: an adapted linear, the unembedding's adapter, or one expert
+projection's stacked adapters."""
 UNEMBEDDING_ADAPTER = "output_adapter"
 
 
-def _target_linears(model: Decoder, config: LoraConfig) -> dict[str, tuple[nn.Module, str]]:
-    """Qualified name -> (parent, attribute) of every linear to adapt, in a fixed order (it
-    fixes the init)."""
+def _targets(model: Decoder, config: LoraConfig) -> dict[str, tuple[nn.Module, str]]:
+    """Adapter module name -> (parent, attribute) of every weight to adapt, in a fixed order
+    (it fixes the init): a linear by its parent module, a MoE block's stacked expert weight by
+    the block and the weight's name in its experts."""
+    _check_switches(model, config)
     targets = {}
     for index, block in enumerate(model.blocks):
         if config.train_attn:
             for name in ATTENTION_TARGETS:
                 targets[f"blocks.{index}.attention.{name}"] = (block.attention, name)
-        if config.train_mlp:
+        if config.train_mlp and isinstance(block.feed_forward, MoE):
+            for name in EXPERT_TARGETS:
+                adapter = f"blocks.{index}.feed_forward.experts.{name}{ADAPTER_SUFFIX}"
+                targets[adapter] = (block.feed_forward, name)
+        elif config.train_mlp:
             for name in MLP_TARGETS:
                 targets[f"blocks.{index}.feed_forward.{name}"] = (block.feed_forward, name)
     return targets
 
 
+def _check_switches(model: Decoder, config: LoraConfig) -> None:
+    """A ValueError naming the first switch of `config` whose projections `model` lacks, and
+    the switches valid for it."""
+    for field in ("train_attn", "train_mlp"):
+        missing = _missing_targets(model, field) if getattr(config, field) else None
+        if missing is not None:
+            valid = [f for f in ("train_attn", "train_mlp") if _missing_targets(model, f) is None]
+            raise ValueError(
+                f"LoraConfig.{field}=True, but {missing}; valid for this model: "
+                f"{', '.join([*valid, 'train_unembed'])} (set {field}=False)"
+            )
+
+
+def _missing_targets(model: Decoder, field: str) -> str | None:
+    """What lacks the projections switch `field` adapts, or None when every block has them."""
+    for index, block in enumerate(model.blocks):
+        if field == "train_attn":
+            part, names = "attention", ATTENTION_TARGETS
+        elif isinstance(block.feed_forward, MoE):
+            continue  # the experts' stacked weights
+        else:
+            part, names = "feed_forward", MLP_TARGETS
+        module = getattr(block, part)
+        if not all(isinstance(getattr(module, name, None), nn.Linear) for name in names):
+            return (
+                f"block {index}'s {part} ({type(module).__name__}) has no linear projections "
+                f"{', '.join(names)} to adapt"
+            )
+    return None
+
+
+def _in_features(parent: nn.Module, attribute: str) -> tuple[int | None, int]:
+    """(experts or None for a linear, input features) of a target's weight."""
+    if isinstance(parent, MoE):
+        num_experts, _, in_features = getattr(parent.experts, attribute).shape
+        return num_experts, in_features
+    return None, getattr(parent, attribute).in_features
+
+
 def initial_lora_A(model: Decoder, config: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(adapter module name, initial A [R, I] in fp32 on the CPU) of every adapter `config`
-    adds to `model`, in the order `apply_lora` draws them from one generator seeded with
-    `config.seed`: the values `apply_lora` gives them. One tensor at a time."""
+    """(adapter module name, initial A in fp32 on the CPU: [R, I], or [E, R, I] for experts)
+    of every adapter `config` adds to `model`, in the order `apply_lora` draws them from one
+    generator seeded with `config.seed`: the values `apply_lora` gives them. One tensor at a
+    time."""
     generator = torch.Generator().manual_seed(config.seed)
-    for name, (parent, attribute) in _target_linears(model, config).items():
-        in_features = getattr(parent, attribute).in_features
-        yield name, _draw_lora_A(rank=config.rank, in_features=in_features, generator=generator)
+    for name, (parent, attribute) in _targets(model, config).items():
+        num_experts, in_features = _in_features(parent, attribute)
+        if num_experts is None:
+            yield name, _draw_lora_A(rank=config.rank, in_features=in_features, generator=generator)
+        else:
+            lora_A = _draw_lora_A(
+                rank=num_experts * config.rank, in_features=in_features, generator=generator
+            )
+            yield name, lora_A.view(num_experts, config.rank, in_features)
     if config.train_unembed:
         dim = model.config.dim
         yield (
@@ -167,33 +238,53 @@ def apply_lora(model: Decoder, config: LoraConfig) -> None:
     """Add LoRA adapters to `model` in place and freeze everything else.
 
     Afterwards only `lora_A`/`lora_B` parameters require grad. B starts at zero, so the model
-    computes the function it computed without adapters until B moves away from zero.
+    computes the function it computed without adapters until B moves away from zero. A MoE
+    block's experts become `LoraGroupedExperts` (same weights) and its router stays frozen.
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(f"apply_lora: config must be a LoraConfig, got {type(config).__name__}")
     if has_lora(model):
         raise ValueError("apply_lora: the model already has LoRA adapters; apply it once")
+    targets = _targets(model, config)  # checks the targets exist before anything changes
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    targets = _target_linears(model, config)
-    for name, lora_A_RI in initial_lora_A(model, config):
+    for name, lora_A in initial_lora_A(model, config):
         if name == UNEMBEDDING_ADAPTER:
             model.output_adapter = LoraUnembedding(
-                weight_VD=model.output_weight_VD, lora_A_RI=lora_A_RI, alpha=config.alpha
+                weight_VD=model.output_weight_VD, lora_A_RI=lora_A, alpha=config.alpha
             )
             continue
         parent, attribute = targets[name]
-        lora = LoraLinear(getattr(parent, attribute), lora_A_RI=lora_A_RI, alpha=config.alpha)
+        if isinstance(parent, MoE):
+            if not isinstance(parent.experts, LoraGroupedExperts):
+                parent.experts = LoraGroupedExperts(parent.experts)
+            experts = parent.experts
+            adapter = ExpertsLora(
+                getattr(experts, attribute), lora_A_ERI=lora_A, alpha=config.alpha
+            )
+            setattr(experts, f"{attribute}{ADAPTER_SUFFIX}", adapter)
+            continue
+        lora = LoraLinear(getattr(parent, attribute), lora_A_RI=lora_A, alpha=config.alpha)
         setattr(parent, attribute, lora)
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoraLinear | LoraUnembedding]:
-    """Every LoRA module of `model` by its qualified name (e.g. 'blocks.0.attention.wq')."""
+def lora_modules(model: nn.Module) -> dict[str, LoraModule]:
+    """Every LoRA module of `model` by its qualified name (e.g. 'blocks.0.attention.wq',
+    'blocks.1.feed_forward.experts.w_gate_adapter', 'output_adapter')."""
     return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLinear | LoraUnembedding)
+        name: module for name, module in model.named_modules() if isinstance(module, LoraModule)
     }
+
+
+def adapted_key(name: str, module: LoraModule) -> str:
+    """The state-dict key of the weight that adapter `name` (a `lora_modules` entry) changes
+    in a merged model: a linear's '{name}.weight', 'output.weight' for the unembedding, and the
+    stacked expert weight for expert adapters ('blocks.1.feed_forward.experts.w_gate')."""
+    if isinstance(module, LoraUnembedding):
+        return "output.weight"
+    if isinstance(module, ExpertsLora):
+        return name.removesuffix(ADAPTER_SUFFIX)
+    return f"{name}.weight"
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -232,9 +323,10 @@ def merged_state_dict(model: Decoder) -> dict[str, torch.Tensor]:
         key: value for key, value in model.state_dict().items() if not key.endswith(LORA_SUFFIXES)
     }
     for name, module in lora_modules(model).items():
+        key = adapted_key(name, module)
         if isinstance(module, LoraUnembedding):
-            key, weight = "output.weight", model.output_weight_VD
+            weight = model.output_weight_VD
         else:
-            key, weight = f"{name}.weight", module.weight
+            weight = model.get_parameter(key)
         merged[key] = (weight.float() + module.delta_weight()).to(weight.dtype)
     return merged

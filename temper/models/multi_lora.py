@@ -3,7 +3,9 @@
 Shapes: B rows, M positions per row, D model dim, V vocab, K adapter slots, R rank (the
 largest loaded so far; a smaller adapter is zero-padded, and an adapter without a target has
 zeros there: both add exact zeros), U slots used by a batch, N rows per used slot (padded),
-I/O a linear's in/out features.
+I/O a linear's in/out features; in a MoE block, T tokens (rows and positions flattened), P
+experts per token (top-k), E experts, A token-expert assignments sorted by expert (`combine`
+keeps `MoE.combine`'s argument names, with N for T and K for P).
 
 `install_slots(model)` swaps every adaptable linear of a plain decoder (whose weights may be
 shared, frozen, with other clients) for a `MultiLoraLinear` and sets a `MultiLoraUnembedding`
@@ -19,13 +21,21 @@ grows with the rows and the used slots' ranks, not with the slots loaded. The un
 adds its low-rank logits the same way (`logits`); `augment` (chunked logprobs, one adapter
 for every row) extends both factors of the logit product as `LoraUnembedding` does.
 
+A MoE block becomes a `MultiLoraMoE`: its experts hold K slots of per-expert factors for each
+projection (`_ExpertSlots`, the adapters `apply_lora` puts on experts) and run as
+`LoraGroupedExperts` do, with one slot's factors. The router runs once for all rows (the
+plain block's forward, routing kept as it keeps it); with one slot for every row the experts
+run once, else the tokens of each used slot are combined separately (a token's output does
+not depend on the other tokens of its batch), each with its slot's factors.
+
 Row indices are thread-local: the sampler's decode shards run row groups on threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.models.common.decoder import Decoder
+from temper.models.common.moe import GroupedExperts, MoE
 from temper.models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraConfig
+from temper.models.lora_experts import (
+    ADAPTER_SUFFIX,
+    EXPERT_TARGETS,
+    grouped_low_rank,
+    swiglu_with_low_rank,
+)
 
 
 @dataclass(frozen=True)
@@ -94,12 +111,28 @@ class AdapterRows:
         local.index = index
         local.groups = None if isinstance(index, int) else _Groups.of(index, ranks=self.ranks)
 
-    def uniform(self) -> int | None:
-        """The one slot of every row, or None when rows differ."""
+    def index(self) -> int | torch.Tensor:
+        """The one slot of every row (an int), or each row's slot (a [B] tensor)."""
         index = getattr(self._local, "index", None)
         if index is None:
             raise RuntimeError("multi-LoRA model: call set_rows(model, index) before a forward")
+        return index
+
+    def uniform(self) -> int | None:
+        """The one slot of every row, or None when rows differ."""
+        index = self.index()
         return index if isinstance(index, int) else None
+
+    @contextlib.contextmanager
+    def one_slot(self, slot: int) -> Iterator[None]:
+        """Every row uses `slot` inside the block (on this thread), then the rows' slots again."""
+        local = self._local
+        saved = local.index, local.groups
+        local.index, local.groups = slot, None
+        try:
+            yield
+        finally:
+            local.index, local.groups = saved
 
     def groups(self) -> _Groups:
         return self._local.groups
@@ -200,12 +233,143 @@ class MultiLoraUnembedding(nn.Module):
         )
 
 
-def _targets(model: Decoder) -> dict[str, _Slots]:
-    return {
-        name.removesuffix(".slots"): module
-        for name, module in model.named_modules()
-        if isinstance(module, _Slots)
-    }
+class _ExpertSlots(nn.Module):
+    """K slots of one expert projection's factors, a pair per expert: A [K, E, R, I] and
+    B' = scale * B [K, E, O, R]."""
+
+    def __init__(self, weight_EOI: torch.Tensor) -> None:
+        super().__init__()
+        num_experts, out_features, in_features = weight_EOI.shape
+        self.register_buffer(
+            "lora_A_KERI", weight_EOI.new_zeros(0, num_experts, 0, in_features), persistent=False
+        )
+        self.register_buffer(
+            "lora_B_KEOR", weight_EOI.new_zeros(0, num_experts, out_features, 0), persistent=False
+        )
+
+    def grow(self, *, num_slots: int, rank: int) -> None:
+        """At least `num_slots` slots of rank `rank` (zeros added; loaded slots kept)."""
+        old_K, num_experts, old_R, in_features = self.lora_A_KERI.shape
+        if num_slots <= old_K and rank <= old_R:
+            return
+        num_slots, rank = max(num_slots, old_K), max(rank, old_R)
+        out_features = self.lora_B_KEOR.shape[2]
+        lora_A = self.lora_A_KERI.new_zeros(num_slots, num_experts, rank, in_features)
+        lora_B = self.lora_B_KEOR.new_zeros(num_slots, num_experts, out_features, rank)
+        lora_A[:old_K, :, :old_R] = self.lora_A_KERI
+        lora_B[:old_K, ..., :old_R] = self.lora_B_KEOR
+        self.lora_A_KERI, self.lora_B_KEOR = lora_A, lora_B
+
+    @torch.no_grad()
+    def load(self, slot: int, *, tensors: tuple[torch.Tensor, torch.Tensor] | None, scale: float):
+        self.lora_A_KERI[slot].zero_()
+        self.lora_B_KEOR[slot].zero_()
+        if tensors is None:
+            return  # the adapter leaves the experts alone
+        lora_A_ERI, lora_B_EOR = tensors
+        rank = lora_A_ERI.shape[1]
+        self.lora_A_KERI[slot, :, :rank] = lora_A_ERI
+        self.lora_B_KEOR[slot, ..., :rank] = lora_B_EOR.float() * scale  # as merged weights are
+
+    def low_rank(
+        self,
+        x_AI: torch.Tensor,
+        *,
+        slot: int,
+        rank: int,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Slot `slot`'s B'[e] @ A[e] on each row of expert e: [A, O]."""
+        lora_A_ERI = self.lora_A_KERI[slot, :, :rank]
+        lora_B_EOR = self.lora_B_KEOR[slot, ..., :rank]
+        return grouped_low_rank(
+            x_AI, lora_A_ERI, lora_B_EOR, counts_E=counts_E, offsets_E=offsets_E
+        )
+
+
+class MultiLoraExperts(GroupedExperts):
+    """Frozen stacked experts plus, for the slot every row uses, each expert's B' @ A."""
+
+    def __init__(self, base: GroupedExperts, *, rows: AdapterRows) -> None:
+        num_experts, hidden_dim, dim = base.w_gate.shape
+        with torch.device("meta"):  # the weights it allocates are replaced by base's below
+            super().__init__(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
+        self.w_gate, self.w_up, self.w_down = base.w_gate, base.w_up, base.w_down
+        for name in EXPERT_TARGETS:
+            setattr(self, f"{name}{ADAPTER_SUFFIX}", _ExpertSlots(getattr(base, name)))
+        self.rows = rows
+
+    def forward(
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        slot = self.rows.uniform()
+        assert slot is not None, "MultiLoraMoE runs its experts one slot at a time"
+        rank = self.rows.ranks.get(slot, 0)
+        groups = {"counts_E": counts_E, "offsets_E": offsets_E}
+
+        def low_rank(name: str, x_AI: torch.Tensor) -> torch.Tensor | None:
+            if rank == 0:  # nothing loaded in this slot
+                return None
+            slots = getattr(self, f"{name}{ADAPTER_SUFFIX}")
+            return slots.low_rank(x_AI, slot=slot, rank=rank, **groups)
+
+        return swiglu_with_low_rank(self, x_AD, low_rank=low_rank, weights_A=weights_A, **groups)
+
+
+class MultiLoraMoE(MoE):
+    """A frozen MoE block whose experts add the adapter of each token's row: routed as the
+    plain block is (`MoE.forward`), then combined once for the rows' one slot, or once per
+    used slot on that slot's tokens."""
+
+    def __init__(self, base: MoE, *, rows: AdapterRows) -> None:
+        num_experts, hidden_dim, dim = base.experts.w_gate.shape
+        with torch.device("meta"):  # the weights it allocates are replaced by base's below
+            super().__init__(
+                dim=dim,
+                hidden_dim=hidden_dim,
+                num_experts=num_experts,
+                top_k=base.top_k,
+                norm_topk_prob=base.norm_topk_prob,
+            )
+        self.router = base.router
+        self.experts = MultiLoraExperts(base.experts, rows=rows)
+        self.keep_routing = base.keep_routing
+        self.rows = rows
+
+    def combine(
+        self, x_ND: torch.Tensor, *, weights_NK: torch.Tensor, experts_NK: torch.Tensor
+    ) -> torch.Tensor:
+        index = self.rows.index()
+        if isinstance(index, int):
+            return super().combine(x_ND, weights_NK=weights_NK, experts_NK=experts_NK)
+        x_TD, weights_TP, experts_TP = x_ND, weights_NK, experts_NK  # this file's letters
+        # Rows come first in the block's input, so each row's tokens are consecutive in x_TD.
+        slots_T = index.repeat_interleave(x_TD.shape[0] // index.shape[0])
+        out_TD = torch.empty_like(x_TD)
+        for slot in torch.unique(slots_T).tolist():
+            tokens = torch.nonzero(slots_T == slot).squeeze(1)
+            with self.rows.one_slot(slot):
+                out_TD[tokens] = super().combine(
+                    x_TD[tokens], weights_NK=weights_TP[tokens], experts_NK=experts_TP[tokens]
+                )
+        return out_TD
+
+
+def _targets(model: Decoder) -> dict[str, _Slots | _ExpertSlots]:
+    """Adapter name (as `lora_state_dict` names it) -> its slots."""
+    targets = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _Slots):
+            targets[name.removesuffix(".slots")] = module
+        elif isinstance(module, _ExpertSlots):
+            targets[name] = module
+    return targets
 
 
 def install_slots(model: Decoder) -> None:
@@ -217,7 +381,10 @@ def install_slots(model: Decoder) -> None:
     model.multi_lora_rows = rows
     for block in model.blocks:
         targets = [(block.attention, name) for name in ATTENTION_TARGETS]
-        targets += [(block.feed_forward, name) for name in MLP_TARGETS]
+        if isinstance(block.feed_forward, MoE):
+            block.feed_forward = MultiLoraMoE(block.feed_forward, rows=rows)
+        else:
+            targets += [(block.feed_forward, name) for name in MLP_TARGETS]
         for parent, name in targets:
             setattr(parent, name, MultiLoraLinear(getattr(parent, name), rows=rows))
     vocab_size, dim = model.output_weight_VD.shape

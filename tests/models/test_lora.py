@@ -231,3 +231,25 @@ def test_apply_twice_and_bad_config_type_raise():
     apply_lora(model, LoraConfig(rank=4))
     with pytest.raises(ValueError, match="already has LoRA"):
         apply_lora(model, LoraConfig(rank=4))
+
+
+@pytest.mark.parametrize(
+    ("switch", "part", "valid"),
+    [
+        ("train_attn", "attention", "valid for this model: train_mlp, train_unembed"),
+        ("train_mlp", "feed_forward", "valid for this model: train_attn, train_unembed"),
+    ],
+)
+def test_a_switch_whose_projections_the_model_lacks_fails_before_any_change(switch, part, valid):
+    model = _model()
+    # A block without the switch's linears, as a family with another attention or
+    # feed-forward would have.
+    setattr(model.blocks[1], part, torch.nn.Identity())
+    before = {name: p.requires_grad for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=rf"LoraConfig\.{switch}=True.*block 1's {part}") as error:
+        apply_lora(model, LoraConfig(rank=2))
+    assert valid in str(error.value) and f"set {switch}=False" in str(error.value)
+    assert not lora_modules(model)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == before
+    apply_lora(model, LoraConfig(rank=2, **{switch: False}))  # the switches it names work
+    assert lora_modules(model)

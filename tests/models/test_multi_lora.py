@@ -1,7 +1,8 @@
 """Several adapters in one batch (models/multi_lora.py) against each adapter's merged model:
 logprobs within fp32 rounding (1e-5 absolute + 1e-5 relative: a merged weight and the
 low-rank path round differently, as a single adapter's LoRA model does against its merge),
-greedy tokens equal to the merged-weights sampler's."""
+greedy tokens equal to the merged-weights sampler's. On Qwen3-MoE (one dense layer, the
+others routed) the adapters also hold every expert's pairs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.models import llama_size, materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
 from temper.models.lora import (
     LoraConfig,
     apply_lora,
@@ -52,7 +53,16 @@ def trained_adapters(configs, *, size=qwen3_size):
     return base, adapters, merged
 
 
-@pytest.fixture(scope="module", params=[qwen3_size, llama_size], ids=["qwen3", "llama"])
+def qwen3_moe_with_a_dense_layer(name: str, *, vocab_size: int):
+    """A Qwen3-MoE size whose layer 1 is dense (the other layers route over experts)."""
+    return dataclasses.replace(qwen3_moe_size(name, vocab_size=vocab_size), mlp_only_layers=(1,))
+
+
+@pytest.fixture(
+    scope="module",
+    params=[qwen3_size, llama_size, qwen3_moe_with_a_dense_layer],
+    ids=["qwen3", "llama", "qwen3_moe"],
+)
 def models(request):
     return trained_adapters(CONFIGS, size=request.param)
 
@@ -78,6 +88,37 @@ def test_a_mixed_batch_equals_each_adapter_merged(models):
     set_rows(multi, torch.tensor([1, 0, 0, 2, 2, 1]))
     with torch.no_grad():
         assert not torch.allclose(multi(tokens_BT).log_softmax(-1), logprobs_BTV, atol=1e-3)
+
+
+def test_one_slot_for_every_row_equals_that_adapter_merged(models):
+    base, adapters, merged = models
+    multi = _multi(base, adapters)
+    tokens_BT = torch.randint(0, 31, (3, 9), generator=torch.Generator().manual_seed(2))
+    set_rows(multi, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            multi(tokens_BT).log_softmax(-1),
+            merged[2](tokens_BT).log_softmax(-1),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+def test_a_mixed_moe_batch_routes_each_row_as_its_adapter_merged():
+    base, adapters, merged = trained_adapters(CONFIGS, size=qwen3_moe_with_a_dense_layer)
+    multi = _multi(base, adapters)
+    tokens_BT = torch.randint(0, 31, (4, 7), generator=torch.Generator().manual_seed(3))
+    index_B = torch.tensor([2, 0, 1, 2])
+    for model in (multi, *merged):
+        model.blocks[2].feed_forward.keep_routing = True
+    set_rows(multi, index_B)
+    with torch.no_grad():
+        multi(tokens_BT)
+        experts_BTK = multi.blocks[2].feed_forward.routing.experts_NK.view(4, 7, -1)
+        for row, adapter in enumerate(index_B.tolist()):
+            merged[adapter](tokens_BT[row : row + 1])
+            expected_TK = merged[adapter].blocks[2].feed_forward.routing.experts_NK
+            assert torch.equal(experts_BTK[row], expected_TK), row
 
 
 def test_greedy_mixed_batch_equals_the_merged_sampler(models):

@@ -1,7 +1,7 @@
 """Qwen3-MoE against transformers: logits with and without renormalized top-k weights and with
 dense layers (mlp_only_layers, decoder_sparse_step), per-expert export that transformers
-reloads, init-model, greedy KV-cache sampling, a full fine-tuning step, and HF configs Temper
-refuses."""
+reloads, init-model, greedy KV-cache sampling, a full fine-tuning step, a LoRA training step
+(adapters on attention, the dense layer and every expert), and HF configs Temper refuses."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from temper.checkpoint.model_source import ModelSource, init_model_dir
 from temper.models.common.feed_forward import SwiGLU
 from temper.models.common.logprobs import forward_logprobs
 from temper.models.common.moe import MoE
+from temper.models.lora import LoraConfig, apply_lora, lora_state_dict
 from temper.models.qwen3_moe import Qwen3Moe
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
@@ -138,6 +139,30 @@ def test_full_fine_tuning_step_updates_experts_and_router(tmp_path):
     assert moe.router.weight.grad.abs().sum() > 0
     assert moe.experts.w_down.grad.abs().sum() > 0
     assert losses[-1] < losses[0]
+
+
+def test_lora_training_step_lowers_the_loss(tmp_path):
+    model = load_pretrained(save_hf(tiny_hf_qwen3_moe(), tmp_path))
+    apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    base_before = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(lora_state_dict(model))
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    tokens_BT = _tokens(2, 24, seed=5)
+    losses = []
+    for _ in range(3):
+        loss = -forward_logprobs(model, tokens_BT[:, :-1], tokens_BT[:, 1:]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    experts = model.blocks[0].feed_forward.experts
+    assert experts.w_down_adapter.lora_B.grad.abs().sum() > 0
+    assert experts.w_gate_adapter.lora_A.grad.abs().sum() > 0
+    assert model.blocks[1].feed_forward.w_up.lora_B.grad.abs().sum() > 0  # the dense layer
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base_before.items())  # router included
+    assert losses[-1] < losses[0] - 0.05
 
 
 @pytest.mark.parametrize(
