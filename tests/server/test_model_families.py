@@ -1,5 +1,6 @@
-"""`temper serve` on a Llama 3 directory, driven by the unmodified tinker SDK: two LoRA users
-on the one base train independently, and a trained adapter samples."""
+"""`temper serve` on a directory of each family beyond Qwen3 (Llama 3, Qwen3-MoE), driven by the
+unmodified tinker SDK: two LoRA users on the one base train independently, and a trained adapter
+samples (on a MoE base the adapters include every routed expert's)."""
 
 from __future__ import annotations
 
@@ -12,28 +13,28 @@ from tests.server.conftest import start_server
 from tests.server.test_sdk import PROMPT, datum
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def family_dir(request, tmp_path_factory) -> Path:
     from temper.checkpoint.model_source import init_model_dir
 
-    directory = tmp_path_factory.mktemp("models") / "llama-digits"
-    init_model_dir(directory, family="llama", size="tiny", tokenizer="digits", seed=0)
+    directory = tmp_path_factory.mktemp("models") / f"{request.param}-digits"
+    init_model_dir(directory, family=request.param, size="tiny", tokenizer="digits", seed=0)
     return directory
 
 
 @pytest.fixture(scope="module")
-def service(llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama-server")
-    process = start_server(llama_dir, root / "storage", root / "server.log")
+def service(family_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("family-server")
+    process = start_server(family_dir, root / "storage", root / "server.log")
     client = process.service()
     yield client
     client.close("success").result()
     process.stop()
 
 
-def test_two_lora_users_train_a_llama_base_and_sample(service, llama_dir):
-    first = service.create_lora_training_client(str(llama_dir), rank=4, seed=1).result()
-    second = service.create_lora_training_client(str(llama_dir), rank=4, seed=1).result()
+def test_two_lora_users_train_one_base_and_sample(service, family_dir):
+    first = service.create_lora_training_client(str(family_dir), rank=4, seed=1).result()
+    second = service.create_lora_training_client(str(family_dir), rank=4, seed=1).result()
     tokenizer = first.get_tokenizer()
     data = [datum(tokenizer, "12=3"), datum(tokenizer, "45=9")]
     before = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
