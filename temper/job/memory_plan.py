@@ -66,13 +66,13 @@ context, on the rank's GPU): the plan does not know the generator's backend.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from temper.checkpoint.hf import read_hf_config
+from temper.client.named_models import named_model
 from temper.job.model_bytes import (
     ModelShapes,
     SamplerBytes,
@@ -91,14 +91,11 @@ from temper.job.runtime_bytes import (
 )
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
-from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
-from temper.tokenizer import build_builtin_tokenizer
+from temper.models.registry import family_for_hf_config
 from temper.trainer.precision import Precision
 
 Phase = Literal["always", "training", "sync"]
 GIB, MIB = 2**30, 2**20
-
-_SIZES = MODEL_FAMILIES["qwen3"].sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,22 +156,13 @@ class MemoryPlan:
 
 
 def model_config(model: str) -> DecoderConfig:
-    """The config of a model directory's config.json, or of a named size: its published
-    shapes, or with a built-in tokenizer ('tiny:letters') that tokenizer's vocabulary, as
-    `temper train` builds it."""
+    """The config of a model directory's config.json, or of a named size
+    (client/named_models.py): its published shapes, or with a built-in tokenizer
+    ('tiny:letters') that tokenizer's vocabulary, as `temper train` builds it."""
     if Path(model).expanduser().is_dir():
         hf_config = read_hf_config(Path(model).expanduser())
         return family_for_hf_config(hf_config).config_from_hf(hf_config)
-    size, _, tokenizer = model.partition(":")
-    if size in _SIZES and not tokenizer:
-        return _SIZES[size]
-    if size in _SIZES:
-        vocab_size = build_builtin_tokenizer(tokenizer).vocab_size
-        return dataclasses.replace(_SIZES[size], vocab_size=vocab_size)
-    raise ValueError(
-        f"model {model!r} is neither a named size ({', '.join(_SIZES)}, optionally with a "
-        "built-in tokenizer: 'tiny:letters') nor a model directory"
-    )
+    return named_model(model, what="model").config()
 
 
 def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None) -> MemoryPlan:
