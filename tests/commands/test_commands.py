@@ -28,6 +28,17 @@ def test_init_model_writes_a_llama_directory(tmp_path, capsys):
     assert type(model).__name__ == "Llama" and model.config.vocab_size == 99
 
 
+def test_init_model_writes_a_qwen3_moe_directory(tmp_path, capsys):
+    out = tmp_path / "moe"
+    assert main(["init-model", str(out), "--family", "qwen3_moe", "--tokenizer", "letters"]) == 0
+    assert "tiny qwen3_moe model" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"]) == (8, 2)
+    model = load_pretrained(out)
+    assert type(model).__name__ == "Qwen3Moe" and model.config.vocab_size == 99
+
+
 def test_init_model_refuses_to_clobber(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert main(["init-model", str(out)]) == 0
