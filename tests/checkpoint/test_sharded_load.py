@@ -217,8 +217,9 @@ def _sharded_random_init(dims: dict, config, *, seed: int) -> dict:
     return full_state_dict(engine.model)
 
 
-def _moe(moe_dir: Path) -> dict:
-    """The MoE directory and the MoE random init, on every layout."""
+def _moe(rank: int, moe_dir: Path, storage: Path) -> dict:
+    """The MoE directory and the MoE random init, on every layout, and a named MoE size
+    through `ServiceClient`."""
     expected = load_pretrained(moe_dir).state_dict()
     random_model = materialize(_moe_config(), seed=2)
     results = {"dir": {}, "random": {}}
@@ -228,6 +229,12 @@ def _moe(moe_dir: Path) -> dict:
         results["dir"][name] = loaded
         random = _sharded_random_init(dims, _moe_config(), seed=2)
         results["random"][name] = _mismatches(random, random_model.state_dict())
+    service = ServiceClient(storage_dir=storage / f"moe{rank}", trainer=_trainer(DIMS["fsdp"]))
+    client = service.create_training_client("qwen3_moe/tiny")
+    named = ModelSource.Config(family="qwen3_moe", size="tiny").build().model
+    results["random"]["client"] = _mismatches(
+        full_state_dict(client.engine.model), named.state_dict()
+    )
     return results
 
 
@@ -259,7 +266,7 @@ def _two_ranks(rank: int, model_dir: Path, moe_dir: Path, storage: Path) -> dict
     results["random"]["fsdp_lora"] = _mismatches(weights, random_lora.state_dict())
     client = service.create_training_client(str(model_dir))
     results["dir"]["client"] = _mismatches(full_state_dict(client.engine.model), expected)
-    results["moe"] = _moe(moe_dir)
+    results["moe"] = _moe(rank, moe_dir, storage)
     # Last: the modules loaded on first use (FSDP, DTensor ops) are in memory already.
     results["memory"] = _random_init_memory()
     return results
@@ -315,7 +322,7 @@ def test_sharded_load_of_a_moe_directory_equals_load_pretrained_bitwise(two_rank
         assert rank["moe"]["dir"][dims]["mismatches"] == []
 
 
-@pytest.mark.parametrize("dims", list(DIMS))
+@pytest.mark.parametrize("dims", [*DIMS, "client"])
 def test_sharded_random_init_of_a_moe_model_equals_the_unsharded_init_bitwise(two_ranks, dims):
     for rank in two_ranks:
         assert rank["moe"]["random"][dims] == []
