@@ -22,6 +22,7 @@ from temper.checkpoint.gather import full_state_dict, is_sharded, sampler_stream
 from temper.checkpoint.hf import load_pretrained, save_pretrained
 from temper.checkpoint.model_source import ModelSource
 from temper.checkpoint.storage import CheckpointStorage
+from temper.client.named_models import named_model
 from temper.distributed.ranks import Ranks
 from temper.models.build import materialize
 from temper.models.lora import (
@@ -32,7 +33,6 @@ from temper.models.lora import (
     merged_config,
     merged_state_dict,
 )
-from temper.models.registry import MODEL_FAMILIES
 from temper.sampler.weight_source import WeightUpdate
 from temper.tokenizer import Tokenizer, load_tokenizer
 
@@ -44,22 +44,14 @@ LORA_FILE = "lora.safetensors"
 
 
 def resolve_base_model(name: str, *, device: str, dtype: str) -> ModelSource.Config:
-    """A model directory, or "<size>[:<builtin tokenizer>]" for a random model."""
+    """A model directory, or a named size for a random model ("8B", "Qwen/Qwen3-8B",
+    "llama/tiny:letters": named_models.py)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"base_model must be a non-empty string, got {name!r}")
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelSource.Config(path=str(path), dtype=dtype, device=device)
-    size, _, tokenizer = name.partition(":")
-    sizes = MODEL_FAMILIES["qwen3"].sizes
-    if size in sizes:
-        return ModelSource.Config(
-            size=size, tokenizer=tokenizer or "digits", dtype=dtype, device=device
-        )
-    raise ValueError(
-        f"base_model {name!r} is neither a model directory nor a named size; sizes: "
-        f"{', '.join(sizes)} (optionally with a built-in tokenizer, e.g. 'tiny:letters')"
-    )
+    return named_model(name, what="base_model").source(device=device, dtype=dtype)
 
 
 def recorded_base_model(name: str) -> str:

@@ -58,7 +58,8 @@ class ServiceClient:
     """Creates training and sampling clients on this machine.
 
     `base_model` is a HF model directory, or a named size with random weights and a built-in
-    vocabulary: "tiny" (digits), "tiny:letters", "0.6B:words", ...
+    vocabulary (named_models.py): "tiny" (digits), "tiny:letters", "0.6B:words",
+    "Qwen/Qwen3-30B-A3B", "meta-llama/Llama-3.1-8B", "llama/tiny:letters", ...
     """
 
     def __init__(

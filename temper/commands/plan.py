@@ -30,14 +30,19 @@ options below override the recipe's fields, as in `temper train`.
   --nnodes N          machines (default 1)
   --gpu-memory-gib G  memory of one GPU in GiB (default 80; an '80 GB' GPU reports about 79)
   --headroom H        share of it kept free for what the plan does not count: scratch and
-                      fragmentation (default 0.05)"""
+                      fragmentation (default 0.05)
+
+--model.base_model takes a model directory or a named size: a HF repo id (Qwen/Qwen3-8B,
+meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B), FAMILY/SIZE (llama/8B) or a Qwen3 size (8B).
+Exit status: 0 when the plan fits, 1 when it does not, 2 for bad input."""
 
 _OPTIONS = ("--nproc", "--nproc-per-node", "--nnodes", "--gpu-memory-gib", "--headroom")
 
 
 def plan(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
-    """Print the memory plan of the recipe's job that `argv` names. Raises ValueError for a
-    bad recipe or setting, SystemExit (tyro) for `--help` and bad overrides."""
+    """Print the memory plan of the recipe's job that `argv` names; 0 when it fits, 1 when it
+    does not. Raises ValueError for a bad recipe or setting, SystemExit (tyro) for `--help`
+    and bad overrides."""
     args = list(argv)
     recipe_arg = args.pop(0) if args and not args[0].startswith("-") else None
     options, overrides = config_cli.split_options(args, names=_OPTIONS)
@@ -59,17 +64,15 @@ def plan(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
             f"recipe {recipe!r} builds {type(job).__qualname__}, which has no memory plan; "
             "`temper plan` plans RL jobs (recipes that return an RLJob.Config)"
         )
-    print(
-        plan_text(
-            memory_plan(
-                nproc_per_node=nproc_per_node,
-                nnodes=nnodes,
-                gpu_memory_gib=gpu_memory_gib,
-                headroom=headroom,
-            )
-        )
+    planned = memory_plan(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        gpu_memory_gib=gpu_memory_gib,
+        headroom=headroom,
     )
-    return 0
+    print(plan_text(planned))
+    # Scripts can test the verdict without parsing it.
+    return 0 if planned.fits else 1
 
 
 def _number(options: dict[str, str], flag: str, *, default: float) -> float:

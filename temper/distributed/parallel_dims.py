@@ -84,16 +84,22 @@ class ParallelDims(Configurable):
         return self.tp > 1
 
     def check_model(self, model_config: Any) -> None:
-        """Raise if `model_config` (a DecoderConfig) cannot be split `tp` ways."""
+        """Raise if `model_config` (a DecoderConfig) cannot be split `tp` ways: its heads, and
+        the feed-forward width of its dense layers. Routed experts (a MoE config's sparse
+        layers) stay whole on every tp rank, so a model whose layers are all sparse never
+        splits `ffn_dim`."""
         if not self.tp_enabled:
             return
-        for field in ("num_heads", "num_kv_heads", "ffn_dim"):
+        fields = ("num_heads", "num_kv_heads")
+        if _has_dense_layer(model_config):
+            fields += ("ffn_dim",)
+        for field in fields:
             value = getattr(model_config, field)
             if value % self.tp != 0:
+                valid = ", ".join(f"{name}={getattr(model_config, name)}" for name in fields)
                 raise ValueError(
                     f"ParallelDims.Config.tp={self.tp} must divide the model's {field} "
-                    f"({value}); valid tp degrees divide num_heads={model_config.num_heads}, "
-                    f"num_kv_heads={model_config.num_kv_heads} and ffn_dim={model_config.ffn_dim}"
+                    f"({value}); valid tp degrees divide {valid}"
                 )
 
     @property
@@ -112,3 +118,12 @@ class ParallelDims(Configurable):
             f"ParallelDims(dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
             f"tp={self.tp}, world_size={self.world_size})"
         )
+
+
+def _has_dense_layer(model_config: Any) -> bool:
+    """Whether some block has a dense feed-forward (TP splits its width). A MoE config says
+    which layers are sparse (`is_sparse`); any other decoder is dense throughout."""
+    is_sparse = getattr(model_config, "is_sparse", None)
+    if is_sparse is None:
+        return True
+    return not all(is_sparse(index) for index in range(model_config.num_layers))

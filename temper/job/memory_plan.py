@@ -1,10 +1,9 @@
 """Planned GPU memory of an RL job per rank role, computed from shapes alone (nothing runs).
 
-`plan_memory(PlanSettings(...))` returns a `MemoryPlan`: for each role (every rank when
-colocated; trainer and generator ranks when disaggregated) rows of (item, bytes, phase),
-where the phase says when a row is held: `always`, only while `training` (from the first
-backward to the optimizer step), or only during a `sync` (pushing new weights to the
-generator). A role's peak is what it always holds plus its larger phase. A job's settings
+`plan_memory(PlanSettings(...))` returns a `MemoryPlan` (plan_types.py): for each role
+(every rank when colocated; trainer and generator ranks when disaggregated) rows of (item,
+bytes, phase), the phase saying when a row is held (`always`, while `training`, at a weight
+`sync`); a role's peak is what it always holds plus its larger phase. A job's settings
 come from its configs (`plan_settings`, job/placement.py); memory_report.py renders plans;
 `temper plan RECIPE` prints them and a job logs its rank's. The bytes of each piece come from
 model_bytes.py, which the server's estimates use too, and what a process holds besides tensors
@@ -22,12 +21,17 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   (compute dtype), and under 'bf16-mixed' the fp32 copy of the larger of them that FSDP
   reduces. An unsharded 'bf16-mixed' trainer instead keeps autocast's bf16 casts of the
   weights for backward.
+- MoE models: the routed experts are stacked [E, ...] parameters, sharded on the expert
+  dimension over the FSDP ranks like every dim 0 (ceil(E / T) experts per rank; expert
+  parallelism is not planned), and their weights get rows of their own, the trainer's and the
+  generator's. A gathered block is the largest one (a sparse block holds all its experts).
 - Activations (an estimate): what autograd keeps for one micro-batch of
   min(micro_batch_tokens, the rank's share of the step) tokens, per token and layer as
-  measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it);
+  measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it;
+  a sparse layer's follow its top_k experts' width and its router, not ffn_dim);
   flash-style attention keeps no T x T matrix. With full activation checkpointing each block
-  keeps only its input, and backward recomputes one block at a time. The fp32 logits of one
-  chunk (<= 256 MiB, logprobs.py) and their log-softmax come on top.
+  keeps only its input, and backward recomputes one block (the largest) at a time. The fp32
+  logits of one chunk (<= 256 MiB, logprobs.py) and their log-softmax come on top.
 - Generator: whole weights in the generator's dtype (the trainer's compute dtype unless set;
   1/generator_tp of them with tensor parallelism), and the KV cache the engine preallocates:
   `max_batch` slots (default: the engine's share of the batch) x `max_seq_len` positions x
@@ -66,13 +70,11 @@ context, on the rank's GPU): the plan does not know the generator's backend.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from temper.checkpoint.hf import read_hf_config
+from temper.client.named_models import named_model
 from temper.job.model_bytes import (
     ModelShapes,
     SamplerBytes,
@@ -80,8 +82,10 @@ from temper.job.model_bytes import (
     activation_bytes,
     autocast_copy_bytes,
     logits_bytes,
+    num_active_params,
 )
 from temper.job.plan_settings import PlanSettings
+from temper.job.plan_types import MIB, MemoryPlan, PlanRow, RolePlan
 from temper.job.runtime_bytes import (
     CUDA_CONTEXT_BYTES,
     NCCL_COMMUNICATOR_BYTES,
@@ -91,90 +95,18 @@ from temper.job.runtime_bytes import (
 )
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
-from temper.models.registry import MODEL_FAMILIES, family_for_hf_config
-from temper.tokenizer import build_builtin_tokenizer
+from temper.models.registry import family_for_hf_config
 from temper.trainer.precision import Precision
-
-Phase = Literal["always", "training", "sync"]
-GIB, MIB = 2**30, 2**20
-
-_SIZES = MODEL_FAMILIES["qwen3"].sizes
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanRow:
-    item: str
-    num_bytes: int
-    phase: Phase = "always"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RolePlan:
-    role: Role
-    num_ranks: int
-    description: str
-    rows: tuple[PlanRow, ...]
-
-    def total(self, phase: Phase = "always") -> int:
-        """Bytes held during `phase`: the `always` rows plus that phase's own."""
-        return sum(row.num_bytes for row in self.rows if row.phase in ("always", phase))
-
-    @property
-    def steady_bytes(self) -> int:
-        return self.total("always")
-
-    @property
-    def peak_phase(self) -> Phase:
-        return max(("training", "sync"), key=self.total)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.total(self.peak_phase)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryPlan:
-    settings: PlanSettings
-    model_name: str
-    num_params: int
-    """Parameters of the plain model (tied embeddings counted once)."""
-    roles: tuple[RolePlan, ...]
-
-    @property
-    def usable_bytes(self) -> int:
-        """GPU memory less the headroom."""
-        settings = self.settings
-        return int(settings.gpu_memory_gib * GIB * (1 - settings.headroom))
-
-    @property
-    def fits(self) -> bool:
-        return all(role.peak_bytes <= self.usable_bytes for role in self.roles)
-
-    def role(self, role: Role) -> RolePlan:
-        for plan in self.roles:
-            if plan.role == role:
-                return plan
-        have = ", ".join(plan.role for plan in self.roles)
-        raise ValueError(f"role {role!r} is not in this plan ({have})")
 
 
 def model_config(model: str) -> DecoderConfig:
-    """The config of a model directory's config.json, or of a named size: its published
-    shapes, or with a built-in tokenizer ('tiny:letters') that tokenizer's vocabulary, as
-    `temper train` builds it."""
+    """The config of a model directory's config.json, or of a named size
+    (client/named_models.py): its published shapes, or with a built-in tokenizer
+    ('tiny:letters') that tokenizer's vocabulary, as `temper train` builds it."""
     if Path(model).expanduser().is_dir():
         hf_config = read_hf_config(Path(model).expanduser())
         return family_for_hf_config(hf_config).config_from_hf(hf_config)
-    size, _, tokenizer = model.partition(":")
-    if size in _SIZES and not tokenizer:
-        return _SIZES[size]
-    if size in _SIZES:
-        vocab_size = build_builtin_tokenizer(tokenizer).vocab_size
-        return dataclasses.replace(_SIZES[size], vocab_size=vocab_size)
-    raise ValueError(
-        f"model {model!r} is neither a named size ({', '.join(_SIZES)}, optionally with a "
-        "built-in tokenizer: 'tiny:letters') nor a model directory"
-    )
+    return named_model(model, what="model").config()
 
 
 def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None) -> MemoryPlan:
@@ -225,6 +157,7 @@ def plan_memory(settings: PlanSettings, *, decoder: DecoderConfig | None = None)
         settings=settings,
         model_name=settings.model,
         num_params=decoder.num_params,
+        num_active_params=num_active_params(decoder),
         roles=roles,
     )
 
@@ -290,21 +223,37 @@ class _Rows:
         )
         share = f"1/{ranks} of " if ranks > 1 else ""
         if self.lora:
-            rows = [
-                PlanRow(
-                    item=f"base weights (frozen), {share}{self.frozen_dtype}",
-                    num_bytes=held.frozen,
-                ),
+            base = f"{share}{self.frozen_dtype}"
+            rows = self._weights(
+                "base weights (frozen)", base, held.frozen, dtype=self.frozen_dtype
+            )
+            rows.append(
                 PlanRow(
                     item=f"LoRA adapters, {share}rank {settings.lora_rank}", num_bytes=held.trained
-                ),
-            ]
+                )
+            )
         else:
             master = " (master)" if self.mixed else ""
-            rows = [PlanRow(item=f"weights, {share}{self.dtype}{master}", num_bytes=held.weights)]
+            rows = self._weights("weights", f"{share}{self.dtype}{master}", held.weights)
         rows.append(PlanRow(item=f"AdamW moments (2), {share}trained", num_bytes=held.moments))
         rows.append(PlanRow(item="gradients", num_bytes=held.gradients, phase="training"))
         return rows
+
+    def _weights(
+        self, what: str, how: str, num_bytes: int, *, dtype: str | None = None
+    ) -> list[PlanRow]:
+        """One row for a trainer rank's weights, `num_bytes` of them in `dtype` (None: the
+        trained dtype); a MoE model's routed experts on a row of their own (sharded over
+        the FSDP ranks like the rest)."""
+        if not self.shapes.expert_numel:
+            return [PlanRow(item=f"{what}, {how}", num_bytes=num_bytes)]
+        ranks = self.settings.shard_ranks
+        experts = self.shapes.shard_numel(ranks, experts=True, trainable=not self.lora)
+        experts *= _itemsize(dtype or self.dtype)
+        return [
+            PlanRow(item=f"{what}: routed experts, {how}", num_bytes=experts),
+            PlanRow(item=f"{what}: the rest, {how}", num_bytes=num_bytes - experts),
+        ]
 
     def _training_step(self) -> list[PlanRow]:
         settings, shapes = self.settings, self.shapes
@@ -338,7 +287,7 @@ class _Rows:
     def _fsdp_copies(self, size: int) -> list[PlanRow]:
         """What FSDP gathers (or casts) while training, `size` bytes an element."""
         shapes = self.shapes
-        root, block = shapes.numel(root=True), shapes.numel(prefix="blocks.0.")
+        root, block = shapes.numel(root=True), shapes.largest_block_numel
         rows = [
             PlanRow(
                 item="FSDP gathered: embeddings, output, 2 blocks",
@@ -381,6 +330,14 @@ class _Rows:
         weights, kv, prefix = engine.weights, engine.kv_cache, engine.prefix_cache
         if colocated and not self.sampler_copy:
             rows = [PlanRow(item="generator weights: the trainer's own (no copy)", num_bytes=0)]
+        elif self.shapes.expert_numel:
+            how = f"{f'1/{tp} of ' if tp > 1 else ''}whole {self.generator_dtype}"
+            itemsize = _itemsize(self.generator_dtype)
+            experts = math.ceil(self.shapes.expert_numel * itemsize / tp)
+            rows = [
+                PlanRow(item=f"generator weights: routed experts, {how}", num_bytes=experts),
+                PlanRow(item=f"generator weights: the rest, {how}", num_bytes=weights - experts),
+            ]
         else:
             share = f"1/{tp} of " if tp > 1 else ""
             item = f"generator weights, {share}whole {self.generator_dtype}"

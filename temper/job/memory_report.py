@@ -11,7 +11,7 @@ import rich.box
 import rich.console
 import rich.table
 
-from temper.job.memory_plan import GIB, MemoryPlan, Role, RolePlan
+from temper.job.plan_types import GIB, MemoryPlan, Role, RolePlan
 
 _PHASE_WORDS = {"training": "while training", "sync": "at weight sync"}
 
@@ -32,8 +32,11 @@ def headline(plan: MemoryPlan) -> str:
     training = "full" if settings.lora_rank is None else f"LoRA rank {settings.lora_rank}"
     generator = settings.generator_dtype or settings.dtype
     dtypes = settings.dtype if generator == settings.dtype else f"{settings.dtype}/{generator}"
+    params = f"{plan.num_params / 1e9:.2f}B parameters"
+    if plan.num_active_params != plan.num_params:
+        params += f", {plan.num_active_params / 1e9:.2f}B active"
     return (
-        f"{plan.model_name} ({plan.num_params / 1e9:.2f}B parameters), {training}, {dtypes}; "
+        f"{plan.model_name} ({params}), {training}, {dtypes}; "
         f"{settings.nnodes} x {settings.nproc_per_node} ranks, {settings.placement}; "
         f"batch {settings.batch} x {settings.max_seq_len} tokens; mode {settings.mode}, "
         f"{settings.weight_sync} weight sync" + ("; KL reference" if settings.kl_reference else "")

@@ -49,8 +49,10 @@ class ModelChoice(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         base_model: str = field(default="tiny", metadata=LOCAL_PATH)
-        """Model directory, or a named size with a built-in vocabulary ('tiny', 'tiny:letters',
-        'tiny:words', 'tiny:bytes')."""
+        """Model directory, or a named size with random weights and a built-in vocabulary:
+        a HF repo id ('Qwen/Qwen3-8B', 'meta-llama/Llama-3.1-8B', 'Qwen/Qwen3-30B-A3B'),
+        FAMILY/SIZE ('llama/tiny', 'qwen3_moe/tiny') or a Qwen3 size alone ('tiny'), optionally
+        with ':' and a vocabulary ('tiny:letters', 'llama/tiny:words'; default digits)."""
         lora_rank: int | None = None
         """LoRA rank; None trains every parameter."""
         lora_seed: int | None = None

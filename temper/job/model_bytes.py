@@ -6,7 +6,10 @@ per rank for `temper plan` and a job's startup log; the server counts its models
 (server/state/base_models.py).
 
 Shapes come from a model built on the meta device (nothing is allocated), so they are the
-model code's own, LoRA targets and the untying of a merged tied unembedding included.
+model code's own, LoRA targets and the untying of a merged tied unembedding included. A MoE
+model's routed experts are stacked parameters ([E, ...]) that FSDP shards on the expert
+dimension like any other dim 0; `ModelShapes` tells them apart (`experts=True`), and the
+activations of a sparse layer follow its top_k experts' width, not `ffn_dim`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 from temper.models.build import materialize, parse_dtype
 from temper.models.common.decoder import DecoderConfig
 from temper.models.common.logprobs import DEFAULT_CHUNK_BYTES
+from temper.models.common.moe_decoder import MoEDecoderConfig
 from temper.models.lora import (
     LORA_SUFFIXES,
     LoraConfig,
@@ -76,14 +80,39 @@ class ModelShapes:
             largest_adapted_numel=max(adapted, default=0),
         )
 
-    def shard_numel(self, num_ranks: int, *, trainable: bool | None = None) -> int:
+    def shard_numel(
+        self, num_ranks: int, *, trainable: bool | None = None, experts: bool | None = None
+    ) -> int:
         """Elements one rank holds of the parameters (`trainable` ones, frozen ones, or all
-        with None) sharded on dim 0 over `num_ranks` (FSDP2 pads to ceil(dim0 / ranks))."""
+        with None; those of routed experts, the others, or all with `experts` None) sharded
+        on dim 0 over `num_ranks` (FSDP2 pads to ceil(dim0 / ranks))."""
         return sum(
             _shard_numel(shape, num_ranks)
-            for _, shape, is_trainable in self.trainer
-            if trainable is None or is_trainable == trainable
+            for name, shape, is_trainable in self.trainer
+            if (trainable is None or is_trainable == trainable)
+            and (experts is None or is_expert(name) == experts)
         )
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of the routed experts' weights (0 for a dense model): every expert of
+        every sparse layer, as the trainer's base and the generator's plain model hold them."""
+        return sum(
+            math.prod(shape)
+            for name, shape, _ in self.trainer
+            if is_expert(name) and not name.endswith(LORA_SUFFIXES)
+        )
+
+    @property
+    def largest_block_numel(self) -> int:
+        """Elements of the largest block (what FSDP gathers for one block): a MoE model's
+        sparse blocks outweigh its dense ones."""
+        blocks: dict[str, int] = {}
+        for name, shape, _ in self.trainer:
+            if name.startswith("blocks."):
+                index = name.split(".")[1]
+                blocks[index] = blocks.get(index, 0) + math.prod(shape)
+        return max(blocks.values())
 
     def numel(self, *, prefix: str = "", root: bool = False) -> int:
         """Elements of the parameters under `prefix` ('blocks.0.'), or with `root` of those
@@ -221,6 +250,20 @@ def _shard_numel(shape: tuple[int, ...], num_ranks: int) -> int:
     return math.ceil(shape[0] / num_ranks) * math.prod(shape[1:])
 
 
+def is_expert(name: str) -> bool:
+    """Whether a parameter belongs to a MoE block's routed experts (not its router)."""
+    return ".feed_forward.experts." in name
+
+
+def num_active_params(decoder: DecoderConfig) -> int:
+    """Parameters one token uses: every parameter of a dense model; a MoE model's top_k of
+    its experts in each sparse layer, and the rest."""
+    if not isinstance(decoder, MoEDecoderConfig):
+        return decoder.num_params
+    unused = decoder.expert_params // decoder.num_experts * (decoder.num_experts - decoder.top_k)
+    return decoder.num_params - unused
+
+
 # Elements autograd saves per token and layer, as coefficients of (D, N*H + K*H, F), keyed
 # by (the model is fp32, LoRA). Measured on this model code by counting saved tensors; in bf16 each
 # RMSNorm also keeps its input in fp32, and a frozen norm weight needs no saved output.
@@ -235,6 +278,21 @@ _SAVED_PER_TOKEN_LAYER = {
 # elements, per token and layer, keyed by LoRA; measured on CPU autocast the same way
 # (tests/job/test_memory_plan.py).
 _MIXED_SAVED_BYTES_PER_TOKEN_LAYER = {False: (21.5, 10.5, 8), True: (9, 8.5, 8)}
+# A sparse layer's routed experts save, per token, in place of a dense layer's F term: the
+# top_k rows sent to the experts and their outputs (2 x K x D elements), gate and up and their
+# product (3 x K x F elements of the expert width), the router's fp32 softmax (4 bytes per
+# expert) and, per assignment, its expert, its place in the sorted rows and its weight (about
+# 32 bytes). The elements are the experts' compute dtype: the model's; under 'bf16-mixed'
+# fp32 for trained experts (their per-expert matmuls take the fp32 residual stream as it is),
+# bf16 for a LoRA base. A sparse layer also keeps one D-wide input fewer than the dense
+# layer the D coefficients were measured on: with LoRA the MLP adapters' input (frozen
+# experts and router keep none; bf16 under 'bf16-mixed'), and in 'bf16-mixed' full
+# fine-tuning one of the bf16 casts of the MLP's fp32 input (gate and up cast it each, the
+# router once). Measured the same way on the per-expert path (tests/job/
+# test_memory_plan_moe.py); the grouped kernel on CUDA keeps one more K x F tensor through
+# autograd.
+_EXPERT_ROWS_PER_TOKEN, _EXPERT_WIDTH_PER_TOKEN = 2, 3
+_ROUTER_BYTES_PER_EXPERT, _BYTES_PER_ASSIGNMENT = 4, 32
 
 
 def activation_bytes(
@@ -247,9 +305,9 @@ def activation_bytes(
 ) -> int:
     """Estimated bytes autograd keeps for a forward over `tokens` tokens (without the logits
     and, under 'bf16-mixed', without autocast's copies of the weights: `autocast_copy_bytes`):
-    every block's saved tensors, or with checkpointing every block's input plus one block's
-    saved tensors (recomputed in backward), and the final norm's. `dtype`: the model's, or
-    'bf16-mixed' (fp32 weights under bf16 autocast)."""
+    every block's saved tensors, or with checkpointing every block's input plus the largest
+    block's saved tensors (recomputed in backward), and the final norm's. `dtype`: the
+    model's, or 'bf16-mixed' (fp32 weights under bf16 autocast)."""
     if dtype == "bf16-mixed":
         # Coefficients in bytes. A block's input is the residual stream: fp32 after an fp32
         # embedding, bf16 after a LoRA base's bf16 one.
@@ -259,12 +317,38 @@ def activation_bytes(
         element, block_input = parse_dtype(dtype).itemsize, 1
         d, qkv, f = _SAVED_PER_TOKEN_LAYER[(parse_dtype(dtype) == torch.float32, lora)]
     attention = (decoder.num_heads + decoder.num_kv_heads) * decoder.head_dim
-    per_layer = d * decoder.dim + qkv * attention + f * decoder.ffn_dim
+    shared = (d * decoder.dim + qkv * attention) * element
+    dense = shared + f * decoder.ffn_dim * element
+    layers = [
+        shared + _expert_bytes_per_token(decoder, dtype=dtype, lora=lora)
+        if _is_sparse(decoder, index)
+        else dense
+        for index in range(decoder.num_layers)
+    ]
     if checkpointing == "full":
-        per_token = decoder.num_layers * decoder.dim * block_input + per_layer
+        per_token = decoder.num_layers * decoder.dim * block_input * element + max(layers)
     else:
-        per_token = decoder.num_layers * per_layer
-    return math.ceil(tokens * (per_token + d * decoder.dim) * element)
+        per_token = sum(layers)
+    return math.ceil(tokens * (per_token + d * decoder.dim * element))
+
+
+def _is_sparse(decoder: DecoderConfig, layer_index: int) -> bool:
+    return isinstance(decoder, MoEDecoderConfig) and decoder.is_sparse(layer_index)
+
+
+def _expert_bytes_per_token(decoder: MoEDecoderConfig, *, dtype: str, lora: bool) -> float:
+    """What a sparse layer's routed experts and router save per token (see above)."""
+    if dtype == "bf16-mixed":
+        element = 2 if lora else 4
+        fewer_input = 2
+    else:
+        element = parse_dtype(dtype).itemsize
+        fewer_input = element if lora else 0
+    k = decoder.top_k
+    rows = _EXPERT_ROWS_PER_TOKEN * k * decoder.dim
+    width = _EXPERT_WIDTH_PER_TOKEN * k * decoder.moe_ffn_dim
+    router = _ROUTER_BYTES_PER_EXPERT * decoder.num_experts
+    return (rows + width) * element + router + _BYTES_PER_ASSIGNMENT * k - fewer_input * decoder.dim
 
 
 def autocast_copy_bytes(shapes: ModelShapes, *, dtype: str) -> int:

@@ -26,8 +26,10 @@ class PlanSettings:
     (job/placement.py), the one mapping `temper plan RECIPE` and a job's startup log share."""
 
     model: str
-    """A named Qwen3 size (0.6B, 1.7B, 4B, 8B, 14B, 32B, tiny) or a model directory (its
-    config.json is read, not its weights)."""
+    """A model directory (its config.json is read, not its weights) or a named size
+    (client/named_models.py): a HF repo id ('Qwen/Qwen3-8B', 'meta-llama/Llama-3.1-8B',
+    'Qwen/Qwen3-30B-A3B'), FAMILY/SIZE ('llama/8B', 'qwen3_moe/tiny') or a Qwen3 size alone
+    ('8B', 'tiny')."""
     lora_rank: int | None = None
     """LoRA rank (attention, MLP and unembedding adapted); None trains every weight."""
     dtype: Literal["auto", "float32", "bf16-mixed", "bfloat16"] = "bfloat16"

@@ -16,6 +16,7 @@ from typing import Literal
 
 from temper.models.build import parse_dtype
 from temper.models.common.decoder import DecoderConfig
+from temper.models.common.moe_decoder import MoEDecoderConfig
 
 Role = Literal["colocated", "trainer", "generator"]
 
@@ -38,14 +39,28 @@ def graph_pool_bytes(decoder: DecoderConfig, *, num_slots: int, dtype: str) -> i
     """The pool of one engine's decode graphs (sampler/cuda_graphs.py): the graphs share it,
     so it holds one step's temporaries at the largest bucket (all `num_slots` slots). Those
     are the logits in the compute dtype and their fp32 copy, and one layer's temporaries
-    (reused by the next layer): the MLP's gate and up projections, the residual stream, its
-    norm, the attention output and projection, and q, k, v. Attention reads the KV cache in
-    place (no copy of it)."""
+    (reused by the next layer): the feed-forward's (`feed_forward_temporary_bytes`), the
+    residual stream, its norm, the attention output and projection, and q, k, v. Attention
+    reads the KV cache in place (no copy of it)."""
     itemsize = parse_dtype(dtype).itemsize
     logits = num_slots * decoder.vocab_size * (4 + itemsize)
     qkv = 3 * decoder.num_heads * decoder.head_dim
-    layer = num_slots * (2 * decoder.ffn_dim + 4 * decoder.dim + qkv) * itemsize
+    feed_forward = feed_forward_temporary_bytes(decoder, itemsize=itemsize)
+    layer = num_slots * ((4 * decoder.dim + qkv) * itemsize + feed_forward)
     return logits + layer
+
+
+def feed_forward_temporary_bytes(decoder: DecoderConfig, *, itemsize: int) -> int:
+    """One token's feed-forward temporaries in the largest kind of layer: a dense layer's
+    gate and up projections; a sparse layer's router logits and their fp32 softmax, and for
+    each of its top_k experts the token's row, its gate and up projections and its output."""
+    dense = 2 * decoder.ffn_dim * itemsize
+    if not isinstance(decoder, MoEDecoderConfig):
+        return dense
+    experts = decoder.top_k * (2 * decoder.moe_ffn_dim + 2 * decoder.dim) * itemsize
+    sparse = experts + decoder.num_experts * (itemsize + 4)
+    kinds = {sparse if decoder.is_sparse(index) else dense for index in range(decoder.num_layers)}
+    return max(kinds)
 
 
 def nccl_communicators(

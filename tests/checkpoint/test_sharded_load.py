@@ -1,6 +1,8 @@
 """Sharded loading on gloo ranks: a model built on meta, sharded, then given only its own
 shards equals the unsharded whole-model load bitwise (a HF directory in several files, a
 named size's random init, LoRA adapters), and each rank reads only its slices of the files.
+A Qwen3-MoE directory (one HF tensor per expert) loads the same way into stacked experts
+that FSDP splits unevenly (3 experts over 2 ranks) and TP keeps whole.
 
 FSDP, TP and DDP on 2 ranks share one spawn (process start-up dominates on a small machine);
 FSDP x TP runs on 4.
@@ -26,7 +28,7 @@ from temper.checkpoint.sharded_load import DeferredWeights
 from temper.client.service_client import ServiceClient
 from temper.distributed.local_shard import local_part
 from temper.distributed.parallel_dims import ParallelDims
-from temper.models import materialize, qwen3_size
+from temper.models import materialize, qwen3_moe_size, qwen3_size
 from temper.models.lora import LoraConfig, apply_lora
 from temper.observability.process_memory import MIB, peak_rss_mib, reset_peak_rss, rss_mib
 from temper.tokenizer import build_builtin_tokenizer
@@ -56,14 +58,39 @@ def _model_config():
     )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A HF model directory split over several safetensors files and an index."""
-    directory = tmp_path_factory.mktemp("hf") / "tiny"
-    model = materialize(_model_config(), seed=5)
+def _moe_config():
+    """Tiny Qwen3-MoE, untied: a dense layer 0 and a sparse layer 1 whose 3 experts split
+    unevenly over 2 FSDP ranks (2 and 1)."""
+    vocab_size = build_builtin_tokenizer("digits").vocab_size
+    return dataclasses.replace(
+        qwen3_moe_size("tiny", vocab_size=vocab_size),
+        num_layers=2,
+        num_experts=3,
+        mlp_only_layers=(0,),
+        tie_embeddings=False,
+    )
+
+
+def _save(directory: Path, config) -> Path:
+    """A HF model directory of a random `config` split over several safetensors files and an
+    index."""
+    model = materialize(config, seed=5)
     tokenizer = build_builtin_tokenizer("digits")
     save_pretrained(model, directory, tokenizer=tokenizer, max_shard_bytes=100_000)
     assert len(set(json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"].values())) > 2
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("hf") / "tiny", _model_config())
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    directory = _save(tmp_path_factory.mktemp("hf") / "tiny_moe", _moe_config())
+    weight_map = json.loads((directory / WEIGHTS_INDEX).read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.2.down_proj.weight" in weight_map  # one tensor per expert
     return directory
 
 
@@ -180,7 +207,38 @@ def _random_init_memory() -> dict:
     return {"growth": growth, "held": held, "whole": whole}
 
 
-def _two_ranks(rank: int, model_dir: Path, storage: Path) -> dict:
+def _sharded_random_init(dims: dict, config, *, seed: int) -> dict:
+    """The full weights of a sharded random init of `config`."""
+    engine = _trainer(dims).build(
+        model=materialize(config, device="meta", init="empty"),
+        lora=None,
+        weights=DeferredWeights(device=CPU, seed=seed),
+    )
+    return full_state_dict(engine.model)
+
+
+def _moe(rank: int, moe_dir: Path, storage: Path) -> dict:
+    """The MoE directory and the MoE random init, on every layout, and a named MoE size
+    through `ServiceClient`."""
+    expected = load_pretrained(moe_dir).state_dict()
+    random_model = materialize(_moe_config(), seed=2)
+    results = {"dir": {}, "random": {}}
+    for name, dims in DIMS.items():
+        loaded = _from_dir(dims, moe_dir)
+        loaded["mismatches"] = _mismatches(loaded.pop("weights"), expected)
+        results["dir"][name] = loaded
+        random = _sharded_random_init(dims, _moe_config(), seed=2)
+        results["random"][name] = _mismatches(random, random_model.state_dict())
+    service = ServiceClient(storage_dir=storage / f"moe{rank}", trainer=_trainer(DIMS["fsdp"]))
+    client = service.create_training_client("qwen3_moe/tiny")
+    named = ModelSource.Config(family="qwen3_moe", size="tiny").build().model
+    results["random"]["client"] = _mismatches(
+        full_state_dict(client.engine.model), named.state_dict()
+    )
+    return results
+
+
+def _two_ranks(rank: int, model_dir: Path, moe_dir: Path, storage: Path) -> dict:
     expected = load_pretrained(model_dir).state_dict()
     lora_model = load_pretrained(model_dir)
     apply_lora(lora_model, LORA)
@@ -208,18 +266,19 @@ def _two_ranks(rank: int, model_dir: Path, storage: Path) -> dict:
     results["random"]["fsdp_lora"] = _mismatches(weights, random_lora.state_dict())
     client = service.create_training_client(str(model_dir))
     results["dir"]["client"] = _mismatches(full_state_dict(client.engine.model), expected)
+    results["moe"] = _moe(rank, moe_dir, storage)
     # Last: the modules loaded on first use (FSDP, DTensor ops) are in memory already.
     results["memory"] = _random_init_memory()
     return results
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, model_dir) -> list[dict]:
+def two_ranks(tmp_path_factory, model_dir, moe_dir) -> list[dict]:
     return spawn(
         _two_ranks,
         world_size=2,
         out_dir=tmp_path_factory.mktemp("ranks"),
-        args=(model_dir, tmp_path_factory.mktemp("storage")),
+        args=(model_dir, moe_dir, tmp_path_factory.mktemp("storage")),
     )
 
 
@@ -257,6 +316,37 @@ def test_each_rank_reads_only_its_own_slices(two_ranks, model_dir):
             assert read == [total, total]
 
 
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_sharded_load_of_a_moe_directory_equals_load_pretrained_bitwise(two_ranks, dims):
+    for rank in two_ranks:
+        assert rank["moe"]["dir"][dims]["mismatches"] == []
+
+
+@pytest.mark.parametrize("dims", [*DIMS, "client"])
+def test_sharded_random_init_of_a_moe_model_equals_the_unsharded_init_bitwise(two_ranks, dims):
+    for rank in two_ranks:
+        assert rank["moe"]["random"][dims] == []
+
+
+def test_each_rank_reads_only_its_own_experts(two_ranks, moe_dir):
+    total = _checkpoint_bytes(moe_dir)
+    config = _moe_config()
+    # One expert's three projections (fp32): FSDP gives rank 0 experts 0 and 1, rank 1 expert 2.
+    expert = 3 * config.dim * config.moe_ffn_dim * 4
+    fsdp = [rank["moe"]["dir"]["fsdp"] for rank in two_ranks]
+    for result in fsdp:
+        assert result["read_bytes"] == result["local_bytes"]
+    assert sum(result["read_bytes"] for result in fsdp) == total
+    # The dense rest splits about evenly; the experts 2 and 1.
+    assert fsdp[0]["read_bytes"] - fsdp[1]["read_bytes"] >= expert * 0.9
+    tp = [rank["moe"]["dir"]["tp"] for rank in two_ranks]
+    for result in tp:
+        # Every expert whole on each tp rank, read in slices of exactly its own bytes.
+        assert result["read_bytes"] == result["local_bytes"]
+        assert result["read_bytes"] > config.num_experts * expert
+    assert [rank["moe"]["dir"]["ddp"]["read_bytes"] for rank in two_ranks] == [total, total]
+
+
 def test_sharded_random_init_peaks_at_about_one_shard_per_rank(two_ranks):
     for rank in two_ranks:
         memory = rank["memory"]
@@ -266,9 +356,11 @@ def test_sharded_random_init_peaks_at_about_one_shard_per_rank(two_ranks):
         assert memory["growth"] < memory["held"] + 0.25 * memory["whole"], memory
 
 
-def _four_ranks(rank: int, model_dir: Path) -> dict:
+def _four_ranks(rank: int, model_dir: Path, moe_dir: Path) -> dict:
     dims = {"dp_shard": 2, "tp": 2}
     loaded = _from_dir(dims, model_dir)
+    moe = _from_dir(dims, moe_dir)
+    moe_random = _sharded_random_init(dims, _moe_config(), seed=2)
     random_model = ModelSource.Config(size="tiny", seed=4).build().model
     engine = _trainer(dims).build(
         model=materialize(random_model.config, device="meta", init="empty"),
@@ -280,11 +372,17 @@ def _four_ranks(rank: int, model_dir: Path) -> dict:
         "random": _mismatches(full_state_dict(engine.model), random_model.state_dict()),
         "read_bytes": loaded["read_bytes"],
         "local_bytes": loaded["local_bytes"],
+        "moe_dir": _mismatches(moe["weights"], load_pretrained(moe_dir).state_dict()),
+        "moe_random": _mismatches(moe_random, materialize(_moe_config(), seed=2).state_dict()),
+        "moe_read_bytes": moe["read_bytes"],
+        "moe_local_bytes": moe["local_bytes"],
     }
 
 
-def test_fsdp_times_tp_on_four_ranks_loads_bitwise(tmp_path, model_dir):
-    results = spawn(_four_ranks, world_size=4, out_dir=tmp_path, args=(model_dir,))
+def test_fsdp_times_tp_on_four_ranks_loads_bitwise(tmp_path, model_dir, moe_dir):
+    results = spawn(_four_ranks, world_size=4, out_dir=tmp_path, args=(model_dir, moe_dir))
     for result in results:
         assert result["dir"] == [] and result["random"] == []
         assert result["read_bytes"] == result["local_bytes"]
+        assert result["moe_dir"] == [] and result["moe_random"] == []
+        assert result["moe_read_bytes"] == result["moe_local_bytes"]

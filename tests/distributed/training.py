@@ -9,7 +9,7 @@ import torch
 from temper.api import AdamParams, Datum, ModelInput
 from temper.checkpoint.gather import full_state_dict
 from temper.distributed.parallel_dims import ParallelDims
-from temper.models import llama_size, materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
 from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -19,10 +19,14 @@ STEPS = 3
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)
 
 
-SIZES = {"qwen3": qwen3_size, "llama": llama_size}
+SIZES = {"qwen3": qwen3_size, "llama": llama_size, "qwen3_moe": qwen3_moe_size}
+# Qwen3-MoE: 5 experts, split unevenly over 2 FSDP ranks (3 and 2), and a dense layer 0 beside
+# the sparse layer 1, so both kinds of feed-forward are sharded.
+FAMILY_CHANGES = {"qwen3_moe": {"num_experts": 5, "mlp_only_layers": (0,)}}
 
 
 def tiny_model(*, family: str = "qwen3", **changes) -> torch.nn.Module:
+    changes = {**FAMILY_CHANGES.get(family, {}), **changes}
     config = dataclasses.replace(
         SIZES[family]("tiny", vocab_size=VOCAB), num_layers=2, init_std=0.1, **changes
     )

@@ -469,7 +469,7 @@ def test_32b_colocated_does_not_fit_and_disaggregated_does():
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"model": "3B"}, "model '3B' is neither a named size"),
+        ({"model": "3B"}, "model '3B' is neither a model directory nor a named size"),
         ({"placement": "disaggregated", "generator_ranks": 16}, "generator_ranks=16"),
         ({"placement": "disaggregated", "generator_ranks": 0}, "generator_ranks=0"),
         ({"generator_ranks": 4}, "generator_ranks=4"),

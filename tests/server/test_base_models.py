@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from temper.checkpoint.model_source import init_model_dir
 from temper.job.memory_plan import PlanSettings, plan_memory
 from temper.sampler.engine import SamplerEngine
-from temper.server.state.base_models import load_base_model
+from temper.server.http.errors import NotFound
+from temper.server.state.base_models import BaseModels, load_base_model
 
 SAMPLER = SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=1)
 
@@ -64,3 +66,21 @@ def test_an_unsupported_family_is_refused_naming_its_directory(model_dir, tmp_pa
     message = str(raised.value)
     assert message.startswith(f"model directory {other}: ")
     assert "'Qwen3_5ForCausalLM'" in message and "Qwen3MoeForCausalLM" in message
+
+
+def test_a_served_directory_answers_to_its_hf_repo_id(tmp_path):
+    """A download laid out as <org>/<model> is found by the name the tinker SDK gives it."""
+    paths = [tmp_path / "Qwen" / "Qwen3-8B", tmp_path / "meta-llama" / "Llama-3.1-8B"]
+    for path, family in zip(paths, ("qwen3", "llama"), strict=True):
+        init_model_dir(path, family=family)
+    models = BaseModels(
+        [
+            load_base_model(str(path), trainable=True, sampler=SAMPLER, dtype="float32")
+            for path in paths
+        ]
+    )
+    for path, repo_id in zip(paths, ("Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B"), strict=True):
+        assert models.resolve(repo_id).name == str(path.resolve())
+        assert models.resolve(path.name) is models.resolve(repo_id)
+    with pytest.raises(NotFound, match="'Qwen/Qwen3-4B' is not served here"):
+        models.resolve("Qwen/Qwen3-4B")

@@ -8,13 +8,16 @@ Reading a model's config.json is all that happens at startup; weights load on fi
 (model_memory.py).
 
 A client may name a model by its canonical name (the directory's absolute path, which
-get_info and the capabilities answer with), the string it was given as, or the directory's
-name; a name two models share is refused at startup.
+get_info and the capabilities answer with), the string it was given as, the directory's name,
+or its parent's name and its own as a HF repo id names a model (`Qwen/Qwen3-8B` for
+/models/Qwen/Qwen3-8B, so the tinker SDK's model names find a download laid out that way); a
+name two models share is refused at startup.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,7 +219,7 @@ def load_base_model(
     name = str(model_dir.resolve())
     return BaseModel(
         name=name,
-        names=frozenset({path, name, model_dir.name, str(model_dir)}),
+        names=frozenset({path, name, model_dir.name, str(model_dir), _repo_id(model_dir)}),
         arch=arch,
         limits=ModelLimits(
             vocab_size=decoder.vocab_size,
@@ -245,3 +248,11 @@ def describe(model: BaseModel) -> dict:
 
 def _canonical(path: str) -> str:
     return str(Path(path).expanduser().resolve())
+
+
+def _repo_id(model_dir: Path) -> str:
+    """'<parent>/<name>' of the directory (its absolute path, symlinks kept): the name a
+    HF repo id gives a model downloaded under it. Two directories share it only if they share
+    their name too, so it adds no clash of names."""
+    absolute = Path(os.path.abspath(model_dir))
+    return f"{absolute.parent.name}/{absolute.name}"
