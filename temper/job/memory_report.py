@@ -88,7 +88,12 @@ _REMEDIES = (
 """What shrinks a plan's row, by how its item starts (the job's flags, which `temper plan`
 takes too). Anything else (weights, moments, gradients, FSDP's gathered blocks) shrinks with
 more ranks or LoRA."""
-_MORE_RANKS = "more ranks (--nproc, --nnodes), or LoRA (--model.lora_rank)"
+_MORE_RANKS = "more ranks (--nproc, --nnodes)"
+_OR_LORA = ", or LoRA (--model.lora_rank)"
+
+
+def _more_ranks(plan: MemoryPlan) -> str:
+    return _MORE_RANKS + ("" if plan.settings.lora_rank is not None else _OR_LORA)
 
 
 def advice(plan: MemoryPlan) -> list[str]:
@@ -100,10 +105,12 @@ def advice(plan: MemoryPlan) -> list[str]:
         held = [row for row in role.rows if row.phase in ("always", role.peak_phase)]
         largest = max(held, key=lambda row: row.num_bytes)
         remedy = next((r for prefix, r in _REMEDIES if largest.item.startswith(prefix)), None)
+        if largest.item.startswith("generator weights") and role.role == "generator":
+            remedy = "a larger --placement.generator_tp (each generator holds 1/tp of them)"
         lines.append(
             f"{role.role}: over by {format_bytes(role.peak_bytes - plan.usable_bytes)}; the "
             f"largest item {_PHASE_WORDS[role.peak_phase]} is {largest.item} "
-            f"({format_bytes(largest.num_bytes)}): try {remedy or _MORE_RANKS}"
+            f"({format_bytes(largest.num_bytes)}): try {remedy or _more_ranks(plan)}"
         )
     return lines
 

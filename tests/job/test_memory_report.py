@@ -70,3 +70,25 @@ def test_an_over_budget_generator_is_told_to_shrink_its_kv_cache():
 )
 def test_bytes_read_in_the_unit_that_fits(num_bytes, text):
     assert format_bytes(num_bytes) == text
+
+
+def test_weights_over_budget_suggest_what_the_plan_does_not_use_yet():
+    def advice(lora_rank: int | None) -> list[str]:
+        settings = PlanSettings(
+            model="Qwen/Qwen3-235B-A22B",
+            activation_checkpointing="full",
+            nproc_per_node=8,
+            placement="disaggregated",
+            generator_ranks=4,
+            lora_rank=lora_rank,
+        )
+        return plan_text(plan_memory(settings)).splitlines()[-2:]
+
+    trainer, generator = advice(None)
+    assert trainer.endswith("try more ranks (--nproc, --nnodes), or LoRA (--model.lora_rank)")
+    assert generator.endswith(
+        "try a larger --placement.generator_tp (each generator holds 1/tp of them)"
+    )
+    trainer, _ = advice(32)
+    assert "base weights (frozen): routed experts" in trainer
+    assert trainer.endswith("try more ranks (--nproc, --nnodes)")
