@@ -23,8 +23,9 @@ from tests.distributed.spawn import spawn
 from tests.distributed.test_sharded_training import ALTERNATE, UNEVEN, _assert_matches
 
 FAMILY = "qwen3_moe"
-# The adapters of attention and the unembedding; the experts stay frozen and sharded.
-LORA = LoraConfig(rank=4, alpha=8.0, train_mlp=False)
+# Adapters on attention, the dense layer, every routed expert (stacked, sharded on the expert
+# dim like the experts) and the unembedding.
+LORA = LoraConfig(rank=4, alpha=8.0)
 SCENARIOS = {
     "fsdp": ({"dims": {"dp_shard": 2}}, ALTERNATE),
     "tp": ({"dims": {"dp_shard": 1, "tp": 2}}, None),
