@@ -21,8 +21,10 @@ fills only its own shards after sharding (temper/checkpoint/sharded_load.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,21 +39,21 @@ from temper.api.types import (
     TensorData,
 )
 from temper.checkpoint.sharded_load import DeferredWeights
-from temper.config.checks import check_range
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.fsdp import reshard_root
 from temper.distributed.thread_shards import ThreadShards, split_by_tokens, sum_gradients
 from temper.losses import get_loss, resolve_config
 from temper.models.common.logprobs import forward_logprobs
+from temper.models.common.moe_stats import moe_layers
 from temper.models.lora import LoraConfig, apply_lora
+from temper.trainer.custom_loss import CustomLossFn, custom_loss_weights
 from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.optim import AdamW
 from temper.trainer.precision import compute_in
+from temper.trainer.router_stats import AuxLossMode, RouterCall, RouterStats
 from temper.trainer.sharding import Sharding
 from temper.trainer.shared_prefix import packed_logprobs
-
-CustomLossFn = Callable[[list[Datum], list[torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
-"""Tinker's custom loss: (data, per-datum logprobs) -> (loss, metrics)."""
 
 
 class TrainerEngine(Configurable):
@@ -71,10 +73,20 @@ class TrainerEngine(Configurable):
         gradients in order (deterministic, equal to the unsharded result up to float rounding;
         the token budget is shared between them). For small models, whose ops are too small
         to keep several cores busy; one per core. Costs a gradient buffer per shard. 1: off."""
+        router_aux_loss: AuxLossMode = "report"
+        """MoE models: 'report' measures the load-balancing loss on every forward_backward
+        and reports it (`moe/aux_loss`, with each layer's load and router entropy); 'add'
+        also adds the model's `router_aux_loss_coef` times it to what is back-propagated, so
+        the gradient includes it (router_stats.py). Dense models measure nothing."""
 
         def __post_init__(self) -> None:
             for name in ("max_tokens_per_microbatch", "shard_threads"):
                 check_range(getattr(self, name), field=f"TrainerEngine.Config.{name}", at_least=1)
+            check_choice(
+                self.router_aux_loss,
+                field="TrainerEngine.Config.router_aux_loss",
+                choices=("report", "add"),
+            )
 
     def __init__(
         self,
@@ -112,6 +124,18 @@ class TrainerEngine(Configurable):
             )
         if weights is not None:
             weights.materialize(model, lora=lora)
+        self.router = None
+        """The MoE blocks' statistics; None for a dense model."""
+        if moe_layers(model):
+            self.router = RouterStats(
+                model, mode=config.router_aux_loss, coef=model.config.router_aux_loss_coef
+            )
+        elif config.router_aux_loss != "report":
+            warnings.warn(
+                f"TrainerEngine.Config.router_aux_loss={config.router_aux_loss!r} is ignored: "
+                "the model has no MoE layers",
+                stacklevel=2,
+            )
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.policy_version = 0
         self.device = next(model.parameters()).device
@@ -159,7 +183,7 @@ class TrainerEngine(Configurable):
         reshard_root(self.model)
         error, result = None, None
         try:
-            result = _custom_loss_weights(loss_fn, data, logprobs)
+            result = custom_loss_weights(loss_fn, data, logprobs)
         except Exception as caught:
             if self.sharding is None:
                 raise
@@ -174,14 +198,15 @@ class TrainerEngine(Configurable):
             rows = [d.index for d in batch.datums]
             return (logprobs_N * torch.cat([weights[row] for row in rows])).sum()
 
-        with self._atomic_gradients():
+        router = self._router_call(prepared)
+        with self._atomic_gradients(), self._recording(router):
             for batch in batches:
-                surrogate(batch).backward()
+                self._backward(surrogate(batch), batch, router)
             self._empty_passes(num_empty, backward=True)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in logprobs]
+        metrics = {**metrics, "loss:sum": self._sum_over_dp(float(loss.detach()))}
         return ForwardBackwardOutput(
-            loss_fn_outputs=outputs,
-            metrics={**metrics, "loss:sum": self._sum_over_dp(float(loss.detach()))},
+            loss_fn_outputs=outputs, metrics=metrics | self._router_metrics(router)
         )
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:
@@ -299,20 +324,47 @@ class TrainerEngine(Configurable):
         total_loss = 0.0
         batches = self._batches(prepared) if self.thread_shards is None else []
         num_empty = self._num_empty_passes(len(batches))
-        with self._atomic_gradients() if backward else torch.no_grad():
+        router = self._router_call(prepared) if backward else None
+        with self._atomic_gradients() if backward else torch.no_grad(), self._recording(router):
             if self.thread_shards is not None:
-                total_loss = self._run_in_threads(prepared, spec, config, outputs, backward)
+                total_loss = self._run_in_threads(
+                    prepared, spec, config, outputs, backward=backward, router=router
+                )
             for batch in batches:
                 loss = self._batch_loss(batch, spec, config, outputs)
                 if backward:
-                    loss.backward()
+                    self._backward(loss, batch, router)
                 total_loss += float(loss.detach())
             self._empty_passes(num_empty, backward=backward)
         if not backward:
             reshard_root(self.model)
-        return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics={"loss:sum": self._sum_over_dp(total_loss)}
-        )
+        metrics = {"loss:sum": self._sum_over_dp(total_loss)} | self._router_metrics(router)
+        return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
+
+    def _router_call(self, prepared: list) -> RouterCall | None:
+        """A forward_backward's router statistics (MoE models), opened on every rank."""
+        if self.router is None:
+            return None
+        return RouterCall(self.router, prepared, device=self.device, sharding=self.sharding)
+
+    def _recording(self, router: RouterCall | None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if router is None else router.stats.recording()
+
+    @staticmethod
+    def _objective(loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None):
+        """What a micro-batch back-propagates: its loss, plus (MoE, "add") its weighted
+        load-balancing loss; on the thread that ran its forward, right after it."""
+        aux = None if router is None else router.take_batch(batch)
+        return loss if aux is None else loss + aux
+
+    def _backward(self, loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None) -> None:
+        self._objective(loss, batch, router).backward()
+        if router is not None:
+            router.stats.discard()  # what activation checkpointing's recomputation kept
+
+    @staticmethod
+    def _router_metrics(router: RouterCall | None) -> dict[str, float]:
+        return {} if router is None else router.metrics()
 
     def _batch_loss(self, batch: MicroBatch, spec, config, outputs: list) -> torch.Tensor:
         """The batch's summed loss; its datums' outputs go into `outputs`."""
@@ -342,7 +394,9 @@ class TrainerEngine(Configurable):
             start = end
         return loss_N.sum()
 
-    def _run_in_threads(self, prepared, spec, config, outputs: list, backward: bool) -> float:
+    def _run_in_threads(
+        self, prepared, spec, config, outputs: list, *, backward: bool, router: RouterCall | None
+    ) -> float:
         """`_run`'s batches as concurrent shards (see thread_shards.py); sets the gradients."""
         ranges = split_by_tokens(
             [d.tokens_T.shape[0] for d in prepared], self.thread_shards.num_threads
@@ -357,7 +411,10 @@ class TrainerEngine(Configurable):
                 ):
                     loss = self._batch_loss(batch, spec, config, outputs)
                     if backward:
-                        batch_grads = torch.autograd.grad(loss, self.trainable, allow_unused=True)
+                        objective = self._objective(loss, batch, router)
+                        batch_grads = torch.autograd.grad(
+                            objective, self.trainable, allow_unused=True
+                        )
                         grads = (
                             batch_grads if grads is None else sum_gradients([grads, batch_grads])
                         )
@@ -388,57 +445,6 @@ def _keep_trained_in_fp32(model: nn.Module) -> None:
 def _float32_data(values: list[float], *, shape: tuple[int, ...]) -> TensorData:
     """TensorData of values read from a float32 tensor (exact in float32 already)."""
     return TensorData(data=values, dtype="float32", shape=shape)
-
-
-def _custom_loss_weights(
-    loss_fn: CustomLossFn, data: Sequence[Datum], logprobs: list[torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, float], list[torch.Tensor]]:
-    """(loss, metrics, dloss/dlogprobs per datum) of a custom loss; a rank of a sharded
-    engine that holds no datums this call contributes nothing."""
-    if not data:
-        return torch.zeros(()), {}, []
-    leaves = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
-    result = loss_fn(list(data), leaves)
-    # Everything is checked before the backward pass, so a bad result changes no gradient.
-    where = "forward_backward_custom: loss_fn"
-    if not isinstance(result, tuple) or len(result) != 2:
-        raise TypeError(f"{where} must return (loss, metrics), got {type(result).__name__}")
-    loss, metrics = result
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else list(loss.shape)
-        raise TypeError(f"{where} must return a 0-d tensor as its loss, got {got}")
-    if not loss.requires_grad:
-        raise ValueError(
-            f"{where} returned a loss that does not depend on the logprobs it was given "
-            "(requires_grad=False); compute it from those tensors, without .detach()"
-        )
-    if not bool(torch.isfinite(loss)):
-        raise ValueError(f"{where} returned a non-finite loss ({loss.item()})")
-    metrics = _float_metrics(metrics, where=where)
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    weights = [
-        torch.zeros_like(leaf) if grad is None else grad.detach()
-        for leaf, grad in zip(leaves, grads, strict=True)
-    ]
-    for index, weights_T in enumerate(weights):
-        if not bool(torch.isfinite(weights_T).all()):
-            raise ValueError(
-                f"{where}: the loss's gradient with respect to datum {index}'s logprobs is "
-                "not finite"
-            )
-    return loss, metrics, weights
-
-
-def _float_metrics(metrics: object, *, where: str) -> dict[str, float]:
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"{where} must return its metrics as a dict, got {type(metrics).__name__}")
-    converted = {}
-    for key, value in metrics.items():
-        try:
-            converted[str(key)] = float(value)
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of many values
-            raise TypeError(f"{where}: metrics[{key!r}] must be a number, got {value!r}") from None
-    return converted
 
 
 class _GradientStash:

@@ -82,6 +82,14 @@ class MicroBatch:
         names = self.datums[0].inputs.keys()
         return {name: torch.cat([d.inputs[name] for d in self.datums]).to(device) for name in names}
 
+    def token_rows(self, device: torch.device) -> torch.Tensor:
+        """Where every datum token sits in the model's flattened input, datums concatenated in
+        order: [N] int64 rows of the [B * T] padded rows, or of the packed sequence (a shared
+        prefix's rows once per datum that reads them)."""
+        if self.layout is not None:
+            return self.layout.gather_N.to(device)
+        return self.mask_BT.reshape(-1).nonzero().squeeze(1).to(device)
+
     def segments(self, device: torch.device) -> torch.Tensor:
         """The datum (0, 1, ... within this batch) of each position: [N] int64."""
         lengths = torch.tensor([len(d.tokens) for d in self.datums])

@@ -102,6 +102,12 @@ class Sharding(Configurable):
         dist.all_reduce(total, group=self.dp_mesh.get_group())
         return float(total.item())
 
+    def sum_tensor_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`sum_over_dp` of every element of a tensor at once; returned on the CPU."""
+        total = tensor.to(self.dp_mesh.device_type, copy=True)
+        dist.all_reduce(total, group=self.dp_mesh.get_group())
+        return total.cpu()
+
     def max_over_ranks(self, value: int) -> int:
         result = torch.tensor([value], dtype=torch.int64, device=self.dp_mesh.device_type)
         dist.all_reduce(result, op=dist.ReduceOp.MAX, group=self.world.group)

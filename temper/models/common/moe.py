@@ -13,11 +13,14 @@ which other tokens share its batch (up to the matmul kernels' blocking by row co
 linear layer).
 
 The router's choices are kept on the module when `keep_routing` is set (the trainer sets it to
-report router metrics and the load-balancing loss, see moe_stats.py); decode leaves it off.
+report router metrics and the load-balancing loss, see moe_stats.py); decode leaves it off. They
+are kept per calling thread: the trainer's thread shards run forwards of one module at once,
+and an asynchronous run's sampler may decode on the trainer's module while it trains.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -188,7 +191,14 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts=num_experts, dim=dim, hidden_dim=hidden_dim)
         self.keep_routing = False
-        self.routing: Routing | None = None
+        self.routings: dict[int, Routing] = {}
+        """The last kept routing of each thread that ran a forward, by `threading.get_ident()`
+        (one thread's write never replaces another's)."""
+
+    @property
+    def routing(self) -> Routing | None:
+        """The calling thread's last kept routing, if any."""
+        return self.routings.get(threading.get_ident())
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -196,7 +206,7 @@ class MoE(nn.Module):
             self.router(x_ND), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob
         )
         if self.keep_routing:
-            self.routing = Routing(probs_NE=probs_NE, experts_NK=experts_NK)
+            self.routings[threading.get_ident()] = Routing(probs_NE=probs_NE, experts_NK=experts_NK)
         return self.combine(x_ND, weights_NK=weights_NK, experts_NK=experts_NK).view_as(x_BTD)
 
     def combine(
