@@ -13,12 +13,14 @@ Figures, each only when it has something to show:
 - `optimizer`: is the optimizer healthy? Gradient norm, the learning rate of each phase on its
   own panel (drawn raw: it is a schedule, not a noisy measurement), KL to the reference policy.
 - `time`: where does the time go? Seconds per step by phase, throughput.
+- `router`: are the experts used evenly? (MoE models) The load-balancing loss, the largest
+  expert's load and the router entropy, over layers and, as heatmaps, per layer.
 - `other`: any metric no figure above names (a recipe's own), one panel each.
 
 A metric whose value never changes (async staleness 0 in a synchronous run, a stop rate of 1)
-gets no panel, except the learning rate. Phases: a run with `warmup/*` metrics had an SFT
-warm-up over their steps, and RL over the steps of `reward/*`; other runs have one phase and
-no marks.
+gets no panel, except the learning rate and per-layer metrics (a heatmap row each). Phases: a
+run with `warmup/*` metrics had an SFT warm-up over their steps, and RL over the steps of
+`reward/*`; other runs have one phase and no marks.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+from temper.observability.metrics import PER_LAYER
 from temper.observability.series import Series
 
 UNIT_RANGE_KEYS = ("accuracy", "stopped", "groups_kept")
@@ -64,6 +67,9 @@ class PanelSpec:
     log_y: bool = False
     phase: RunPhase | None = None
     """Only the points of this phase (a learning rate per phase), else all."""
+    heatmap: bool = False
+    """Each line is a row (a layer) of a heatmap over steps, its value a colour: dozens of
+    layers stay readable where dozens of lines would not."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +107,7 @@ def figure_specs(series: Mapping[str, Series]) -> list[FigureSpec]:
         _episodes,
         _optimizer,
         _time,
+        _router,
     ]
     figures = [builder(shown, phases) for builder in builders]
     used = {line.key for figure in figures for panel in figure.panels for line in panel.lines}
@@ -300,6 +307,51 @@ def _time(shown: Mapping[str, Series], phases: tuple[RunPhase, ...]) -> FigureSp
     )
 
 
+def _router(shown: Mapping[str, Series], phases: tuple[RunPhase, ...]) -> FigureSpec:
+    panels = [
+        _panel(
+            shown,
+            "load-balancing loss",
+            "E * sum_e f_e * P_e (top-k if even)",
+            [LineSpec("moe/aux_loss", "")],
+        ),
+        _panel(
+            shown,
+            "largest expert's load, worst layer",
+            "assignments / even share (1 = even)",
+            [LineSpec("moe/max_load", "")],
+        ),
+        _panel(
+            shown,
+            "router entropy, mean over layers",
+            "nats/token (ln E if uniform)",
+            [LineSpec("moe/entropy", "")],
+        ),
+        _layer_heatmap(shown, "largest expert's load by layer", metric="max_load"),
+        _layer_heatmap(shown, "router entropy by layer", metric="entropy"),
+    ]
+    return FigureSpec(
+        name="router",
+        title="Are the experts used evenly?",
+        caption="MoE models, per training step over the trained tokens: the load-balancing "
+        "loss, each layer's busiest expert's share of the top-k assignments over an even "
+        "share, and the router's entropy; the heatmaps show every sparse layer (rows) over "
+        "the steps.",
+        panels=_present(panels),
+        phases=phases,
+    )
+
+
+def _layer_heatmap(shown: Mapping[str, Series], title: str, *, metric: str) -> PanelSpec | None:
+    """A heatmap of `moe/layer_<i>/<metric>`, a row per layer in layer order."""
+    keys = sorted(
+        key for key in shown if key.startswith(f"moe{PER_LAYER}") and key.endswith(f"/{metric}")
+    )
+    lines = [LineSpec(key, key.split("/")[1].removeprefix("layer_")) for key in keys]
+    panel = _panel(shown, title, "layer", lines)
+    return None if panel is None else dataclasses.replace(panel, heatmap=True)
+
+
 def _other(keys: list[str], phases: tuple[RunPhase, ...]) -> FigureSpec:
     panels = tuple(
         PanelSpec(
@@ -342,9 +394,12 @@ def _present(panels: list[PanelSpec | None]) -> tuple[PanelSpec, ...]:
 
 
 def _worth_showing(name: str, points: Series) -> bool:
-    """Not a constant, unless it is an evaluation or the learning rate (values a reader looks
-    for even when they do not move)."""
+    """Not a constant, unless it is an evaluation, the learning rate (values a reader looks
+    for even when they do not move) or one layer's value (a heatmap row: a layer left out
+    would shift the others)."""
     if name.startswith("eval/") or name == LEARNING_RATE_KEY or len(points.values) == 1:
+        return True
+    if PER_LAYER in name:
         return True
     return min(points.values) != max(points.values)
 

@@ -12,6 +12,8 @@ are easy to get wrong and handled here:
 - A run of several phases on one step axis (an SFT warm-up, then RL) names each with
   `begin_phase`: the console counts a phase in its own steps and shows only the metrics logged
   during it (progress.py), while metrics.jsonl keeps the run's step.
+- Per-layer metrics (`moe/layer_07/max_load`) go to metrics.jsonl and TensorBoard but not to
+  the console tables, which show the summaries over layers instead.
 - On a console that is not a terminal (CI, pipes) rich draws the progress bar once, when the
   logger closes, so the periodic tables are the progress record there.
 
@@ -43,6 +45,9 @@ from temper.observability.progress import Phase, PhaseLines, PhaseProgress
 
 Display = Literal["progress", "table", "none"]
 RESERVED_KEYS = ("step", "time")
+PER_LAYER = "/layer_"
+"""Names with this part are one layer's value (`moe/layer_07/entropy`); the console tables
+leave them out."""
 METRICS_FILE_NAME = "metrics.jsonl"
 TENSORBOARD_DIR_NAME = "tensorboard"
 TENSORBOARD_INSTALL = (
@@ -273,6 +278,8 @@ class MetricsLogger(Configurable):
         table.add_column("metrics")
         groups: dict[str, list[Text]] = {}
         for name, (logged_step, value) in self._latest.items():
+            if PER_LAYER in name:
+                continue  # dozens a step for a deep model; metrics.jsonl and the plots have them
             group, _, short_name = name.partition("/") if "/" in name else ("", "", name)
             cell = Text.assemble((short_name, "cyan"), " ", format_value(value))
             if logged_step != step:

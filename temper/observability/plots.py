@@ -1,12 +1,14 @@
 """PNG figures of a run's metrics.jsonl, one per question (figures.py), and an index.html.
 
 Written to `out_dir` (default `<run dir>/plots`): `<figure>.png` for each figure worth drawing
-(`learning`, `sampling`, `rollouts`, `optimizer`, `time`, `other`; see figures.py) and
+(`learning`, `sampling`, `rollouts`, `optimizer`, `time`, `router`, `other`; see figures.py)
+and
 `index.html`, which shows them in reading order, each under its question and a one-line caption.
 
 How a panel is drawn: x is the run's step; dense noisy series are drawn faint with a moving
 average over them (computed within each phase, so the warm-up does not bleed into RL);
-schedules and sparse evaluations are drawn raw, with markers when there are few points.
+schedules and sparse evaluations are drawn raw, with markers when there are few points;
+per-layer metrics are a heatmap, a row per layer and a colour bar for the value.
 Fractions get a 0..1 axis; a linear axis never narrows below 5% of the values' size, so noise
 does not fill it; wide positive ranges (losses, mismatch) get a log axis. The SFT warm-up of a
 run with one is shaded and both phases are labelled.
@@ -127,6 +129,9 @@ def index_html(specs: Sequence[FigureSpec], *, title: str) -> str:
 def _draw_panel(
     axes: Any, panel: PanelSpec, series: Mapping[str, Series], *, phases: Sequence[RunPhase]
 ) -> None:
+    if panel.heatmap:
+        _draw_heatmap(axes, panel, series, phases=phases)
+        return
     drawn: list[Series] = []
     for index, line in enumerate(panel.lines):
         points = series[line.key]
@@ -148,6 +153,35 @@ def _draw_panel(
     axes.grid(alpha=0.3)
     if len(panel.lines) > 1:
         axes.legend(fontsize=8)
+
+
+def _draw_heatmap(
+    axes: Any, panel: PanelSpec, series: Mapping[str, Series], *, phases: Sequence[RunPhase]
+) -> None:
+    """The lines as rows over the steps any of them logged (blank where one did not), with
+    the phases' boundaries dashed."""
+    steps = sorted({step for line in panel.lines for step in series[line.key].steps})
+    column = {step: index for index, step in enumerate(steps)}
+    values = [[math.nan] * len(steps) for _ in panel.lines]
+    for row, line in enumerate(panel.lines):
+        points = series[line.key]
+        for step, value in zip(points.steps, points.values, strict=True):
+            values[row][column[step]] = value
+    # Cell edges halfway between logged steps, so uneven logging keeps its place on the axis.
+    middles = [(a + b) / 2 for a, b in itertools.pairwise(steps)]
+    edges = [steps[0] - 0.5, *middles, steps[-1] + 0.5]
+    mesh = axes.pcolormesh(edges, range(len(panel.lines) + 1), values, cmap="viridis")
+    axes.figure.colorbar(mesh, ax=axes)
+    every = max(1, math.ceil(len(panel.lines) / 12))  # at most about 12 labelled rows
+    rows = range(0, len(panel.lines), every)
+    axes.set_yticks([row + 0.5 for row in rows], [panel.lines[row].label for row in rows])
+    axes.invert_yaxis()  # the first layer on top
+    for phase in phases[1:]:
+        if steps[0] < phase.first_step <= steps[-1]:
+            axes.axvline(phase.first_step, color="white", linestyle="--", linewidth=0.8)
+    axes.set_title(panel.title, fontsize=10)
+    axes.set_xlabel("step")
+    axes.set_ylabel(panel.ylabel)
 
 
 def _draw_smoothed(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from temper.api.types import ForwardBackwardOutput
+from temper.models.common.moe_stats import router_metrics
 from temper.rl.episodes import END_REASONS
 from temper.rl.rollout import Trajectory
 
@@ -117,6 +118,15 @@ def mismatch_stats(
     stats.mean("mismatch/kl", (delta_N.exp() - 1 - delta_N).sum().item(), delta_N.numel())
     if delta_N.numel():
         stats.maximum("mismatch/logprob_diff_max", delta_N.abs().max().item())
+
+
+def router_stats(stats: StepStats, outputs: Sequence[ForwardBackwardOutput]) -> None:
+    """MoE policies: the trainer's router metrics (`moe/*`, models/common/moe_stats.py), each
+    the mean over the step's substeps. The trainer reports them over every rank's data
+    already, so they pass through as values; a dense policy has none."""
+    per_output = [router_metrics(output.metrics) for output in outputs]
+    for name in per_output[0] if per_output else ():
+        stats.values[name] = sum(metrics[name] for metrics in per_output) / len(per_output)
 
 
 def episode_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:

@@ -37,7 +37,13 @@ from temper.rl.env import EnvSource
 from temper.rl.episodes import EpisodeRunner, RunningEpisodes
 from temper.rl.kl import KLEstimator, kl_penalty, submit_reference_logprobs
 from temper.rl.rollout import Trajectory, policy_datum
-from temper.rl.step_metrics import StepStats, episode_stats, mismatch_stats, rollout_stats
+from temper.rl.step_metrics import (
+    StepStats,
+    episode_stats,
+    mismatch_stats,
+    rollout_stats,
+    router_stats,
+)
 from temper.tokenizer import Tokenizer
 from temper.trainer.schedule import warmup_cosine
 
@@ -260,6 +266,7 @@ class RLSteps(Configurable):
             trained.append(([flat[i] for i in indices], output))
             grad_norms.append(step.metrics["grad_norm:mean"])
         mismatch_stats(stats, trained)
+        router_stats(stats, [output for _, output in trained])
         stats.values["optim/grad_norm"] = sum(grad_norms) / len(grad_norms)
 
     def _write_rollouts(self, step: int, groups: list[list[Trajectory]]) -> None:

@@ -16,6 +16,7 @@ from temper.client.training_client import TrainingClient
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
+from temper.models.common.moe_stats import router_metrics
 from temper.rl.env import Demonstration
 from temper.trainer.schedule import warmup_cosine
 
@@ -115,9 +116,14 @@ class SFTWarmup(Configurable):
             optim = training_client.optim_step(
                 AdamParams(learning_rate=learning_rate, beta2=0.95, grad_clip_norm=1.0)
             )
-            loss = backward.result().metrics["loss:sum"]
+            metrics = backward.result().metrics
             grad_norm = optim.result().metrics["grad_norm:mean"]
             on_step(
                 step,
-                {"warmup/loss": loss, "optim/grad_norm": grad_norm, "optim/lr": learning_rate},
+                {
+                    "warmup/loss": metrics["loss:sum"],
+                    "optim/grad_norm": grad_norm,
+                    "optim/lr": learning_rate,
+                    **router_metrics(metrics),  # MoE policies
+                },
             )

@@ -37,6 +37,7 @@ from temper.distributed.ranks import Ranks
 from temper.generator.choice import GeneratorChoice
 from temper.job import CHECKPOINTS_DIR, ModelChoice, RunCheckpoints, state_to_resume
 from temper.job.long_lived import long_lived_objects_frozen
+from temper.models.common.moe_stats import router_metrics
 from temper.observability import MetricsLogger, PhaseTimer
 from temper.observability.metrics import METRICS_FILE_NAME
 from temper.sampler import SamplerEngine
@@ -353,15 +354,16 @@ class SFTJob(Configurable):
                 grad_clip_norm=config.grad_clip_norm,
             )
         )
-        loss = backward.result().metrics["loss:sum"]
+        metrics = backward.result().metrics
         grad_norm = optim.result().metrics["grad_norm:mean"]
         num_tokens = sum(len(e.tokens) - 1 for e in examples)
         return {
-            "train/loss": loss,
+            "train/loss": metrics["loss:sum"],
             "train/trained_tokens": float(sum(e.num_weighted for e in examples)),
             "train/tokens_per_s": num_tokens / (time.perf_counter() - started),
             "optim/grad_norm": grad_norm,
             "optim/lr": learning_rate,
+            **router_metrics(metrics),  # MoE models: moe/aux_loss, each layer's load, entropy
         }
 
     @staticmethod

@@ -113,6 +113,20 @@ def test_table_is_printed_every_n_steps(tmp_path: Path) -> None:
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_per_layer_metrics_go_to_the_jsonl_but_not_the_console_table(tmp_path: Path) -> None:
+    console, buffer = captured_console()
+    config = MetricsLogger.Config(display="table", table_every=1)
+    metrics = {"moe/aux_loss": 2.25, "moe/max_load": 1.75}
+    metrics |= {f"moe/layer_{i:02d}/entropy": 2.0 for i in range(48)}
+    with config.build(run_dir=tmp_path, total_steps=1, description="rl", console=console) as lg:
+        lg.log(0, metrics)
+    output = buffer.getvalue()
+    assert "aux_loss 2.25   max_load 1.75" in output
+    assert "layer_" not in output
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["moe/layer_47/entropy"] == 2.0
+
+
 def test_a_phase_is_counted_in_its_own_steps_in_the_tables(tmp_path: Path) -> None:
     console, buffer = captured_console()
     config = MetricsLogger.Config(display="table", table_every=2, jsonl=False)

@@ -166,6 +166,50 @@ def test_an_sft_run_plots_the_loss_before_training(tmp_path: Path) -> None:
     assert len(before) == 1 and list(before[0].get_xdata()) == [0]
 
 
+def moe_records(*, num_layers: int = 48) -> list[dict]:
+    """An RL run of a MoE model: router metrics at every warm-up and RL step."""
+    records = rl_records()
+    for record in records:
+        step = record["step"]
+        record["moe/aux_loss"] = 2.0 + 0.5 * math.exp(-step / 20)
+        record["moe/max_load"] = 1.2 + 0.8 * math.exp(-step / 30)
+        record["moe/entropy"] = 2.0 - 0.01 * step
+        for layer in range(num_layers):
+            record[f"moe/layer_{layer:02d}/max_load"] = 1.0 + layer / num_layers
+            record[f"moe/layer_{layer:02d}/entropy"] = 2.0 - 0.01 * step - layer / 100
+    return records
+
+
+def test_a_moe_run_gets_a_router_figure_with_a_heatmap_row_per_layer(tmp_path: Path) -> None:
+    write_metrics(tmp_path, moe_records())
+    names = [path.name for path in plot_metrics(tmp_path)]
+    assert names[-3:] == ["time.png", "router.png", "index.html"]  # no `other` figure
+    assert_png(tmp_path / "plots" / "router.png")
+    router = specs_of(moe_records())["router"]
+    assert [panel.title for panel in router.panels] == [
+        "load-balancing loss",
+        "largest expert's load, worst layer",
+        "router entropy, mean over layers",
+        "largest expert's load by layer",
+        "router entropy by layer",
+    ]
+    load_by_layer = router.panels[3]
+    assert load_by_layer.heatmap and len(load_by_layer.lines) == 48
+    # Every layer has a row, in layer order, even one whose value never changes.
+    assert [line.label for line in load_by_layer.lines] == [f"{i:02d}" for i in range(48)]
+    series = metric_series(moe_records())
+    figure = draw_figure(router, series)
+    heatmap = next(a for a in figure.axes if a.get_title() == "router entropy by layer")
+    assert heatmap.get_ylabel() == "layer" and heatmap.get_xlabel() == "step"
+    assert [t.get_text() for t in heatmap.get_yticklabels()][:2] == ["00", "04"]
+    dashed = [line.get_xdata()[0] for line in heatmap.get_lines()]
+    assert dashed == [NUM_WARMUP]  # where RL starts
+
+
+def test_a_dense_run_gets_no_router_figure() -> None:
+    assert "router" not in specs_of(rl_records())
+
+
 def test_index_lists_exactly_the_figures_written(tmp_path: Path) -> None:
     write_metrics(tmp_path, rl_records())
     stale = tmp_path / "plots" / "reward_group.png"  # from an earlier layout
