@@ -76,8 +76,11 @@ class TrainerEngine(Configurable):
         router_aux_loss: AuxLossMode = "report"
         """MoE models: 'report' measures the load-balancing loss on every forward_backward
         and reports it (`moe/aux_loss`, with each layer's load and router entropy); 'add'
-        also adds the model's `router_aux_loss_coef` times it to what is back-propagated, so
-        the gradient includes it (router_stats.py). Dense models measure nothing."""
+        also adds `router_aux_loss_coef` times it to what is back-propagated, so the gradient
+        includes it (router_stats.py). Dense models measure nothing."""
+        router_aux_loss_coef: float | None = None
+        """Weight of the load-balancing loss under router_aux_loss='add'; None: the model
+        config's `router_aux_loss_coef` (0.001 for Qwen3-MoE, as its config.json has it)."""
 
         def __post_init__(self) -> None:
             for name in ("max_tokens_per_microbatch", "shard_threads"):
@@ -86,6 +89,12 @@ class TrainerEngine(Configurable):
                 self.router_aux_loss,
                 field="TrainerEngine.Config.router_aux_loss",
                 choices=("report", "add"),
+            )
+            check_range(
+                self.router_aux_loss_coef,
+                field="TrainerEngine.Config.router_aux_loss_coef",
+                at_least=0,
+                also=(None,),
             )
 
     def __init__(
@@ -127,9 +136,9 @@ class TrainerEngine(Configurable):
         self.router = None
         """The MoE blocks' statistics; None for a dense model."""
         if moe_layers(model):
-            self.router = RouterStats(
-                model, mode=config.router_aux_loss, coef=model.config.router_aux_loss_coef
-            )
+            coef = config.router_aux_loss_coef
+            coef = model.config.router_aux_loss_coef if coef is None else coef
+            self.router = RouterStats(model, mode=config.router_aux_loss, coef=coef)
         elif config.router_aux_loss != "report":
             warnings.warn(
                 f"TrainerEngine.Config.router_aux_loss={config.router_aux_loss!r} is ignored: "

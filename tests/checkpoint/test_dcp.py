@@ -18,7 +18,7 @@ from temper.checkpoint.dcp import (
     read_train_state_metadata,
     save_train_state,
 )
-from temper.models import llama_size, materialize, qwen3_size
+from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
 
 VOCAB = 31
 METADATA = {"step": 3, "policy_version": 3, "lora": {"rank": 4, "alpha": 8.0}, "rng": [1, 2]}
@@ -72,7 +72,9 @@ def _saved_keys(directory) -> set[str]:
     return set(torch_dcp.FileSystemReader(directory).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("size", [qwen3_size, llama_size], ids=["qwen3", "llama"])
+@pytest.mark.parametrize(
+    "size", [qwen3_size, llama_size, qwen3_moe_size], ids=["qwen3", "llama", "qwen3_moe"]
+)
 def test_resume_from_checkpoint_is_bitwise_equal_to_uninterrupted_training(tmp_path, size):
     reference = _model(size=size)
     reference_optimizer = _adamw(reference)

@@ -1,8 +1,9 @@
 """Router metrics and the load-balancing loss in the trainer engine (MoE models): the reported
 `moe/aux_loss` equals transformers' on the same batch whatever the split (micro-batches,
 thread shards, shared-prefix packing); 'add' makes the gradient transformers' gradient of
-loss + coef * aux; 'report' leaves it the loss's own; forward records nothing; dense models
-report nothing."""
+loss + coef * aux (coef from the model config or the trainer's), weighing micro-batches by
+their tokens; 'report' leaves it the loss's own; forward records nothing; dense models report
+nothing."""
 
 from __future__ import annotations
 
@@ -170,6 +171,23 @@ def test_report_mode_leaves_the_gradient_the_losses_own(hf_model_dir):
     added.forward_backward(data, "cross_entropy")
     difference = _router_grad(added) - actual
     assert difference.abs().max() > 0.1 * actual.abs().max()
+
+
+def test_the_trainer_coefficient_overrides_the_model_configs(hf_model_dir):
+    data = _data()
+    grads = {}
+    for name, config in {
+        "report": {},
+        "config": {"router_aux_loss": "add"},
+        "twice": {"router_aux_loss": "add", "router_aux_loss_coef": 2 * COEF},
+    }.items():
+        engine = _engine(hf_model_dir, **config)
+        engine.forward_backward(data, "cross_entropy")
+        grads[name] = _router_grad(engine)
+    expected = grads["report"] + 2 * (grads["config"] - grads["report"])
+    torch.testing.assert_close(grads["twice"], expected, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match=r"TrainerEngine\.Config\.router_aux_loss_coef"):
+        TrainerEngine.Config(router_aux_loss_coef=-1.0)
 
 
 def test_add_mode_over_micro_batches_weighs_each_by_its_tokens(hf_model_dir):

@@ -7,10 +7,11 @@ The statistics are taken over the tokens a caller selects from each `Routing` (t
 passes its datums' tokens, never padding), in the order the layers run:
 
 - the load-balancing loss as transformers defines it for Qwen3-MoE
-  (`load_balancing_loss_func`, Switch Transformer eqs. 4-6): with f_e the share of all
-  top-k assignments (every layer's tokens together) sent to expert e and P_e the mean router
-  probability of e over the same tokens, aux = E * sum_e f_e * P_e. Its minimum is K (every
-  expert equally used and equally likely); one expert taking everything gives E.
+  (`load_balancing_loss_func`, Switch Transformer eqs. 4-6): with f_e the top-k assignments
+  to expert e per token (summing to K over the experts; every layer's tokens together) and P_e
+  the mean router probability of e over the same tokens, aux = E * sum_e f_e * P_e. Even use
+  (f_e = K / E, P_e = 1 / E) gives K, every token on the same K experts E; it can dip a little
+  below K when an expert's tokens are the ones least sure of it.
 - per layer, the largest expert's load: its assignments over the even share K * N / E (1.0
   balanced, E / K when every token picks it), and the mean router entropy per token in nats
   (ln E for a uniform router, 0 for a one-hot one).
