@@ -17,6 +17,9 @@ rank with fewer micro-batches runs empty ones so that every rank enters the same
 and a request any rank rejects is rejected on every rank before the model runs. Given
 `weights` (sharded loading), the model arrives on the meta device and each rank allocates and
 fills only its own shards after sharding (temper/checkpoint/sharded_load.py).
+
+MoE models: forward_backward also reports router metrics (`moe/*`) and, with
+`Config.router_aux_loss="add"`, back-propagates the load-balancing loss too (router_stats.py).
 """
 
 from __future__ import annotations
@@ -360,7 +363,9 @@ class TrainerEngine(Configurable):
         return contextlib.nullcontext() if router is None else router.stats.recording()
 
     @staticmethod
-    def _objective(loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None):
+    def _objective(
+        loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None
+    ) -> torch.Tensor:
         """What a micro-batch back-propagates: its loss, plus (MoE, "add") its weighted
         load-balancing loss; on the thread that ran its forward, right after it."""
         aux = None if router is None else router.take_batch(batch)

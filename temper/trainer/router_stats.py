@@ -107,9 +107,11 @@ class RouterCall:
         """After `batch`'s forward, on its thread: record its sums; in "add" mode, return its
         weighted load-balancing loss to add to what it back-propagates (None otherwise)."""
         rows_N = batch.token_rows(self.device)
-        routings = [select_tokens(routing, rows_N) for routing in self.stats.take()]
+        adding = self.stats.mode == "add"
+        with torch.set_grad_enabled(adding and torch.is_grad_enabled()):
+            routings = [select_tokens(routing, rows_N) for routing in self.stats.take()]
         self.sums[batch.datums[0].index] = RouterSums.of(routings)
-        if self.stats.mode != "add":
+        if not adding:
             return None
         aux = load_balancing_loss(routings, num_experts=self.stats.num_experts)
         return aux * (self.stats.coef * rows_N.numel() / self.num_tokens)

@@ -1,6 +1,7 @@
 """Router metrics and the load-balancing loss of a MoE trainer sharded over 2 gloo ranks (FSDP):
 every rank reports the metrics of all ranks' data, equal to one process's; with an idle rank
-too; and 'add' weighs each rank's load-balancing loss by its share of all ranks' tokens."""
+too; and 'add' weighs each rank's load-balancing loss by its share of all ranks' tokens, with
+activation checkpointing too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from temper.api import Datum, ModelInput
 from temper.distributed.parallel_dims import ParallelDims
 from temper.models import materialize, qwen3_moe_size
+from temper.models.common.moe_stats import moe_layers
 from temper.trainer import TrainerEngine
 from temper.trainer.sharding import Sharding
 from tests.distributed.spawn import spawn
@@ -24,13 +26,15 @@ SHARES = {
 }
 
 
-def _engine(*, mode: str = "report", sharded: bool) -> TrainerEngine:
+def _engine(*, mode: str = "report", sharded: bool, checkpointing: str = "none") -> TrainerEngine:
     # A coefficient large enough that the load-balancing gradient is not lost in rounding.
     config = dataclasses.replace(
         qwen3_moe_size("tiny", vocab_size=VOCAB), num_layers=2, router_aux_loss_coef=0.5
     )
     dims = ParallelDims.Config(dp_shard=2)
-    sharding = Sharding.Config(dims=dims) if sharded else None
+    sharding = (
+        Sharding.Config(dims=dims, activation_checkpointing=checkpointing) if sharded else None
+    )
     engine_config = TrainerEngine.Config(sharding=sharding, router_aux_loss=mode)
     return engine_config.build(model=materialize(config, seed=0), lora=None)
 
@@ -57,10 +61,12 @@ def _run(rank: int) -> dict:
         results[name] = engine.forward_backward(data, "cross_entropy").metrics
         del engine
     # Both ranks train on all the data: their load-balancing losses each weigh a half.
-    engine = _engine(mode="add", sharded=True)
-    engine.forward_backward(_data(), "cross_entropy")
-    results["add_grads"] = _grads(engine)
-    del engine
+    for checkpointing in ("none", "full"):  # "full": the backward recomputes each block
+        engine = _engine(mode="add", sharded=True, checkpointing=checkpointing)
+        engine.forward_backward(_data(), "cross_entropy")
+        results[f"add_grads_{checkpointing}"] = _grads(engine)
+        assert all(not block.routings for _, block in moe_layers(engine.model))
+        del engine
     return results
 
 
@@ -79,7 +85,8 @@ def test_every_rank_reports_the_router_metrics_of_all_the_data(results, shares):
             assert result[shares][key] == pytest.approx(value, rel=1e-5), key
 
 
-def test_add_mode_weighs_each_ranks_aux_loss_by_its_share_of_all_tokens(results):
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_add_mode_weighs_each_ranks_aux_loss_by_its_share_of_all_tokens(results, checkpointing):
     # One process on the data twice over, in one micro-batch: twice the loss's gradient, and
     # the load-balancing loss of the same routing shares (counted once).
     engine = _engine(mode="add", sharded=False)
@@ -90,10 +97,11 @@ def test_add_mode_weighs_each_ranks_aux_loss_by_its_share_of_all_tokens(results)
     router = "blocks.0.feed_forward.router.weight"
     assert not torch.allclose(_grads(plain)[router], reference[router], rtol=0.05)
     for result in results:
-        assert result["add_grads"].keys() == reference.keys()
+        grads = result[f"add_grads_{checkpointing}"]
+        assert grads.keys() == reference.keys()
         for name, grad in reference.items():
             scale = grad.abs().max().item()
-            assert (result["add_grads"][name] - grad).abs().max().item() <= 1e-5 * scale, name
+            assert (grads[name] - grad).abs().max().item() <= 1e-5 * scale, name
 
 
 def _grads(engine: TrainerEngine) -> dict[str, torch.Tensor]:

@@ -38,10 +38,9 @@ METRIC_PREFIX = "moe/"
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
     """(block index, MoE block) of every sparse layer of a decoder, in layer order; empty for
     a dense model."""
-    blocks = getattr(model, "blocks", ())
     return [
         (index, block.feed_forward)
-        for index, block in enumerate(blocks)
+        for index, block in enumerate(model.blocks)
         if isinstance(block.feed_forward, MoE)
     ]
 
