@@ -1,11 +1,15 @@
 """The sum_digits_moe recipe: a tiny Qwen3-MoE from random weights learns sum-of-digits (a
 shortened fixed-seed run through `temper train`, about a minute on two cores), logs its router
-metrics every step and draws them; a stopped MoE run resumes bitwise."""
+metrics every step and draws them; a stopped MoE run, fully trained or with LoRA on its experts,
+resumes bitwise."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from temper.checkpoint.run_state import load_run_state
 from temper.cli import main
 from temper.config import get_recipe, list_recipes
 from temper.config.serialize import load_config, save_config
@@ -13,8 +17,8 @@ from temper.job import ModelChoice
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
 from temper.trainer import TrainerEngine
-from tests.rl.conftest import tiny_rl_config
-from tests.rl.test_resume import _check_resume
+from tests.rl.conftest import comparable_metrics, tiny_rl_config
+from tests.rl.test_resume import Crash, _crash_after
 
 LAYER_KEYS = [f"moe/layer_{i}/{name}" for i in range(4) for name in ("max_load", "entropy")]
 
@@ -71,16 +75,40 @@ def no_plots(monkeypatch):
     )
 
 
-def test_a_stopped_moe_run_resumes_bitwise(tmp_path, monkeypatch, no_plots):
-    """The train state (weights, AdamW moments) of a MoE policy trained with the
-    load-balancing loss on thread shards, through DCP: the resumed run's metrics (router
-    metrics included) and final weights equal an uninterrupted run's."""
+@pytest.mark.parametrize("lora_rank", [None, 4], ids=["full", "lora"])
+def test_a_stopped_moe_run_resumes_bitwise(tmp_path, monkeypatch, no_plots, lora_rank):
+    """The train state (weights or, with LoRA, the adapters of attention and every routed
+    expert; AdamW moments) of a MoE policy trained with the load-balancing loss on thread
+    shards, through DCP: the resumed run's metrics (router metrics included) and final weights
+    equal an uninterrupted run's."""
     config = tiny_rl_config(
-        model=ModelChoice.Config(base_model="qwen3_moe/tiny"),
+        model=ModelChoice.Config(base_model="qwen3_moe/tiny", lora_rank=lora_rank),
         trainer=TrainerEngine.Config(router_aux_loss="add", shard_threads=2),
         checkpoint_every=5,
         mode="async",
     )
-    _check_resume(tmp_path, monkeypatch, config, crash_at=12)
-    records = read_metrics(tmp_path / "stopped" / "metrics.jsonl")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    RLJob(config).run(run_dir=straight)
+    stopped.mkdir()
+    save_config(stopped / "config.json", config, recipe=None)
+    with monkeypatch.context() as patch:
+        _crash_after(patch, 12)  # the last checkpoint is at step 10, in RL
+        with pytest.raises(Crash):
+            RLJob(config).run(run_dir=stopped)
+    assert load_run_state(stopped).step == 10
+    assert main(["train", "--resume", str(stopped)]) == 0
+    assert comparable_metrics(stopped) == comparable_metrics(straight)
+    records = read_metrics(stopped / "metrics.jsonl")
     assert all(set(LAYER_KEYS) <= r.keys() for r in records if "warmup/loss" in r)
+    a, b = _sampler_tensors(straight), _sampler_tensors(stopped)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("experts" in key for key in a)  # LoRA: the experts' adapters too
+
+
+def _sampler_tensors(run_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of the run's final sampler weights (a model, or LoRA adapters)."""
+    (final,) = (run_dir / "checkpoints").glob("*/sampler_weights/final")
+    tensors = {}
+    for file in sorted(final.glob("*.safetensors")):
+        tensors |= load_file(file)
+    return tensors

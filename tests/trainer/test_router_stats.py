@@ -18,7 +18,7 @@ from temper.checkpoint.hf import load_pretrained
 from temper.models import materialize, qwen3_size
 from temper.models.common.moe_stats import moe_layers
 from temper.models.registry import family
-from temper.trainer import TrainerEngine
+from temper.trainer import LoraConfig, TrainerEngine
 from tests.models.hf_reference import save_hf, tiny_hf_qwen3_moe
 
 pytest.importorskip("transformers")
@@ -211,6 +211,21 @@ def test_add_mode_over_micro_batches_weighs_each_by_its_tokens(hf_model_dir):
 
 def _router_grad(engine: TrainerEngine) -> torch.Tensor:
     return engine.model.blocks[0].feed_forward.router.weight.grad
+
+
+def test_lora_on_the_experts_reports_the_same_routing_and_trains_the_adapters(hf_model_dir):
+    data = _data()
+    full = _engine(hf_model_dir).forward_backward(data, "cross_entropy")
+    engine = TrainerEngine.Config(router_aux_loss="add").build(
+        model=load_pretrained(hf_model_dir), lora=LoraConfig(rank=4)
+    )
+    output = engine.forward_backward(data, "cross_entropy")  # B = 0: the base model's routing
+    assert output.metrics.keys() == full.metrics.keys()
+    for key, value in full.metrics.items():
+        assert output.metrics[key] == pytest.approx(value, rel=1e-5), key
+    adapters = {n: p for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert any("experts" in name for name in adapters)
+    assert all(p.grad is not None for p in adapters.values())
 
 
 def test_forward_records_and_reports_nothing(hf_model_dir):
