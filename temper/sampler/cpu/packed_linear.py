@@ -59,8 +59,9 @@ class PackedLinear(nn.Module):
 
 
 class PackedExperts(nn.Module):
-    """A `GroupedExperts`' SwiGLU on per-expert copies of its weights prepacked for about
-    `batch_hint` rows per expert, called as the experts are (CPU: per-expert row counts).
+    """A `GroupedExperts`' SwiGLU on per-expert copies of its weights prepacked for
+    `batch_hint` rows (any number works; the layout barely moves the speed of products this
+    small), called as the experts are (CPU: per-expert row counts).
 
     The products are those of the experts' own CPU path (gate and up as one [2F, D] matrix
     per expert, then down), each expert's rows through its packed matrices, and the
