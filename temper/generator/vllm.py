@@ -21,7 +21,9 @@ How Temper's semantics map onto vLLM's, exactly or not at all:
   (0, 1e-5), which vLLM would decode greedily; `score()` at a temperature other than 1.
 
 vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
-(`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it). vLLM's
+(`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it), and
+leaves a MoE layer's reloaded experts unpacked for its CPU kernel (`_refresh_moe_experts`
+packs them; tests/generator/test_vllm_qwen3_moe.py fails without it). vLLM's
 CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
 original is put back after the engine is built, since the trainer in this process sets its
 own thread counts; so are the global random generators vLLM seeds. With tensor parallelism on
@@ -371,6 +373,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             raise
         if self._tied:
             self._llm.collective_rpc(_refresh_output_layer)
+        self._llm.collective_rpc(_refresh_moe_experts)
         # Cached prefixes hold keys and values computed with the old weights.
         self._llm.reset_prefix_cache()
         self._version = version
@@ -449,6 +452,19 @@ def _refresh_output_layer(worker: Any) -> None:
     weight; on other backends this is the same no-op-like post-processing vLLM ran at load."""
     head = worker.model_runner.model.lm_head
     head.quant_method.process_weights_after_loading(head)
+
+
+def _refresh_moe_experts(worker: Any) -> None:
+    """Finish a reload of every MoE layer with its expert kernel's own post-processing.
+
+    vLLM's reload runs a MoE layer's `process_weights_after_loading` again, which on a weight
+    update copies the new weights in but skips the experts kernel's step that the first load
+    ran: on CPU that step prepacks them into the grouped-GEMM layout, so without this the
+    kernel reads unpacked weights. On backends whose step is empty this does nothing."""
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _actual_logprobs(entries: Sequence[Any], tokens: Sequence[int]) -> list[float | None]:

@@ -1,5 +1,6 @@
 """Decode steps with static shapes, captured as CUDA graphs (one per batch-size bucket): the
-engine's `Decoding` on CUDA unless `cuda_graphs='off'` or its model has multi-LoRA slots.
+engine's `Decoding` on CUDA unless `cuda_graphs='off'`, its model has multi-LoRA slots, or
+its forward reads device values on the host (`capture_blocker`: a MoE model).
 
 Shapes: S slots, B rows (a bucket), V vocab.
 
@@ -20,6 +21,14 @@ e.g. a snapshot's at an optimizer step while another thread decodes, and two cap
 corrupt each other) and in thread-local mode: another thread's allocations and syncs during a
 capture are its own business, where the global mode fails them ("operation not permitted when
 stream is capturing").
+
+A capture cannot hold a read of device values by the host: the host would see the capture's
+values, not the replay's, and CUDA refuses the sync while a stream captures. A MoE block
+(temper/models/common/moe.py) makes such reads in every forward: `torch.bincount` on CUDA
+reads the input's largest value to size its output, and outside bf16 on a GPU with
+`F.grouped_mm` the per-expert counts go to the host (`tolist`) to slice the rows. So a MoE
+model decodes eagerly on CUDA (`capture_blocker` says why; tested on CPU, and on a GPU that
+capturing its forward fails).
 """
 
 from __future__ import annotations
@@ -31,12 +40,26 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from temper.models.common.moe import MoE
 from temper.sampler.decoding import DecodeModel, Decoding
 from temper.sampler.kv_cache import DecodeAttention, KVCache
 from temper.sampler.weight_source import WeightSource
 
 CAPTURE_LOCK = threading.Lock()
 """Held while a decoder captures its graphs: one capture at a time in this process."""
+
+
+def capture_blocker(model: nn.Module) -> str | None:
+    """Why decode steps of `model` cannot be captured as CUDA graphs (None: they can): the
+    first module whose forward reads device values on the host (see the module docstring)."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            return (
+                f"{name} is a MoE block, whose routing reads expert counts on the host "
+                "(torch.bincount sizes its output from the largest expert id; per-expert row "
+                "counts unless F.grouped_mm runs)"
+            )
+    return None
 
 
 def default_buckets(max_batch: int) -> list[int]:

@@ -24,7 +24,8 @@ the batch's size; its draws stay its own.
 
 How a decode step runs is chosen once, when the engine is built (`self.decoding`,
 decoding.py): the model itself, on CPU the speed wing's twins and row shards
-(cpu/decoding.py), on CUDA a step's logits replayed from a CUDA graph (cuda_graphs.py).
+(cpu/decoding.py), on CUDA a step's logits replayed from a CUDA graph (cuda_graphs.py;
+not for a MoE model, whose routing reads device values on the host).
 Splitting calls over processes is not done here: `Config.build` wraps the engine for that
 (cpu/process_split.py).
 """
@@ -48,7 +49,7 @@ from temper.config.configurable import Configurable
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
-from temper.sampler.cuda_graphs import CudaGraphDecoding, default_buckets
+from temper.sampler.cuda_graphs import CudaGraphDecoding, capture_blocker, default_buckets
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
@@ -80,7 +81,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
         16k positions of the tiny model (2 KiB each), about 290 of Qwen3-0.6B in bf16 (112
         KiB each): raise it with the model and the episodes in flight."""
         cuda_graphs: Literal["auto", "off"] = "auto"
-        """'auto' replays decode steps as CUDA graphs on a CUDA device (no effect on CPU)."""
+        """'auto' replays decode steps as CUDA graphs on a CUDA device where the model allows
+        (not a MoE model, whose routing syncs with the host: cuda_graphs.py); no effect on
+        CPU."""
         graph_batch_sizes: tuple[int, ...] = ()
         """Batch-size buckets captured as graphs; () = powers of two up to max_batch."""
         cpu: CpuDecoding.Config = field(default_factory=CpuDecoding.Config)
@@ -227,12 +230,13 @@ class SamplerEngine(Configurable, OnePromptSampling):
 
     def _pick_decoding(self, model: nn.Module) -> Decoding:
         """How decode steps run, chosen once: on CPU the speed wing; on CUDA graphs (unless
-        off, or per-row adapter slots, which graphs do not capture); else the plain path."""
+        off, per-row adapter slots, which graphs do not capture, or a model whose forward
+        syncs with the host, e.g. MoE routing); else the plain path."""
         config = self.config
         if self.device.type == "cpu":
             return config.cpu.build(model=model, batch_hint=config.max_batch)
         graphs = self.device.type == "cuda" and config.cuda_graphs != "off"
-        if graphs and self.adapters.rows is None:
+        if graphs and self.adapters.rows is None and capture_blocker(model) is None:
             buckets = config.graph_batch_sizes or default_buckets(config.max_batch)
             return CudaGraphDecoding(self.weights, cache=self.cache, buckets=buckets)
         return Decoding()

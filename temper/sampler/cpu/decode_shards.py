@@ -18,7 +18,11 @@ from the same rows inside a product of 4 or more (another kernel); from 4 rows o
 bits do not depend on how many rows share the product or where they start (bf16 and
 oneDNN-packed weights: at any size). So no shard has fewer than `MIN_SHARD_ROWS` rows. (An
 unsplit step on several intra-op threads is not bitwise the one-thread step either way: its
-GEMM hands each thread a block of rows, and a block of 1-3 rows rounds differently.)
+GEMM hands each thread a block of rows, and a block of 1-3 rows rounds differently.) A MoE
+layer is the other exception, which no split avoids: it multiplies each expert's rows of the
+step at once, and in fp32 an expert can get 1-3 rows in a shard and more in the whole step,
+so a fp32 MoE model's logprobs agree with the unsplit step to float rounding (tokens equal in
+the tests); in bf16 they are bitwise again.
 
 Python runs one thread at a time (the GIL), and each shard issues every op of the forward, so
 a split step pays the per-op Python and dispatch cost once per shard, plus a GIL hand-over

@@ -2,9 +2,11 @@
 
 `SamplerEngine.Config.cpu` holds every CPU speed setting; none has an effect on CUDA. When a
 CPU engine is built, `CpuDecoding` decides once what its decode steps run on:
-- a packed twin (packed_linear.py; fused as well when the model allows, fused_decoder.py)
-  for bf16 weights, or fp32 with `packed_linear='on'`, where oneDNN is available;
-- else a fused twin for fp32 models (`fused_projections`);
+- a packed twin (packed_linear.py; fused as well when the model allows, fused_decoder.py;
+  a MoE model's routers and experts packed too) for bf16 weights, or fp32 with
+  `packed_linear='on'`, where oneDNN is available;
+- else a fused twin for fp32 models (`fused_projections`; a MoE model's attention fused, its
+  MoE blocks its own);
 - else the model itself;
 and whether a step's rows split over threads (`decode_shards`, decode_shards.py). A twin is a
 copy of the weights as they were: it is made again when the engine's weights generation
@@ -68,7 +70,8 @@ class CpuDecoding(Configurable, Decoding):
         decode_shards: int | Literal["auto"] = 1
         """Decode steps split their rows into this many consecutive groups that run at
         once, one thread each with single-threaded ops (see decode_shards.py); tokens and
-        logprobs are bitwise those of num_threads=1 unsplit. 'auto': as many groups as the
+        logprobs are bitwise those of num_threads=1 unsplit (a fp32 MoE model's logprobs: to
+        float rounding). 'auto': as many groups as the
         threads generate runs on (num_threads, else torch's), each of at least
         decode_shard_min_rows rows; 1 = never split (the default: on a shared 2-core VM a
         split step was slower, docs/benchmarks.md)."""

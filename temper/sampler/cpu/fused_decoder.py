@@ -17,12 +17,18 @@ matrix: a bf16 decode step streams its weights, and oneDNN streams one [4096, 10
 about 30% faster than [2048, 1024] and two [1024, 1024] (measured on the 0.6B shape at 8
 rows). Results are again bitwise those of the model's own forward (tested).
 
+A MoE block (Qwen3-MoE's sparse layers) is not fused: its experts already run gate and up
+as one matmul per expert, and its routing (router, softmax top-k, rows sorted by expert, the
+outputs summed in top-k order) is the model's own code. So in a MoE model only attention is
+fused and the block runs as it is, or on packed weights as its packed twin (router and every
+expert's matrices packed, packed_linear.py), bitwise again.
+
 The fused weights are a copy of the attention and feed-forward projections (one pass over
 them per weights generation); every other tensor is the model's own. Like `PackedDecoder`,
 it holds the weights as they were when it was made, and the CPU wing (decoding.py) makes a
-new one after every `update_weights`. Only plain
-`nn.Linear` projections in fp32 or bf16 are fused; a model with LoRA-wrapped projections or
-another layout decodes on its own forward (or the packed twin).
+new one after every `update_weights`. Only plain `nn.Linear` projections in fp32 or bf16 are
+fused, beside SwiGLU or MoE feed-forwards; a model with LoRA-wrapped projections or another
+layout decodes on its own forward (or the packed twin).
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ from torch import nn
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.decoder import Decoder
 from temper.models.common.feed_forward import SwiGLU
+from temper.models.common.moe import GroupedExperts, MoE
 from temper.models.common.rmsnorm import rms_normalize
 from temper.models.common.rope import apply_rope, rope_cos_sin
-from temper.sampler.cpu.packed_linear import PackedLinear
+from temper.sampler.cpu.packed_linear import PackedLinear, packed_twin
 
 Projection = nn.Module | Callable[[torch.Tensor], torch.Tensor]
 
@@ -58,10 +65,15 @@ def fusable(model: nn.Module) -> bool:
         return False
     for block in blocks:
         attention, feed_forward = block.attention, block.feed_forward
-        if type(attention) is not GroupedQueryAttention or type(feed_forward) is not SwiGLU:
+        if type(attention) is not GroupedQueryAttention:
             return False
         linears = (attention.wq, attention.wk, attention.wv, attention.wo)
-        linears += (feed_forward.w_gate, feed_forward.w_up, feed_forward.w_down)
+        if type(feed_forward) is SwiGLU:
+            linears += (feed_forward.w_gate, feed_forward.w_up, feed_forward.w_down)
+        elif type(feed_forward) is MoE and type(feed_forward.experts) is GroupedExperts:
+            linears += (feed_forward.router,)
+        else:
+            return False
         if any(type(linear) is not nn.Linear for linear in linears):
             return False
         if (attention.q_norm is None) != (attention.k_norm is None):
@@ -104,12 +116,7 @@ class _FusedLayer:
             k_weight = attention.k_norm.weight.detach().expand(self.num_kv_heads, -1)
             self.qk_norm_weight_JH = torch.cat((q_weight, k_weight))
             self.qk_norm_eps = attention.q_norm.eps
-        w_gate_up = torch.cat(
-            (feed_forward.w_gate.weight.detach(), feed_forward.w_up.weight.detach())
-        )
-        self.gate_up = _projection(w_gate_up, None, batch_hint=batch_hint)
-        self.w_down = _own_or_packed(feed_forward.w_down, batch_hint=batch_hint)
-        self.ffn_dim = feed_forward.w_gate.weight.shape[0]
+        self.feed_forward = _feed_forward(feed_forward, batch_hint=batch_hint)
 
     def __call__(
         self,
@@ -136,9 +143,35 @@ class _FusedLayer:
         v_BKTH = qkv_BTX[..., (N + K) * H :].view(B, T, K, H).transpose(1, 2)
         out_BNTH = attention.attend(layer.layer_index, qk_BJTH[:, :N], qk_BJTH[:, N:], v_BKTH)
         h_BTD = x_BTD + self.wo(out_BNTH.transpose(1, 2).reshape(B, T, N * H))
-        gate_up_BTX = self.gate_up(block.ffn_norm(h_BTD))
+        return h_BTD + self.feed_forward(block.ffn_norm(h_BTD))
+
+
+class _FusedSwiGLU:
+    """A SwiGLU with its gate and up projections as one matrix."""
+
+    def __init__(self, feed_forward: SwiGLU, *, batch_hint: int | None) -> None:
+        w_gate_up = torch.cat(
+            (feed_forward.w_gate.weight.detach(), feed_forward.w_up.weight.detach())
+        )
+        self.gate_up = _projection(w_gate_up, None, batch_hint=batch_hint)
+        self.w_down = _own_or_packed(feed_forward.w_down, batch_hint=batch_hint)
+        self.ffn_dim = feed_forward.w_gate.weight.shape[0]
+
+    def __call__(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        gate_up_BTX = self.gate_up(x_BTD)
         gate_BTF, up_BTF = gate_up_BTX[..., : self.ffn_dim], gate_up_BTX[..., self.ffn_dim :]
-        return h_BTD + self.w_down(F.silu(gate_BTF) * up_BTF)
+        return self.w_down(F.silu(gate_BTF) * up_BTF)
+
+
+def _feed_forward(feed_forward: nn.Module, *, batch_hint: int | None) -> Projection:
+    """A block's feed-forward for the twin: a SwiGLU fused; a MoE block as it is (its routing
+    and combining are the model's own code: the experts already run gate and up as one
+    matmul per expert), or its packed twin (packed router and experts, packed_linear.py)."""
+    if isinstance(feed_forward, SwiGLU):
+        return _FusedSwiGLU(feed_forward, batch_hint=batch_hint)
+    if batch_hint is None:
+        return feed_forward
+    return packed_twin(feed_forward, batch_hint=batch_hint)
 
 
 class FusedDecoder:
@@ -148,7 +181,8 @@ class FusedDecoder:
     def __init__(self, model: nn.Module, *, batch_hint: int | None = None) -> None:
         if not fusable(model):
             raise ValueError(
-                "FusedDecoder needs CPU GroupedQueryAttention/SwiGLU blocks in fp32 or bf16"
+                "FusedDecoder needs CPU GroupedQueryAttention blocks with SwiGLU or MoE "
+                "feed-forwards, in fp32 or bf16"
             )
         self.model = model
         self._layers = [_FusedLayer(block, batch_hint=batch_hint) for block in model.blocks]

@@ -1,6 +1,7 @@
 """Decode steps split into row shards on worker threads: the same tokens and logprobs, bitwise,
 as unsplit steps on one thread (greedy, seeded sampling with truncation, continuous batching,
-stops, top-k logprobs, bf16 packed weights), and how a step is split."""
+stops, top-k logprobs, bf16 packed weights; a MoE model in bf16, and in fp32 to float
+rounding), and how a step is split."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import materialize, qwen3_moe_size, qwen3_size
 from temper.sampler.cpu.decode_shards import DecodeShards, even_ranges
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
@@ -19,8 +20,8 @@ from temper.sampler.engine import SamplerEngine, SampleRequest
 VOCAB = 61
 
 
-def _model(*, dtype="float32"):
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=VOCAB), init_std=0.1)
+def _model(*, dtype="float32", size=qwen3_size):
+    config = dataclasses.replace(size("tiny", vocab_size=VOCAB), init_std=0.1)
     return materialize(config, seed=3, dtype=dtype).eval()
 
 
@@ -126,6 +127,27 @@ def test_bf16_packed_decode_with_shards():
     _, unsharded = _generate(model, requests, decode_shards=1)
     _, sharded = _generate(model, requests, decode_shards=2)
     _assert_bitwise_equal(unsharded, sharded)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_decode_with_shards(dtype):
+    """A MoE layer multiplies each expert's rows of the step (or shard) at once. In fp32 an
+    expert given 1-3 rows in one split and more in another rounds apart (the GEMM kernel
+    changes, see decode_shards.py), so logprobs agree to float rounding; in bf16 (packed, as
+    on any oneDNN kernel) a row's bits do not depend on the rows beside it."""
+    model = _model(dtype=dtype, size=qwen3_moe_size)
+    requests = _mixed_requests()
+    _, unsharded = _generate(model, requests, decode_shards=1)
+    _, sharded = _generate(model, requests, decode_shards=3)
+    if dtype == "bfloat16":
+        _assert_bitwise_equal(unsharded, sharded)
+        return
+    for response_a, response_b in zip(unsharded, sharded, strict=True):
+        for a, b in zip(response_a.sequences, response_b.sequences, strict=True):
+            assert a.tokens == b.tokens
+            torch.testing.assert_close(
+                torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5
+            )
 
 
 def test_shards_run_on_worker_threads_under_inference_mode(model):

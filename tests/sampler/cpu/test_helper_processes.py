@@ -1,6 +1,7 @@
 """Generate calls split over helper processes (`cpu.processes`, a `ProcessSplitSampler` around
-the engine): the same responses as one process, weights that follow the trainer's updates
-through shared memory, bad input, a helper that dies, and how requests are split."""
+the engine): the same responses as one process (dense and MoE models), weights that follow
+the trainer's updates through shared memory, bad input, a helper that dies, and how requests
+are split."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import materialize, qwen3_moe_size, qwen3_size
 from temper.sampler.cpu import helper_processes
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.helper_processes import HelperProcesses, _balanced_ranges
@@ -32,8 +33,8 @@ def tokenizer():
     return build_builtin_tokenizer("letters")
 
 
-def _model(tokenizer, *, seed=3):
-    config = dataclasses.replace(qwen3_size("tiny", vocab_size=tokenizer.vocab_size), init_std=0.1)
+def _model(tokenizer, *, seed=3, size=qwen3_size):
+    config = dataclasses.replace(size("tiny", vocab_size=tokenizer.vocab_size), init_std=0.1)
     return materialize(config, seed=seed).eval()
 
 
@@ -135,6 +136,28 @@ def test_split_calls_return_what_one_process_returns(pair, tokenizer):
     again, got_again = _generate_both(single, split, requests, entropy_seed=2)
     _assert_same(got_again, again)
     assert [r.sequences[0].tokens for r in again] != [r.sequences[0].tokens for r in expected]
+
+
+def test_split_calls_on_a_moe_model_return_what_one_process_returns(tokenizer):
+    """The experts' stacked weights reach the helpers through shared memory like any other,
+    and an in-place update of them is followed."""
+    model = _model(tokenizer, size=qwen3_moe_size)
+    single, split = _engine(model, tokenizer), _engine(model, tokenizer, processes=2)
+    try:
+        requests = _requests(tokenizer, seed=2)
+        expected, got = _generate_both(single, split, requests, entropy_seed=4)
+        assert split.helpers.num_running == 1
+        _assert_same(got, expected)
+        with torch.no_grad():  # an optimizer step on the experts
+            for block in model.blocks:
+                block.feed_forward.experts.w_down.mul_(-1.0)
+        for engine in (single, split):
+            engine.update_weights(model, version=1)
+        after, got_after = _generate_both(single, split, requests, entropy_seed=4)
+        _assert_same(got_after, after)
+        assert [r.sequences[0].tokens for r in after] != [r.sequences[0].tokens for r in expected]
+    finally:
+        split.close()
 
 
 def test_helpers_follow_in_place_updates_and_new_modules(pair, tokenizer):
@@ -313,7 +336,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path):
         f"""
 from pathlib import Path
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import materialize, qwen3_moe_size, qwen3_size
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 

@@ -1,5 +1,6 @@
 """Prepacked (oneDNN) linear weights for CPU decoding: the same numbers as the model's own
-layers in bf16, and re-packed whenever the weights change, in place or by an update."""
+layers (and MoE experts) in bf16, and re-packed whenever the weights change, in place or by an
+update."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from temper.api import SamplingParams
-from temper.models import materialize, qwen3_size
+from temper.models import materialize, qwen3_moe_size, qwen3_size
+from temper.models.common.moe import GroupedExperts
 from temper.sampler.cpu.decoding import CpuDecoding
-from temper.sampler.cpu.packed_linear import PackedLinear, packing_available
+from temper.sampler.cpu.packed_linear import PackedExperts, PackedLinear, packing_available
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
 pytestmark = pytest.mark.skipif(
@@ -26,9 +28,9 @@ needs_bf16_packing = pytest.mark.skipif(
 PROMPTS = [[3, 4, 5], [7], [1, 2, 3, 4, 5, 6, 7, 8], [9, 9], [2, 2, 2, 2, 2]]
 
 
-def _model(*, seed=5, dtype="bfloat16", tie_embeddings=True):
+def _model(*, seed=5, dtype="bfloat16", tie_embeddings=True, size=qwen3_size):
     config = dataclasses.replace(
-        qwen3_size("tiny", vocab_size=31), init_std=0.1, tie_embeddings=tie_embeddings
+        size("tiny", vocab_size=31), init_std=0.1, tie_embeddings=tie_embeddings
     )
     return materialize(config, seed=seed, dtype=dtype).eval()
 
@@ -62,6 +64,23 @@ def test_bf16_packed_linear_is_bitwise_the_linear(bias, batch_hint):
 
 
 @needs_bf16_packing
+@pytest.mark.parametrize("batch_hint", [1, 64])
+def test_bf16_packed_experts_are_bitwise_the_experts(batch_hint):
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=5, dim=64, hidden_dim=96)
+    for parameter in experts.parameters():
+        nn.init.normal_(parameter, std=0.1)
+    experts = experts.to(torch.bfloat16)
+    packed = PackedExperts(experts, batch_hint=batch_hint)
+    # Rows sorted by expert: experts without rows, one row, many, all rows on one expert.
+    for counts in ([3, 0, 1, 17, 2], [0, 0, 13, 0, 0], [1, 1, 1, 1, 1], [0] * 5):
+        x_AD = torch.randn(sum(counts), 64).to(torch.bfloat16)
+        with torch.no_grad():
+            expected_AD = experts(x_AD, counts_E=counts, offsets_E=None)
+        assert torch.equal(packed(x_AD, counts_E=counts, offsets_E=None), expected_AD), counts
+
+
+@needs_bf16_packing
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_embeddings):
     model = _model(tie_embeddings=tie_embeddings)
@@ -73,8 +92,9 @@ def test_bf16_decoding_on_packed_weights_matches_the_plain_model_bitwise(tie_emb
 
 
 @needs_bf16_packing
-def test_in_place_weight_changes_are_repacked():
-    model = _model()
+@pytest.mark.parametrize("size", [qwen3_size, qwen3_moe_size], ids=["qwen3", "qwen3_moe"])
+def test_in_place_weight_changes_are_repacked(size):
+    model = _model(size=size)
     engine, before = _generate(model)
     with torch.no_grad():  # what an optimizer step on a shared trainer module does
         for parameter in model.parameters():
@@ -104,8 +124,9 @@ def test_state_dict_updates_are_repacked():
     assert response.sequences[0].logprobs == reference.sequences[0].logprobs
 
 
-def test_fp32_is_not_packed_unless_asked():
-    model = _model(dtype="float32")
+@pytest.mark.parametrize("size", [qwen3_size, qwen3_moe_size], ids=["qwen3", "qwen3_moe"])
+def test_fp32_is_not_packed_unless_asked(size):
+    model = _model(dtype="float32", size=size)
     engine, _ = _generate(model)
     assert engine.decoding.twin != "packed"
     engine, packed = _generate(model, packed_linear="on")
