@@ -96,6 +96,65 @@ def _check_stop(stop: object) -> None:
         raise ValueError(f"stop token ids must be >= 0, got {list(stop)!r}")
 
 
+RoutingReplay = Literal["off", "sampler"]
+"""How forward_backward routes a MoE model's tokens: 'off', by its own router; 'sampler', to
+the experts the sampler routed them to (each datum's `routed_experts`), with the router's
+weights at those experts (so the router still learns)."""
+RouteDType = Literal["uint8", "int16"]
+_ROUTE_DTYPES = {"uint8": torch.uint8, "int16": torch.int16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedExperts:
+    """The experts a MoE model routed tokens to: for each of T tokens and each of its L sparse
+    layers (in layer order), the K experts of the token's top-k, in the router's order.
+
+    Held compactly as the bytes of a row-major [T, L, K] array of small ints (uint8 for up to
+    256 experts, else int16): a few hundred bytes per token for the largest published MoE
+    models, and a plain value to pickle or copy between processes."""
+
+    data: bytes
+    shape: tuple[int, int, int]
+    """(T tokens, L sparse layers, K experts per token)."""
+    dtype: RouteDType = "uint8"
+
+    def __post_init__(self) -> None:
+        check_choice(self.dtype, field="RoutedExperts.dtype", choices=tuple(_ROUTE_DTYPES))
+        shape = tuple(self.shape)
+        if len(shape) != 3 or any(
+            isinstance(size, bool) or not isinstance(size, int) or size < 0 for size in shape
+        ):
+            raise ValueError(
+                f"RoutedExperts.shape must be (tokens, layers, top_k) ints >= 0, got {shape!r}"
+            )
+        object.__setattr__(self, "shape", shape)
+        itemsize = _ROUTE_DTYPES[self.dtype].itemsize
+        if len(self.data) != math.prod(shape) * itemsize:
+            raise ValueError(
+                f"RoutedExperts holds {len(self.data)} bytes but shape {list(shape)} of "
+                f"{self.dtype} needs {math.prod(shape) * itemsize}"
+            )
+
+    @classmethod
+    def from_torch(cls, experts_TLK: torch.Tensor, *, num_experts: int) -> RoutedExperts:
+        """Routes of an integer tensor [T, L, K], stored in the smallest dtype that holds
+        `num_experts` ids."""
+        dtype: RouteDType = "uint8" if num_experts <= 256 else "int16"
+        compact = experts_TLK.detach().to("cpu", _ROUTE_DTYPES[dtype]).contiguous()
+        return cls(data=compact.numpy().tobytes(), shape=tuple(experts_TLK.shape), dtype=dtype)
+
+    def to_torch(self) -> torch.Tensor:
+        """The expert ids as an int64 tensor [T, L, K]."""
+        if not self.data:
+            return torch.zeros(self.shape, dtype=torch.int64)
+        flat = torch.frombuffer(bytearray(self.data), dtype=_ROUTE_DTYPES[self.dtype])
+        return flat.to(torch.int64).view(self.shape)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[0]
+
+
 @dataclass(frozen=True, kw_only=True)
 class SampledSequence:
     tokens: list[int]
@@ -105,6 +164,11 @@ class SampledSequence:
     stop_reason: StopReason
     topk_logprobs: list[TopkLogprobs] | None = None
     """Per generated position, when requested."""
+    routed_experts: RoutedExperts | None = None
+    """MoE models, when the sampler records routes: the experts every token the model ran
+    for this sequence was routed to, the prompt's then each generated token's but the last
+    (which was never fed back): len(prompt) + len(tokens) - 1 tokens, the positions of the
+    training datum `prompt + tokens[:-1]`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,10 +343,20 @@ class Datum:
 
     model_input: ModelInput
     loss_fn_inputs: Mapping[str, TensorData] = field(default_factory=dict)
+    routed_experts: RoutedExperts | None = None
+    """MoE models: the experts the sampler routed each model_input token to (the sampled
+    sequence's `routed_experts`), for `forward_backward(..., routing_replay="sampler")` to
+    replay and for the router agreement metrics; a Temper extension (Tinker's datums have
+    none)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_input, ModelInput):
             raise TypeError(f"Datum.model_input must be a ModelInput, got {self.model_input!r}")
+        if self.routed_experts is not None and not isinstance(self.routed_experts, RoutedExperts):
+            raise TypeError(
+                "Datum.routed_experts must be RoutedExperts or None, got "
+                f"{type(self.routed_experts).__name__}"
+            )
         converted = {
             name: to_tensor_data(value, name=name) for name, value in self.loss_fn_inputs.items()
         }

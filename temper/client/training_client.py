@@ -29,6 +29,7 @@ from temper.api.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
     OptimStepResponse,
+    RoutingReplay,
     SaveWeightsResponse,
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
@@ -134,32 +135,57 @@ class TrainingClient:
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]:
+        """`routing_replay="sampler"` (MoE models, a Temper extension): every datum's tokens
+        go through the experts its `routed_experts` names, as the sampler routed them."""
         return self._worker.submit(
-            self._forward_backward, _datum_list(data), loss_fn, loss_fn_config
+            self._forward_backward,
+            _datum_list(data),
+            loss_fn,
+            loss_fn_config,
+            routing_replay=routing_replay,
         )
 
-    def _forward_backward(self, *args: Any) -> ForwardBackwardOutput:
+    def _forward_backward(self, *args: Any, **kwargs: Any) -> ForwardBackwardOutput:
         self._weight_sync.release_for_training()
-        return self.engine.forward_backward(*args)
+        return self.engine.forward_backward(*args, **kwargs)
 
     def forward(
         self,
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self._worker.submit(self.engine.forward, _datum_list(data), loss_fn, loss_fn_config)
+        return self._worker.submit(
+            self.engine.forward,
+            _datum_list(data),
+            loss_fn,
+            loss_fn_config,
+            routing_replay=routing_replay,
+        )
 
     def forward_backward_custom(
-        self, data: Sequence[Datum], loss_fn: CustomLossFn
+        self,
+        data: Sequence[Datum],
+        loss_fn: CustomLossFn,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]:
         if not callable(loss_fn):
             raise TypeError(
                 "forward_backward_custom: loss_fn must be a function (data, logprobs) -> "
                 f"(loss, metrics), got {type(loss_fn).__name__}"
             )
-        return self._worker.submit(self.engine.forward_backward_custom, _datum_list(data), loss_fn)
+        return self._worker.submit(
+            self.engine.forward_backward_custom,
+            _datum_list(data),
+            loss_fn,
+            routing_replay=routing_replay,
+        )
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self._worker.submit(self._optim_step, adam_params)

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from temper.api.types import ModelInput, SamplingParams
+from temper.api.types import ModelInput, RoutedExperts, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.rl.env import Env, StepResult, Turns
@@ -154,6 +154,7 @@ class _Episode:
     stop_reason: str = "length"
     end_reason: str | None = None
     env_seconds: float = 0.0
+    routed_experts: RoutedExperts | None = None
 
     @property
     def num_turns(self) -> int:
@@ -171,6 +172,7 @@ class _Episode:
                 reward=self.turn_rewards[0] if self.turn_rewards else 0.0,
                 stop_reason=self.stop_reason,
                 metrics=dict(self.metrics),
+                routed_experts=self.routed_experts,
             )
         metrics = dict(self.metrics)
         metrics["turns"] = float(self.num_turns)
@@ -184,6 +186,7 @@ class _Episode:
             stop_reason=self.stop_reason,
             metrics=metrics,
             action_mask=self.mask,
+            routed_experts=self.routed_experts,
         )
 
 
@@ -343,6 +346,8 @@ class RunningEpisodes:
         episode.logprobs += list(sequence.logprobs)
         episode.mask += [1.0] * len(action)
         episode.stop_reason = sequence.stop_reason
+        # The last action's routes cover its whole context, so the episode's datum's too.
+        episode.routed_experts = sequence.routed_experts
         return action
 
     def _start_step(self, episode: _Episode, sequence: Any) -> None:

@@ -227,7 +227,7 @@ class RLJob(Configurable):
             serve_generator(
                 roles,
                 placement=config.placement,
-                sampler=config.sampler,
+                sampler=_sampler(config),
                 generator=config.generator,
                 device=config.model.device,
                 on_start=lambda decoder: _log_memory_plan(
@@ -497,12 +497,19 @@ def _service_client(
         trainer = dataclasses.replace(trainer, sharding=config.sharding, shard_threads=1)
     return model.service_client(
         storage_dir=run_dir / CHECKPOINTS_DIR,
-        sampler=rank_sampler(config.sampler),
+        sampler=rank_sampler(_sampler(config)),
         trainer=trainer,
         generator=generator,
         remote=remote,
         sleep_generator=config.sleep_generator,
     )
+
+
+def _sampler(config: RLJob.Config) -> SamplerEngine.Config:
+    """The engine's settings, recording routes when the steps replay them."""
+    if config.rl.routing_replay == "sampler":
+        return dataclasses.replace(config.sampler, record_routes=True)
+    return config.sampler
 
 
 def _log_memory_plan(
@@ -575,6 +582,13 @@ def _check_config(config: RLJob.Config) -> None:
             "must fit the sampler's cache"
         )
     placement, generator = config.placement, config.generator
+    if config.rl.routing_replay != "off" and generator.backend != "temper":
+        raise ValueError(
+            f"{name}.rl.routing_replay={config.rl.routing_replay!r} needs the sampler's routes, "
+            f"which only {name}.generator.backend='temper' records; the vllm backend returns "
+            "none (vLLM 0.32 returns routed experts only from its model runner V2, which needs "
+            "Triton: its CPU build cannot)"
+        )
     if placement.generator_tp > 1 and generator.backend != "vllm":
         raise ValueError(
             f"{name}.placement.generator_tp={placement.generator_tp} needs "

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from temper.api.types import Datum, ModelInput
+from temper.api.types import Datum, ModelInput, RoutedExperts
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,11 @@ class Trajectory:
     """Multi-turn episodes: 1.0 on each completion token the policy sampled, 0.0 on the
     environment's observation tokens between turns (their `sampler_logprobs` are 0.0). None:
     every completion token was sampled (single-turn)."""
+    routed_experts: RoutedExperts | None = None
+    """MoE policies sampled with recorded routes: the experts of every position of the
+    datum (prompt + completion[:-1]), from the last action's sample (its context is the
+    whole episode before it: earlier turns' routes come from the sampler's prefix cache, or
+    from the prefill that ran them again)."""
 
     @property
     def num_action_tokens(self) -> int:
@@ -74,6 +79,7 @@ def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) 
             "logprobs": [0.0] * num_prompt_targets + trajectory.sampler_logprobs,
             "advantages": [0.0] * num_prompt_targets + advantages_C,
         },
+        routed_experts=trajectory.routed_experts,
     )
 
 

@@ -21,7 +21,7 @@ the slowest rank's seconds. One process is the same computation with one part.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,7 @@ from temper.api.types import ForwardBackwardOutput
 from temper.models.common.moe_stats import router_metrics
 from temper.rl.episodes import END_REASONS
 from temper.rl.rollout import Trajectory
+from temper.trainer.routing_replay import METRIC_PREFIX as ROUTING_PREFIX
 
 
 @dataclass
@@ -122,11 +123,25 @@ def mismatch_stats(
 
 def router_stats(stats: StepStats, outputs: Sequence[ForwardBackwardOutput]) -> None:
     """MoE policies: the trainer's router metrics (`moe/*`, models/common/moe_stats.py), each
-    the mean over the step's substeps. The trainer reports them over every rank's data
-    already, so they pass through as values; a dense policy has none."""
-    per_output = [router_metrics(output.metrics) for output in outputs]
+    the mean over the step's substeps; with the sampler's routes recorded, how often the
+    trainer's top-k differed from the sampler's (the trainer's `routing/*`, as
+    `mismatch/topk_diff*`: trainer/routing_replay.py). The trainer reports them over every
+    rank's data already, so they pass through as values; a dense policy has none."""
+    per_output = [
+        router_metrics(output.metrics) | _routing_metrics(output.metrics) for output in outputs
+    ]
     for name in per_output[0] if per_output else ():
         stats.values[name] = sum(metrics[name] for metrics in per_output) / len(per_output)
+
+
+def _routing_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """`routing/topk_diff:mean` -> `mismatch/topk_diff`, and the rest of the trainer's
+    routing agreement metrics likewise."""
+    return {
+        "mismatch/" + name.removeprefix(ROUTING_PREFIX).partition(":")[0]: float(value)
+        for name, value in metrics.items()
+        if name.startswith(ROUTING_PREFIX)
+    }
 
 
 def episode_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:

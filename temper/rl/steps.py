@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Literal
 
-from temper.api.types import AdamParams, SamplingParams
+from temper.api.types import AdamParams, RoutingReplay, SamplingParams
 from temper.client.sampling_client import SamplingClient
 from temper.client.training_client import TrainingClient
 from temper.config.checks import check_choice, check_range
@@ -45,6 +45,7 @@ from temper.rl.step_metrics import (
     router_stats,
 )
 from temper.tokenizer import Tokenizer
+from temper.trainer.routing_replay import ROUTING_REPLAY_CHOICES
 from temper.trainer.schedule import warmup_cosine
 
 
@@ -99,6 +100,13 @@ class RLSteps(Configurable):
         """RL steps between held-out evaluations (plus one at the last RL step)."""
         rollouts_per_step: int = 4
         """Decoded completions written to rollouts.jsonl per RL step."""
+        routing_replay: RoutingReplay = "off"
+        """MoE policies: 'sampler' records the experts the sampler routed every token to and
+        computes the trainer's forward through the same ones (routing replay), so tiny
+        numeric differences between sampler and trainer cannot flip a token's experts;
+        'off': the trainer routes by its own router. Either way, when the sampler records
+        routes (`--sampler.record_routes`), the step reports how often the trainer's top-k
+        differs from the sampler's (`mismatch/topk_diff*`)."""
 
         def __post_init__(self) -> None:
             _check_config(self)
@@ -132,6 +140,11 @@ class RLSteps(Configurable):
         self.evaluate = evaluate
         self.ranks = ranks
         self.first_step = first_step
+        if config.routing_replay != "off" and training.engine.route_shape is None:
+            raise ValueError(
+                f"RLSteps.Config.routing_replay={config.routing_replay!r} (--rl.routing_replay) "
+                "replays a MoE policy's routes, but the model has no MoE layers; use 'off'"
+            )
         self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.rl.prompts_per_step")
         """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
@@ -261,7 +274,9 @@ class RLSteps(Configurable):
                 )
                 for i in indices
             ]
-            output = self.training.forward_backward(data, config.loss_fn).result()
+            output = self.training.forward_backward(
+                data, config.loss_fn, routing_replay=config.routing_replay
+            ).result()
             step = self.training.optim_step(adam).result()
             trained.append(([flat[i] for i in indices], output))
             grad_norms.append(step.metrics["grad_norm:mean"])
@@ -306,3 +321,6 @@ def _check_config(config: RLSteps.Config) -> None:
     check_range(config.kl_coef, field=f"{name}.kl_coef", at_least=0, hint="0 turns the penalty off")
     check_choice(config.lr_schedule, field=f"{name}.lr_schedule", choices=("constant", "cosine"))
     check_choice(config.kl_estimator, field=f"{name}.kl_estimator", choices=("k1", "k3"))
+    check_choice(
+        config.routing_replay, field=f"{name}.routing_replay", choices=ROUTING_REPLAY_CHOICES
+    )

@@ -33,6 +33,7 @@ from temper.sampler.prompt_scoring import (
     topk_prompt_logprobs,
 )
 from temper.sampler.requests import RequestState, SampleRequest
+from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.slots import SlotOwner, SlotTable
 from temper.sampler.stopping import StopStringMatcher
@@ -65,9 +66,11 @@ class Admission:
         max_prefill_tokens: int,
         entropy: random.Random,
         adapters: RowAdapters,
+        routes: RouteRecorder | None = None,
     ) -> None:
-        """`entropy`: where unseeded requests draw their seeds; `entropy` and `adapters`
-        are the engine's, shared."""
+        """`entropy`: where unseeded requests draw their seeds; `entropy`, `adapters` and
+        `routes` (the route records of a MoE model's engine, if it keeps them) are the
+        engine's, shared."""
         self.weights = weights
         self.cache = cache
         self.prefix_cache = prefix_cache
@@ -78,6 +81,7 @@ class Admission:
         self.max_prefill_tokens = max_prefill_tokens
         self.entropy = entropy
         self.adapters = adapters
+        self.routes = routes
         self.device = weights.device
 
     def start(self, request: SampleRequest, index: int) -> RequestState:
@@ -139,8 +143,9 @@ class Admission:
         prefill_slots = {id(state): slot for state, slot, _ in to_prefill}
         for state, _ in claims:
             twin = twins.get(id(state))
-            if twin is not None:  # the same prompt: its twin's logits and cache rows
+            if twin is not None:  # the same prompt: its twin's logits, routes and cache rows
                 state.first_logits_V = twin.first_logits_V
+                state.prompt_routes = twin.prompt_routes
                 prefill_slots[id(state)] = prefill_slots[id(twin)]
         self._place_prompts(claims, prefill_slots=prefill_slots)
         while waiting and waiting[0].num_waiting == 0:
@@ -192,7 +197,12 @@ class Admission:
             index = [state.request.adapter for state, _, _ in rows]
             one = self.adapters.one
             adapter_rows.set(one if one is not None else torch.tensor(index, device=self.device))
-        hidden_BTD = model.hidden_states(tokens_BT, positions_BT=positions_BT, attention=attention)
+        with recording(self.routes, model) as tape:
+            hidden_BTD = model.hidden_states(
+                tokens_BT, positions_BT=positions_BT, attention=attention
+            )
+        if tape is not None:
+            self._keep_prompt_routes(rows, tape=tape, starts=starts, lengths=lengths)
         last_hidden_BD = hidden_BTD[torch.arange(len(rows), device=self.device), lengths_B - 1]
         logits_BV = model.logits(last_hidden_BD).float()
         # Rows with prompt logprobs never start from a cached prefix (`_cached_prefix`), so
@@ -212,6 +222,24 @@ class Admission:
                 state.target_prompt_logprobs = target_prompt_logprobs(
                     model, hidden_TD, request.target_prompt_logprobs
                 )
+
+    def _keep_prompt_routes(
+        self,
+        rows: list[tuple[RequestState, int, CachedPrefix | None]],
+        *,
+        tape: list[torch.Tensor],
+        starts: list[int],
+        lengths: list[int],
+    ) -> None:
+        """Each prefilled prompt's routes: its cached prefix's records, then the prefill's."""
+        assert self.routes is not None
+        routes_NLK = self.routes.stacked(tape)
+        routes_BTLK = routes_NLK.view(len(rows), max(lengths), *routes_NLK.shape[1:])
+        for row, (state, _, cached) in enumerate(rows):
+            new_TLK = routes_BTLK[row, : lengths[row]]
+            if cached is not None and starts[row]:
+                new_TLK = torch.cat((cached.routes(), new_TLK))
+            state.prompt_routes = new_TLK
 
     def _place_prompts(
         self, claims: list[tuple[RequestState, int]], *, prefill_slots: dict[int, int]

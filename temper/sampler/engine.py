@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ import temper.sampler.sampling as sampling
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.models.common.moe_stats import moe_layers
 from temper.sampler.admission import Admission
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
@@ -54,6 +56,7 @@ from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.requests import OnePromptSampling, SampleRequest
+from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
@@ -89,6 +92,12 @@ class SamplerEngine(Configurable, OnePromptSampling):
         cpu: CpuDecoding.Config = field(default_factory=CpuDecoding.Config)
         """The CPU speed wing (no effect on CUDA): threads, fused or packed decode twins,
         decode shards, helper processes (temper/sampler/cpu/decoding.py)."""
+        record_routes: bool = False
+        """MoE models: record the experts every token was routed to and return them with
+        each sequence (`SampledSequence.routed_experts`), for a trainer to replay
+        (routing_replay='sampler') or compare with its own (temper/sampler/routes.py). The
+        RL job turns it on for --rl.routing_replay sampler. Dense models: ignored, with a
+        warning."""
 
         def __post_init__(self) -> None:
             owner = "SamplerEngine.Config"
@@ -163,6 +172,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
         )
         self.prefix_cache = PrefixCache(max_bytes=config.prefix_cache_bytes())
         self.adapters = RowAdapters(model)
+        self.routes = self._route_recorder(model)
+        """Records of the routes taken (MoE models with record_routes); None otherwise."""
         self._entropy = random.Random()
         self.admission = Admission(
             weights=self.weights,
@@ -175,6 +186,7 @@ class SamplerEngine(Configurable, OnePromptSampling):
             max_prefill_tokens=config.max_prefill_tokens,
             entropy=self._entropy,
             adapters=self.adapters,
+            routes=self.routes,
         )
         self.decoding = self._pick_decoding(model)
 
@@ -227,6 +239,22 @@ class SamplerEngine(Configurable, OnePromptSampling):
     def close(self) -> None:
         """Stop the decode threads (the engine stays usable: they start again if needed)."""
         self.decoding.close()
+
+    def _route_recorder(self, model: nn.Module) -> RouteRecorder | None:
+        if not self.config.record_routes:
+            return None
+        if not moe_layers(model):
+            warnings.warn(
+                "SamplerEngine.Config.record_routes is ignored: the model has no MoE layers",
+                stacklevel=3,
+            )
+            return None
+        return RouteRecorder(
+            model,
+            num_slots=self.config.max_batch,
+            max_new_tokens=self.config.max_seq_len,
+            device=self.device,
+        )
 
     def _pick_decoding(self, model: nn.Module) -> Decoding:
         """How decode steps run, chosen once: on CPU the speed wing; on CUDA graphs (unless
@@ -319,14 +347,18 @@ class SamplerEngine(Configurable, OnePromptSampling):
             one = self.adapters.one  # one slot for all: plain matmuls, no grouping
             index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
             self.adapters.rows.set(index)
-        logits_BV = self.decoding.logits(
-            decoder,
-            self.cache,
-            tokens_B=tokens_B,
-            positions_B=positions_B,
-            width=width,
-            first_slot=rows.start,
-        )
+        with recording(self.routes, self.model) as tape:
+            logits_BV = self.decoding.logits(
+                decoder,
+                self.cache,
+                tokens_B=tokens_B,
+                positions_B=positions_B,
+                width=width,
+                first_slot=rows.start,
+            )
+        if tape is not None:
+            counts_B = self.slots.num_generated_S[rows.start : rows.stop]
+            self.routes.store_decoded(rows, counts_B=counts_B, tape=tape)
         return self._draw(rows, logits_BV)
 
     def _draw(self, rows: range, logits_BV: torch.Tensor) -> Draw:
@@ -415,8 +447,17 @@ class SamplerEngine(Configurable, OnePromptSampling):
         width = max(counts)
         tokens = slots.tokens_SM[finished_N, :width].tolist()
         logprobs = slots.logprobs_SM[finished_N, :width].tolist()
-        for slot, count, row_tokens, row_logprobs, row_stopped in zip(
-            finished, counts, tokens, logprobs, stopped, strict=True
+        routes, routed = [None] * len(finished), [None] * len(finished)
+        if self.routes is not None:
+            routes = [
+                self.routes.sequence(
+                    slots.owners[slot].state.prompt_routes, slot=slot, num_generated=count
+                )
+                for slot, count in zip(finished, counts, strict=True)
+            ]
+            routed = [self.routes.routed_experts(routes_TLK) for routes_TLK in routes]
+        for slot, count, row_tokens, row_logprobs, row_stopped, row_routed in zip(
+            finished, counts, tokens, logprobs, stopped, routed, strict=True
         ):
             owner = slots.owners[slot]
             owner.state.sequences[owner.sample_index] = SampledSequence(
@@ -424,11 +465,12 @@ class SamplerEngine(Configurable, OnePromptSampling):
                 logprobs=row_logprobs[:count],
                 stop_reason="stop" if row_stopped else "length",
                 topk_logprobs=owner.topk,
+                routed_experts=row_routed,
             )
             if owner.needs_python:
                 slots.num_python_rows -= 1
         if self.prefix_cache.enabled:
-            self._keep_prefixes(finished, tokens=tokens, counts=counts)
+            self._keep_prefixes(finished, tokens=tokens, counts=counts, routes=routes)
         remaining = slots.num_active - len(finished)
         holes = [slot for slot in finished if slot < remaining]
         if holes:
@@ -436,14 +478,23 @@ class SamplerEngine(Configurable, OnePromptSampling):
             movers = [slot for slot in range(remaining, slots.num_active) if slot not in done]
             length = int(slots.positions_S[movers].max())
             self.cache.copy_slots(sources=movers, targets=holes, length=length)
+            if self.routes is not None:
+                count = int(slots.num_generated_S[movers].max())
+                self.routes.move(sources=movers, targets=holes, count=count)
             slots.move(sources=movers, targets=holes)
         slots.release_last(len(finished))
 
     def _keep_prefixes(
-        self, finished: list[int], *, tokens: list[list[int]], counts: list[int]
+        self,
+        finished: list[int],
+        *,
+        tokens: list[list[int]],
+        counts: list[int],
+        routes: list[torch.Tensor | None],
     ) -> None:
-        """Store the finished sequences' keys/values in the prefix cache: the prompt and every
-        sampled token but the last (never fed through the model), in one gather."""
+        """Store the finished sequences' keys/values (and recorded routes) in the prefix
+        cache: the prompt and every sampled token but the last (never fed through the
+        model), in one gather."""
         states = [self.slots.owners[slot].state for slot in finished]
         sequences = [
             [*state.prompt, *row_tokens[: count - 1]]
@@ -451,4 +502,10 @@ class SamplerEngine(Configurable, OnePromptSampling):
         ]
         k_LFKCH, v_LFKCH = self.cache.read_prefixes(slots=finished, length=max(map(len, sequences)))
         adapters = [state.request.adapter for state in states]
-        self.prefix_cache.store(sequences, adapters=adapters, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH)
+        self.prefix_cache.store(
+            sequences,
+            adapters=adapters,
+            k_LFKCH=k_LFKCH,
+            v_LFKCH=v_LFKCH,
+            routes=None if self.routes is None else routes,
+        )

@@ -52,6 +52,9 @@ class CachedPrefix:
     v_LFKCH: torch.Tensor
     row: int
     nbytes: int
+    routes_TLK: torch.Tensor | None = None
+    """The experts each stored token was routed to (an engine that records routes,
+    routes.py): its whole sequence's, however much of it this entry covers."""
 
     @property
     def length(self) -> int:
@@ -61,6 +64,11 @@ class CachedPrefix:
         """This sequence's keys and values, [L, K, length, H] each."""
         length = self.length
         return self.k_LFKCH[:, self.row, :, :length], self.v_LFKCH[:, self.row, :, :length]
+
+    def routes(self) -> torch.Tensor:
+        """This entry's tokens' routes, [length, L, K]."""
+        assert self.routes_TLK is not None
+        return self.routes_TLK[: self.length]
 
 
 def prefix_hashes(tokens: Sequence[int], *, adapter: int) -> list[int]:
@@ -81,6 +89,7 @@ class _Block:
     k_LFKCH: torch.Tensor
     v_LFKCH: torch.Tensor
     bytes_per_position: int
+    routes: Sequence[torch.Tensor] | None
 
 
 class PrefixCache:
@@ -156,18 +165,23 @@ class PrefixCache:
         adapters: Sequence[int],
         k_LFKCH: torch.Tensor,
         v_LFKCH: torch.Tensor,
+        routes: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Keep the keys/values of several sequences: sequence f's are row f of k_LFKCH and
-        v_LFKCH, positions 0..len-1 (the block is held until the last of its entries goes).
+        v_LFKCH, positions 0..len-1 (the block is held until the last of its entries goes),
+        and `routes[f]`, its tokens' recorded routes [len, L, K], when given.
 
         They are hashed only when a lookup needs them: a single-turn RL step stores every
         sequence it samples and looks none up before its weights change."""
         num_layers, _, num_kv_heads, width, head_dim = k_LFKCH.shape
         assert all(0 < len(tokens) <= width for tokens in sequences)
         per_position = 2 * num_layers * num_kv_heads * head_dim * k_LFKCH.element_size()
+        if routes is not None:
+            assert all(len(r) == len(t) for r, t in zip(routes, sequences, strict=True))
+            per_position += routes[0][0].numel() * routes[0].element_size()
         block = _Block(
             sequences=sequences, adapters=adapters, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH,
-            bytes_per_position=per_position,
+            bytes_per_position=per_position, routes=routes,
         )  # fmt: skip
         self._pending.append(block)
         self.nbytes += per_position * sum(map(len, sequences))
@@ -191,6 +205,7 @@ class PrefixCache:
                 self._entries[key] = CachedPrefix(
                     tokens=tuple(tokens), adapter=adapter, k_LFKCH=block.k_LFKCH,
                     v_LFKCH=block.v_LFKCH, row=row, nbytes=block.bytes_per_position * len(tokens),
+                    routes_TLK=None if block.routes is None else block.routes[row],
                 )  # fmt: skip
         self._pending.clear()
 

@@ -104,6 +104,8 @@ class RequestState:
         self.num_admitted = 0
         self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
         """Cached prompt keys/values, kept while samples still wait for a slot."""
+        self.prompt_routes: torch.Tensor | None = None
+        """The prompt's recorded routes [P, L, K] (an engine that records routes)."""
         self.first_logits_V: torch.Tensor | None = None
         self.prompt_logprobs: list[float | None] | None = None
         self.topk_prompt_logprobs: list[TopkLogprobs | None] | None = None

@@ -20,6 +20,9 @@ fills only its own shards after sharding (temper/checkpoint/sharded_load.py).
 
 MoE models: forward_backward also reports router metrics (`moe/*`) and, with
 `Config.router_aux_loss="add"`, back-propagates the load-balancing loss too (router_stats.py).
+Datums that carry the sampler's routes (`Datum.routed_experts`) add how often the trainer's
+top-k differs from them (`routing/*`), and every verb's `routing_replay="sampler"` computes
+each datum token through the sampler's experts (routing_replay.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from temper.api.types import (
     Datum,
     ForwardBackwardOutput,
     OptimStepResponse,
+    RoutingReplay,
     TensorData,
 )
 from temper.checkpoint.sharded_load import DeferredWeights
@@ -55,6 +59,7 @@ from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_
 from temper.trainer.optim import AdamW
 from temper.trainer.precision import compute_in
 from temper.trainer.router_stats import AuxLossMode, RouterCall, RouterStats
+from temper.trainer.routing_replay import RouteReplay, RouteShape
 from temper.trainer.sharding import Sharding
 from temper.trainer.shared_prefix import packed_logprobs
 
@@ -138,6 +143,9 @@ class TrainerEngine(Configurable):
             weights.materialize(model, lora=lora)
         self.router = None
         """The MoE blocks' statistics; None for a dense model."""
+        self.route_shape = RouteShape.of(model)
+        """What a datum's routed_experts look like for this model; None for a dense one."""
+        self.route_replay = None if self.route_shape is None else RouteReplay(model)
         if moe_layers(model):
             coef = config.router_aux_loss_coef
             coef = model.config.router_aux_loss_coef if coef is None else coef
@@ -166,31 +174,49 @@ class TrainerEngine(Configurable):
     # -- the Tinker verbs ------------------------------------------------------------------
 
     def forward_backward(
-        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> ForwardBackwardOutput:
-        """Loss, per-datum outputs and gradients (accumulated until `optim_step`)."""
-        return self._run(data, loss_fn, loss_fn_config, backward=True)
+        """Loss, per-datum outputs and gradients (accumulated until `optim_step`).
+        `routing_replay="sampler"` (MoE models): each datum's tokens go to the experts of its
+        `routed_experts` (routing_replay.py)."""
+        return self._run(data, loss_fn, loss_fn_config, backward=True, replay=routing_replay)
 
     def forward(
-        self, data: Sequence[Datum], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> ForwardBackwardOutput:
         """Loss and per-datum outputs; gradients are not touched."""
-        return self._run(data, loss_fn, loss_fn_config, backward=False)
+        return self._run(data, loss_fn, loss_fn_config, backward=False, replay=routing_replay)
 
     def forward_backward_custom(
-        self, data: Sequence[Datum], loss_fn: CustomLossFn
+        self, data: Sequence[Datum], loss_fn: CustomLossFn, *, routing_replay: RoutingReplay = "off"
     ) -> ForwardBackwardOutput:
         """A loss computed by `loss_fn` from the per-datum logprobs.
 
         Two passes keep memory bounded: the logprobs are computed without a graph, the user's
         loss is differentiated with respect to them, and a second, micro-batched pass
         back-propagates sum(logprobs * dloss/dlogprobs), whose gradient equals the loss's.
+        Both passes replay the same routes with `routing_replay="sampler"`.
         """
-        prepared = self._prepare(data, required=("target_tokens",), topk=("target_tokens",))
-        batches = self._batches(prepared)
+        prepared = self._prepare(
+            data, required=("target_tokens",), topk=("target_tokens",), replay=routing_replay
+        )
+        batches = self._batches(prepared, replay=routing_replay)
         num_empty = self._num_empty_passes(len(batches))
         with torch.no_grad():
-            logprobs = [lp for batch in batches for lp in self._logprobs(batch)]
+            logprobs = []
+            for batch in batches:
+                with self._replaying(batch, routing_replay):
+                    logprobs += self._logprobs(batch)
             self._empty_passes(num_empty, backward=False)
         reshard_root(self.model)
         error, result = None, None
@@ -213,7 +239,8 @@ class TrainerEngine(Configurable):
         router = self._router_call(prepared)
         with self._atomic_gradients(), self._recording(router):
             for batch in batches:
-                self._backward(surrogate(batch), batch, router)
+                with self._replaying(batch, routing_replay):
+                    self._backward(surrogate(batch), batch, router)
             self._empty_passes(num_empty, backward=True)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in logprobs]
         metrics = {**metrics, "loss:sum": self._sum_over_dp(float(loss.detach()))}
@@ -246,7 +273,14 @@ class TrainerEngine(Configurable):
     # -- internals -------------------------------------------------------------------------
 
     def _prepare(
-        self, data: Sequence[Datum], *, required, optional=(), defaults=None, topk=()
+        self,
+        data: Sequence[Datum],
+        *,
+        required,
+        optional=(),
+        defaults=None,
+        topk=(),
+        replay: RoutingReplay = "off",
     ) -> list:
         model_config = self.model.config
         checks = dict(
@@ -256,6 +290,8 @@ class TrainerEngine(Configurable):
             topk=topk,
             vocab_size=model_config.vocab_size,
             max_seq_len=model_config.max_seq_len,
+            route_shape=self.route_shape,
+            routing_replay=replay,
         )
         if self.sharding is None:
             return prepare(data, **checks)
@@ -291,13 +327,27 @@ class TrainerEngine(Configurable):
     def _sum_over_dp(self, value: float) -> float:
         return value if self.sharding is None else self.sharding.sum_over_dp(value)
 
-    def _batches(self, prepared, *, max_tokens: int | None = None) -> list[MicroBatch]:
+    def _batches(
+        self, prepared, *, max_tokens: int | None = None, replay: RoutingReplay = "off"
+    ) -> list[MicroBatch]:
         return list(
             micro_batches(
                 prepared,
                 max_tokens=max_tokens or self.config.max_tokens_per_microbatch,
                 share_prefixes=self.config.share_prefixes,
+                replaying=replay == "sampler",
             )
+        )
+
+    def _replaying(
+        self, batch: MicroBatch, replay: RoutingReplay
+    ) -> contextlib.AbstractContextManager:
+        """Around a micro-batch's forward and backward: its routes replayed, if asked."""
+        if replay == "off":
+            return contextlib.nullcontext()
+        assert self.route_replay is not None and batch.routes is not None  # checked in prepare
+        return self.route_replay.replaying(
+            batch.routes, rows_N=batch.token_rows(self.device), num_rows=batch.num_rows
         )
 
     def _logprobs(self, batch: MicroBatch) -> list[torch.Tensor]:
@@ -322,6 +372,7 @@ class TrainerEngine(Configurable):
         loss_fn_config: Mapping[str, float] | None,
         *,
         backward: bool,
+        replay: RoutingReplay,
     ) -> ForwardBackwardOutput:
         spec = get_loss(loss_fn)
         config = resolve_config(spec, loss_fn_config)
@@ -331,21 +382,23 @@ class TrainerEngine(Configurable):
             optional=spec.optional_inputs,
             defaults=spec.input_defaults,
             topk=spec.topk_inputs,
+            replay=replay,
         )
         outputs: list[dict[str, TensorData]] = [{} for _ in prepared]
         total_loss = 0.0
-        batches = self._batches(prepared) if self.thread_shards is None else []
+        batches = self._batches(prepared, replay=replay) if self.thread_shards is None else []
         num_empty = self._num_empty_passes(len(batches))
         router = self._router_call(prepared) if backward else None
         with self._atomic_gradients() if backward else torch.no_grad(), self._recording(router):
             if self.thread_shards is not None:
                 total_loss = self._run_in_threads(
-                    prepared, spec, config, outputs, backward=backward, router=router
+                    prepared, spec, config, outputs, backward=backward, router=router, replay=replay
                 )
             for batch in batches:
-                loss = self._batch_loss(batch, spec, config, outputs)
-                if backward:
-                    self._backward(loss, batch, router)
+                with self._replaying(batch, replay):
+                    loss = self._batch_loss(batch, spec, config, outputs)
+                    if backward:
+                        self._backward(loss, batch, router)
                 total_loss += float(loss.detach())
             self._empty_passes(num_empty, backward=backward)
         if not backward:
@@ -409,7 +462,15 @@ class TrainerEngine(Configurable):
         return loss_N.sum()
 
     def _run_in_threads(
-        self, prepared, spec, config, outputs: list, *, backward: bool, router: RouterCall | None
+        self,
+        prepared,
+        spec,
+        config,
+        outputs: list,
+        *,
+        backward: bool,
+        router: RouterCall | None,
+        replay: RoutingReplay,
     ) -> float:
         """`_run`'s batches as concurrent shards (see thread_shards.py); sets the gradients."""
         ranges = split_by_tokens(
@@ -421,17 +482,20 @@ class TrainerEngine(Configurable):
             total, grads = 0.0, None
             with torch.set_grad_enabled(backward):  # grad mode is per thread
                 for batch in self._batches(
-                    prepared[shard.start : shard.stop], max_tokens=max_tokens
+                    prepared[shard.start : shard.stop], max_tokens=max_tokens, replay=replay
                 ):
-                    loss = self._batch_loss(batch, spec, config, outputs)
-                    if backward:
-                        objective = self._objective(loss, batch, router)
-                        batch_grads = torch.autograd.grad(
-                            objective, self.trainable, allow_unused=True
-                        )
-                        grads = (
-                            batch_grads if grads is None else sum_gradients([grads, batch_grads])
-                        )
+                    with self._replaying(batch, replay):
+                        loss = self._batch_loss(batch, spec, config, outputs)
+                        if backward:
+                            objective = self._objective(loss, batch, router)
+                            batch_grads = torch.autograd.grad(
+                                objective, self.trainable, allow_unused=True
+                            )
+                            grads = (
+                                batch_grads
+                                if grads is None
+                                else sum_gradients([grads, batch_grads])
+                            )
                     total += float(loss.detach())
             return total, grads
 

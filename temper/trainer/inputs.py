@@ -1,7 +1,8 @@
 """Datums -> validated per-datum tensors -> right-padded micro-batches within a token budget.
 
 Shapes: B datums in a micro-batch, T padded length, N loss positions of a micro-batch, K target
-tokens per position (top-K losses; inputs are [T] otherwise).
+tokens per position (top-K losses; inputs are [T] otherwise). In a datum's routes
+(`routes_TLK`), L sparse layers and K experts per token.
 
 Everything a call could reject is checked here, before the model runs, so a bad call changes
 nothing: every error names the datum index and the field.
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.api.types import Datum, TensorData, numbers_to_tensor
+from temper.api.types import Datum, RoutingReplay, TensorData, numbers_to_tensor
 from temper.losses.base import InputDefault
+from temper.trainer.routing_replay import RouteShape, check_replay, datum_routes
 from temper.trainer.shared_prefix import (
     Cluster,
     PackedLayout,
@@ -53,6 +55,9 @@ class PreparedDatum:
     tokens_T: torch.Tensor
     inputs: dict[str, torch.Tensor]
     """Loss inputs, each [T] or [T, K] (int64 target_tokens, float32 otherwise)."""
+    routes_TLK: torch.Tensor | None = None
+    """MoE models: the sampler's experts for each token (int64 [T, L, K]), if the datum
+    carries them (routing_replay.py)."""
 
     @property
     def targets_per_position(self) -> tuple[int, ...]:
@@ -90,6 +95,19 @@ class MicroBatch:
             return self.layout.gather_N.to(device)
         return self.mask_BT.reshape(-1).nonzero().squeeze(1).to(device)
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the model's flattened input: B * T padded, or the packed positions."""
+        if self.layout is not None:
+            return self.layout.num_positions
+        return self.tokens_BT.numel()
+
+    @property
+    def routes(self) -> list[torch.Tensor] | None:
+        """Every datum's routes, in order, when all carry them."""
+        routes = [d.routes_TLK for d in self.datums]
+        return None if any(r is None for r in routes) else routes
+
     def segments(self, device: torch.device) -> torch.Tensor:
         """The datum (0, 1, ... within this batch) of each position: [N] int64."""
         lengths = torch.tensor([len(d.tokens) for d in self.datums])
@@ -105,9 +123,14 @@ def prepare(
     topk: Sequence[str] = (),
     vocab_size: int,
     max_seq_len: int,
+    route_shape: RouteShape | None = None,
+    routing_replay: RoutingReplay = "off",
 ) -> list[PreparedDatum]:
     """Checked tensors of `data`'s inputs. Inputs named in `topk` may be [T, K] (all of a
-    datum's the same shape); `defaults` computes a missing optional input from the rest."""
+    datum's the same shape); `defaults` computes a missing optional input from the rest.
+    Datums' `routed_experts` are checked against `route_shape` (the model's MoE layers, None
+    for a dense model) and must be on every datum when `routing_replay` is 'sampler'."""
+    check_replay(routing_replay, shape=route_shape)
     if len(data) == 0:
         raise ValueError("data is empty; pass at least one Datum")
     allowed = set(required) | set(optional)
@@ -179,10 +202,13 @@ def prepare(
             if name not in datum_inputs:
                 datum_inputs[name] = default(datum_inputs)
     _check_carried_alike(inputs, names=columns)
+    routes = datum_routes(data, shape=route_shape, routing_replay=routing_replay)
     return [
-        PreparedDatum(index=index, tokens=tokens, tokens_T=tokens_T, inputs=inputs[index])
-        for index, (tokens, tokens_T) in enumerate(
-            zip(token_lists, tokens_N.split(lengths), strict=True)
+        PreparedDatum(
+            index=index, tokens=tokens, tokens_T=tokens_T, inputs=inputs[index], routes_TLK=route
+        )
+        for index, (tokens, tokens_T, route) in enumerate(
+            zip(token_lists, tokens_N.split(lengths), routes, strict=True)
         )
     ]
 
@@ -287,13 +313,15 @@ def micro_batches(
     max_tokens: int,
     pad_token_id: int = 0,
     share_prefixes: bool = False,
+    replaying: bool = False,
 ) -> Iterator[MicroBatch]:
     """Consecutive groups whose padded size (rows x longest) stays within `max_tokens`; a
     datum longer than the budget forms a batch of its own.
 
     With `share_prefixes`, when consecutive datums share prefixes enough to save positions
     (GRPO groups), batches are packed layouts instead (see shared_prefix.py) and the budget
-    counts packed positions.
+    counts packed positions; `replaying` (their routes) shares a prefix only as far as the
+    datums' routes agree.
 
     A batch's datums score as many targets per position (K) as each other: a datum whose K
     differs from the one before starts a new batch.
@@ -302,7 +330,8 @@ def micro_batches(
     if share_prefixes and uniform and datums and all("target_tokens" in d.inputs for d in datums):
         token_lists = [d.tokens for d in datums]
         lengths = [len(tokens) for tokens in token_lists]
-        clusters = cluster_prefixes(token_lists)
+        routes = [d.routes_TLK for d in datums] if replaying else None
+        clusters = cluster_prefixes(token_lists, routes=routes)
         if worth_packing(clusters, lengths):
             yield from _packed_batches(
                 datums, clusters, token_lists=token_lists, max_tokens=max_tokens

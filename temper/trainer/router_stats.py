@@ -36,6 +36,7 @@ from temper.models.common.moe_stats import (
     select_tokens,
 )
 from temper.trainer.inputs import MicroBatch, PreparedDatum
+from temper.trainer.routing_replay import RouteAgreement
 from temper.trainer.sharding import Sharding
 
 AuxLossMode = Literal["report", "add"]
@@ -99,6 +100,8 @@ class RouterCall:
         self.sums: dict[int, RouterSums] = {}
         """Each micro-batch's, by its first datum: summed in datum order whatever order the
         thread shards finish in, so the metrics are the same on every run."""
+        self.agreements: dict[int, RouteAgreement] = {}
+        """The same, of the micro-batches with datums that carry the sampler's routes."""
         self.num_tokens = float(sum(len(datum.tokens) for datum in prepared))
         if stats.mode == "add" and sharding is not None:
             self.num_tokens = sharding.sum_over_dp(self.num_tokens)
@@ -111,6 +114,9 @@ class RouterCall:
         with torch.set_grad_enabled(adding and torch.is_grad_enabled()):
             routings = [select_tokens(routing, rows_N) for routing in self.stats.take()]
         self.sums[batch.datums[0].index] = RouterSums.of(routings)
+        agreement = _agreement(batch, routings)
+        if agreement is not None:
+            self.agreements[batch.datums[0].index] = agreement
         if not adding:
             return None
         aux = load_balancing_loss(routings, num_experts=self.stats.num_experts)
@@ -124,7 +130,34 @@ class RouterCall:
         )
         for key in sorted(self.sums):
             total = total + self.sums[key]
+        agreement = RouteAgreement()
+        for key in sorted(self.agreements):
+            agreement = agreement + self.agreements[key]
         if self.sharding is not None:
-            total = total.from_flat(self.sharding.sum_tensor_over_dp(total.flat()))
+            # One collective for both (every rank enters it, with routes or without).
+            flat = torch.cat((total.flat(), torch.tensor(agreement.flat(), dtype=torch.float64)))
+            flat = self.sharding.sum_tensor_over_dp(flat).double().cpu()
+            size = len(agreement.flat())
+            total = total.from_flat(flat[:-size])
+            agreement = RouteAgreement(*flat[-size:].tolist())
         metrics = total.metrics(layers=stats.layers, num_layers=stats.num_layers)
+        metrics |= agreement.metrics()
         return {f"{name}:mean": value for name, value in metrics.items()}
+
+
+def _agreement(batch: MicroBatch, routings: list[Routing]) -> RouteAgreement | None:
+    """How the batch's routed datum tokens' top-k compares with their sampler routes; None
+    when no datum of it carries routes."""
+    routes = [datum.routes_TLK for datum in batch.datums]
+    if all(route is None for route in routes):
+        return None
+    lengths = [len(datum.tokens) for datum in batch.datums]
+    carried_N = torch.cat(
+        [torch.full((n,), route is not None) for n, route in zip(lengths, routes, strict=True)]
+    )
+    rows_M = carried_N.nonzero().squeeze(1).to(routings[0].experts_NK.device)
+    with torch.no_grad():
+        used_MLK = torch.stack([r.experts_NK.index_select(0, rows_M) for r in routings], dim=1)
+        probs_MLE = torch.stack([r.probs_NE.index_select(0, rows_M) for r in routings], dim=1)
+    sampler_MLK = torch.cat([route for route in routes if route is not None])
+    return RouteAgreement.of(sampler_MLK, used_NLK=used_MLK, probs_NLE=probs_MLE)

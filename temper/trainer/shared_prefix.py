@@ -45,13 +45,18 @@ class Cluster:
     """Tokens every member starts with and runs once; each member keeps >= 1 suffix token."""
 
 
-def cluster_prefixes(token_lists: Sequence[Sequence[int]]) -> list[Cluster]:
+def cluster_prefixes(
+    token_lists: Sequence[Sequence[int]], *, routes: Sequence[torch.Tensor] | None = None
+) -> list[Cluster]:
     """Consecutive datums grouped by a shared prefix, greedily.
 
     A datum joins the current cluster while the tokens saved do not drop: with n members
     sharing p tokens, (n - 1) * p are saved; adding one whose common prefix with the first is
     l gives n * min(p, l). So a group's samples stay together even when a few of them also
     share their first completion tokens, and the next prompt starts a new cluster.
+
+    With `routes` (each datum's [T, L, K] experts, replayed: routing_replay.py) a prefix is
+    shared only as far as the datums' routes agree too, since it runs once for all of them.
     """
     clusters: list[Cluster] = []
     start, shared = 0, 0
@@ -59,6 +64,8 @@ def cluster_prefixes(token_lists: Sequence[Sequence[int]]) -> list[Cluster]:
         if index < len(token_lists):
             common = _common_prefix(token_lists[start], token_lists[index])
             common = min(common, len(token_lists[index]) - 1, len(token_lists[start]) - 1)
+            if routes is not None and common > 0:
+                common = _common_routes(routes[start], routes[index], length=common)
             size = index - start
             candidate = common if size == 1 else min(shared, common)
             if candidate > 0 and size * candidate >= (size - 1) * shared:
@@ -68,6 +75,12 @@ def cluster_prefixes(token_lists: Sequence[Sequence[int]]) -> list[Cluster]:
         clusters.append(Cluster(members=members, prefix_len=shared if len(members) > 1 else 0))
         start, shared = index, 0
     return clusters
+
+
+def _common_routes(a_TLK: torch.Tensor, b_TLK: torch.Tensor, *, length: int) -> int:
+    """Leading tokens, of the first `length`, whose routes are equal in a and b."""
+    differ_T = (a_TLK[:length] != b_TLK[:length]).flatten(1).any(dim=1)
+    return int(differ_T.nonzero()[0]) if bool(differ_T.any()) else length
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -16,6 +16,12 @@ The router's choices are kept on the module when `keep_routing` is set (the trai
 report router metrics and the load-balancing loss, see moe_stats.py); decode leaves it off. They
 are kept per calling thread: the trainer's thread shards run forwards of one module at once,
 and an asynchronous run's sampler may decode on the trainer's module while it trains.
+
+Routing replay, per calling thread too: a thread with a `ReplayedRoutes` in `replays` sends
+the tokens it names to the experts given there instead of the router's top-k, each weighted by
+the router's probability of that expert (renormalized as `norm_topk_prob` says), so the router
+still gets gradients (trainer/routing_replay.py). A thread with a list in `tapes` appends every
+forward's experts to it (the sampler's route records, sampler/routes.py).
 """
 
 from __future__ import annotations
@@ -50,6 +56,27 @@ def route(
     if norm_topk_prob:
         weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
     return probs_NE, weights_NK.to(logits_NE.dtype), experts_NK
+
+
+def topk_weights(
+    probs_NE: torch.Tensor, experts_NK: torch.Tensor, *, norm_topk_prob: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The router weights of given experts: their probabilities, renormalized to sum to one
+    with `norm_topk_prob`; for the router's own top-k, bitwise `route`'s weights."""
+    weights_NK = probs_NE.gather(-1, experts_NK)
+    if norm_topk_prob:
+        weights_NK = weights_NK / weights_NK.sum(dim=-1, keepdim=True)
+    return weights_NK.to(dtype)
+
+
+@dataclass(frozen=True)
+class ReplayedRoutes:
+    """Experts to send one forward's tokens to (a row per token of the flattened input)."""
+
+    experts_NK: torch.Tensor
+    """int64 expert ids, used where `given_N1` is set."""
+    given_N1: torch.Tensor
+    """bool [N, 1]: the tokens replayed; the others keep the router's choice (padding)."""
 
 
 def use_grouped_mm(x: torch.Tensor) -> bool:
@@ -194,6 +221,11 @@ class MoE(nn.Module):
         self.routings: dict[int, Routing] = {}
         """The last kept routing of each thread that ran a forward, by `threading.get_ident()`
         (one thread's write never replaces another's)."""
+        self.replays: dict[int, ReplayedRoutes] = {}
+        """The routes each thread's next forwards replay, by thread (set and removed by the
+        trainer around a micro-batch's forward and backward)."""
+        self.tapes: dict[int, list[torch.Tensor]] = {}
+        """Threads that record their routes: each forward appends its experts_NK (int64)."""
 
     @property
     def routing(self) -> Routing | None:
@@ -205,9 +237,30 @@ class MoE(nn.Module):
         probs_NE, weights_NK, experts_NK = route(
             self.router(x_ND), top_k=self.top_k, norm_topk_prob=self.norm_topk_prob
         )
+        thread = threading.get_ident()
+        replay = self._replay(thread)
+        if replay is not None:
+            experts_NK = torch.where(replay.given_N1, replay.experts_NK, experts_NK)
+            weights_NK = topk_weights(
+                probs_NE, experts_NK, norm_topk_prob=self.norm_topk_prob, dtype=weights_NK.dtype
+            )
+        tape = self.tapes.get(thread)
+        if tape is not None:
+            tape.append(experts_NK)
         if self.keep_routing:
-            self.routings[threading.get_ident()] = Routing(probs_NE=probs_NE, experts_NK=experts_NK)
+            self.routings[thread] = Routing(probs_NE=probs_NE, experts_NK=experts_NK)
         return self.combine(x_ND, weights_NK=weights_NK, experts_NK=experts_NK).view_as(x_BTD)
+
+    def _replay(self, thread: int) -> ReplayedRoutes | None:
+        """The calling thread's replay. A forward with gradients on a thread without one,
+        while exactly one is set, is a backward's recomputation of a replayed forward
+        (activation checkpointing; on CUDA autograd runs it on a thread of its own): it
+        replays the same routes (a sampler's decode runs without gradients)."""
+        replay = self.replays.get(thread)
+        if replay is None and self.replays and torch.is_grad_enabled():
+            replays = tuple(self.replays.values())
+            replay = replays[0] if len(replays) == 1 else None
+        return replay
 
     def combine(
         self, x_ND: torch.Tensor, *, weights_NK: torch.Tensor, experts_NK: torch.Tensor
