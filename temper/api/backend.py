@@ -32,6 +32,7 @@ from temper.api.types import (
     LoadWeightsResponse,
     ModelInput,
     OptimStepResponse,
+    RoutingReplay,
     SampleResponse,
     SamplingParams,
     SaveWeightsResponse,
@@ -84,6 +85,8 @@ class TrainingBackend(Protocol):
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def forward(
@@ -91,6 +94,8 @@ class TrainingBackend(Protocol):
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]: ...

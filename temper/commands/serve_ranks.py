@@ -128,7 +128,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
                 device=str(rank.device) if on_cuda else config.device,
                 dtype=config.dtype,
                 trainer=config.trainer,
-                sampler=config.sampler,
+                sampler=config.sampler_config(),
             )
             if ranks.is_writer:
                 configure_logging(config.log_level)

@@ -73,7 +73,7 @@ from temper.rl.episodes import EpisodeRunner
 from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loops import run_async, run_sync
 from temper.rl.run_logs import metrics_logger, open_rollouts, truncate_logs
-from temper.rl.steps import RLSteps
+from temper.rl.steps import RLSteps, check_routing_replay
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -322,6 +322,7 @@ class _RLRun:
             train_state=None if saved is None else saved.train_state,
             job_seed=config.seed,
         )
+        check_routing_replay(config.rl, training=self.training)
         if saved is None:
             self.start, self.state = 0, RLLoopState(rng=random.Random(config.seed))
         else:

@@ -26,9 +26,9 @@ def test_round_trip_in_the_smallest_dtype(num_experts, dtype):
 def test_malformed_routes_fail_when_made():
     with pytest.raises(ValueError, match=r"holds 5 bytes but shape \[2, 2, 2\]"):
         RoutedExperts(data=bytes(5), shape=(2, 2, 2))
-    with pytest.raises(ValueError, match="RoutedExperts.shape must be"):
+    with pytest.raises(ValueError, match=r"RoutedExperts\.shape must be"):
         RoutedExperts(data=bytes(4), shape=(2, 2))
-    with pytest.raises(ValueError, match="RoutedExperts.dtype"):
+    with pytest.raises(ValueError, match=r"RoutedExperts\.dtype"):
         RoutedExperts(data=bytes(8), shape=(2, 2, 2), dtype="int64")
-    with pytest.raises(TypeError, match="Datum.routed_experts must be RoutedExperts"):
+    with pytest.raises(TypeError, match=r"Datum\.routed_experts must be RoutedExperts"):
         Datum(model_input=ModelInput.from_ints([1, 2]), routed_experts=torch.zeros(2, 1, 1))

@@ -40,6 +40,7 @@ from temper.api.types import (
     ForwardBackwardOutput,
     LoadWeightsResponse,
     OptimStepResponse,
+    RoutingReplay,
     SaveWeightsResponse,
 )
 from temper.client.sampling_client import SamplingClient
@@ -251,16 +252,22 @@ class ReplicatedTraining:
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self._call("forward_backward", list(data), loss_fn, loss_fn_config)
+        replay = {"routing_replay": routing_replay}
+        return self._call("forward_backward", list(data), loss_fn, loss_fn_config, **replay)
 
     def forward(
         self,
         data: Sequence[Datum],
         loss_fn: str,
         loss_fn_config: Mapping[str, float] | None = None,
+        *,
+        routing_replay: RoutingReplay = "off",
     ) -> APIFuture[ForwardBackwardOutput]:
-        return self._call("forward", list(data), loss_fn, loss_fn_config)
+        replay = {"routing_replay": routing_replay}
+        return self._call("forward", list(data), loss_fn, loss_fn_config, **replay)
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
         return self._call("optim_step", adam_params)
@@ -291,8 +298,8 @@ class ReplicatedTraining:
         """Rank 0's: snapshots sample on rank 0 alone."""
         return self.local.adapter_slots()
 
-    def _call(self, verb: str, *args: Any) -> APIFuture:
-        return self._service.submit(Call(verb, self.model_id, args))
+    def _call(self, verb: str, *args: Any, **kwargs: Any) -> APIFuture:
+        return self._service.submit(Call(verb, self.model_id, args, kwargs))
 
 
 def _share(count: int, *, part: int, parts: int) -> slice:

@@ -197,5 +197,6 @@ def record_samples(
                 logprobs_S=np.asarray(sequence.logprobs, dtype=np.float32),
                 weights=sampling.lineage,
                 weights_version=version,
+                routes=sequence.routed_experts,
             ),
         )

@@ -9,6 +9,8 @@ the same way (`_register_model`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,7 @@ from temper.server.routes.validation import (
 from temper.server.state.base_models import BaseModel
 from temper.server.state.expiry import check_ttl
 from temper.server.state.ids import checked, model_id, new_sampling_session_id
+from temper.server.state.replay_routes import REPLAYED_METRIC, with_sampler_routes
 from temper.server.state.server import TemperServer
 from temper.server.state.sessions import SamplingSession, ServedModel, Session
 from temper.server.wire import codec
@@ -134,13 +137,20 @@ async def forward_backward(request: Request, user: CurrentUser, server: Server) 
         limits=served.base.limits,
     )
     data = resolve_provenance(call, store=server.stability, session_id=served.session_id)
+    encode, replay = _encode_fwdbwd, "off"
+    if server.config.routing_replay == "sampler":
+        data = with_sampler_routes(
+            data, call.provenance, store=server.stability, session_id=served.session_id
+        )
+        replay = "sampler" if all(d.routed_experts is not None for d in data) else "off"
+        encode = functools.partial(_encode_replayed, replayed=replay == "sampler")
 
     def run():
         training = server.training(served)
         verb = training.forward if call.forward_only else training.forward_backward
-        return verb(data, call.loss_fn, call.loss_fn_config)
+        return verb(data, call.loss_fn, call.loss_fn_config, routing_replay=replay)
 
-    return queue(server, served, run, user=user, encode=_encode_fwdbwd, seq_id=call.seq_id)
+    return queue(server, served, run, user=user, encode=encode, seq_id=call.seq_id)
 
 
 @router.post("/optim_step")
@@ -270,6 +280,12 @@ def queue(
 
 def _encode_fwdbwd(result) -> Answer:
     return protobuf_answer(codec.encode_forward_backward_output(result))
+
+
+def _encode_replayed(result, *, replayed: bool) -> Answer:
+    """The output of a call on a server that replays routes, saying whether this one did."""
+    metrics = {**result.metrics, REPLAYED_METRIC: float(replayed)}
+    return _encode_fwdbwd(dataclasses.replace(result, metrics=metrics))
 
 
 def _create_from_state(

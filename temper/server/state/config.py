@@ -6,19 +6,21 @@ read the settings without importing the server; `TemperServer.Config` is this cl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Literal
 
 import torch
 import tyro
 
-from temper.config.checks import check_range
+from temper.api.types import RoutingReplay
+from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.generator.choice import GeneratorChoice
 from temper.generator.multi_lora import MultiLoraSampler
 from temper.sampler.engine import SamplerEngine
 from temper.server.state.stability import StabilityStore
 from temper.trainer.engine import TrainerEngine
+from temper.trainer.routing_replay import ROUTING_REPLAY_CHOICES
 
 Repeated = tyro.conf.UseAppendAction
 
@@ -109,6 +111,12 @@ class ServerConfig(Configurable.Config):
     """Server log level on stderr; 'info' logs one line per request."""
     stability: StabilityStore.Config = field(default_factory=StabilityStore.Config)
     """Sequences sampled with record_stability_info, for stable_reinforce."""
+    routing_replay: RoutingReplay = "off"
+    """MoE models: 'sampler' records the experts every sampled token was routed to
+    (sampler.record_routes) with the sequences sampled with record_stability_info, and
+    trains a request through those experts, whatever its loss, when every datum's
+    provenance names a recorded sequence whose tokens are the datum's input (routing replay,
+    docs/server.md); 'off': the trainer's router routes."""
     trainer: TrainerEngine.Config = field(default_factory=TrainerEngine.Config)
     sampler: SamplerEngine.Config = field(default_factory=SamplerEngine.Config)
     """Temper's sampling engine (generator backend 'temper')."""
@@ -118,6 +126,12 @@ class ServerConfig(Configurable.Config):
     multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
     """One sampler per base model for its LoRA models' snapshots (Temper's engine;
     adapter_room.py); a snapshot holds a copy of its adapters."""
+
+    def sampler_config(self) -> SamplerEngine.Config:
+        """The engines' settings: `sampler`, recording routes when the server replays them."""
+        if self.routing_replay == "sampler":
+            return replace(self.sampler, record_routes=True)
+        return self.sampler
 
     def cpu_threads(self) -> int:
         """torch threads on --device cpu: `compute_threads`, or one fewer than torch's."""
@@ -173,3 +187,11 @@ class ServerConfig(Configurable.Config):
             hint="the tinker SDK heartbeats every 10 s",
         )
         check_range(self.port, field=f"{owner}.port", integer=True, at_least=0, at_most=65535)
+        check_choice(
+            self.routing_replay, field=f"{owner}.routing_replay", choices=ROUTING_REPLAY_CHOICES
+        )
+        if self.routing_replay != "off" and self.generator.backend != "temper":
+            raise ValueError(
+                f"{owner}.routing_replay={self.routing_replay!r} needs the sampler's routes, "
+                f"which only {owner}.generator.backend='temper' records"
+            )

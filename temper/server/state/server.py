@@ -429,7 +429,7 @@ def in_process_backend(config: ServerConfig, storage: CheckpointStorage) -> Serv
     """The default backend: an in-process `ServiceClient` on the server's settings."""
     from temper.client.service_client import ServiceClient
 
-    sampler = config.sampler
+    sampler = config.sampler_config()
     if config.device == "cpu":
         threads = config.cpu_threads()  # read once: it depends on torch's count
         # Before the backend starts its worker threads: they read this once.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from temper.api.types import RoutedExperts
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 
@@ -47,6 +48,10 @@ class SequenceRecord:
     """The sampler's weights: a training model id, sampler checkpoint path or base model."""
     weights_version: int | None
     """The backend's policy version of those weights, where it has one."""
+    routes: RoutedExperts | None = None
+    """MoE models on a server with routing_replay='sampler': the experts of the prompt's
+    tokens and of each sampled token but the last (`SampledSequence.routed_experts`), a few
+    bytes per token and layer, which the store's token count leaves out."""
 
     @property
     def num_tokens(self) -> int:
