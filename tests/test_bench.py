@@ -169,3 +169,17 @@ def test_weight_sync_reports_each_case_side_by_side_and_exact_weights(tmp_path):
         "disaggregated_le_2x_plain_broadcast",
     }
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_routing_replay_reports_both_runs_and_no_disagreement_with_replay(tmp_path):
+    flags = ["--warmup-steps", "4", "--rl-steps", "2"]
+    report = run_bench("routing_replay.py", *flags, tmp_path=tmp_path)
+    assert report["bench"] == "routing_replay" and report["dtype"] == "bf16-mixed"
+    off, replayed = report["results"]["off"], report["results"]["sampler"]
+    for run in (off, replayed):
+        assert run["rl_seconds_per_step"] > 0 and 0 <= run["eval_final"] <= 1
+        assert "mismatch/kl:mean" in run and "mismatch/router_topk_diff:mean" in run
+    assert replayed["mismatch/topk_diff:max"] == 0
+    assert off["mismatch/topk_diff:mean"] == off["mismatch/router_topk_diff:mean"]
+    assert left_behind(tmp_path) == []
