@@ -9,7 +9,9 @@ Shapes: N completion tokens of a step.
   k3 KL estimate E[exp(d) - 1 - d] with d = trainer - sampler (nonnegative, unbiased for
   KL(sampler || trainer) under the sampler's distribution). On-policy it measures numerics
   only; with `max_staleness > 0` or `num_substeps > 1` it also measures how far the policy
-  moved since sampling, which is what the importance ratio corrects.
+  moved since sampling, which is what the importance ratio corrects. MoE policies whose
+  sampler records routes add how often the trainer's top-k experts differ from the sampler's
+  (`mismatch/topk_diff*`, from the trainer's `routing/*` metrics; 0 under routing replay).
 
 On several ranks each rank measures its own share of the step as sums (`StepStats`), and
 `StepStats.combine` turns every rank's sums into the metrics of the whole step: a mean over all

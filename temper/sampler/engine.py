@@ -14,6 +14,8 @@ How a call to `generate` runs:
 - Prefix cache: a finished sequence's keys/values are kept (prefix_cache.py, up to
   `prefix_cache_mib`), so a later prompt that extends it (a multi-turn episode's next turn)
   prefills only its new tokens. Emptied when the weights change.
+- Routes (MoE models, `record_routes`): the experts every token was routed to, recorded in
+  prefill and decode and kept with cached prefixes, come back with each sequence (routes.py).
 
 Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
 row's random draw depends only on its seed and how many tokens it has drawn. On CPU a row's

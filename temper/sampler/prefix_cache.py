@@ -23,7 +23,10 @@ that rewrites a conversation's end): every `BLOCK` tokens of an entry are indexe
 a prompt copies the longest whole blocks they have in common. Keys and
 values depend on the weights: the engine empties the cache when its weights generation changes,
 and a multi-LoRA sampler drops an adapter slot's entries when it loads another adapter there.
-Entries of the same adapter slot only match each other. The cache holds at most `max_bytes`;
+Entries of the same adapter slot only match each other. An engine that records a MoE
+model's routes (routes.py) stores each sequence's routes with its keys and values, so a prompt
+extending it takes the routes its cached tokens were computed with. The cache holds at most
+`max_bytes`;
 the least recently used entries go first. Requests that ask for prompt logprobs do not use it
 (they need every prompt position's hidden state).
 """

@@ -16,6 +16,11 @@ micro-batches' load-balancing losses, which is the whole call's when it runs as 
 micro-batch (transformers adds coef * aux to a mean loss the same way). The reported
 `moe/aux_loss` is always the whole call's, however it was split. `loss:sum` and the per-datum
 outputs stay the loss function's own.
+
+Datums that carry the sampler's routes also count, per micro-batch, where the top-k the
+forward used and the one its router picks differ from them (`RouteAgreement`,
+routing_replay.py): the call's `routing/*` metrics, summed over ranks with the router sums in
+one collective.
 """
 
 from __future__ import annotations
