@@ -7,10 +7,12 @@ The experts' weights are three stacked parameters ([E, F, D], [E, F, D], [E, D, 
 modules: the assignments are sorted by expert once, and each projection is one grouped matmul
 over the sorted rows (`F.grouped_mm` on CUDA in bf16, where a kernel exists) or, elsewhere, one
 matmul per expert on contiguous slices of the sorted rows. Either way each token's output is
-the sum of its top-k experts' outputs scaled by their router weights, added up in top-k
-order without atomics: deterministic on every device, and a token's result does not depend on
-which other tokens share its batch (up to the matmul kernels' blocking by row count, as in any
-linear layer).
+the sum of its top-k experts' outputs scaled by their router weights (the weight applied to
+the expert's activations before its down projection, which is linear: the same function on
+F-wide rather than D-wide rows), the K outputs added up in top-k order without atomics, and
+the input gradient summed the same way: forward and backward deterministic on every device,
+and a token's result does not depend on which other tokens share its batch (up to the matmul
+kernels' blocking by row count, as in any linear layer).
 
 The router's choices are kept on the module when `keep_routing` is set (the trainer sets it to
 report router metrics and the load-balancing loss, see moe_stats.py); decode leaves it off.
@@ -87,16 +89,18 @@ def grouped_linear(
 
 class _SlicedSwiGLU(torch.autograd.Function):
     """The experts' SwiGLU over rows sorted by expert, one matmul per expert and projection,
-    with a hand-written backward.
+    with a hand-written backward; each row's output scaled by its router weight when given.
 
     Gate and up run as one matmul against their concatenated weights ([E, 2F, D], a copy made
     per call that costs far less than the matmul it saves on small experts), and so do their
-    weight and input gradients. Autograd through per-expert slices would also allocate and fill
-    a zero gradient for every slice; here each expert's gradients are written in place into the
-    [E, ...] gradient tensors. The math is the autograd of `GroupedExperts.reference`."""
+    input gradients. The router weight is folded into the activations before the down
+    projection ([A, F] multiplies rather than [A, D]), its gradient a row-wise dot product of
+    the activations and their gradient. Each expert's gradients are written in place into the
+    [E, ...] gradient tensors; only experts without rows are zero-filled. The math is the
+    autograd of `GroupedExperts.reference`."""
 
     @staticmethod
-    def forward(ctx, x_AD, w_gate_EFD, w_up_EFD, w_down_EDF, counts_E):
+    def forward(ctx, x_AD, weights_A, w_gate_EFD, w_up_EFD, w_down_EDF, counts_E):
         F_ = w_gate_EFD.shape[1]
         w_gate_up_EXD = torch.cat((w_gate_EFD, w_up_EFD), dim=1)
         gate_up_AX = x_AD.new_empty(x_AD.shape[0], 2 * F_)
@@ -104,36 +108,49 @@ class _SlicedSwiGLU(torch.autograd.Function):
         for e, rows in ranges:
             torch.mm(x_AD[rows], w_gate_up_EXD[e].t(), out=gate_up_AX[rows])
         gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        act_AF = F.silu(gate_AF) * up_AF
+        act_AF = F.silu(gate_AF).mul_(up_AF)
+        if weights_A is not None:
+            act_AF.mul_(weights_A.unsqueeze(-1))
         out_AD = x_AD.new_empty(x_AD.shape[0], w_down_EDF.shape[1])
         for e, rows in ranges:
             torch.mm(act_AF[rows], w_down_EDF[e].t(), out=out_AD[rows])
-        ctx.save_for_backward(x_AD, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF)
-        ctx.ranges = ranges
+        ctx.save_for_backward(x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF)
+        ctx.ranges, ctx.num_experts = ranges, len(counts_E)
         return out_AD
 
     @staticmethod
     def backward(ctx, d_out_AD):
-        x_AD, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF = ctx.saved_tensors
+        x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF = ctx.saved_tensors
+        need_x, need_weights, need_gate, need_up, need_down, _ = ctx.needs_input_grad
         F_ = w_down_EDF.shape[2]
         d_out_AD = d_out_AD.contiguous()
-        d_w_down_EDF = torch.zeros_like(w_down_EDF)
+        d_w_down_EDF = _empty_grad(w_down_EDF, ctx.ranges) if need_down else None
         d_act_AF = torch.empty_like(act_AF)
         for e, rows in ctx.ranges:
-            torch.mm(d_out_AD[rows].t(), act_AF[rows], out=d_w_down_EDF[e])
+            if need_down:
+                torch.mm(d_out_AD[rows].t(), act_AF[rows], out=d_w_down_EDF[e])
             torch.mm(d_out_AD[rows], w_down_EDF[e], out=d_act_AF[rows])
+        # act = w * silu(gate) * up. Both halves are computed without w, then scaled by it in
+        # one pass; d_w = sum_f d_act * silu(gate) * up, the up half's unscaled gradient * up.
         gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        sig_AF = torch.sigmoid(gate_AF)
         d_gate_up_AX = torch.empty_like(gate_up_AX)
-        torch.mul(d_act_AF * up_AF, sig_AF * (1 + gate_AF * (1 - sig_AF)), out=d_gate_up_AX[:, :F_])
-        torch.mul(d_act_AF, gate_AF * sig_AF, out=d_gate_up_AX[:, F_:])
-        d_x_AD = torch.empty_like(x_AD)
-        d_w_gate_up_EXD = torch.zeros_like(w_gate_up_EXD)
+        torch.mul(d_act_AF, F.silu(gate_AF), out=d_gate_up_AX[:, F_:])
+        d_weights_A = (d_gate_up_AX[:, F_:] * up_AF).sum(dim=-1) if need_weights else None
+        torch.ops.aten.silu_backward(d_act_AF.mul_(up_AF), gate_AF, grad_input=d_gate_up_AX[:, :F_])
+        if weights_A is not None:
+            d_gate_up_AX.mul_(weights_A.unsqueeze(-1))
+        d_x_AD = torch.empty_like(x_AD) if need_x else None
+        need_gate_up = need_gate or need_up
+        d_w_gate_up_EXD = _empty_grad(w_gate_up_EXD, ctx.ranges) if need_gate_up else None
         for e, rows in ctx.ranges:
-            torch.mm(d_gate_up_AX[rows].t(), x_AD[rows], out=d_w_gate_up_EXD[e])
-            torch.mm(d_gate_up_AX[rows], w_gate_up_EXD[e], out=d_x_AD[rows])
-        d_w_gate_EFD, d_w_up_EFD = d_w_gate_up_EXD.split(F_, dim=1)
-        return d_x_AD, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None
+            if need_gate_up:
+                torch.mm(d_gate_up_AX[rows].t(), x_AD[rows], out=d_w_gate_up_EXD[e])
+            if need_x:
+                torch.mm(d_gate_up_AX[rows], w_gate_up_EXD[e], out=d_x_AD[rows])
+        d_w_gate_EFD = d_w_up_EFD = None
+        if need_gate_up:
+            d_w_gate_EFD, d_w_up_EFD = d_w_gate_up_EXD.split(F_, dim=1)
+        return d_x_AD, d_weights_A, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None
 
 
 def _row_ranges(counts_E: list[int]) -> list[tuple[int, slice]]:
@@ -144,6 +161,59 @@ def _row_ranges(counts_E: list[int]) -> list[tuple[int, slice]]:
             ranges.append((expert, slice(start, start + count)))
         start += count
     return ranges
+
+
+def _empty_grad(weight_E: torch.Tensor, ranges: list[tuple[int, slice]]) -> torch.Tensor:
+    """An uninitialized gradient for stacked weights, zeroed only for experts without rows
+    (the others are overwritten whole by their matmul)."""
+    grad_E = torch.empty_like(weight_E)
+    used = {e for e, _ in ranges}
+    for e in range(weight_E.shape[0]):
+        if e not in used:
+            grad_E[e].zero_()
+    return grad_E
+
+
+class _GatherRows(torch.autograd.Function):
+    """x_AD = x_ND[token_A]: each token's row once per expert it was sent to, in sorted order.
+
+    The backward sums each token's K row gradients in top-k order (`_sum_token_rows`), where
+    autograd's would add them into a zero-filled [N, D] with `index_add_` (atomics on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, token_A, place_NK):
+        ctx.save_for_backward(place_NK)
+        return x_ND.index_select(0, token_A)
+
+    @staticmethod
+    def backward(ctx, d_x_AD):
+        (place_NK,) = ctx.saved_tensors
+        return _sum_token_rows(d_x_AD, place_NK), None, None
+
+
+class _SumTokenRows(torch.autograd.Function):
+    """y_ND[n] = sum_k y_AD[place_NK[n, k]]: each token's K sorted rows added in top-k order.
+
+    The adjoint of `_GatherRows`: its backward is that gather."""
+
+    @staticmethod
+    def forward(ctx, y_AD, place_NK, token_A):
+        ctx.save_for_backward(token_A)
+        return _sum_token_rows(y_AD, place_NK)
+
+    @staticmethod
+    def backward(ctx, d_y_ND):
+        (token_A,) = ctx.saved_tensors
+        return d_y_ND.index_select(0, token_A), None, None
+
+
+def _sum_token_rows(y_AD: torch.Tensor, place_NK: torch.Tensor) -> torch.Tensor:
+    """sum_k y_AD[place_NK[n, k]] for every token n: [N, D].
+
+    `embedding_bag` in sum mode (one bag of K rows per token, summed in order) reads the rows
+    where they lie, where `index_select` + `sum` would first copy them to an [N, K, D]
+    tensor: several times faster on CPU, the same bits."""
+    return F.embedding_bag(place_NK, y_AD, mode="sum")
 
 
 class GroupedExperts(nn.Module):
@@ -157,24 +227,39 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
 
     def forward(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Expert outputs [A, D] for rows already sorted by expert: the grouped kernel when
-        `offsets_E` is given, else one matmul per expert (`counts_E` rows each)."""
+        """Expert outputs [A, D] for rows already sorted by expert, each scaled by its router
+        weight when `weights_A` is given: the grouped kernel when `offsets_E` is given, else
+        one matmul per expert (`counts_E` rows each)."""
         if offsets_E is not None:
-            return self.reference(x_AD, counts_E=None, offsets_E=offsets_E)
+            return self.reference(x_AD, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
         assert counts_E is not None
-        return _SlicedSwiGLU.apply(x_AD, self.w_gate, self.w_up, self.w_down, counts_E)
+        return _SlicedSwiGLU.apply(x_AD, weights_A, self.w_gate, self.w_up, self.w_down, counts_E)
 
     def reference(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The same function through `grouped_linear` and autograd (the grouped kernel's path,
         and what the sliced path is tested against)."""
         groups = {"counts_E": counts_E, "offsets_E": offsets_E}
         gate_AF = grouped_linear(x_AD, self.w_gate, **groups)
         up_AF = grouped_linear(x_AD, self.w_up, **groups)
-        return grouped_linear(F.silu(gate_AF) * up_AF, self.w_down, **groups)
+        act_AF = F.silu(gate_AF) * up_AF
+        if weights_A is not None:
+            # The down projection is linear: scaling its input scales its output.
+            act_AF = act_AF * weights_A.unsqueeze(-1)
+        return grouped_linear(act_AF, self.w_down, **groups)
 
 
 class MoE(nn.Module):
@@ -204,16 +289,21 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """sum_k weights[n, k] * expert[experts[n, k]](x[n]) for every token n: [N, D]."""
         N, K = experts_NK.shape
-        # A stable sort keeps each expert's rows in token order; the outputs go back to their
-        # [N, K] places and each token sums its K outputs in top-k order (no atomics).
-        order_A = experts_NK.reshape(-1).argsort(stable=True)
-        counts_E = torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
+        experts_A = experts_NK.reshape(-1)
+        # A stable sort keeps each expert's rows in token order. place_NK is where each
+        # (token, k) landed; each token sums its K outputs from there in top-k order.
+        order_A = experts_A.argsort(stable=True)
+        place_A = torch.empty_like(order_A)
+        place_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+        place_NK, token_A = place_A.view(N, K), order_A // K
+        counts_E = torch.bincount(experts_A, minlength=self.num_experts)
         if use_grouped_mm(x_ND):
             groups = {"counts_E": None, "offsets_E": counts_E.cumsum(0).to(torch.int32)}
         else:
             groups = {"counts_E": counts_E.tolist(), "offsets_E": None}
-        out_AD = self.experts(x_ND.index_select(0, order_A // K), **groups)
-        place_A = torch.empty_like(order_A)
-        place_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
-        out_NKD = out_AD.index_select(0, place_A).view(N, K, -1)
-        return (out_NKD * weights_NK.unsqueeze(-1)).sum(dim=1)
+        out_AD = self.experts(
+            _GatherRows.apply(x_ND, token_A, place_NK),
+            weights_A=weights_NK.reshape(-1).index_select(0, order_A),
+            **groups,
+        )
+        return _SumTokenRows.apply(out_AD, place_NK, token_A)

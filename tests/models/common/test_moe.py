@@ -1,6 +1,7 @@
-"""The MoE block: its hand-written backward against autograd of the reference path, the
-grouped-kernel path against the sliced one, router top-k with and without renormalizing, a
-token's output independent of its batch, and config validation."""
+"""The MoE block: its hand-written backward against autograd of the reference path (router
+weights folded in or not, frozen experts), the grouped-kernel path against the sliced one,
+router top-k with and without renormalizing, a token's output independent of its batch, and
+config validation."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from temper.models.common.moe import MoE, route
 from temper.models.qwen3_moe import Qwen3Moe, qwen3_moe_size
 
 
-def _moe(seed: int = 0, *, norm_topk_prob: bool = True) -> MoE:
+def _moe(seed: int = 0, *, norm_topk_prob: bool = True, top_k: int = 2) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(dim=32, hidden_dim=24, num_experts=6, top_k=2, norm_topk_prob=norm_topk_prob)
+    moe = MoE(dim=32, hidden_dim=24, num_experts=6, top_k=top_k, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
         for parameter in moe.parameters():
             parameter.normal_(0.0, 0.3)
@@ -22,12 +23,14 @@ def _moe(seed: int = 0, *, norm_topk_prob: bool = True) -> MoE:
 
 def _reference(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
     """The block computed token by token with plain autograd ops."""
-    _, weights_NK, experts_NK = route(moe.router(x_ND), top_k=2, norm_topk_prob=moe.norm_topk_prob)
+    _, weights_NK, experts_NK = route(
+        moe.router(x_ND), top_k=moe.top_k, norm_topk_prob=moe.norm_topk_prob
+    )
     experts = moe.experts
     rows = []
     for n in range(x_ND.shape[0]):
         total = 0
-        for k in range(2):
+        for k in range(moe.top_k):
             e = experts_NK[n, k]
             hidden = torch.nn.functional.silu(experts.w_gate[e] @ x_ND[n]) * (
                 experts.w_up[e] @ x_ND[n]
@@ -37,9 +40,9 @@ def _reference(moe: MoE, x_ND: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_forward_and_gradients_equal_a_token_by_token_reference(norm_topk_prob):
-    moe = _moe(norm_topk_prob=norm_topk_prob)
+@pytest.mark.parametrize(("norm_topk_prob", "top_k"), [(True, 2), (False, 2), (True, 1), (True, 6)])
+def test_forward_and_gradients_equal_a_token_by_token_reference(norm_topk_prob, top_k):
+    moe = _moe(norm_topk_prob=norm_topk_prob, top_k=top_k)
     x_BTD = torch.randn(2, 9, 32, requires_grad=True)
     grad_BTD = torch.randn(2, 9, 32)
     out_BTD = moe(x_BTD)
@@ -51,15 +54,20 @@ def test_forward_and_gradients_equal_a_token_by_token_reference(norm_topk_prob):
         torch.testing.assert_close(actual, wanted, rtol=1e-4, atol=1e-5)
 
 
-def test_sliced_backward_equals_autograd_of_the_grouped_reference():
+@pytest.mark.parametrize("weighted", [True, False])
+def test_sliced_backward_equals_autograd_of_the_grouped_reference(weighted):
     moe = _moe(1)
     experts = moe.experts
     counts_E = [5, 0, 3, 7, 1, 0]
     x_AD = torch.randn(sum(counts_E), 32, requires_grad=True)
+    # Router weights scale each row's output (folded in before the down projection).
+    weights_A = torch.rand(sum(counts_E), requires_grad=True) if weighted else None
     grad_AD = torch.randn(sum(counts_E), 32)
     inputs = [x_AD, experts.w_gate, experts.w_up, experts.w_down]
-    sliced = experts(x_AD, counts_E=counts_E, offsets_E=None)
-    reference = experts.reference(x_AD, counts_E=counts_E, offsets_E=None)
+    inputs += [weights_A] if weighted else []
+    groups = {"counts_E": counts_E, "offsets_E": None, "weights_A": weights_A}
+    sliced = experts(x_AD, **groups)
+    reference = experts.reference(x_AD, **groups)
     torch.testing.assert_close(sliced, reference, rtol=0, atol=1e-6)
     sliced_grads = torch.autograd.grad(sliced, inputs, grad_AD)
     for actual, wanted in zip(
@@ -70,15 +78,38 @@ def test_sliced_backward_equals_autograd_of_the_grouped_reference():
     assert sliced_grads[2][1].abs().sum() == 0 and sliced_grads[3][5].abs().sum() == 0
 
 
+def test_frozen_experts_still_pass_gradients_to_the_input_and_router():
+    # A LoRA user's base: the experts' weights need no gradient, the tokens and router do.
+    moe = _moe(5)
+    x_BTD = torch.randn(2, 7, 32, requires_grad=True)
+    grad_BTD = torch.randn(2, 7, 32)
+    expected = torch.autograd.grad(moe(x_BTD), [x_BTD, moe.router.weight], grad_BTD)
+    moe.experts.requires_grad_(False)
+    actual = torch.autograd.grad(moe(x_BTD), [x_BTD, moe.router.weight], grad_BTD)
+    for got, wanted in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=0)
+
+
+def test_backward_accumulates_into_grad_what_autograd_grad_returns():
+    moe = _moe(6)
+    x_BTD = torch.randn(1, 11, 32)
+    grad_BTD = torch.randn(1, 11, 32)
+    expected = torch.autograd.grad(moe(x_BTD), list(moe.parameters()), grad_BTD)
+    moe(x_BTD).backward(grad_BTD)
+    for parameter, wanted in zip(moe.parameters(), expected, strict=True):
+        torch.testing.assert_close(parameter.grad, wanted, rtol=0, atol=0)
+
+
 def test_grouped_kernel_path_equals_the_sliced_path():
     # F.grouped_mm runs on CPU too (slowly); the CUDA bf16 path uses it as the kernel.
     experts = _moe(2).experts
     counts_E = [4, 2, 0, 6, 3, 1]
     x_AD = torch.randn(sum(counts_E), 32)
+    weights_A = torch.rand(sum(counts_E))
     offsets_E = torch.tensor(counts_E).cumsum(0).to(torch.int32)
     with torch.no_grad():
-        grouped = experts(x_AD, counts_E=None, offsets_E=offsets_E)
-        sliced = experts(x_AD, counts_E=counts_E, offsets_E=None)
+        grouped = experts(x_AD, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
+        sliced = experts(x_AD, counts_E=counts_E, offsets_E=None, weights_A=weights_A)
     torch.testing.assert_close(grouped, sliced, rtol=1e-5, atol=1e-6)
 
 
