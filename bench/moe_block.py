@@ -170,7 +170,7 @@ def run_case(case: Case, *, device, dtype, repeats: int, peak: float, batched_mm
     x_BND = torch.randn(1, case.tokens, case.dim, device=device, dtype=dtype, requires_grad=True)
     grad_BND = torch.randn_like(x_BND)
     ours = build_ours(case, device=device, dtype=dtype)
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-1
     errors, ours_results = {}, gradients(ours, x_BND, grad_BND)
     steps = {"temper": lambda: gradients(ours, x_BND, grad_BND)}
     skipped = {}

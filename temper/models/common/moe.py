@@ -1,7 +1,7 @@
 """Mixture-of-Experts feed-forward: a softmax top-k router over SwiGLU experts held stacked.
 
 Shapes: N tokens (batch and time flattened), D model dim, F expert hidden width, E experts,
-K experts per token (top-k), A token-expert assignments (N * K).
+K experts per token (top-k), A token-expert assignments (N * K), X = 2F (gate and up).
 
 The experts' weights are three stacked parameters ([E, F, D], [E, F, D], [E, D, F]), not E
 modules: the assignments are sorted by expert once, and each projection is one grouped matmul
@@ -93,81 +93,100 @@ class _SlicedSwiGLU(torch.autograd.Function):
 
     Gate and up run as one matmul against their concatenated weights ([E, 2F, D], a copy made
     per call that costs far less than the matmul it saves on small experts), and so do their
-    input gradients. The router weight is folded into the activations before the down
-    projection ([A, F] multiplies rather than [A, D]), its gradient a row-wise dot product of
-    the activations and their gradient. Each expert's gradients are written in place into the
-    [E, ...] gradient tensors; only experts without rows are zero-filled. The math is the
-    autograd of `GroupedExperts.reference`."""
+    input gradients. That matmul writes its result transposed, [2F, A] (X = 2F): gate and up
+    are then each contiguous, where halves of an [A, 2F] row would be strided views, on which
+    CPU SiLU and its backward run several times slower. The activations stay [F, A]; the
+    matmuls read them transposed at no cost. The router weight is folded into the activations
+    before the down projection (F-wide rather than D-wide multiplies), its gradient the
+    activations' dot product with their gradient. Each expert's gradients are written in place
+    into the [E, ...] gradient tensors; only experts without rows are zero-filled. The math is
+    the autograd of `GroupedExperts.reference`."""
 
     @staticmethod
     def forward(ctx, x_AD, weights_A, w_gate_EFD, w_up_EFD, w_down_EDF, counts_E):
         F_ = w_gate_EFD.shape[1]
+        experts = _experts_with_rows(counts_E)
         w_gate_up_EXD = torch.cat((w_gate_EFD, w_up_EFD), dim=1)
-        gate_up_AX = x_AD.new_empty(x_AD.shape[0], 2 * F_)
-        ranges = _row_ranges(counts_E)
-        for e, rows in ranges:
-            torch.mm(x_AD[rows], w_gate_up_EXD[e].t(), out=gate_up_AX[rows])
-        gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        act_AF = F.silu(gate_AF).mul_(up_AF)
+        # Each expert's rows (or columns) and weights as views, made in one call per tensor.
+        x_cols = x_AD.t().split(counts_E, dim=1)
+        gate_up_XA = _feature_major(2 * F_, like=x_AD)
+        gate_up_cols = gate_up_XA.split(counts_E, dim=1)
+        w_gate_up = w_gate_up_EXD.unbind(0)
+        for e in experts:
+            torch.mm(w_gate_up[e], x_cols[e], out=gate_up_cols[e])
+        act_FA = _feature_major(F_, like=x_AD)
+        torch.ops.aten.silu.out(gate_up_XA[:F_], out=act_FA).mul_(gate_up_XA[F_:])
         if weights_A is not None:
-            act_AF.mul_(weights_A.unsqueeze(-1))
+            act_FA.mul_(weights_A)
         out_AD = x_AD.new_empty(x_AD.shape[0], w_down_EDF.shape[1])
-        for e, rows in ranges:
-            torch.mm(act_AF[rows], w_down_EDF[e].t(), out=out_AD[rows])
-        ctx.save_for_backward(x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF)
-        ctx.ranges, ctx.num_experts = ranges, len(counts_E)
+        act_rows, out_rows = act_FA.t().split(counts_E), out_AD.split(counts_E)
+        w_down_t = w_down_EDF.transpose(1, 2).unbind(0)
+        for e in experts:
+            torch.mm(act_rows[e], w_down_t[e], out=out_rows[e])
+        ctx.save_for_backward(x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_XA, act_FA)
+        ctx.counts_E = counts_E
         return out_AD
 
     @staticmethod
     def backward(ctx, d_out_AD):
-        x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF = ctx.saved_tensors
+        x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_XA, act_FA = ctx.saved_tensors
         need_x, need_weights, need_gate, need_up, need_down, _ = ctx.needs_input_grad
-        F_ = w_down_EDF.shape[2]
-        d_out_AD = d_out_AD.contiguous()
-        d_w_down_EDF = _empty_grad(w_down_EDF, ctx.ranges) if need_down else None
-        d_act_AF = torch.empty_like(act_AF)
-        for e, rows in ctx.ranges:
+        counts_E, F_ = ctx.counts_E, w_down_EDF.shape[2]
+        experts = _experts_with_rows(counts_E)
+        d_out_cols = d_out_AD.t().split(counts_E, dim=1)
+        act_rows = act_FA.t().split(counts_E)
+        d_act_FA = _feature_major(F_, like=x_AD)
+        d_act_cols = d_act_FA.split(counts_E, dim=1)
+        w_down_t = w_down_EDF.transpose(1, 2).unbind(0)
+        d_w_down_EDF = _empty_grad(w_down_EDF, experts) if need_down else None
+        for e in experts:
             if need_down:
-                torch.mm(d_out_AD[rows].t(), act_AF[rows], out=d_w_down_EDF[e])
-            torch.mm(d_out_AD[rows], w_down_EDF[e], out=d_act_AF[rows])
+                torch.mm(d_out_cols[e], act_rows[e], out=d_w_down_EDF[e])
+            torch.mm(w_down_t[e], d_out_cols[e], out=d_act_cols[e])
         # act = w * silu(gate) * up. Both halves are computed without w, then scaled by it in
         # one pass; d_w = sum_f d_act * silu(gate) * up, the up half's unscaled gradient * up.
-        gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        d_gate_up_AX = torch.empty_like(gate_up_AX)
-        torch.mul(d_act_AF, F.silu(gate_AF), out=d_gate_up_AX[:, F_:])
-        d_weights_A = (d_gate_up_AX[:, F_:] * up_AF).sum(dim=-1) if need_weights else None
-        torch.ops.aten.silu_backward(d_act_AF.mul_(up_AF), gate_AF, grad_input=d_gate_up_AX[:, :F_])
+        gate_FA, up_FA = gate_up_XA[:F_], gate_up_XA[F_:]
+        d_gate_up_XA = _feature_major(2 * F_, like=x_AD)
+        torch.mul(d_act_FA, F.silu(gate_FA), out=d_gate_up_XA[F_:])
+        d_weights_A = (d_gate_up_XA[F_:] * up_FA).sum(dim=0) if need_weights else None
+        torch.ops.aten.silu_backward(d_act_FA.mul_(up_FA), gate_FA, grad_input=d_gate_up_XA[:F_])
         if weights_A is not None:
-            d_gate_up_AX.mul_(weights_A.unsqueeze(-1))
-        d_x_AD = torch.empty_like(x_AD) if need_x else None
+            d_gate_up_XA.mul_(weights_A)
         need_gate_up = need_gate or need_up
-        d_w_gate_up_EXD = _empty_grad(w_gate_up_EXD, ctx.ranges) if need_gate_up else None
-        for e, rows in ctx.ranges:
+        d_w_gate_up_EXD = _empty_grad(w_gate_up_EXD, experts) if need_gate_up else None
+        d_x_AD = torch.empty_like(x_AD) if need_x else None
+        d_gate_up_cols = d_gate_up_XA.split(counts_E, dim=1)
+        d_gate_up_rows = d_gate_up_XA.t().split(counts_E)
+        x_rows, w_gate_up = x_AD.split(counts_E), w_gate_up_EXD.unbind(0)
+        d_x_rows = d_x_AD.split(counts_E) if need_x else None
+        for e in experts:
             if need_gate_up:
-                torch.mm(d_gate_up_AX[rows].t(), x_AD[rows], out=d_w_gate_up_EXD[e])
+                torch.mm(d_gate_up_cols[e], x_rows[e], out=d_w_gate_up_EXD[e])
             if need_x:
-                torch.mm(d_gate_up_AX[rows], w_gate_up_EXD[e], out=d_x_AD[rows])
+                torch.mm(d_gate_up_rows[e], w_gate_up[e], out=d_x_rows[e])
         d_w_gate_EFD = d_w_up_EFD = None
         if need_gate_up:
             d_w_gate_EFD, d_w_up_EFD = d_w_gate_up_EXD.split(F_, dim=1)
         return d_x_AD, d_weights_A, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None
 
 
-def _row_ranges(counts_E: list[int]) -> list[tuple[int, slice]]:
-    """(expert, its rows) for every expert with rows, rows sorted by expert."""
-    ranges, start = [], 0
-    for expert, count in enumerate(counts_E):
-        if count:
-            ranges.append((expert, slice(start, start + count)))
-        start += count
-    return ranges
+def _experts_with_rows(counts_E: list[int]) -> list[int]:
+    return [e for e, count in enumerate(counts_E) if count]
 
 
-def _empty_grad(weight_E: torch.Tensor, ranges: list[tuple[int, slice]]) -> torch.Tensor:
-    """An uninitialized gradient for stacked weights, zeroed only for experts without rows
-    (the others are overwritten whole by their matmul)."""
+def _feature_major(num_features: int, *, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialized [num_features, A] tensor for rows like [A, ...], each of its rows 64
+    bytes longer than A: with A a power of two (batches often are) one expert's [F, count]
+    slice would put all its F rows in the same cache sets, and its matmuls run 10% slower."""
+    num_rows = like.shape[0]
+    return like.new_empty(num_features, num_rows + 16)[:, :num_rows]
+
+
+def _empty_grad(weight_E: torch.Tensor, experts: list[int]) -> torch.Tensor:
+    """An uninitialized gradient for stacked weights, zeroed only for experts other than
+    `experts` (those are overwritten whole by their matmul)."""
     grad_E = torch.empty_like(weight_E)
-    used = {e for e, _ in ranges}
+    used = set(experts)
     for e in range(weight_E.shape[0]):
         if e not in used:
             grad_E[e].zero_()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from temper.models.common import moe as moe_module
 from temper.models.common.moe import MoE, route
 from temper.models.qwen3_moe import Qwen3Moe, qwen3_moe_size
 
@@ -68,7 +69,7 @@ def test_sliced_backward_equals_autograd_of_the_grouped_reference(weighted):
     groups = {"counts_E": counts_E, "offsets_E": None, "weights_A": weights_A}
     sliced = experts(x_AD, **groups)
     reference = experts.reference(x_AD, **groups)
-    torch.testing.assert_close(sliced, reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sliced, reference, rtol=1e-5, atol=1e-5)
     sliced_grads = torch.autograd.grad(sliced, inputs, grad_AD)
     for actual, wanted in zip(
         sliced_grads, torch.autograd.grad(reference, inputs, grad_AD), strict=True
@@ -100,17 +101,22 @@ def test_backward_accumulates_into_grad_what_autograd_grad_returns():
         torch.testing.assert_close(parameter.grad, wanted, rtol=0, atol=0)
 
 
-def test_grouped_kernel_path_equals_the_sliced_path():
-    # F.grouped_mm runs on CPU too (slowly); the CUDA bf16 path uses it as the kernel.
-    experts = _moe(2).experts
-    counts_E = [4, 2, 0, 6, 3, 1]
-    x_AD = torch.randn(sum(counts_E), 32)
-    weights_A = torch.rand(sum(counts_E))
-    offsets_E = torch.tensor(counts_E).cumsum(0).to(torch.int32)
-    with torch.no_grad():
-        grouped = experts(x_AD, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
-        sliced = experts(x_AD, counts_E=counts_E, offsets_E=None, weights_A=weights_A)
+def test_grouped_kernel_path_equals_the_sliced_path(monkeypatch):
+    # F.grouped_mm runs on CPU too (slowly); the CUDA bf16 path uses it as the kernel. The
+    # whole block, gradients included, on either path.
+    moe = _moe(2)
+    x_BTD = torch.randn(2, 9, 32, requires_grad=True)
+    grad_BTD = torch.randn(2, 9, 32)
+    inputs = [x_BTD, *moe.parameters()]
+    sliced = moe(x_BTD)
+    sliced_grads = torch.autograd.grad(sliced, inputs, grad_BTD)
+    monkeypatch.setattr(moe_module, "use_grouped_mm", lambda x: True)
+    grouped = moe(x_BTD)
     torch.testing.assert_close(grouped, sliced, rtol=1e-5, atol=1e-6)
+    for actual, wanted in zip(
+        torch.autograd.grad(grouped, inputs, grad_BTD), sliced_grads, strict=True
+    ):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5)
 
 
 def test_router_renormalizes_the_top_k_only_when_asked():
