@@ -7,11 +7,17 @@ A step is the forward and the gradients of the input and every weight
 (`torch.autograd.grad`, so neither side accumulates into `.grad`). Before timing, the outputs
 and all gradients are checked to agree; a case whose results differ stops the run.
 
+Temper runs twice: `temper`, the block as built (on CPU one matmul per expert on torch's
+intra-op threads), and, on CPU with several threads, `temper_expert_threads`: the same block
+after `use_expert_threads` (whole experts per thread, one intra-op thread each; what a CPU
+trainer opts into, see models/common/sliced_experts.py). Their ratios to transformers come
+as a dict per field, one entry per variant.
+
 transformers is timed with each of its expert implementations (`config._experts_implementation`):
 `eager`, its default (a Python loop over the experts hit, `index_add_` into the output), and,
 where they run, `grouped_mm` (`F.grouped_mm` over expert-sorted rows) and `batched_mm` (each
 assignment's expert weights gathered, [N*K, 2F, D], and one `bmm`; skipped where that gather
-would pass --batched-mm-max-gib). The headline `speedup_vs_eager` is against the default.
+would pass --batched-mm-max-gib). `speedup_vs_eager` is against the default.
 
 The cases: the default config (D=256, E=8, top-2, F=96: the published Qwen3-MoE models' expert
 width over model width, 768/2048 = 0.375, at D=256), a sweep of the expert width F, and a
@@ -34,6 +40,7 @@ JSON line, with the load average before and after.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -44,7 +51,8 @@ from dataclasses import asdict, dataclass
 import torch
 from timing import require_baseline, synchronize
 
-from temper.models.common.moe import MoE, use_grouped_mm
+from temper.distributed.thread_shards import ThreadShards
+from temper.models.common.moe import MoE, use_expert_threads, use_grouped_mm
 
 HF_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
@@ -165,15 +173,31 @@ def timed_rounds(steps: dict[str, Callable[[], object]], *, repeats: int, device
     }
 
 
-def run_case(case: Case, *, device, dtype, repeats: int, peak: float, batched_mm_max_gib: float):
-    """One case: results checked to agree, then each implementation timed in the same rounds."""
+def run_case(
+    case: Case,
+    *,
+    device,
+    dtype,
+    repeats: int,
+    peak: float,
+    batched_mm_max_gib: float,
+    threads: ThreadShards | None,
+) -> dict:
+    """One case: results checked to agree, then each implementation timed in the same rounds.
+    Temper runs as built and, given `threads`, with its experts on them."""
     x_BND = torch.randn(1, case.tokens, case.dim, device=device, dtype=dtype, requires_grad=True)
     grad_BND = torch.randn_like(x_BND)
     ours = build_ours(case, device=device, dtype=dtype)
+    variants = {"temper": ours}
+    if threads is not None:
+        variants["temper_expert_threads"] = copy.deepcopy(ours)
+        use_expert_threads(variants["temper_expert_threads"], threads)
     tolerance = 1e-4 if dtype == torch.float32 else 1e-1
-    errors, ours_results = {}, gradients(ours, x_BND, grad_BND)
-    steps = {"temper": lambda: gradients(ours, x_BND, grad_BND)}
-    skipped = {}
+    expected = gradients(ours, x_BND, grad_BND)
+    steps, errors, skipped = {}, {}, {}
+    for name, block in variants.items():
+        errors[name] = max_relative_error(gradients(block, x_BND, grad_BND), expected)
+        steps[name] = lambda block=block: gradients(block, x_BND, grad_BND)
     gathered_gib = case.tokens * case.top_k * 3 * case.ffn_dim * case.dim * dtype.itemsize / 2**30
     for implementation in HF_IMPLEMENTATIONS:
         if implementation == "batched_mm" and gathered_gib > batched_mm_max_gib:
@@ -185,26 +209,32 @@ def run_case(case: Case, *, device, dtype, repeats: int, peak: float, batched_mm
         except (RuntimeError, NotImplementedError) as failure:
             skipped[implementation] = f"{type(failure).__name__}: {str(failure).splitlines()[0]}"
             continue
-        errors[implementation] = max_relative_error(ours_results, results)
-        if errors[implementation] > tolerance:
-            raise RuntimeError(f"{case}: Temper and transformers {implementation} differ: {errors}")
+        errors[implementation] = max_relative_error(expected, results)
         steps[implementation] = lambda block=theirs: gradients(block, x_BND, grad_BND)
+    if max(errors.values()) > tolerance:
+        raise RuntimeError(f"{case}: results differ (relative to Temper's): {errors}")
     times = timed_rounds(steps, repeats=repeats, device=device)
-    ours_ms, eager_ms = times.pop("temper"), times["eager"]
-    floor_ms = case.flops() / peak * 1e3
+    ours_ms = {name: times.pop(name) for name in variants}
+    eager_ms, floor_ms = times["eager"], case.flops() / peak * 1e3
     fastest = min(times, key=lambda name: times[name]["median_ms"])
+
+    def ratios(theirs: dict, field: str) -> dict:
+        return {name: round(theirs[field] / ms[field], 2) for name, ms in ours_ms.items()}
+
     return {
         **asdict(case),
-        "temper": ours_ms,
+        **ours_ms,
         "transformers": times,
         "transformers_skipped": skipped,
-        "speedup_vs_eager": round(eager_ms["median_ms"] / ours_ms["median_ms"], 2),
-        "best_round_speedup_vs_eager": round(eager_ms["best_ms"] / ours_ms["best_ms"], 2),
-        "cpu_time_speedup_vs_eager": round(eager_ms["cpu_ms"] / ours_ms["cpu_ms"], 2),
+        "speedup_vs_eager": ratios(eager_ms, "median_ms"),
+        "best_round_speedup_vs_eager": ratios(eager_ms, "best_ms"),
+        "cpu_time_speedup_vs_eager": ratios(eager_ms, "cpu_ms"),
         "fastest_transformers": fastest,
-        "speedup_vs_fastest": round(times[fastest]["median_ms"] / ours_ms["median_ms"], 2),
+        "speedup_vs_fastest": ratios(times[fastest], "median_ms"),
         "gflop": round(case.flops() / 1e9, 3),
-        "temper_gflop_per_s": round(case.flops() / ours_ms["median_ms"] / 1e6, 1),
+        "gflop_per_s": {
+            name: round(case.flops() / ms["median_ms"] / 1e6, 1) for name, ms in ours_ms.items()
+        },
         "matmul_floor_ms": round(floor_ms, 2),
         "max_speedup_vs_eager": round(eager_ms["median_ms"] / floor_ms, 2),
         "max_relative_error": {name: float(f"{e:.2e}") for name, e in errors.items()},
@@ -225,6 +255,7 @@ def configs(case: Case, *, device: torch.device, dtype: torch.dtype) -> dict:
             "top_k": case.top_k,
             "norm_topk_prob": case.norm_topk_prob,
             "experts_path": "F.grouped_mm" if use_grouped_mm(probe) else "per-expert matmuls",
+            "expert_threads": "temper_expert_threads: use_expert_threads(ThreadShards(threads))",
         },
         "transformers_config": {
             "block": "Qwen3MoeSparseMoeBlock",
@@ -251,7 +282,7 @@ def run(
     ffn_dims: tuple[int, ...] = (128, 256, 512),
     fine_grained: tuple[int, int] | None = (64, 8),
     repeats: int = 15,
-    batched_mm_max_gib: float = 1.0,
+    batched_mm_max_gib: float = 1.2,
 ) -> dict:
     """The report: the default case, the F sweep and the fine-grained case."""
     require_baseline("transformers")
@@ -266,15 +297,25 @@ def run(
     if fine_grained is not None:
         cases.append(Case(dim, fine_grained[0], fine_grained[1], ffn_dim, tokens))
     settings = {"device": torch_device, "dtype": torch_dtype, "repeats": repeats}
-    rows = [
-        run_case(case, **settings, peak=peak, batched_mm_max_gib=batched_mm_max_gib)
-        for case in cases
-    ]
+    # Expert threads apply where experts run one matmul at a time: on CPU, with several cores.
+    expert_threads = torch.get_num_threads() if device == "cpu" else 1
+    threads = ThreadShards(expert_threads) if expert_threads > 1 else None
+    try:
+        rows = [
+            run_case(
+                case, **settings, peak=peak, batched_mm_max_gib=batched_mm_max_gib, threads=threads
+            )
+            for case in cases
+        ]
+    finally:
+        if threads is not None:
+            threads.close()
     return {
         "bench": "moe_block",
         "device": device,
         "dtype": dtype,
         "threads": torch.get_num_threads(),
+        "expert_threads": expert_threads if threads is not None else None,
         **configs(default, device=torch_device, dtype=torch_dtype),
         "matmul_peak_gflop_per_s": round(peak / 1e9, 1),
         "speedup_vs_eager": rows[0]["speedup_vs_eager"],
@@ -302,7 +343,7 @@ def main() -> None:
     parser.add_argument("--no-fine-grained", action="store_true", help="skip that case")
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds")
     parser.add_argument("--threads", type=int, help="torch threads for both (default: torch's)")
-    parser.add_argument("--batched-mm-max-gib", type=float, default=1.0)
+    parser.add_argument("--batched-mm-max-gib", type=float, default=1.2)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds")
     args = parser.parse_args()
     if args.threads is not None:

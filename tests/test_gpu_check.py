@@ -38,4 +38,4 @@ def test_the_dry_run_runs_every_check_on_cpu():
     assert by_name["rl_smoke"]["last_metrics"]["step"] >= 1
     moe_cases = by_name["moe_block"]["cases"]
     assert [case["num_experts"] for case in moe_cases] == [4, 8]
-    assert all(case["speedup_vs_eager"] > 0 for case in moe_cases)
+    assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())

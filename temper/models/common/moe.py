@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.distributed.thread_shards import ThreadShards
+from temper.models.common.sliced_experts import SlicedSwiGLU
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -87,112 +90,6 @@ def grouped_linear(
     return torch.cat(pieces)
 
 
-class _SlicedSwiGLU(torch.autograd.Function):
-    """The experts' SwiGLU over rows sorted by expert, one matmul per expert and projection,
-    with a hand-written backward; each row's output scaled by its router weight when given.
-
-    Gate and up run as one matmul against their concatenated weights ([E, 2F, D], a copy made
-    per call that costs far less than the matmul it saves on small experts), and so do their
-    input gradients. That matmul writes its result transposed, [2F, A] (X = 2F): gate and up
-    are then each contiguous, where halves of an [A, 2F] row would be strided views, on which
-    CPU SiLU and its backward run several times slower. The activations stay [F, A]; the
-    matmuls read them transposed at no cost. The router weight is folded into the activations
-    before the down projection (F-wide rather than D-wide multiplies), its gradient the
-    activations' dot product with their gradient. Each expert's gradients are written in place
-    into the [E, ...] gradient tensors; only experts without rows are zero-filled. The math is
-    the autograd of `GroupedExperts.reference`."""
-
-    @staticmethod
-    def forward(ctx, x_AD, weights_A, w_gate_EFD, w_up_EFD, w_down_EDF, counts_E):
-        F_ = w_gate_EFD.shape[1]
-        experts = _experts_with_rows(counts_E)
-        w_gate_up_EXD = torch.cat((w_gate_EFD, w_up_EFD), dim=1)
-        # Each expert's rows (or columns) and weights as views, made in one call per tensor.
-        x_cols = x_AD.t().split(counts_E, dim=1)
-        gate_up_XA = _feature_major(2 * F_, like=x_AD)
-        gate_up_cols = gate_up_XA.split(counts_E, dim=1)
-        w_gate_up = w_gate_up_EXD.unbind(0)
-        for e in experts:
-            torch.mm(w_gate_up[e], x_cols[e], out=gate_up_cols[e])
-        act_FA = _feature_major(F_, like=x_AD)
-        torch.ops.aten.silu.out(gate_up_XA[:F_], out=act_FA).mul_(gate_up_XA[F_:])
-        if weights_A is not None:
-            act_FA.mul_(weights_A)
-        out_AD = x_AD.new_empty(x_AD.shape[0], w_down_EDF.shape[1])
-        act_rows, out_rows = act_FA.t().split(counts_E), out_AD.split(counts_E)
-        w_down_t = w_down_EDF.transpose(1, 2).unbind(0)
-        for e in experts:
-            torch.mm(act_rows[e], w_down_t[e], out=out_rows[e])
-        ctx.save_for_backward(x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_XA, act_FA)
-        ctx.counts_E = counts_E
-        return out_AD
-
-    @staticmethod
-    def backward(ctx, d_out_AD):
-        x_AD, weights_A, w_gate_up_EXD, w_down_EDF, gate_up_XA, act_FA = ctx.saved_tensors
-        need_x, need_weights, need_gate, need_up, need_down, _ = ctx.needs_input_grad
-        counts_E, F_ = ctx.counts_E, w_down_EDF.shape[2]
-        experts = _experts_with_rows(counts_E)
-        d_out_cols = d_out_AD.t().split(counts_E, dim=1)
-        act_rows = act_FA.t().split(counts_E)
-        d_act_FA = _feature_major(F_, like=x_AD)
-        d_act_cols = d_act_FA.split(counts_E, dim=1)
-        w_down_t = w_down_EDF.transpose(1, 2).unbind(0)
-        d_w_down_EDF = _empty_grad(w_down_EDF, experts) if need_down else None
-        for e in experts:
-            if need_down:
-                torch.mm(d_out_cols[e], act_rows[e], out=d_w_down_EDF[e])
-            torch.mm(w_down_t[e], d_out_cols[e], out=d_act_cols[e])
-        # act = w * silu(gate) * up. Both halves are computed without w, then scaled by it in
-        # one pass; d_w = sum_f d_act * silu(gate) * up, the up half's unscaled gradient * up.
-        gate_FA, up_FA = gate_up_XA[:F_], gate_up_XA[F_:]
-        d_gate_up_XA = _feature_major(2 * F_, like=x_AD)
-        torch.mul(d_act_FA, F.silu(gate_FA), out=d_gate_up_XA[F_:])
-        d_weights_A = (d_gate_up_XA[F_:] * up_FA).sum(dim=0) if need_weights else None
-        torch.ops.aten.silu_backward(d_act_FA.mul_(up_FA), gate_FA, grad_input=d_gate_up_XA[:F_])
-        if weights_A is not None:
-            d_gate_up_XA.mul_(weights_A)
-        need_gate_up = need_gate or need_up
-        d_w_gate_up_EXD = _empty_grad(w_gate_up_EXD, experts) if need_gate_up else None
-        d_x_AD = torch.empty_like(x_AD) if need_x else None
-        d_gate_up_cols = d_gate_up_XA.split(counts_E, dim=1)
-        d_gate_up_rows = d_gate_up_XA.t().split(counts_E)
-        x_rows, w_gate_up = x_AD.split(counts_E), w_gate_up_EXD.unbind(0)
-        d_x_rows = d_x_AD.split(counts_E) if need_x else None
-        for e in experts:
-            if need_gate_up:
-                torch.mm(d_gate_up_cols[e], x_rows[e], out=d_w_gate_up_EXD[e])
-            if need_x:
-                torch.mm(d_gate_up_rows[e], w_gate_up[e], out=d_x_rows[e])
-        d_w_gate_EFD = d_w_up_EFD = None
-        if need_gate_up:
-            d_w_gate_EFD, d_w_up_EFD = d_w_gate_up_EXD.split(F_, dim=1)
-        return d_x_AD, d_weights_A, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None
-
-
-def _experts_with_rows(counts_E: list[int]) -> list[int]:
-    return [e for e, count in enumerate(counts_E) if count]
-
-
-def _feature_major(num_features: int, *, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialized [num_features, A] tensor for rows like [A, ...], each of its rows 64
-    bytes longer than A: with A a power of two (batches often are) one expert's [F, count]
-    slice would put all its F rows in the same cache sets, and its matmuls run 10% slower."""
-    num_rows = like.shape[0]
-    return like.new_empty(num_features, num_rows + 16)[:, :num_rows]
-
-
-def _empty_grad(weight_E: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """An uninitialized gradient for stacked weights, zeroed only for experts other than
-    `experts` (those are overwritten whole by their matmul)."""
-    grad_E = torch.empty_like(weight_E)
-    used = set(experts)
-    for e in range(weight_E.shape[0]):
-        if e not in used:
-            grad_E[e].zero_()
-    return grad_E
-
-
 class _GatherRows(torch.autograd.Function):
     """x_AD = x_ND[token_A]: each token's row once per expert it was sent to, in sorted order.
 
@@ -244,6 +141,9 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.threads: ThreadShards | None = None
+        """Threads that run the experts on CPU in parallel, whole experts per thread
+        (`use_expert_threads`); None: on the calling thread and torch's intra-op threads."""
 
     def forward(
         self,
@@ -259,7 +159,9 @@ class GroupedExperts(nn.Module):
         if offsets_E is not None:
             return self.reference(x_AD, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
         assert counts_E is not None
-        return _SlicedSwiGLU.apply(x_AD, weights_A, self.w_gate, self.w_up, self.w_down, counts_E)
+        return SlicedSwiGLU.apply(
+            x_AD, weights_A, self.w_gate, self.w_up, self.w_down, counts_E, self.threads
+        )
 
     def reference(
         self,
@@ -326,3 +228,15 @@ class MoE(nn.Module):
             **groups,
         )
         return _SumTokenRows.apply(out_AD, place_NK, token_A)
+
+
+def use_expert_threads(model: nn.Module, threads: ThreadShards | None) -> None:
+    """Every MoE block of `model` runs its experts on `threads` (None: back to the calling
+    thread) where no grouped kernel runs: consecutive experts of about equal rows per thread,
+    each thread on one intra-op thread (sliced_experts.py). For a CPU model run from a thread
+    with several intra-op threads; a thread shard (one intra-op thread, on a core of its own)
+    gains nothing from it. The model holds the threads from then on: set them after any
+    `copy.deepcopy` of it (a thread pool does not copy)."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.threads = threads

@@ -1,15 +1,17 @@
 """The MoE block: its hand-written backward against autograd of the reference path (router
-weights folded in or not, frozen experts), the grouped-kernel path against the sliced one,
-router top-k with and without renormalizing, a token's output independent of its batch, and
-config validation."""
+weights folded in or not, frozen experts), the grouped-kernel path and expert threads against
+the sliced path on the calling thread, router top-k with and without renormalizing, a token's
+output independent of its batch, and config validation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from temper.distributed.thread_shards import ThreadShards
 from temper.models.common import moe as moe_module
-from temper.models.common.moe import MoE, route
+from temper.models.common.moe import GroupedExperts, MoE, route, use_expert_threads
+from temper.models.common.sliced_experts import MIN_GROUP_ROWS, expert_groups
 from temper.models.qwen3_moe import Qwen3Moe, qwen3_moe_size
 
 
@@ -164,3 +166,53 @@ def test_top_k_above_the_expert_count_is_refused_naming_the_field():
             moe_ffn_dim=4,
         )
     assert Qwen3Moe.Config  # the family the message names
+
+
+def test_expert_threads_give_the_calling_threads_results():
+    # Enough rows for two groups (MIN_GROUP_ROWS each), experts of uneven sizes.
+    moe = _moe(7)
+    x_BTD = torch.randn(2, 200, 32, requires_grad=True)
+    grad_BTD = torch.randn(2, 200, 32)
+    inputs = [x_BTD, *moe.parameters()]
+    out_BTD = moe(x_BTD)
+    expected = torch.autograd.grad(out_BTD, inputs, grad_BTD)
+    threads = ThreadShards(2)
+    try:
+        use_expert_threads(moe, threads)
+        runs = []
+        for _ in range(2):
+            threaded_BTD = moe(x_BTD)
+            runs.append([threaded_BTD, *torch.autograd.grad(threaded_BTD, inputs, grad_BTD)])
+    finally:
+        use_expert_threads(moe, None)
+        threads.close()
+    torch.testing.assert_close(runs[0][0], out_BTD, rtol=1e-5, atol=1e-6)
+    for actual, wanted in zip(runs[0][1:], expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-5)
+    # Each group's work is fixed by the routing: the same bits every run.
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert moe.experts.threads is None
+
+
+def test_expert_groups_split_consecutive_experts_by_rows():
+    counts_E = [300, 0, 100, 500, 0, 200, 100]
+    groups = expert_groups(counts_E, num_groups=3)
+    assert [group.experts for group in groups] == [[0, 2], [3], [5, 6]]
+    assert [group.rows for group in groups] == [slice(0, 400), slice(400, 900), slice(900, 1200)]
+    assert [group.counts for group in groups] == [[300, 100], [500], [200, 100]]
+    # No group below MIN_GROUP_ROWS: small batches (decode) stay in one group.
+    assert len(expert_groups([MIN_GROUP_ROWS, 10, 0], num_groups=4)) == 1
+    assert expert_groups([0, 0], num_groups=2) == []
+
+
+def test_use_expert_threads_reaches_every_moe_block():
+    model = Qwen3Moe(qwen3_moe_size("tiny", vocab_size=17))
+    threads = ThreadShards(2)
+    try:
+        use_expert_threads(model, threads)
+        blocks = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        assert blocks and all(block.threads is threads for block in blocks)
+    finally:
+        use_expert_threads(model, None)
+        threads.close()
+    assert all(block.threads is None for block in blocks)
