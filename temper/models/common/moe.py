@@ -1,17 +1,18 @@
 """Mixture-of-Experts feed-forward: a softmax top-k router over SwiGLU experts held stacked.
 
 Shapes: N tokens (batch and time flattened), D model dim, F expert hidden width, E experts,
-K experts per token (top-k), A token-expert assignments (N * K), X = 2F (gate and up).
+K experts per token (top-k), A token-expert assignments (N * K).
 
 The experts' weights are three stacked parameters ([E, F, D], [E, F, D], [E, D, F]), not E
 modules: the assignments are sorted by expert once, and each projection is one grouped matmul
 over the sorted rows (`F.grouped_mm` on CUDA in bf16, where a kernel exists) or, elsewhere, one
-matmul per expert on contiguous slices of the sorted rows. Either way each token's output is
-the sum of its top-k experts' outputs scaled by their router weights (the weight applied to
-the expert's activations before its down projection, which is linear: the same function on
-F-wide rather than D-wide rows), the K outputs added up in top-k order without atomics, and
-the input gradient summed the same way: forward and backward deterministic on every device,
-and a token's result does not depend on which other tokens share its batch (up to the matmul
+matmul per expert on contiguous slices of the sorted rows (sliced_experts.py, optionally on
+several CPU threads: `use_expert_threads`). Either way each token's output is the sum of its
+top-k experts' outputs scaled by their router weights (the weight applied to the expert's
+activations before its down projection, which is linear: the same function on F-wide rather
+than D-wide rows), the K outputs added up in top-k order without atomics, and the input
+gradient summed the same way: forward and backward deterministic on every device, and a
+token's result does not depend on which other tokens share its batch (up to the matmul
 kernels' blocking by row count, as in any linear layer).
 
 The router's choices are kept on the module when `keep_routing` is set (the trainer sets it to

@@ -20,9 +20,10 @@ What is unusual here, each for speed:
   into consecutive groups of about equal rows, one per thread, each group's matmuls and
   element-wise work run on its thread with one intra-op thread. Torch's own intra-op threads
   split each small per-expert matmul in two and wake for every op; whole experts per thread
-  keep both cores busy (the fine-grained case, 64 experts, runs about 1.5x faster on two).
-  Every group writes disjoint rows, columns and expert gradients: no reduction across
-  threads, so the results do not depend on the split.
+  keep every core busy (figures: docs/benchmarks.md, moe_block.py). Every group writes
+  disjoint rows, columns and expert gradients: no reduction across threads, so the results do
+  not depend on the split (they may differ from the calling thread's in rounding, each matmul
+  running on one intra-op thread rather than several).
 
 The math is the autograd of `GroupedExperts.reference`.
 """
