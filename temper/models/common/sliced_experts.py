@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from temper.distributed.thread_shards import ThreadShards
 
 MIN_GROUP_ROWS = 256
-"""Fewest rows a thread's group gets: below that, handing work to a thread costs more than
-it saves (decode steps stay on the calling thread)."""
+"""Fewest rows per thread's group, on average: below that, handing work to a thread costs
+more than it saves (decode steps stay on the calling thread)."""
 
 
 @dataclass(frozen=True)
-class _Group:
+class ExpertGroup:
     """Consecutive experts (each with rows) and their rows, also consecutive once sorted."""
 
     experts: list[int]
@@ -53,7 +53,7 @@ class _Group:
     rows: slice
 
 
-def expert_groups(counts_E: list[int], *, num_groups: int) -> list[_Group]:
+def expert_groups(counts_E: list[int], *, num_groups: int) -> list[ExpertGroup]:
     """The experts with rows in at most `num_groups` consecutive groups, each boundary the one
     nearest an even split of the rows; fewer groups where the rows would give a group under
     MIN_GROUP_ROWS on average (one group: all experts)."""
@@ -70,7 +70,7 @@ def expert_groups(counts_E: list[int], *, num_groups: int) -> list[_Group]:
         candidates = range(starts[-1] + 1, len(experts) - (num_groups - boundary) + 1)
         starts.append(min(candidates, key=lambda first: abs(ends[first - 1] - target)))
     return [
-        _Group(experts[a:b], counts[a:b], slice(ends[a - 1] if a else 0, ends[b - 1]))
+        ExpertGroup(experts[a:b], counts[a:b], slice(ends[a - 1] if a else 0, ends[b - 1]))
         for a, b in zip(starts, [*starts[1:], len(experts)], strict=True)
     ]
 
@@ -88,7 +88,7 @@ class SlicedSwiGLU(torch.autograd.Function):
         out_AD = x_AD.new_empty(x_AD.shape[0], w_down_EDF.shape[1])
         w_gate_up, w_down_t = w_gate_up_EXD.unbind(0), w_down_EDF.transpose(1, 2).unbind(0)
 
-        def forward_group(group: _Group) -> None:
+        def forward_group(group: ExpertGroup) -> None:
             rows, counts = group.rows, group.counts
             gate_up = gate_up_XA[:, rows]
             for e, x_cols, gate_up_cols in zip(
@@ -126,7 +126,7 @@ class SlicedSwiGLU(torch.autograd.Function):
         d_x_AD = torch.empty_like(x_AD) if need_x else None
         w_gate_up, w_down_t = w_gate_up_EXD.unbind(0), w_down_EDF.transpose(1, 2).unbind(0)
 
-        def backward_group(group: _Group) -> None:
+        def backward_group(group: ExpertGroup) -> None:
             rows, counts = group.rows, group.counts
             d_out_cols = d_out_AD[rows].t().split(counts, dim=1)
             d_act = d_act_FA[:, rows]
@@ -153,7 +153,7 @@ class SlicedSwiGLU(torch.autograd.Function):
             torch.ops.aten.silu_backward(d_act.mul_(up), gate, grad_input=d_gate_up[:F_])
             if weights_A is not None:
                 d_gate_up.mul_(weights_A[rows])
-            d_x_rows = d_x_AD[rows].split(counts) if need_x else counts
+            d_x_rows = d_x_AD[rows].split(counts) if need_x else [None] * len(counts)
             for e, d_gate_up_cols, d_gate_up_rows, x_rows, d_x in zip(
                 group.experts,
                 d_gate_up.split(counts, dim=1),
@@ -174,14 +174,16 @@ class SlicedSwiGLU(torch.autograd.Function):
         return d_x_AD, d_weights_A, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None, None
 
 
-def _run(fn: Callable[[_Group], None], groups: list[_Group], threads: ThreadShards | None):
+def _run(
+    fn: Callable[[ExpertGroup], None], groups: list[ExpertGroup], threads: ThreadShards | None
+) -> None:
     """fn(group) for every group: on the threads when there are several, else here."""
     if len(groups) == 1 or threads is None:
         for group in groups:
             fn(group)
         return
 
-    def on_worker(group: _Group) -> None:
+    def on_worker(group: ExpertGroup) -> None:
         # Grad mode is per thread: out= into tensors autograd tracks needs it off.
         with torch.no_grad():
             fn(group)
@@ -192,9 +194,9 @@ def _run(fn: Callable[[_Group], None], groups: list[_Group], threads: ThreadShar
 def _feature_major(num_features: int, *, like: torch.Tensor) -> torch.Tensor:
     """An uninitialized [num_features, A] tensor for rows like [A, ...], each of its rows 64
     bytes longer than A: with A a power of two (batches often are) one expert's [F, count]
-    slice would put all its F rows in the same cache sets, and its matmuls run 10% slower."""
+    slice would put all its F rows in the same cache sets, and its matmuls run slower."""
     num_rows = like.shape[0]
-    return like.new_empty(num_features, num_rows + 16)[:, :num_rows]
+    return like.new_empty(num_features, num_rows + 64 // like.element_size())[:, :num_rows]
 
 
 def _empty_grad(weight_E: torch.Tensor, experts: list[int]) -> torch.Tensor:
