@@ -23,6 +23,7 @@ and an asynchronous run's sampler may decode on the trainer's module while it tr
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 
@@ -149,6 +150,21 @@ class GroupedExperts(nn.Module):
         """Threads that run the experts on CPU in parallel, whole experts per thread
         (`use_expert_threads`); None: on the calling thread and torch's intra-op threads."""
 
+    def __deepcopy__(self, memo: dict) -> GroupedExperts:
+        # A copy shares the threads (a thread pool does not copy); its tensors are copied as
+        # nn.Module's own deepcopy copies them (honouring `memo`).
+        threads, self.threads = self.threads, None
+        try:
+            cls = type(self)
+            copied = cls.__new__(cls)
+            memo[id(self)] = copied
+            for name, value in self.__dict__.items():
+                setattr(copied, name, copy.deepcopy(value, memo))
+        finally:
+            self.threads = threads
+        copied.threads = threads
+        return copied
+
     def forward(
         self,
         x_AD: torch.Tensor,
@@ -246,8 +262,7 @@ def use_expert_threads(model: nn.Module, threads: ThreadShards | None) -> None:
     thread) where no grouped kernel runs: consecutive experts of about equal rows per thread,
     each thread on one intra-op thread (sliced_experts.py). For a CPU model run from a thread
     with several intra-op threads; a thread shard (one intra-op thread, on a core of its own)
-    gains nothing from it. The model holds the threads from then on: set them after any
-    `copy.deepcopy` of it (a thread pool does not copy)."""
+    gains nothing from it. A `copy.deepcopy` of the model shares the threads."""
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             module.threads = threads
