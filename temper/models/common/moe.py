@@ -59,12 +59,18 @@ def route(
     return probs_NE, weights_NK.to(logits_NE.dtype), experts_NK
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (bf16-mixed), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Whether `F.grouped_mm` has a kernel for x: bf16 on a CUDA device of compute
-    capability 8.0 or newer."""
+    """Whether `F.grouped_mm` has a kernel for x's experts: bf16 compute on a CUDA device of
+    compute capability 8.0 or newer."""
     return (
         x.device.type == "cuda"
-        and x.dtype == torch.bfloat16
+        and compute_dtype(x) == torch.bfloat16
         and torch.cuda.get_device_capability(x.device)[0] >= 8
     )
 
@@ -175,13 +181,39 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         """Expert outputs [A, D] for rows already sorted by expert, each scaled by its router
         weight when `weights_A` is given: the grouped kernel when `offsets_E` is given, else
-        one matmul per expert (`counts_E` rows each)."""
-        if offsets_E is not None:
-            return self.reference(x_AD, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
-        assert counts_E is not None
-        return SlicedSwiGLU.apply(
-            x_AD, weights_A, self.w_gate, self.w_up, self.w_down, counts_E, self.threads
+        one matmul per expert (`counts_E` rows each).
+
+        Under autocast (bf16-mixed) the rows and weights are cast to autocast's dtype first,
+        as autocast casts a linear's: the kernels' own matmuls (`out=` products, the grouped
+        kernel) are not on autocast's lists."""
+        dtype = compute_dtype(x_AD)
+        if dtype != x_AD.dtype or dtype != self.w_gate.dtype:
+            with torch.autocast(x_AD.device.type, enabled=False):
+                return self._run(
+                    x_AD.to(dtype),
+                    weights=(self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype)),
+                    counts_E=counts_E,
+                    offsets_E=offsets_E,
+                    weights_A=None if weights_A is None else weights_A.to(dtype),
+                )
+        weights = (self.w_gate, self.w_up, self.w_down)
+        return self._run(
+            x_AD, weights=weights, counts_E=counts_E, offsets_E=offsets_E, weights_A=weights_A
         )
+
+    def _run(
+        self,
+        x_AD: torch.Tensor,
+        *,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if offsets_E is not None:
+            return swiglu(x_AD, weights, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
+        assert counts_E is not None
+        return SlicedSwiGLU.apply(x_AD, weights_A, *weights, counts_E, self.threads)
 
     def reference(
         self,
@@ -193,14 +225,29 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         """The same function through `grouped_linear` and autograd (the grouped kernel's path,
         and what the sliced path is tested against)."""
-        groups = {"counts_E": counts_E, "offsets_E": offsets_E}
-        gate_AF = grouped_linear(x_AD, self.w_gate, **groups)
-        up_AF = grouped_linear(x_AD, self.w_up, **groups)
-        act_AF = F.silu(gate_AF) * up_AF
-        if weights_A is not None:
-            # The down projection is linear: scaling its input scales its output.
-            act_AF = act_AF * weights_A.unsqueeze(-1)
-        return grouped_linear(act_AF, self.w_down, **groups)
+        weights = (self.w_gate, self.w_up, self.w_down)
+        return swiglu(x_AD, weights, counts_E=counts_E, offsets_E=offsets_E, weights_A=weights_A)
+
+
+def swiglu(
+    x_AD: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    counts_E: list[int] | None,
+    offsets_E: torch.Tensor | None,
+    weights_A: torch.Tensor | None,
+) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x) [* router weight]) per expert through `grouped_linear` and
+    autograd; `weights` are the stacked (gate, up, down)."""
+    w_gate_EFD, w_up_EFD, w_down_EDF = weights
+    groups = {"counts_E": counts_E, "offsets_E": offsets_E}
+    gate_AF = grouped_linear(x_AD, w_gate_EFD, **groups)
+    up_AF = grouped_linear(x_AD, w_up_EFD, **groups)
+    act_AF = F.silu(gate_AF) * up_AF
+    if weights_A is not None:
+        # The down projection is linear: scaling its input scales its output.
+        act_AF = act_AF * weights_A.unsqueeze(-1)
+    return grouped_linear(act_AF, w_down_EDF, **groups)
 
 
 class MoE(nn.Module):

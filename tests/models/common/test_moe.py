@@ -216,3 +216,19 @@ def test_use_expert_threads_reaches_every_moe_block():
         use_expert_threads(model, None)
         threads.close()
     assert all(block.threads is None for block in blocks)
+
+
+def test_under_autocast_the_experts_compute_in_autocasts_dtype():
+    # bf16-mixed: fp32 masters, bf16 matmuls; the experts' own kernels are not on autocast's
+    # lists, so the block casts their rows and weights as autocast casts a linear's.
+    moe = _moe(5)
+    x_BTD = torch.randn(2, 7, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_BTD = moe(x_BTD)
+    assert out_BTD.dtype == torch.bfloat16
+    out_BTD.float().sum().backward()
+    assert moe.experts.w_gate.grad.dtype == torch.float32
+    bf16 = _moe(5).to(torch.bfloat16)
+    with torch.no_grad():
+        expected_BTD = bf16(x_BTD.detach().to(torch.bfloat16))
+    torch.testing.assert_close(out_BTD.detach(), expected_BTD, rtol=0.05, atol=0.05)
