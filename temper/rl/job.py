@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 from temper.checkpoint.run_state import rng_from_json, rng_to_json
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
+from temper.client.training_client import TrainingClient
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
@@ -73,7 +74,7 @@ from temper.rl.episodes import EpisodeRunner
 from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loops import run_async, run_sync
 from temper.rl.run_logs import metrics_logger, open_rollouts, truncate_logs
-from temper.rl.steps import RLSteps, check_routing_replay
+from temper.rl.steps import RLSteps
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -322,7 +323,7 @@ class _RLRun:
             train_state=None if saved is None else saved.train_state,
             job_seed=config.seed,
         )
-        check_routing_replay(config.rl, training=self.training)
+        _check_routing_replay(config, training=self.training)
         if saved is None:
             self.start, self.state = 0, RLLoopState(rng=random.Random(config.seed))
         else:
@@ -504,6 +505,16 @@ def _service_client(
         remote=remote,
         sleep_generator=config.sleep_generator,
     )
+
+
+def _check_routing_replay(config: RLJob.Config, *, training: TrainingClient) -> None:
+    """Replay needs a MoE policy: a ValueError naming the field otherwise, before the
+    warm-up (the trainer would refuse the first RL step)."""
+    if config.rl.routing_replay != "off" and training.engine.route_shape is None:
+        raise ValueError(
+            f"RLSteps.Config.routing_replay={config.rl.routing_replay!r} (--rl.routing_replay) "
+            "replays a MoE policy's routes, but the model has no MoE layers; use 'off'"
+        )
 
 
 def _sampler(config: RLJob.Config) -> SamplerEngine.Config:

@@ -140,7 +140,6 @@ class RLSteps(Configurable):
         self.evaluate = evaluate
         self.ranks = ranks
         self.first_step = first_step
-        check_routing_replay(config, training=training)
         self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.rl.prompts_per_step")
         """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
@@ -294,16 +293,6 @@ class RLSteps(Configurable):
             }
             self.rollouts_file.write(json.dumps(record) + "\n")
         self.rollouts_file.flush()
-
-
-def check_routing_replay(config: RLSteps.Config, *, training: TrainingClient) -> None:
-    """Replay needs a MoE policy: a ValueError naming the field otherwise (a job checks it
-    before its warm-up)."""
-    if config.routing_replay != "off" and training.engine.route_shape is None:
-        raise ValueError(
-            f"RLSteps.Config.routing_replay={config.routing_replay!r} (--rl.routing_replay) "
-            "replays a MoE policy's routes, but the model has no MoE layers; use 'off'"
-        )
 
 
 def _check_config(config: RLSteps.Config) -> None:
