@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 from pathlib import Path
 from unittest import mock
 
@@ -49,6 +50,7 @@ from temper.distributed.expert_parallel import apply_expert_parallel
 from temper.distributed.local_shard import local_part
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.weight_pieces import as_rows
+from temper.job.memory_plan import PlanSettings, plan_memory
 from temper.models import materialize, qwen3_moe_size, qwen3_size
 from temper.models.common.moe import GroupedExperts
 from temper.trainer import LoraConfig, TrainerEngine
@@ -372,6 +374,20 @@ def test_each_rank_holds_and_gathers_half_of_the_experts(two_ranks):
         # LoRA factors on the experts are split over ep like the experts.
         lora = result["training"]["ep_lora"]["held"]
         assert lora["w_gate_adapter.lora_A"][2][0] == 2
+
+
+def test_the_plan_counts_the_expert_bytes_each_rank_holds_and_gathers(two_ranks):
+    config = _model().config  # one sparse layer
+    settings = PlanSettings(model="tiny", nproc_per_node=2, dtype="float32", ep=2, batch=4)
+    rows = plan_memory(settings, decoder=config).role("colocated").rows
+    held_row = next(row for row in rows if row.item.startswith("weights: routed experts"))
+    for result in two_ranks[0]:
+        held = result["training"]["ep"]["held"].values()
+        assert held_row.num_bytes == sum(math.prod(shape) * 4 for _, _, shape in held)
+        # What runs a sparse layer: the 3 weights of its ep part (2 experts), as the plan's
+        # gathered block counts them.
+        (shape,) = result["training"]["ep"]["gathered"]
+        assert 3 * math.prod(shape) == config.expert_params // 2
 
 
 def test_checkpoints_load_across_expert_parallel_degrees_bitwise(two_ranks):
