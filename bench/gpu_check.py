@@ -12,6 +12,9 @@ one H100/H200):
   off: tokens/s, ms a step, build time, peak reserved memory.
 - train_step: a bf16 train step at the 0.6B shape (8 x 2048 tokens, AdamW): seconds, TFLOP/s,
   MFU against the card's dense bf16 peak.
+- moe_block: the MoE block's forward + backward in bf16 (`F.grouped_mm`) against transformers'
+  Qwen3-MoE block (bench/moe_block.py), at the bench's default config and at one layer of
+  Qwen3-30B-A3B (D=2048, 128 experts, top-8, F=768, 8192 tokens).
 - rl_smoke: `temper train arithmetic_smoke` on CUDA in bf16, one rank; the last metrics line.
 - vllm: vLLM's GPU build at the 0.6B shape: tokens/s at batch 64, a weight update, and how
   much `sleep()` gives back.
@@ -197,6 +200,30 @@ def train_step(shapes: Shapes) -> dict:
     return bench.cuda_mfu(repeats=5)
 
 
+def moe_block(shapes: Shapes) -> dict:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import moe_block as bench
+
+    if shapes.device == "cpu":
+        return bench.run(
+            dim=32, experts=4, ffn_dim=16, tokens=64, ffn_dims=(), fine_grained=(8, 4), repeats=1
+        )
+    default = bench.run(device="cuda", dtype="bfloat16", repeats=10)
+    published = bench.run(
+        device="cuda",
+        dtype="bfloat16",
+        dim=2048,
+        experts=128,
+        top_k=8,
+        ffn_dim=768,
+        tokens=8192,
+        ffn_dims=(),
+        fine_grained=None,
+        repeats=10,
+    )
+    return {"default": default, "qwen3_30b_a3b_layer": published}
+
+
 def rl_smoke(shapes: Shapes) -> dict:
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"temper-gpu-check-{os.getpid()}"
     command = [sys.executable, "-m", "temper", "train", "arithmetic_smoke", "--nproc", "1"]
@@ -280,6 +307,7 @@ CHECKS: dict[str, Callable[[Shapes], dict]] = {
     "sdpa_kernels": sdpa_kernels,
     "decode": decode,
     "train_step": train_step,
+    "moe_block": moe_block,
     "rl_smoke": rl_smoke,
     "vllm": vllm,
     "weight_sync": weight_sync,

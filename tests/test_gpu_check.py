@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ["environment", "gpu_tests", "sdpa_kernels", "decode", "train_step", "rl_smoke"]
+CHECKS = ["environment", "gpu_tests", "sdpa_kernels", "decode", "train_step", "moe_block"]
+CHECKS += ["rl_smoke"]
 CHECKS += ["vllm", "weight_sync"]
 
 
@@ -35,3 +36,6 @@ def test_the_dry_run_runs_every_check_on_cpu():
     assert [row["batch"] for row in by_name["decode"]["rows"]] == [1, 4]
     assert all(row["tokens_per_s"] > 0 for row in by_name["decode"]["rows"])
     assert by_name["rl_smoke"]["last_metrics"]["step"] >= 1
+    moe_cases = by_name["moe_block"]["cases"]
+    assert [case["num_experts"] for case in moe_cases] == [4, 8]
+    assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())

@@ -29,7 +29,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from temper.models.common.logprobs import forward_logprobs
 from temper.models.common.moe_stats import moe_layers
 from temper.models.lora import LoraConfig, apply_lora
 from temper.trainer.custom_loss import CustomLossFn, custom_loss_weights
+from temper.trainer.expert_threads import expert_threads_for
 from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.optim import AdamW
 from temper.trainer.precision import compute_in
@@ -76,6 +77,9 @@ class TrainerEngine(Configurable):
         gradients in order (deterministic, equal to the unsharded result up to float rounding;
         the token budget is shared between them). For small models, whose ops are too small
         to keep several cores busy; one per core. Costs a gradient buffer per shard. 1: off."""
+        expert_threads: Literal["auto", "off"] = "auto"
+        """MoE on CPU, one process, shard_threads 1: 'auto' runs whole experts per thread
+        (trainer/expert_threads.py); 'off': torch's intra-op threads inside each expert."""
         router_aux_loss: AuxLossMode = "report"
         """MoE models: 'report' measures the load-balancing loss on every forward_backward
         and reports it (`moe/aux_loss`, with each layer's load and router entropy); 'add'
@@ -92,6 +96,11 @@ class TrainerEngine(Configurable):
                 self.router_aux_loss,
                 field="TrainerEngine.Config.router_aux_loss",
                 choices=("report", "add"),
+            )
+            check_choice(
+                self.expert_threads,
+                field="TrainerEngine.Config.expert_threads",
+                choices=("auto", "off"),
             )
             check_range(
                 self.router_aux_loss_coef,
@@ -160,6 +169,13 @@ class TrainerEngine(Configurable):
                     f"{config.sharding}); use 1"
                 )
             self.thread_shards = ThreadShards(config.shard_threads)
+        self.expert_threads = expert_threads_for(
+            model,
+            mode=config.expert_threads,
+            moe=self.router is not None,
+            one_cpu_process=self.device.type == "cpu" and self.sharding is None,
+            shard_threads=self.thread_shards is not None,
+        )
         # The optimizer steps in parts on the shard threads too (bitwise the same update).
         self.optimizer = AdamW(self.trainable, threads=self.thread_shards)
 

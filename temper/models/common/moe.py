@@ -6,11 +6,14 @@ K experts per token (top-k), A token-expert assignments (N * K).
 The experts' weights are three stacked parameters ([E, F, D], [E, F, D], [E, D, F]), not E
 modules: the assignments are sorted by expert once, and each projection is one grouped matmul
 over the sorted rows (`F.grouped_mm` on CUDA in bf16, where a kernel exists) or, elsewhere, one
-matmul per expert on contiguous slices of the sorted rows. Either way each token's output is
-the sum of its top-k experts' outputs scaled by their router weights, added up in top-k
-order without atomics: deterministic on every device, and a token's result does not depend on
-which other tokens share its batch (up to the matmul kernels' blocking by row count, as in any
-linear layer).
+matmul per expert on contiguous slices of the sorted rows (sliced_experts.py, optionally on
+several CPU threads: `use_expert_threads`). Either way each token's output is the sum of its
+top-k experts' outputs scaled by their router weights (the weight applied to the expert's
+activations before its down projection, which is linear: the same function on F-wide rather
+than D-wide rows), the K outputs added up in top-k order without atomics, and the input
+gradient summed the same way: forward and backward deterministic on every device, and a
+token's result does not depend on which other tokens share its batch (up to the matmul
+kernels' blocking by row count, as in any linear layer).
 
 The router's choices are kept on the module when `keep_routing` is set (the trainer sets it to
 report router metrics and the load-balancing loss, see moe_stats.py); decode leaves it off. They
@@ -20,12 +23,16 @@ and an asynchronous run's sampler may decode on the trainer's module while it tr
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from temper.distributed.thread_shards import ThreadShards
+from temper.models.common.sliced_experts import SlicedSwiGLU
 
 
 @dataclass(frozen=True)
@@ -52,12 +59,18 @@ def route(
     return probs_NE, weights_NK.to(logits_NE.dtype), experts_NK
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (bf16-mixed), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Whether `F.grouped_mm` has a kernel for x: bf16 on a CUDA device of compute
-    capability 8.0 or newer."""
+    """Whether `F.grouped_mm` has a kernel for x's experts: bf16 compute on a CUDA device of
+    compute capability 8.0 or newer."""
     return (
         x.device.type == "cuda"
-        and x.dtype == torch.bfloat16
+        and compute_dtype(x) == torch.bfloat16
         and torch.cuda.get_device_capability(x.device)[0] >= 8
     )
 
@@ -88,65 +101,46 @@ def grouped_linear(
     return torch.cat(pieces)
 
 
-class _SlicedSwiGLU(torch.autograd.Function):
-    """The experts' SwiGLU over rows sorted by expert, one matmul per expert and projection,
-    with a hand-written backward.
+class _GatherRows(torch.autograd.Function):
+    """x_AD = x_ND[token_A]: each token's row once per expert it was sent to, in sorted order.
 
-    Gate and up run as one matmul against their concatenated weights ([E, 2F, D], a copy made
-    per call that costs far less than the matmul it saves on small experts), and so do their
-    weight and input gradients. Autograd through per-expert slices would also allocate and fill
-    a zero gradient for every slice; here each expert's gradients are written in place into the
-    [E, ...] gradient tensors. The math is the autograd of `GroupedExperts.reference`."""
+    The backward sums each token's K row gradients in top-k order (`_sum_token_rows`), where
+    autograd's would add them into a zero-filled [N, D] with `index_add_` (atomics on CUDA)."""
 
     @staticmethod
-    def forward(ctx, x_AD, w_gate_EFD, w_up_EFD, w_down_EDF, counts_E):
-        F_ = w_gate_EFD.shape[1]
-        w_gate_up_EXD = torch.cat((w_gate_EFD, w_up_EFD), dim=1)
-        gate_up_AX = x_AD.new_empty(x_AD.shape[0], 2 * F_)
-        ranges = _row_ranges(counts_E)
-        for e, rows in ranges:
-            torch.mm(x_AD[rows], w_gate_up_EXD[e].t(), out=gate_up_AX[rows])
-        gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        act_AF = F.silu(gate_AF) * up_AF
-        out_AD = x_AD.new_empty(x_AD.shape[0], w_down_EDF.shape[1])
-        for e, rows in ranges:
-            torch.mm(act_AF[rows], w_down_EDF[e].t(), out=out_AD[rows])
-        ctx.save_for_backward(x_AD, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF)
-        ctx.ranges = ranges
-        return out_AD
+    def forward(ctx, x_ND, token_A, place_NK):
+        ctx.save_for_backward(place_NK)
+        return x_ND.index_select(0, token_A)
 
     @staticmethod
-    def backward(ctx, d_out_AD):
-        x_AD, w_gate_up_EXD, w_down_EDF, gate_up_AX, act_AF = ctx.saved_tensors
-        F_ = w_down_EDF.shape[2]
-        d_out_AD = d_out_AD.contiguous()
-        d_w_down_EDF = torch.zeros_like(w_down_EDF)
-        d_act_AF = torch.empty_like(act_AF)
-        for e, rows in ctx.ranges:
-            torch.mm(d_out_AD[rows].t(), act_AF[rows], out=d_w_down_EDF[e])
-            torch.mm(d_out_AD[rows], w_down_EDF[e], out=d_act_AF[rows])
-        gate_AF, up_AF = gate_up_AX[:, :F_], gate_up_AX[:, F_:]
-        sig_AF = torch.sigmoid(gate_AF)
-        d_gate_up_AX = torch.empty_like(gate_up_AX)
-        torch.mul(d_act_AF * up_AF, sig_AF * (1 + gate_AF * (1 - sig_AF)), out=d_gate_up_AX[:, :F_])
-        torch.mul(d_act_AF, gate_AF * sig_AF, out=d_gate_up_AX[:, F_:])
-        d_x_AD = torch.empty_like(x_AD)
-        d_w_gate_up_EXD = torch.zeros_like(w_gate_up_EXD)
-        for e, rows in ctx.ranges:
-            torch.mm(d_gate_up_AX[rows].t(), x_AD[rows], out=d_w_gate_up_EXD[e])
-            torch.mm(d_gate_up_AX[rows], w_gate_up_EXD[e], out=d_x_AD[rows])
-        d_w_gate_EFD, d_w_up_EFD = d_w_gate_up_EXD.split(F_, dim=1)
-        return d_x_AD, d_w_gate_EFD, d_w_up_EFD, d_w_down_EDF, None
+    def backward(ctx, d_x_AD):
+        (place_NK,) = ctx.saved_tensors
+        return _sum_token_rows(d_x_AD, place_NK), None, None
 
 
-def _row_ranges(counts_E: list[int]) -> list[tuple[int, slice]]:
-    """(expert, its rows) for every expert with rows, rows sorted by expert."""
-    ranges, start = [], 0
-    for expert, count in enumerate(counts_E):
-        if count:
-            ranges.append((expert, slice(start, start + count)))
-        start += count
-    return ranges
+class _SumTokenRows(torch.autograd.Function):
+    """y_ND[n] = sum_k y_AD[place_NK[n, k]]: each token's K sorted rows added in top-k order.
+
+    The adjoint of `_GatherRows`: its backward is that gather."""
+
+    @staticmethod
+    def forward(ctx, y_AD, place_NK, token_A):
+        ctx.save_for_backward(token_A)
+        return _sum_token_rows(y_AD, place_NK)
+
+    @staticmethod
+    def backward(ctx, d_y_ND):
+        (token_A,) = ctx.saved_tensors
+        return d_y_ND.index_select(0, token_A), None, None
+
+
+def _sum_token_rows(y_AD: torch.Tensor, place_NK: torch.Tensor) -> torch.Tensor:
+    """sum_k y_AD[place_NK[n, k]] for every token n: [N, D].
+
+    `embedding_bag` in sum mode (one bag of K rows per token, summed in order) reads the rows
+    where they lie, where `index_select` + `sum` would first copy them to an [N, K, D]
+    tensor: several times faster on CPU, the same bits."""
+    return F.embedding_bag(place_NK, y_AD, mode="sum")
 
 
 class GroupedExperts(nn.Module):
@@ -158,26 +152,102 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.threads: ThreadShards | None = None
+        """Threads that run the experts on CPU in parallel, whole experts per thread
+        (`use_expert_threads`); None: on the calling thread and torch's intra-op threads."""
+
+    def __deepcopy__(self, memo: dict) -> GroupedExperts:
+        # A copy shares the threads (a thread pool does not copy); its tensors are copied as
+        # nn.Module's own deepcopy copies them (honouring `memo`).
+        threads, self.threads = self.threads, None
+        try:
+            cls = type(self)
+            copied = cls.__new__(cls)
+            memo[id(self)] = copied
+            for name, value in self.__dict__.items():
+                setattr(copied, name, copy.deepcopy(value, memo))
+        finally:
+            self.threads = threads
+        copied.threads = threads
+        return copied
 
     def forward(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Expert outputs [A, D] for rows already sorted by expert: the grouped kernel when
-        `offsets_E` is given, else one matmul per expert (`counts_E` rows each)."""
+        """Expert outputs [A, D] for rows already sorted by expert, each scaled by its router
+        weight when `weights_A` is given: the grouped kernel when `offsets_E` is given, else
+        one matmul per expert (`counts_E` rows each).
+
+        Under autocast (bf16-mixed) the rows and weights are cast to autocast's dtype first,
+        as autocast casts a linear's: the kernels' own matmuls (`out=` products, the grouped
+        kernel) are not on autocast's lists."""
+        dtype = compute_dtype(x_AD)
+        if dtype != x_AD.dtype or dtype != self.w_gate.dtype:
+            with torch.autocast(x_AD.device.type, enabled=False):
+                return self._run(
+                    x_AD.to(dtype),
+                    weights=(self.w_gate.to(dtype), self.w_up.to(dtype), self.w_down.to(dtype)),
+                    counts_E=counts_E,
+                    offsets_E=offsets_E,
+                    weights_A=None if weights_A is None else weights_A.to(dtype),
+                )
+        weights = (self.w_gate, self.w_up, self.w_down)
+        return self._run(
+            x_AD, weights=weights, counts_E=counts_E, offsets_E=offsets_E, weights_A=weights_A
+        )
+
+    def _run(
+        self,
+        x_AD: torch.Tensor,
+        *,
+        weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None,
+    ) -> torch.Tensor:
         if offsets_E is not None:
-            return self.reference(x_AD, counts_E=None, offsets_E=offsets_E)
+            return swiglu(x_AD, weights, counts_E=None, offsets_E=offsets_E, weights_A=weights_A)
         assert counts_E is not None
-        return _SlicedSwiGLU.apply(x_AD, self.w_gate, self.w_up, self.w_down, counts_E)
+        return SlicedSwiGLU.apply(x_AD, weights_A, *weights, counts_E, self.threads)
 
     def reference(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The same function through `grouped_linear` and autograd (the grouped kernel's path,
         and what the sliced path is tested against)."""
-        groups = {"counts_E": counts_E, "offsets_E": offsets_E}
-        gate_AF = grouped_linear(x_AD, self.w_gate, **groups)
-        up_AF = grouped_linear(x_AD, self.w_up, **groups)
-        return grouped_linear(F.silu(gate_AF) * up_AF, self.w_down, **groups)
+        weights = (self.w_gate, self.w_up, self.w_down)
+        return swiglu(x_AD, weights, counts_E=counts_E, offsets_E=offsets_E, weights_A=weights_A)
+
+
+def swiglu(
+    x_AD: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    counts_E: list[int] | None,
+    offsets_E: torch.Tensor | None,
+    weights_A: torch.Tensor | None,
+) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x) [* router weight]) per expert through `grouped_linear` and
+    autograd; `weights` are the stacked (gate, up, down)."""
+    w_gate_EFD, w_up_EFD, w_down_EDF = weights
+    groups = {"counts_E": counts_E, "offsets_E": offsets_E}
+    gate_AF = grouped_linear(x_AD, w_gate_EFD, **groups)
+    up_AF = grouped_linear(x_AD, w_up_EFD, **groups)
+    act_AF = F.silu(gate_AF) * up_AF
+    if weights_A is not None:
+        # The down projection is linear: scaling its input scales its output.
+        act_AF = act_AF * weights_A.unsqueeze(-1)
+    return grouped_linear(act_AF, w_down_EDF, **groups)
 
 
 class MoE(nn.Module):
@@ -214,16 +284,32 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """sum_k weights[n, k] * expert[experts[n, k]](x[n]) for every token n: [N, D]."""
         N, K = experts_NK.shape
-        # A stable sort keeps each expert's rows in token order; the outputs go back to their
-        # [N, K] places and each token sums its K outputs in top-k order (no atomics).
-        order_A = experts_NK.reshape(-1).argsort(stable=True)
-        counts_E = torch.bincount(experts_NK.reshape(-1), minlength=self.num_experts)
+        experts_A = experts_NK.reshape(-1)
+        # A stable sort keeps each expert's rows in token order. place_NK is where each
+        # (token, k) landed; each token sums its K outputs from there in top-k order.
+        order_A = experts_A.argsort(stable=True)
+        place_A = torch.empty_like(order_A)
+        place_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
+        place_NK, token_A = place_A.view(N, K), order_A // K
+        counts_E = torch.bincount(experts_A, minlength=self.num_experts)
         if use_grouped_mm(x_ND):
             groups = {"counts_E": None, "offsets_E": counts_E.cumsum(0).to(torch.int32)}
         else:
             groups = {"counts_E": counts_E.tolist(), "offsets_E": None}
-        out_AD = self.experts(x_ND.index_select(0, order_A // K), **groups)
-        place_A = torch.empty_like(order_A)
-        place_A[order_A] = torch.arange(order_A.numel(), device=order_A.device)
-        out_NKD = out_AD.index_select(0, place_A).view(N, K, -1)
-        return (out_NKD * weights_NK.unsqueeze(-1)).sum(dim=1)
+        out_AD = self.experts(
+            _GatherRows.apply(x_ND, token_A, place_NK),
+            weights_A=weights_NK.reshape(-1).index_select(0, order_A),
+            **groups,
+        )
+        return _SumTokenRows.apply(out_AD, place_NK, token_A)
+
+
+def use_expert_threads(model: nn.Module, threads: ThreadShards | None) -> None:
+    """Every MoE block of `model` runs its experts on `threads` (None: back to the calling
+    thread) where no grouped kernel runs: consecutive experts of about equal rows per thread,
+    each thread on one intra-op thread (sliced_experts.py). For a CPU model run from a thread
+    with several intra-op threads; a thread shard (one intra-op thread, on a core of its own)
+    gains nothing from it. A `copy.deepcopy` of the model shares the threads."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.threads = threads

@@ -61,7 +61,8 @@ class PackedLinear(nn.Module):
 class PackedExperts(nn.Module):
     """A `GroupedExperts`' SwiGLU on per-expert copies of its weights prepacked for
     `batch_hint` rows (any number works; the layout barely moves the speed of products this
-    small), called as the experts are (CPU: per-expert row counts).
+    small), called as the experts are (CPU: per-expert row counts, router weights applied to
+    the activations before the down projection).
 
     The products are those of the experts' own CPU path (gate and up as one [2F, D] matrix
     per expert, then down), each expert's rows through its packed matrices, and the
@@ -80,7 +81,12 @@ class PackedExperts(nn.Module):
         )
 
     def forward(
-        self, x_AD: torch.Tensor, *, counts_E: list[int] | None, offsets_E: torch.Tensor | None
+        self,
+        x_AD: torch.Tensor,
+        *,
+        counts_E: list[int] | None,
+        offsets_E: torch.Tensor | None,
+        weights_A: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert counts_E is not None and offsets_E is None  # the grouped kernel is CUDA's
         ends_E = itertools.accumulate(counts_E)
@@ -93,6 +99,8 @@ class PackedExperts(nn.Module):
         for expert, rows in ranges:
             gate_up_AX[rows] = self.gate_up[expert](x_AD[rows])
         act_AF = F.silu(gate_up_AX[:, : self.hidden_dim]) * gate_up_AX[:, self.hidden_dim :]
+        if weights_A is not None:  # the router weights, where the experts' own path applies them
+            act_AF = act_AF * weights_A.unsqueeze(-1)
         out_AD = x_AD.new_empty(x_AD.shape[0], self.dim)
         for expert, rows in ranges:
             out_AD[rows] = self.down[expert](act_AF[rows])

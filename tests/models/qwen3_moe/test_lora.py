@@ -1,6 +1,6 @@
 """LoRA on a Qwen3-MoE model: which weights get adapters (attention, dense layers, every routed
-expert; never the router), an exact no-op at init, the merged model, the init a sharded model
-draws again, the sampler's merged weights, and the shapes memory plans count."""
+expert; never the router), a no-op at init (to float rounding), the merged model, the init a
+sharded model draws again, the sampler's merged weights, and the shapes memory plans count."""
 
 from __future__ import annotations
 
@@ -87,14 +87,16 @@ def test_train_mlp_alone_on_an_all_sparse_model_adapts_only_experts():
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_zero_B_adapters_leave_logits_bitwise_unchanged(tie):
+def test_zero_B_adapters_leave_logits_unchanged(tie):
     model = _model(tie=tie)
     tokens_BT = _tokens()
     with torch.no_grad():
         expected_BTV = model(tokens_BT)
     apply_lora(model, LoraConfig(rank=4))
     with torch.no_grad():
-        assert torch.equal(model(tokens_BT), expected_BTV)
+        # To float rounding, not bitwise: adapted experts run gate and up as two products
+        # (grouped_linear), the plain experts' CPU kernel as one [2F, D] product.
+        torch.testing.assert_close(model(tokens_BT), expected_BTV, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
