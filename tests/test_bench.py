@@ -169,3 +169,21 @@ def test_weight_sync_reports_each_case_side_by_side_and_exact_weights(tmp_path):
         "disaggregated_le_2x_plain_broadcast",
     }
     assert left_behind(tmp_path) == []
+
+
+def test_moe_ep_reports_both_modes_and_the_plan(tmp_path):
+    flags = ["--layers", "1", "--dim", "64", "--experts", "4", "--expert-width", "64"]
+    flags += ["--vocab", "64", "--sequences", "2", "--seq-len", "16", "--warmup", "1"]
+    report = run_bench("moe_ep.py", *flags, "--steps", "1", tmp_path=tmp_path)
+    assert report["bench"] == "moe_ep"
+    for mode in ("ep2", "fsdp"):
+        for key in ("experts_held_mib", "experts_gathered_mib", "step_s", "peak_extra_mib"):
+            assert len(report[mode][key]) == 2
+    assert (
+        report["ep2"]["experts_gathered_mib"] == [report["fsdp"]["experts_gathered_mib"][0] / 2] * 2
+    )
+    assert report["targets"] == {
+        "ep2_holds_half_the_expert_bytes": True,
+        "plan_within_5_percent": True,
+    }
+    assert left_behind(tmp_path) == []

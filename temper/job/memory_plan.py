@@ -269,7 +269,7 @@ class _Rows:
         ranks, ep = self.settings.shard_ranks, self.settings.ep
         experts = self.shapes.shard_numel(ranks, experts=True, trainable=not self.lora, ep=ep)
         experts *= _itemsize(dtype or self.dtype)
-        split = f" (ep {ep} x FSDP {ranks // ep})" if ep > 1 else ""
+        split = f", ep {ep} x FSDP {ranks // ep}" if ep > 1 else ""
         return [
             PlanRow(item=f"{what}: routed experts, {how}{split}", num_bytes=experts),
             PlanRow(item=f"{what}: the rest, {how}", num_bytes=num_bytes - experts),
