@@ -17,9 +17,12 @@ Reported per mode and rank:
   forward pre-hook reads the gathered parameters), beside the plan's share of a gathered block;
 - `step_s`: the median of the timed steps (each rank's);
 - `peak_extra_mib`: the most memory a rank held during a step beyond what it held before it
-  (CPU: resident memory, VmHWM after giving freed heap back; CUDA: the allocator's peak),
-  the largest over the timed steps: what FSDP gathers, activations, gradients and
-  all-to-all buffers (the other mode's engine is held throughout, and not counted).
+  (CPU: resident memory, VmHWM after giving freed heap back, with blocks of
+  --mmap-threshold-kib or more mapped and unmapped on their own so that freed ones do not
+  stay resident; CUDA: the allocator's peak), the largest over the timed steps: what FSDP
+  gathers, activations, gradients and all-to-all buffers (the other mode's engine is held
+  throughout, and not counted). Fresh mappings cost page faults: the steps are slower than
+  with glibc's default (--mmap-threshold-kib 0), the more so the more a mode allocates.
 Targets: with ep=2 each rank holds half of the expert bytes and the plan agrees within 5%.
 
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD python bench/moe_ep.py [--steps 5]
@@ -28,6 +31,7 @@ Targets: with ep=2 each rank holds half of the expert bytes and the plan agrees 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import json
@@ -57,6 +61,7 @@ MIB = 2**20
 ADAM = AdamParams(learning_rate=1e-4)
 MODES = {"ep2": 2, "fsdp": 1}
 WORLD_SIZE = 2
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ class Case:
     seq_len: int
     warmup: int
     steps: int
+    mmap_threshold_kib: int
 
 
 def model_config(case: Case):
@@ -178,6 +184,11 @@ def rank_entry(rank: int, case: Case, port: int, out_dir: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD_SIZE))
     device = torch.device("cpu")
     backend = "gloo"
+    if case.device == "cpu" and case.mmap_threshold_kib:
+        # Blocks this large get mappings of their own, unmapped when freed: otherwise glibc's
+        # adaptive threshold serves the gathered weights and gradients (MiBs each) from the
+        # heap, whose freed holes stay resident and add up in the peak.
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, case.mmap_threshold_kib * 1024)
     if case.device == "cuda":
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "nccl"
@@ -233,6 +244,7 @@ def summarize(case: Case, ranks: list[dict]) -> dict:
             "expert_mib": round(config.expert_params * 4 / MIB, 1),
         },
         "tokens_per_rank": case.sequences * case.seq_len,
+        "mmap_threshold_kib": case.mmap_threshold_kib,
         "load_average": round(os.getloadavg()[0], 2),
     }
     for name, ep in MODES.items():
@@ -267,6 +279,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--mmap-threshold-kib",
+        type=int,
+        default=64,
+        help="CPU: glibc's mmap threshold for the ranks (0: glibc's adaptive default)",
+    )
     args = parser.parse_args()
     case = Case(**{key: value for key, value in vars(args).items()})
     if case.device == "cuda" and torch.cuda.device_count() < WORLD_SIZE:
