@@ -21,6 +21,9 @@ right above its fence:
     <!-- docs-check: skip "PREFIX" (reason) -->    commands starting with PREFIX do not run
     <!-- docs-check: help "PREFIX" (reason) -->    commands starting with PREFIX run as
                                                    `temper <words before the first flag> --help`
+    <!-- docs-check: exits-1 "PREFIX" (reason) -->  commands starting with PREFIX must exit
+                                                   with status 1 (a `temper plan` that does
+                                                   not fit)
     <!-- docs-check: continues -->                 the previous block of the same kind in this
                                                    file runs first: the same Python script, or
                                                    the same directory for shell commands
@@ -69,7 +72,7 @@ QUICK_FLAGS = {
 
 _FENCE = re.compile(r"^(```+)\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"^\s*<!--\s*docs-check:\s*(.*?)\s*-->\s*$")
-_LINE_RULE = re.compile(r'^(skip|help)\s+"([^"]+)"\s*\((.+)\)$')
+_LINE_RULE = re.compile(r'^(skip|help|exits-1)\s+"([^"]+)"\s*\((.+)\)$')
 _SETUP = re.compile(r'^(setup|stopped-run)\s+"(.+)"$')
 _BLOCK_SKIP = re.compile(r"^skip\s*\((.+)\)$")
 
@@ -81,7 +84,7 @@ def _fail(message: str) -> NoReturn:
 
 @dataclasses.dataclass
 class LineRule:
-    action: str  # "skip" or "help"
+    action: str  # "skip", "help" or "exits-1"
     prefix: str
     reason: str
 
@@ -272,21 +275,32 @@ def _failure(where: str, what: str, result: subprocess.CompletedProcess | None, 
 
 
 def _run_checked(
-    args: list[str], *, cwd: Path, env: dict[str, str], where: str, what: str, note: str = ""
+    args: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    where: str,
+    what: str,
+    note: str = "",
+    status: int = 0,
 ) -> None:
-    """Run `args`; fail naming `where` and `what` on a timeout or a nonzero exit status."""
+    """Run `args`; fail naming `where` and `what` on a timeout or an exit status other than
+    `status`."""
     try:
         result = subprocess.run(
             args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
         )
     except subprocess.TimeoutExpired:
         _fail(f"{where}: {what} took more than {TIMEOUT_S} s")
-    if result.returncode != 0:
-        _fail(_failure(where, what, result, f"exit status {result.returncode}{note}"))
+    if result.returncode != status:
+        expected = f" (expected {status})" if status else ""
+        _fail(_failure(where, what, result, f"exit status {result.returncode}{expected}{note}"))
 
 
-def _run(command: str, *, cwd: Path, env: dict[str, str], where: str) -> None:
-    _run_checked(["bash", "-c", command], cwd=cwd, env=env, where=where, what=f"`{command}`")
+def _run(command: str, *, cwd: Path, env: dict[str, str], where: str, status: int = 0) -> None:
+    _run_checked(
+        ["bash", "-c", command], cwd=cwd, env=env, where=where, what=f"`{command}`", status=status
+    )
 
 
 def _stopped_run(command: str, *, cwd: Path, env: dict[str, str], where: str) -> None:
@@ -397,7 +411,8 @@ def run_block(block: Block, workdir: Path) -> list[str]:
                     '(<!-- docs-check: skip "PREFIX" (reason) -->)'
                 )
             flags = quick_flags(command) if rule is None else ""
-            _run(f"{command} {flags}".strip(), cwd=workdir, env=env, where=where)
+            status = 1 if rule is not None and rule.action == "exits-1" else 0
+            _run(f"{command} {flags}".strip(), cwd=workdir, env=env, where=where, status=status)
     return skipped
 
 

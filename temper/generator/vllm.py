@@ -34,6 +34,7 @@ them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, unless already set).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -79,12 +80,32 @@ class _InlineEngines:
     def __init__(self) -> None:
         self.running: list[Any] = []
         self.closed: list[Any] = []
+        self.moe: set[int] = set()  # ids of the running engines that serve a MoE model
 
-    def add(self, llm: Any) -> None:
+    def check_can_start(self, *, moe: bool) -> None:
+        """vLLM sets its process-wide state up for the first engine; for a dense model it has
+        no expert-parallel group, which a MoE model's engine needs. Engines that were dropped
+        but not yet collected are collected first."""
+        if not moe or not self.running or self.moe:
+            return
+        gc.collect()  # finalizes dropped generators (weakref.finalize closes their engines)
+        if self.running and not self.moe:
+            raise ValueError(
+                "VllmGenerator: a MoE model's vLLM engine cannot start in this process while "
+                f"{len(self.running)} dense model engine(s) run here (vLLM keeps one "
+                "distributed state per process, and a dense model's has no expert-parallel "
+                "group); close them first, or set VllmGenerator.Config.engine_process="
+                "'separate'"
+            )
+
+    def add(self, llm: Any, *, moe: bool) -> None:
         self.running.append(llm)
+        if moe:
+            self.moe.add(id(llm))
 
     def close(self, llm: Any) -> None:
         self.running = [other for other in self.running if other is not llm]
+        self.moe.discard(id(llm))
         self.closed.append(llm)
         if not self.running:
             for engine in self.closed:
@@ -196,6 +217,9 @@ class VllmGenerator(Configurable, OnePromptSampling):
             tokenizer_given=tokenizer is not None,
             gpu=GpuMemory.now(),
         )
+        moe = bool(getattr(model_config, "num_experts", 0))
+        if self._inline:
+            self._inline_engines.check_can_start(moe=moe)
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
         try:
             with torch.random.fork_rng(devices=[]):
@@ -204,7 +228,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             torch.set_num_threads = set_num_threads  # see the module docstring
             random.setstate(python_random)  # vLLM seeds the process's global generators
         if self._inline:
-            self._inline_engines.add(self._llm)
+            self._inline_engines.add(self._llm, moe=moe)
         # Shut down by `close`, or when this generator is garbage collected.
         self._release = weakref.finalize(
             self,

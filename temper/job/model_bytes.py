@@ -296,20 +296,19 @@ _SAVED_PER_TOKEN_LAYER = {
 # (tests/job/test_memory_plan.py).
 _MIXED_SAVED_BYTES_PER_TOKEN_LAYER = {False: (21.5, 10.5, 8), True: (9, 8.5, 8)}
 # A sparse layer's routed experts save, per token, in place of a dense layer's F term: the
-# top_k rows sent to the experts and their outputs (2 x K x D elements), gate and up and their
-# product (3 x K x F elements of the expert width), the router's fp32 softmax (4 bytes per
-# expert) and, per assignment, its expert, its place in the sorted rows and its weight (about
-# 32 bytes). The elements are the experts' compute dtype: the model's; under 'bf16-mixed'
-# fp32 for trained experts (their per-expert matmuls take the fp32 residual stream as it is),
-# bf16 for a LoRA base. A sparse layer also keeps one D-wide input fewer than the dense
-# layer the D coefficients were measured on: with LoRA the MLP adapters' input (frozen
-# experts and router keep none; bf16 under 'bf16-mixed'), and in 'bf16-mixed' full
-# fine-tuning one of the bf16 casts of the MLP's fp32 input (gate and up cast it each, the
-# router once). Measured the same way on the per-expert path (tests/job/
-# test_memory_plan_moe.py); the grouped kernel on CUDA keeps one more K x F tensor through
-# autograd.
-_EXPERT_ROWS_PER_TOKEN, _EXPERT_WIDTH_PER_TOKEN = 2, 3
-_ROUTER_BYTES_PER_EXPERT, _BYTES_PER_ASSIGNMENT = 4, 32
+# top_k rows sent to the experts (K x D elements; the summed outputs keep only indices), gate
+# and up and their product (3 x K x F elements of the expert width), the router's fp32 softmax
+# (4 bytes per expert) and, per assignment, its expert, its place in the sorted rows and its
+# weight (about 40 bytes). The elements are the experts' compute dtype: the model's, bf16
+# under 'bf16-mixed' (the experts cast their rows and weights as autocast casts a linear's).
+# A sparse layer also keeps one D-wide input fewer than the dense layer the D coefficients
+# were measured on: with LoRA the MLP adapters' input (frozen experts and router keep none;
+# bf16 under 'bf16-mixed'), and in 'bf16-mixed' full fine-tuning one of the bf16 casts of the
+# MLP's fp32 input (gate and up cast it each, the router once). Measured the same way on the
+# per-expert path (tests/job/test_memory_plan_moe.py); the grouped kernel on CUDA keeps more
+# through autograd (its gate, up and product as separate tensors, and the output rows).
+_EXPERT_ROWS_PER_TOKEN, _EXPERT_WIDTH_PER_TOKEN = 1, 3
+_ROUTER_BYTES_PER_EXPERT, _BYTES_PER_ASSIGNMENT = 4, 40
 
 
 def activation_bytes(
@@ -356,8 +355,7 @@ def _is_sparse(decoder: DecoderConfig, layer_index: int) -> bool:
 def _expert_bytes_per_token(decoder: MoEDecoderConfig, *, dtype: str, lora: bool) -> float:
     """What a sparse layer's routed experts and router save per token (see above)."""
     if dtype == "bf16-mixed":
-        element = 2 if lora else 4
-        fewer_input = 2
+        element = fewer_input = 2
     else:
         element = parse_dtype(dtype).itemsize
         fewer_input = element if lora else 0

@@ -123,3 +123,19 @@ def test_without_the_moe_reload_workaround_vllm_reads_unpacked_experts(monkeypat
         assert (vllm.score([PROMPTS[2]])[0] - reference).abs().max() < TOLERANCE
     finally:
         vllm.close()
+
+
+def test_a_moe_engine_does_not_start_beside_a_running_dense_one():
+    # vLLM's process-wide state is set up by the first engine; a dense model's has no
+    # expert-parallel group. Stand-in engines: only the bookkeeping is under test.
+    engines = vllm_backend._InlineEngines()
+    dense = object()
+    engines.add(dense, moe=False)
+    engines.check_can_start(moe=False)
+    with pytest.raises(ValueError, match=r"MoE model's vLLM engine cannot start .* 1 dense"):
+        engines.check_can_start(moe=True)
+    engines.running.remove(dense)  # as its shutdown at close would
+    engines.check_can_start(moe=True)
+    engines.add(object(), moe=True)
+    engines.add(object(), moe=False)
+    engines.check_can_start(moe=True)  # a MoE engine set the state up: it has the group
