@@ -159,8 +159,8 @@ class Mode:
 
     def report(self) -> dict:
         return {
-            "experts_held_mib": round(self.held / MIB, 2),
-            "experts_gathered_mib": round(max(self.gathered) / MIB, 2),
+            "experts_held_mib": round(self.held / MIB, 4),
+            "experts_gathered_mib": round(max(self.gathered) / MIB, 4),
             "step_s": round(statistics.median(self.times), 4),
             "peak_extra_mib": round(max(self.extra_mib), 1),
         }

@@ -3,7 +3,7 @@ group, each token's rows sent to the rank that holds its experts and back with a
 
 Shapes: A token-expert assignments on this rank (rows sorted by expert), R rows this rank's
 experts receive from every rank of the group, D row width, E experts, L = E / P experts per
-rank, P ranks in the group.
+rank, P ranks in the group, X = L x P runs of received rows (one per local expert and source).
 
 The seam is the experts module's call, not the MoE block: `experts(x_AD, *, counts_E,
 offsets_E, weights_A=None)` on the rows of all E experts sorted by expert (as `MoE.combine`
@@ -100,7 +100,8 @@ class ExpertParallel:
 
 @functools.cache
 def _expert_parallel_class(cls: type) -> type:
-    """`cls` with `ExpertParallel` mixed in (one class per experts class)."""
+    """`cls` with `ExpertParallel` mixed in: one class per experts class, made once (as FSDP
+    makes its own), so every layer's experts share it."""
     return type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
 
 
