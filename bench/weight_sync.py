@@ -63,7 +63,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from temper.checkpoint.gather import sampler_share, sampler_state_dict, sampler_stream
-from temper.distributed.parallel_dims import ParallelDims
+from temper.distributed.parallel_dims import MeshDegrees, ParallelDims
 from temper.distributed.placement import Placement, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, BucketSender, drain
@@ -285,7 +285,9 @@ def run_rank(rank: int, case: Case) -> dict:
         Placement.Config(mode="disaggregated", generator_ranks=1, bucket_mb=case.bucket_mb),
         world_size=case.trainer_ranks + 1,
     )
-    mesh = (1, case.trainer_ranks, 1) if case.trainer_ranks > 1 else None
+    mesh = None
+    if case.trainer_ranks > 1:
+        mesh = MeshDegrees(dp_replicate=1, dp_shard=case.trainer_ranks, tp=1)
     roles = placement.split(trainer_mesh=mesh, device_type=device.type)
     everyone = dist.new_group(backend="gloo")
     if roles.is_generator:

@@ -182,4 +182,25 @@ def test_routing_replay_reports_both_runs_and_no_disagreement_with_replay(tmp_pa
         assert "mismatch/kl:mean" in run and "mismatch/router_topk_diff:mean" in run
     assert replayed["mismatch/topk_diff:max"] == 0
     assert off["mismatch/topk_diff:mean"] == off["mismatch/router_topk_diff:mean"]
+
+
+def test_moe_ep_reports_both_modes_and_the_plan(tmp_path):
+    flags = ["--layers", "1", "--dim", "64", "--experts", "4", "--expert-width", "64"]
+    flags += ["--vocab", "64", "--sequences", "2", "--seq-len", "16", "--warmup", "1"]
+    report = run_bench("moe_ep.py", *flags, "--steps", "1", tmp_path=tmp_path)
+    assert report["bench"] == "moe_ep"
+    for mode in ("ep2", "fsdp"):
+        for key in ("experts_held_mib", "experts_gathered_mib", "step_s", "peak_extra_mib"):
+            assert len(report[mode][key]) == 2
+    # ep 2 gathers half of what FSDP gathers (0.1875 and 0.375 MiB).
+    ep2_mib, fsdp_mib = (
+        report["ep2"]["experts_gathered_mib"],
+        report["fsdp"]["experts_gathered_mib"],
+    )
+    for ep2, fsdp in zip(ep2_mib, fsdp_mib, strict=True):
+        assert ep2 == pytest.approx(fsdp / 2, abs=1e-3)
+    assert report["targets"] == {
+        "ep2_holds_half_the_expert_bytes": True,
+        "plan_within_5_percent": True,
+    }
     assert left_behind(tmp_path) == []

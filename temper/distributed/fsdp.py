@@ -1,7 +1,9 @@
 """FSDP2 (`fully_shard`) for any model made of a root and a list of blocks.
 
 Each block is its own FSDP unit (all-gathered just before it runs, freed after), the root
-holds what is left (embedding, final norm, unembedding, adapters on them).
+holds what is left (embedding, final norm, unembedding, adapters on them). Modules that are
+sharded over a mesh of their own (expert-parallel experts, over the ranks that hold the same
+experts) are units of their own inside their block, sharded first.
 
 Two things differ from FSDP's defaults:
 - Gradients are summed over data-parallel ranks, not averaged. Temper's losses are sums over
@@ -38,13 +40,22 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     forward_methods: Sequence[str] = (),
+    inner: Iterable[tuple[nn.Module, DeviceMesh]] = (),
 ) -> FSDPModule:
-    """Shard each of `blocks` and then the root `model` over `mesh` (1-D FSDP, 2-D HSDP).
+    """Shard each of `inner` over its own mesh, then each of `blocks` and then the root
+    `model` over `mesh` (1-D FSDP, 2-D HSDP).
 
     `param_dtype`/`reduce_dtype` set a mixed-precision policy (None keeps the parameters'
     dtype). Returns the model, now an `FSDPModule`.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module, module_mesh in inner:
+        fully_shard(
+            module,
+            mesh=module_mesh,
+            mp_policy=policy,
+            reshard_after_forward=reshard_after_forward,
+        )
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

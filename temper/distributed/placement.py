@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.distributed.parallel_dims import MeshDegrees
 from temper.distributed.weight_transfer import WeightChannel
 from temper.distributed.world import TrainerWorld
 
@@ -168,7 +169,7 @@ class Placement(Configurable):
             self.world_size - self.config.generator_ranks if self.disaggregated else self.world_size
         )
 
-    def split(self, *, trainer_mesh: tuple[int, int, int] | None, device_type: str) -> Roles:
+    def split(self, *, trainer_mesh: MeshDegrees | None, device_type: str) -> Roles:
         """Build every group of a disaggregated placement (collective over the whole world)
         and return this rank's roles; `trainer_mesh`: the trainer's sharding degrees (None:
         an unsharded trainer on one rank)."""

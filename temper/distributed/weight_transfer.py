@@ -147,15 +147,16 @@ class BucketSender:
 
     def _bytes(self, end: int, *, start: int = 0) -> torch.Tensor:
         """Bytes [start, end) of the packed buffer. An empty buffer too small for `end` is
-        replaced by one twice as large (from 1 MiB, up to `bucket_bytes`): a small model
-        never allocates a whole bucket, and growing never holds two buffers."""
+        replaced by one twice as large (from 1 MiB, up to `bucket_bytes`, or `end` for a
+        single row larger than a bucket): a small model never allocates a whole bucket, and
+        growing never holds two buffers."""
         if end == 0:
             return torch.empty(0, dtype=torch.uint8, device=self._device)
         held = self._held()
         if held < end:
             assert start == 0, "the buffer grows only while empty"
             self._buffer = None  # the old one goes before the larger one comes
-            size = min(self._bucket_bytes, max(end, 2 * held, 2**20))
+            size = max(end, min(self._bucket_bytes, max(2 * held, 2**20)))
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         assert self._buffer is not None
         return self._buffer[start:end]

@@ -24,7 +24,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from temper.distributed.parallel_dims import MESH_DIMS
+from temper.distributed.parallel_dims import EXPERT_MESH_DIMS, MESH_DIMS, MeshDegrees
+
+
+@dataclass(frozen=True)
+class TrainerMeshes:
+    """The device meshes a sharded trainer runs on."""
+
+    mesh: DeviceMesh
+    """`(dp_replicate, dp_shard, tp)` over the trainer's ranks."""
+    dp: DeviceMesh
+    """Its data-parallel ranks flattened (dp_replicate x dp_shard)."""
+    experts: DeviceMesh | None
+    """`(dp_replicate, efsdp, ep, tp)`: dp_shard split for routed experts (expert
+    parallelism, parallel_dims.py); None when ep is 1."""
 
 
 @dataclass
@@ -35,9 +48,7 @@ class TrainerWorld:
     """The trainer ranks' process group; None: the default group (the whole world)."""
     loop_group: Any = None
     """A gloo group over the trainer ranks for the loop's collectives (placement only)."""
-    _meshes: dict[tuple[int, int, int, str], tuple[DeviceMesh, DeviceMesh]] = field(
-        default_factory=dict
-    )
+    _meshes: dict[tuple[MeshDegrees, str], TrainerMeshes] = field(default_factory=dict)
 
     @property
     def is_whole(self) -> bool:
@@ -53,38 +64,43 @@ class TrainerWorld:
         """This process's rank among the trainer's ranks."""
         return self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
 
-    def mesh(
-        self, degrees: tuple[int, int, int], *, device_type: str
-    ) -> tuple[DeviceMesh, DeviceMesh]:
-        """The `(dp_replicate, dp_shard, tp)` mesh over the trainer's ranks and its flattened
-        data-parallel mesh. The whole world builds a new one (collective: every rank calls
-        it); a placement's trainer ranks get the one `prepare_mesh` built on every rank."""
+    def mesh(self, degrees: MeshDegrees, *, device_type: str) -> TrainerMeshes:
+        """The meshes of `degrees` over the trainer's ranks. The whole world builds new ones
+        (collective: every rank calls it); a placement's trainer ranks get the ones
+        `prepare_mesh` built on every rank."""
         if self.is_whole:
-            return _build_mesh(self.ranks, degrees, device_type=device_type)
-        key = (*degrees, device_type)
+            return _build_meshes(self.ranks, degrees, device_type=device_type)
+        key = (degrees, device_type)
         if key not in self._meshes:
-            prepared = [f"{k[:3]} on {k[3]}" for k in self._meshes] or ["none"]
+            prepared = [f"{d} on {device}" for d, device in self._meshes] or ["none"]
             raise ValueError(
-                f"the trainer's mesh {degrees} (dp_replicate, dp_shard, tp) on {device_type} "
-                f"was not prepared by the placement, which prepared {', '.join(prepared)}; "
-                "give the job's sharding degrees to the placement"
+                f"the trainer's mesh {degrees} on {device_type} was not prepared by the "
+                f"placement, which prepared {', '.join(prepared)}; give the job's sharding "
+                "degrees to the placement"
             )
         return self._meshes[key]
 
-    def prepare_mesh(self, degrees: tuple[int, int, int], *, device_type: str) -> None:
-        """Build the trainer's mesh for `degrees` ahead of time. Collective over the whole
+    def prepare_mesh(self, degrees: MeshDegrees, *, device_type: str) -> None:
+        """Build the trainer's meshes for `degrees` ahead of time. Collective over the whole
         world (generator ranks too)."""
-        self._meshes[(*degrees, device_type)] = _build_mesh(
+        self._meshes[(degrees, device_type)] = _build_meshes(
             self.ranks, degrees, device_type=device_type
         )
 
 
-def _build_mesh(
-    ranks: tuple[int, ...], degrees: tuple[int, int, int], *, device_type: str
-) -> tuple[DeviceMesh, DeviceMesh]:
-    layout = torch.tensor(ranks, dtype=torch.int64).reshape(degrees)
+def _build_meshes(
+    ranks: tuple[int, ...], degrees: MeshDegrees, *, device_type: str
+) -> TrainerMeshes:
+    layout = torch.tensor(ranks, dtype=torch.int64).reshape(degrees.shape)
     mesh = DeviceMesh(device_type, layout, mesh_dim_names=MESH_DIMS)
-    return mesh, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    experts = None
+    if degrees.ep > 1:
+        # From the same root, so FSDP can combine the expert mesh's dimensions with the
+        # others; ep innermost: an ep group is neighbouring dp_shard ranks.
+        efsdp, ep = degrees.expert_shape[1:3]
+        experts = mesh._unflatten("dp_shard", (efsdp, ep), EXPERT_MESH_DIMS[1:3])
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return TrainerMeshes(mesh=mesh, dp=dp, experts=experts)
 
 
 _current: TrainerWorld | None = None

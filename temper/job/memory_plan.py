@@ -22,9 +22,13 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   reduces. An unsharded 'bf16-mixed' trainer instead keeps autocast's bf16 casts of the
   weights for backward.
 - MoE models: the routed experts are stacked [E, ...] parameters, sharded on the expert
-  dimension over the FSDP ranks like every dim 0 (ceil(E / T) experts per rank; expert
-  parallelism is not planned), and their weights get rows of their own, the trainer's and the
-  generator's. A gathered block is the largest one (a sparse block holds all its experts).
+  dimension over the FSDP ranks like every dim 0 (ceil(E / T) experts per rank), and their
+  weights get rows of their own, the trainer's and the generator's. A gathered block is the
+  largest one (a sparse block holds all its experts). With expert parallelism (`ep`) each
+  layer's experts are split into ep parts first, each FSDP-sharded over T / ep ranks
+  (ceil(E / ep / (T / ep)) experts per rank), and a gathered sparse block holds one part
+  (E / ep experts). The activations are counted as without it: with even routing a rank's
+  experts receive as many rows as its tokens send out.
 - Activations (an estimate): what autograd keeps for one micro-batch of
   min(micro_batch_tokens, the rank's share of the step) tokens, per token and layer as
   measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it;
@@ -168,18 +172,29 @@ def _shard(settings: PlanSettings) -> str:
     if ranks == 1:
         return f"whole trainer (DDP over {replicas})" if replicas > 1 else "whole trainer"
     copies = f", {replicas} replicas" if replicas > 1 else ""
-    return f"trainer shard (1/{ranks}{copies})"
+    experts = f", experts ep {settings.ep}" if settings.ep > 1 else ""
+    return f"trainer shard (1/{ranks}{copies}{experts})"
 
 
 def _layout(settings: PlanSettings) -> str:
     """How the trainer ranks hold the weights, in the trainer role's description."""
     ranks, replicas = settings.shard_ranks, settings.dp_replicate
+    experts = f", experts ep {settings.ep}" if settings.ep > 1 else ""
     if replicas == 1:
-        return f"FSDP over {ranks}"
-    return f"DDP over {replicas}" if ranks == 1 else f"FSDP over {ranks}, {replicas} replicas"
+        return f"FSDP over {ranks}{experts}"
+    if ranks == 1:
+        return f"DDP over {replicas}"
+    return f"FSDP over {ranks}, {replicas} replicas{experts}"
 
 
 def _check_model(settings: PlanSettings, decoder: DecoderConfig) -> None:
+    if settings.ep > 1:
+        num_experts = getattr(decoder, "num_experts", None)
+        if num_experts is None or num_experts % settings.ep:
+            what = "a dense model" if num_experts is None else f"num_experts ({num_experts})"
+            raise ValueError(
+                f"ep={settings.ep} must divide the model's routed experts; it has {what}"
+            )
     if settings.max_seq_len > decoder.max_seq_len:
         raise ValueError(
             f"max_seq_len={settings.max_seq_len} exceeds the model's max_seq_len "
@@ -219,7 +234,11 @@ class _Rows:
         settings = self.settings
         ranks = settings.shard_ranks
         held = TrainerBytes.of(
-            self.shapes, dtype=self.dtype, num_ranks=ranks, frozen_dtype=self.frozen_dtype
+            self.shapes,
+            dtype=self.dtype,
+            num_ranks=ranks,
+            frozen_dtype=self.frozen_dtype,
+            ep=settings.ep,
         )
         share = f"1/{ranks} of " if ranks > 1 else ""
         if self.lora:
@@ -244,14 +263,15 @@ class _Rows:
     ) -> list[PlanRow]:
         """One row for a trainer rank's weights, `num_bytes` of them in `dtype` (None: the
         trained dtype); a MoE model's routed experts on a row of their own (sharded over
-        the FSDP ranks like the rest)."""
+        the FSDP ranks like the rest; split ep ways first with expert parallelism)."""
         if not self.shapes.expert_numel:
             return [PlanRow(item=f"{what}, {how}", num_bytes=num_bytes)]
-        ranks = self.settings.shard_ranks
-        experts = self.shapes.shard_numel(ranks, experts=True, trainable=not self.lora)
+        ranks, ep = self.settings.shard_ranks, self.settings.ep
+        experts = self.shapes.shard_numel(ranks, experts=True, trainable=not self.lora, ep=ep)
         experts *= _itemsize(dtype or self.dtype)
+        split = f", ep {ep} x FSDP {ranks // ep}" if ep > 1 else ""
         return [
-            PlanRow(item=f"{what}: routed experts, {how}", num_bytes=experts),
+            PlanRow(item=f"{what}: routed experts, {how}{split}", num_bytes=experts),
             PlanRow(item=f"{what}: the rest, {how}", num_bytes=num_bytes - experts),
         ]
 
@@ -287,10 +307,11 @@ class _Rows:
     def _fsdp_copies(self, size: int) -> list[PlanRow]:
         """What FSDP gathers (or casts) while training, `size` bytes an element."""
         shapes = self.shapes
-        root, block = shapes.numel(root=True), shapes.largest_block_numel
+        root, block = shapes.numel(root=True), shapes.gathered_block_numel(ep=self.settings.ep)
+        part = f" (1/{self.settings.ep} of the experts)" if self.settings.ep > 1 else ""
         rows = [
             PlanRow(
-                item="FSDP gathered: embeddings, output, 2 blocks",
+                item=f"FSDP gathered: embeddings, output, 2 blocks{part}",
                 num_bytes=(root + 2 * block) * size,
                 phase="training",
             )
@@ -392,6 +413,7 @@ class _Rows:
             world_size=settings.world_size,
             trainer_ranks=settings.trainer_ranks,
             dp_replicate=settings.dp_replicate,
+            ep=settings.ep,
         )
         if groups:
             count = f"{len(groups)} communicator" + ("s" if len(groups) > 1 else "")

@@ -8,8 +8,10 @@ per rank for `temper plan` and a job's startup log; the server counts its models
 Shapes come from a model built on the meta device (nothing is allocated), so they are the
 model code's own, LoRA targets and the untying of a merged tied unembedding included. A MoE
 model's routed experts are stacked parameters ([E, ...]) that FSDP shards on the expert
-dimension like any other dim 0; `ModelShapes` tells them apart (`experts=True`), and the
-activations of a sparse layer follow its top_k experts' width, not `ffn_dim`.
+dimension like any other dim 0 (with expert parallelism: split into `ep` parts first, each
+part FSDP-sharded over the shard ranks / ep); `ModelShapes` tells them apart
+(`experts=True`), and the activations of a sparse layer follow its top_k experts' width, not
+`ffn_dim`.
 """
 
 from __future__ import annotations
@@ -81,13 +83,19 @@ class ModelShapes:
         )
 
     def shard_numel(
-        self, num_ranks: int, *, trainable: bool | None = None, experts: bool | None = None
+        self,
+        num_ranks: int,
+        *,
+        trainable: bool | None = None,
+        experts: bool | None = None,
+        ep: int = 1,
     ) -> int:
         """Elements one rank holds of the parameters (`trainable` ones, frozen ones, or all
         with None; those of routed experts, the others, or all with `experts` None) sharded
-        on dim 0 over `num_ranks` (FSDP2 pads to ceil(dim0 / ranks))."""
+        on dim 0 over `num_ranks` (FSDP2 pads to ceil(dim0 / ranks)); with expert parallelism
+        (`ep` > 1) the experts' E / ep of a rank's ep part over num_ranks / ep."""
         return sum(
-            _shard_numel(shape, num_ranks)
+            _shard_numel(shape, num_ranks, ep=ep if is_expert(name) else 1)
             for name, shape, is_trainable in self.trainer
             if (trainable is None or is_trainable == trainable)
             and (experts is None or is_expert(name) == experts)
@@ -107,11 +115,17 @@ class ModelShapes:
     def largest_block_numel(self) -> int:
         """Elements of the largest block (what FSDP gathers for one block): a MoE model's
         sparse blocks outweigh its dense ones."""
+        return self.gathered_block_numel(ep=1)
+
+    def gathered_block_numel(self, *, ep: int) -> int:
+        """Elements FSDP gathers to run the largest block: all of it, but with expert
+        parallelism only 1 / ep of a sparse block's experts (the rank's ep part)."""
         blocks: dict[str, int] = {}
         for name, shape, _ in self.trainer:
             if name.startswith("blocks."):
                 index = name.split(".")[1]
-                blocks[index] = blocks.get(index, 0) + math.prod(shape)
+                numel = math.prod(shape) // (ep if is_expert(name) else 1)
+                blocks[index] = blocks.get(index, 0) + numel
         return max(blocks.values())
 
     def numel(self, *, prefix: str = "", root: bool = False) -> int:
@@ -144,14 +158,15 @@ class TrainerBytes:
         dtype: str,
         num_ranks: int = 1,
         frozen_dtype: str | None = None,
+        ep: int = 1,
     ) -> TrainerBytes:
-        """One rank's share of `shapes` sharded over `num_ranks` (FSDP2's padded shards), the
-        trained weights in `dtype`, the frozen ones in `frozen_dtype` (None: `dtype`)."""
+        """One rank's share of `shapes` sharded over `num_ranks` (FSDP2's padded shards; the
+        experts split `ep` ways first), the trained weights in `dtype`, the frozen ones in
+        `frozen_dtype` (None: `dtype`)."""
         frozen_size = parse_dtype(frozen_dtype or dtype).itemsize
-        return cls(
-            frozen=shapes.shard_numel(num_ranks, trainable=False) * frozen_size,
-            trained=shapes.shard_numel(num_ranks, trainable=True) * parse_dtype(dtype).itemsize,
-        )
+        frozen = shapes.shard_numel(num_ranks, trainable=False, ep=ep)
+        trained = shapes.shard_numel(num_ranks, trainable=True, ep=ep)
+        return cls(frozen=frozen * frozen_size, trained=trained * parse_dtype(dtype).itemsize)
 
     @property
     def weights(self) -> int:
@@ -246,8 +261,10 @@ def _at_rank(name: str, shape: tuple[int, ...], rank: int | None) -> tuple[int, 
     return shape
 
 
-def _shard_numel(shape: tuple[int, ...], num_ranks: int) -> int:
-    return math.ceil(shape[0] / num_ranks) * math.prod(shape[1:])
+def _shard_numel(shape: tuple[int, ...], num_ranks: int, *, ep: int) -> int:
+    """One rank's padded FSDP shard; with ep > 1 of its ep part (dim 0 / ep rows) over the
+    num_ranks / ep ranks that hold the same part."""
+    return math.ceil(shape[0] // ep / (num_ranks // ep)) * math.prod(shape[1:])
 
 
 def is_expert(name: str) -> bool:

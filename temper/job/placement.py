@@ -167,6 +167,7 @@ def plan_settings(
         generator_ranks=config.generator_ranks if disaggregated else 0,
         generator_tp=config.generator_tp,
         dp_replicate=sharding.dims.dp_replicate,
+        ep=sharding.dims.ep,
         batch=batch,
         max_seq_len=sampler.max_seq_len,
         max_batch=sampler.max_batch,

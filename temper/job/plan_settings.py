@@ -56,6 +56,11 @@ class PlanSettings:
     """Trainer ranks in whole-model groups (--sharding.dims.dp_replicate): weights, gradients
     and AdamW moments are sharded over trainer ranks / dp_replicate (FSDP when 1; DDP, whole
     copies on every rank, when it equals the trainer ranks)."""
+    ep: int = 1
+    """Expert-parallel degree of the trainer (--sharding.dims.ep; MoE models): each layer's
+    routed experts are split into ep parts over ep of the shard ranks, so a rank gathers one
+    part to run a layer, not all of its experts; must divide trainer ranks / dp_replicate and
+    the model's num_experts."""
     batch: int = 256
     """Sequences sampled per step, over all generators (rl.prompts_per_step x rl.group_size)."""
     max_seq_len: int = 2048
@@ -93,7 +98,7 @@ class PlanSettings:
 
     def __post_init__(self) -> None:
         check_range(self.prefix_cache_mib, field="prefix_cache_mib", at_least=0)
-        positive = ("nnodes", "nproc_per_node", "generator_tp", "dp_replicate", "batch")
+        positive = ("nnodes", "nproc_per_node", "generator_tp", "dp_replicate", "ep", "batch")
         positive += ("max_seq_len", "micro_batch_tokens", "bucket_mb")
         for name in positive:
             check_range(getattr(self, name), field=name, integer=True, at_least=1)
@@ -150,6 +155,12 @@ class PlanSettings:
             raise ValueError(
                 f"dp_replicate={self.dp_replicate} must divide the {self.trainer_ranks} trainer "
                 "ranks (each whole-model group shards over trainer ranks / dp_replicate)"
+            )
+        if self.shard_ranks % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide the {self.shard_ranks} ranks each copy of the "
+                f"weights is sharded over ({self.trainer_ranks} trainer ranks / dp_replicate "
+                f"{self.dp_replicate}): expert parallelism borrows its ranks from them"
             )
 
     @property

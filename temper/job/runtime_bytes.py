@@ -64,7 +64,7 @@ def feed_forward_temporary_bytes(decoder: DecoderConfig, *, itemsize: int) -> in
 
 
 def nccl_communicators(
-    role: Role, *, world_size: int, trainer_ranks: int, dp_replicate: int
+    role: Role, *, world_size: int, trainer_ranks: int, dp_replicate: int, ep: int = 1
 ) -> tuple[str, ...]:
     """The NCCL communicators one rank of `role` takes part in, by group. launch.py binds the
     default group to the rank's GPU, so torch creates every group's communicator when the
@@ -74,7 +74,8 @@ def nccl_communicators(
     The trainer's `(dp_replicate, dp_shard, tp)` mesh (world.py) makes a group per dimension
     and one more for the flattened data-parallel dimension; torch reuses the default group
     for one that spans the whole world, so colocated FSDP or DDP adds nothing, and hybrid
-    (dp_replicate x dp_shard) adds its two dimensions. A disaggregated trainer's groups never
+    (dp_replicate x dp_shard) adds its two dimensions. Expert parallelism (ep > 1) splits
+    dp_shard into (efsdp, ep) for the experts, a group each. A disaggregated trainer's groups never
     span the world: each is a communicator of its own. Weight channels (placement.py): one
     data group per trainer rank, of that rank and every generator rank."""
     if world_size == 1:
@@ -83,7 +84,7 @@ def nccl_communicators(
         return ("default", *(f"weight channel {rank}" for rank in range(trainer_ranks)))
     mesh = tuple(
         f"mesh {name}"
-        for name, size in _dp_dims(trainer_ranks, dp_replicate)
+        for name, size in _dp_dims(trainer_ranks, dp_replicate, ep)
         if 1 < size < world_size
     )
     if role == "colocated":
@@ -92,7 +93,11 @@ def nccl_communicators(
     return ("default", *trainers, *mesh, "weight channel")
 
 
-def _dp_dims(trainer_ranks: int, dp_replicate: int) -> tuple[tuple[str, int], ...]:
-    """The data-parallel mesh dimensions and their sizes, the flattened one ('dp') last."""
+def _dp_dims(trainer_ranks: int, dp_replicate: int, ep: int) -> tuple[tuple[str, int], ...]:
+    """The data-parallel mesh dimensions and their sizes (the expert mesh's too), the
+    flattened one ('dp') last."""
     shard = trainer_ranks // dp_replicate
-    return (("dp_replicate", dp_replicate), ("dp_shard", shard), ("dp", trainer_ranks))
+    dims = (("dp_replicate", dp_replicate), ("dp_shard", shard))
+    if ep > 1:
+        dims += (("efsdp", shard // ep), ("ep", ep))
+    return (*dims, ("dp", trainer_ranks))

@@ -569,6 +569,12 @@ def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
             f"RLJob.Config.sharding.dims.tp={dims.tp}: the RL loop runs data-parallel only "
             "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
         )
+    if dims.ep_enabled:  # against the model's experts: its config alone, nothing built
+        try:
+            decoder = model_config(config.model.base_model)
+        except ValueError as error:
+            raise ValueError(f"--model.base_model: {error}") from None
+        dims.check_model(decoder)
     Ranks(rank=0, world_size=num_ranks).share(
         config.rl.prompts_per_step, field="RLJob.Config.rl.prompts_per_step"
     )

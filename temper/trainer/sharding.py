@@ -33,7 +33,7 @@ class Sharding(Configurable):
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
         dims: ParallelDims.Config = field(default_factory=ParallelDims.Config)
-        """Parallel degrees (dp_replicate x dp_shard x tp = world size)."""
+        """Parallel degrees (dp_replicate x dp_shard x tp = world size; ep divides dp_shard)."""
         activation_checkpointing: Literal["none", "full"] = "none"
         """'full' recomputes each block's activations in backward to save memory."""
         compile: bool = False
@@ -75,7 +75,8 @@ class Sharding(Configurable):
         self.dims = config.dims.build(world_size=self.world.size)
         self.dims.check_model(model.config)
         device = device or next(model.parameters()).device
-        self.mesh, self.dp_mesh = self.world.mesh(self.dims.degrees, device_type=device.type)
+        meshes = self.world.mesh(self.dims.degrees, device_type=device.type)
+        self.mesh, self.dp_mesh = meshes.mesh, meshes.dp
         param_dtype, reduce_dtype = config.param_dtype, config.reduce_dtype
         if compute_dtype is not None:
             param_dtype = param_dtype or dtype_name(compute_dtype)
@@ -84,6 +85,7 @@ class Sharding(Configurable):
             model,
             parallel_dims=self.dims,
             mesh=self.mesh,
+            expert_mesh=meshes.experts,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
             param_dtype=param_dtype,

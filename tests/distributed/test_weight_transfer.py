@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from temper.checkpoint.gather import sampler_share, sampler_state_dict
+from temper.distributed.parallel_dims import MeshDegrees
 from temper.distributed.placement import Placement
 from temper.distributed.weight_pieces import WeightRows, rows_of
 from temper.distributed.weight_transfer import BucketReceiver, BucketSender, WeightChannel
@@ -134,7 +135,9 @@ def _sync_main(rank: int) -> dict:
         Placement.Config(mode="disaggregated", generator_ranks=1, bucket_mb=BUCKET / MiB),
         world_size=3,
     )
-    roles = placement.split(trainer_mesh=(1, 2, 1), device_type="cpu")
+    roles = placement.split(
+        trainer_mesh=MeshDegrees(dp_replicate=1, dp_shard=2, tp=1), device_type="cpu"
+    )
     if roles.is_generator:
         model = materialize(MODEL, init="random", seed=2)  # resident, other values
         source = WeightSource(model)

@@ -1,5 +1,5 @@
-"""Parallelize a decoder (Qwen3, Llama 3, Qwen3-MoE): tensor parallel, activation checkpointing,
-compile, FSDP2.
+"""Parallelize a decoder (Qwen3, Llama 3, Qwen3-MoE): tensor parallel, expert parallel,
+activation checkpointing, compile, FSDP2.
 
 Applied in that order, to a model built on one device (model code stays single-device):
 
@@ -10,10 +10,13 @@ Applied in that order, to a model built on one device (model code stays single-d
    block norms and unembedding stay whole on every tp rank (activations between sublayers are
    replicated), so the logprob code works on plain tensors and needs no vocabulary-parallel
    loss; the price is one full [V, D] unembedding per tp rank.
-2. Activation checkpointing per block (recompute in backward).
-3. `torch.compile` per block (opt-in: on CPU each new shape costs 10-40 s).
-4. FSDP2 per block, then the root, over the data-parallel mesh (see temper/distributed/fsdp.py:
-   gradients summed over ranks).
+2. EP (ep > 1): each MoE block's experts module (adapters included) is split over the ep
+   ranks, tokens exchanged with all-to-all (temper/distributed/expert_parallel.py).
+3. Activation checkpointing per block (recompute in backward).
+4. `torch.compile` per block (opt-in: on CPU each new shape costs 10-40 s).
+5. FSDP2 per block, then the root, over the data-parallel mesh (see temper/distributed/fsdp.py:
+   gradients summed over ranks); expert-parallel experts first, each its own unit over the
+   ranks that hold the same experts (efsdp, and dp_replicate).
 
 LoRA adapters must be applied before this (they become part of the sharded modules). LoRA
 with TP is not supported yet: torch's row-wise style shards only `weight`/`bias`.
@@ -28,6 +31,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.device_mesh import DeviceMesh
 
+from temper.distributed.expert_parallel import apply_expert_parallel
 from temper.distributed.fsdp import apply_fsdp
 from temper.distributed.parallel_dims import ParallelDims
 from temper.distributed.tensor_parallel import (
@@ -39,6 +43,7 @@ from temper.distributed.tensor_parallel import (
 )
 from temper.models.build import parse_dtype
 from temper.models.common.feed_forward import SwiGLU
+from temper.models.common.moe import MoE
 from temper.models.lora import has_lora
 
 # [B, T, N, H] activations: the heads are dimension 2.
@@ -68,13 +73,15 @@ def parallelize_decoder(
     *,
     parallel_dims: ParallelDims,
     mesh: DeviceMesh | None,
+    expert_mesh: DeviceMesh | None = None,
     activation_checkpointing: Literal["none", "full"] = "none",
     compile: bool = False,
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
 ) -> nn.Module:
-    """Shard `model` in place as `parallel_dims` says, over `mesh` (from
-    `TrainerWorld.mesh`; None only when nothing is parallel). Returns the model.
+    """Shard `model` in place as `parallel_dims` says, over `mesh` and, with ep > 1,
+    `expert_mesh` (from `TrainerWorld.mesh`; None only when nothing is parallel). Returns the
+    model.
 
     `param_dtype`/`reduce_dtype` ('float32', 'bfloat16' or None) set FSDP mixed precision.
     """
@@ -86,6 +93,13 @@ def parallelize_decoder(
                 "(FSDP/DDP shard LoRA models) or full fine-tuning"
             )
         _apply_tp(model, mesh=mesh["tp"], tp=parallel_dims.tp)
+    inner = []
+    if parallel_dims.ep_enabled:
+        assert expert_mesh is not None, "ep > 1 needs the expert mesh"
+        expert_dp_mesh = parallel_dims.expert_dp_mesh(expert_mesh)
+        for experts in _routed_experts(model):
+            apply_expert_parallel(experts, mesh=expert_mesh["ep"])
+            inner.append((experts, expert_dp_mesh))
     for block in model.blocks:
         if activation_checkpointing == "full":
             checkpoint_module(block)
@@ -99,8 +113,16 @@ def parallelize_decoder(
             param_dtype=_dtype(param_dtype),
             reduce_dtype=_dtype(reduce_dtype),
             forward_methods=("hidden_states",),
+            inner=inner,
         )
     return model
+
+
+def _routed_experts(model: nn.Module) -> list[nn.Module]:
+    """The experts module of every MoE block."""
+    return [
+        block.feed_forward.experts for block in model.blocks if isinstance(block.feed_forward, MoE)
+    ]
 
 
 def _apply_tp(model: nn.Module, *, mesh: DeviceMesh, tp: int) -> None:
