@@ -32,7 +32,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -56,10 +56,19 @@ from temper.models.common.moe_stats import moe_layers
 from temper.models.lora import LoraConfig, apply_lora
 from temper.trainer.custom_loss import CustomLossFn, custom_loss_weights
 from temper.trainer.expert_threads import expert_threads_for
+from temper.trainer.gradient_stash import GradientStash
 from temper.trainer.inputs import MicroBatch, micro_batches, prepare, split_per_datum
 from temper.trainer.optim import AdamW
-from temper.trainer.precision import compute_in
-from temper.trainer.router_stats import AuxLossMode, RouterCall, RouterStats
+from temper.trainer.precision import compute_in, keep_trained_in_fp32
+from temper.trainer.router_stats import (
+    AuxLossMode,
+    RouterCall,
+    RouterStats,
+    backpropagate,
+    call_metrics,
+    objective,
+    recording,
+)
 from temper.trainer.routing_replay import RouteReplay, RouteShape
 from temper.trainer.sharding import Sharding
 from temper.trainer.shared_prefix import packed_logprobs
@@ -141,7 +150,7 @@ class TrainerEngine(Configurable):
         """The dtype matmuls run in; the generator of this trainer decodes in it."""
         self._autocast = compute_dtype  # None: fp32 and pure bf16 run as they are
         if compute_dtype is not None:
-            _keep_trained_in_fp32(model)  # before sharding: FSDP shards the fp32 masters
+            keep_trained_in_fp32(model)  # before sharding: FSDP shards the fp32 masters
         self.sharding = None
         if config.sharding is not None:
             device = None if weights is None else weights.device
@@ -253,15 +262,15 @@ class TrainerEngine(Configurable):
             return (logprobs_N * torch.cat([weights[row] for row in rows])).sum()
 
         router = self._router_call(prepared)
-        with self._atomic_gradients(), self._recording(router):
+        with self._atomic_gradients(), recording(router):
             for batch in batches:
                 with self._replaying(batch, routing_replay):
-                    self._backward(surrogate(batch), batch, router)
+                    backpropagate(surrogate(batch), batch, router)
             self._empty_passes(num_empty, backward=True)
         outputs = [{"logprobs": TensorData.from_torch(lp)} for lp in logprobs]
         metrics = {**metrics, "loss:sum": self._sum_over_dp(float(loss.detach()))}
         return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics=metrics | self._router_metrics(router)
+            loss_fn_outputs=outputs, metrics=metrics | call_metrics(router)
         )
 
     def optim_step(self, params: AdamParams) -> OptimStepResponse:
@@ -405,7 +414,7 @@ class TrainerEngine(Configurable):
         batches = self._batches(prepared, replay=replay) if self.thread_shards is None else []
         num_empty = self._num_empty_passes(len(batches))
         router = self._router_call(prepared) if backward else None
-        with self._atomic_gradients() if backward else torch.no_grad(), self._recording(router):
+        with self._atomic_gradients() if backward else torch.no_grad(), recording(router):
             if self.thread_shards is not None:
                 total_loss = self._run_in_threads(
                     prepared, spec, config, outputs, backward=backward, router=router, replay=replay
@@ -414,12 +423,12 @@ class TrainerEngine(Configurable):
                 with self._replaying(batch, replay):
                     loss = self._batch_loss(batch, spec, config, outputs)
                     if backward:
-                        self._backward(loss, batch, router)
+                        backpropagate(loss, batch, router)
                 total_loss += float(loss.detach())
             self._empty_passes(num_empty, backward=backward)
         if not backward:
             reshard_root(self.model)
-        metrics = {"loss:sum": self._sum_over_dp(total_loss)} | self._router_metrics(router)
+        metrics = {"loss:sum": self._sum_over_dp(total_loss)} | call_metrics(router)
         return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics=metrics)
 
     def _router_call(self, prepared: list) -> RouterCall | None:
@@ -427,27 +436,6 @@ class TrainerEngine(Configurable):
         if self.router is None:
             return None
         return RouterCall(self.router, prepared, device=self.device, sharding=self.sharding)
-
-    def _recording(self, router: RouterCall | None) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if router is None else router.stats.recording()
-
-    @staticmethod
-    def _objective(
-        loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None
-    ) -> torch.Tensor:
-        """What a micro-batch back-propagates: its loss, plus (MoE, "add") its weighted
-        load-balancing loss; on the thread that ran its forward, right after it."""
-        aux = None if router is None else router.take_batch(batch)
-        return loss if aux is None else loss + aux
-
-    def _backward(self, loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None) -> None:
-        self._objective(loss, batch, router).backward()
-        if router is not None:
-            router.stats.discard()  # what activation checkpointing's recomputation kept
-
-    @staticmethod
-    def _router_metrics(router: RouterCall | None) -> dict[str, float]:
-        return {} if router is None else router.metrics()
 
     def _batch_loss(self, batch: MicroBatch, spec, config, outputs: list) -> torch.Tensor:
         """The batch's summed loss; its datums' outputs go into `outputs`."""
@@ -503,9 +491,9 @@ class TrainerEngine(Configurable):
                     with self._replaying(batch, replay):
                         loss = self._batch_loss(batch, spec, config, outputs)
                         if backward:
-                            objective = self._objective(loss, batch, router)
+                            target = objective(loss, batch, router)
                             batch_grads = torch.autograd.grad(
-                                objective, self.trainable, allow_unused=True
+                                target, self.trainable, allow_unused=True
                             )
                             grads = (
                                 batch_grads
@@ -523,43 +511,10 @@ class TrainerEngine(Configurable):
                 parameter.grad = grad
         return sum(total for total, _ in results)
 
-    def _atomic_gradients(self) -> _GradientStash:
-        return _GradientStash(self.trainable)
-
-
-@torch.no_grad()
-def _keep_trained_in_fp32(model: nn.Module) -> None:
-    """The master weights of mixed precision: every trained parameter in fp32 (LoRA adapters
-    made in their bf16 base's dtype are cast; frozen weights stay as they are)."""
-    for parameter in model.parameters():
-        if parameter.requires_grad and parameter.dtype != torch.float32:
-            parameter.data = parameter.data.float()
+    def _atomic_gradients(self) -> GradientStash:
+        return GradientStash(self.trainable)
 
 
 def _float32_data(values: list[float], *, shape: tuple[int, ...]) -> TensorData:
     """TensorData of values read from a float32 tensor (exact in float32 already)."""
     return TensorData(data=values, dtype="float32", shape=shape)
-
-
-class _GradientStash:
-    """Set accumulated gradients aside for one call; add the call's to them on success,
-    restore them untouched on failure."""
-
-    def __init__(self, parameters: list[nn.Parameter]) -> None:
-        self.parameters = parameters
-        self.saved: list[torch.Tensor | None] = []
-
-    def __enter__(self) -> _GradientStash:
-        self.saved = [p.grad for p in self.parameters]
-        for parameter in self.parameters:
-            parameter.grad = None
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        for parameter, saved in zip(self.parameters, self.saved, strict=True):
-            if exc_type is not None:
-                parameter.grad = saved
-            elif saved is not None:
-                if parameter.grad is not None:
-                    saved.add_(parameter.grad)
-                parameter.grad = saved

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+from torch import nn
 
 PrecisionName = Literal["auto", "float32", "bf16-mixed", "bfloat16"]
 """A precision as a config names it; 'auto' is 'bf16-mixed' on CUDA and 'float32' elsewhere."""
@@ -88,3 +89,12 @@ def compute_in(device: torch.device, dtype: torch.dtype | None) -> Iterator[None
         return
     with torch.autocast(device.type, dtype=dtype):
         yield
+
+
+@torch.no_grad()
+def keep_trained_in_fp32(model: nn.Module) -> None:
+    """The master weights of mixed precision: every trained parameter in fp32 (LoRA adapters
+    made in their bf16 base's dtype are cast; frozen weights stay as they are)."""
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.float32:
+            parameter.data = parameter.data.float()

@@ -166,3 +166,28 @@ def _agreement(batch: MicroBatch, routings: list[Routing]) -> RouteAgreement | N
         probs_MLE = torch.stack([r.probs_NE.index_select(0, rows_M) for r in routings], dim=1)
     sampler_MLK = torch.cat([route for route in routes if route is not None])
     return RouteAgreement.of(sampler_MLK, used_NLK=used_MLK, probs_NLE=probs_MLE)
+
+
+# -- a call's micro-batches, as the engine runs them (router None: a dense model) -----------
+
+
+def recording(router: RouterCall | None) -> contextlib.AbstractContextManager:
+    """Around a call's forwards: its MoE blocks keep their routings."""
+    return contextlib.nullcontext() if router is None else router.stats.recording()
+
+
+def objective(loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None) -> torch.Tensor:
+    """What a micro-batch back-propagates: its loss, plus (MoE, "add") its weighted
+    load-balancing loss; on the thread that ran its forward, right after it."""
+    aux = None if router is None else router.take_batch(batch)
+    return loss if aux is None else loss + aux
+
+
+def backpropagate(loss: torch.Tensor, batch: MicroBatch, router: RouterCall | None) -> None:
+    objective(loss, batch, router).backward()
+    if router is not None:
+        router.stats.discard()  # what activation checkpointing's recomputation kept
+
+
+def call_metrics(router: RouterCall | None) -> dict[str, float]:
+    return {} if router is None else router.metrics()
