@@ -9,6 +9,7 @@ simply has no keys that map to them.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from temper.models.common.decoder import DecoderConfig
@@ -59,6 +60,29 @@ def decoder_config_to_hf(config: DecoderConfig, *, dtype_name: str) -> dict[str,
         "use_cache": True,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
+    }
+
+
+def decoder_fields_from_hf(
+    hf_config: Mapping[str, Any], *, norm_eps: float, max_seq_len: int
+) -> dict[str, Any]:
+    """The DecoderConfig fields every family reads alike from config.json (the required shape
+    fields checked by the family first); `norm_eps` and `max_seq_len` are the family's defaults
+    for configs that leave them out. A family adds its RoPE and its own fields."""
+    num_heads = hf_config["num_attention_heads"]
+    return {
+        "vocab_size": hf_config["vocab_size"],
+        "dim": hf_config["hidden_size"],
+        "num_layers": hf_config["num_hidden_layers"],
+        "num_heads": num_heads,
+        "num_kv_heads": hf_config.get("num_key_value_heads") or num_heads,
+        "head_dim": hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+        "ffn_dim": hf_config["intermediate_size"],
+        "norm_eps": hf_config.get("rms_norm_eps", norm_eps),
+        "tie_embeddings": hf_config.get("tie_word_embeddings", False),
+        "attention_bias": hf_config.get("attention_bias", False),
+        "max_seq_len": hf_config.get("max_position_embeddings", max_seq_len),
+        "init_std": hf_config.get("initializer_range", 0.02),
     }
 
 

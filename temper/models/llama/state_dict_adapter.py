@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from temper.models.common.hf_names import decoder_config_to_hf, key_from_hf, key_to_hf
+from temper.models.common.hf_names import (
+    decoder_config_to_hf,
+    decoder_fields_from_hf,
+    key_from_hf,
+    key_to_hf,
+)
 from temper.models.common.rope import Llama3RopeScaling
 from temper.models.llama.model import Llama
 
@@ -81,22 +86,10 @@ def config_from_hf(hf_config: Mapping[str, Any]) -> Llama.Config:
     if missing:
         raise ValueError(f"config.json: missing required Llama fields {missing}")
     theta, scaling = _rope(hf_config)
-    num_heads = hf_config["num_attention_heads"]
     return Llama.Config(
-        vocab_size=hf_config["vocab_size"],
-        dim=hf_config["hidden_size"],
-        num_layers=hf_config["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
-        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
-        ffn_dim=hf_config["intermediate_size"],
+        **decoder_fields_from_hf(hf_config, norm_eps=1e-5, max_seq_len=131_072),
         rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=hf_config.get("rms_norm_eps", 1e-5),
-        tie_embeddings=hf_config.get("tie_word_embeddings", False),
-        attention_bias=hf_config.get("attention_bias", False),
-        max_seq_len=hf_config.get("max_position_embeddings", 131_072),
-        init_std=hf_config.get("initializer_range", 0.02),
     )
 
 

@@ -8,7 +8,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from temper.models.common.hf_names import decoder_config_to_hf, key_from_hf, key_to_hf
+from temper.models.common.hf_names import (
+    decoder_config_to_hf,
+    decoder_fields_from_hf,
+    key_from_hf,
+    key_to_hf,
+)
 from temper.models.qwen3.model import Qwen3
 
 HF_ARCHITECTURE = "Qwen3ForCausalLM"
@@ -63,21 +68,9 @@ def check_qwen3_fields(hf_config: Mapping[str, Any], *, family: str) -> None:
 def config_from_hf(hf_config: Mapping[str, Any]) -> Qwen3.Config:
     """Build our config from a HF Qwen3 config.json dict."""
     check_qwen3_fields(hf_config, family="Qwen3")
-    num_heads = hf_config["num_attention_heads"]
     return Qwen3.Config(
-        vocab_size=hf_config["vocab_size"],
-        dim=hf_config["hidden_size"],
-        num_layers=hf_config["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
-        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
-        ffn_dim=hf_config["intermediate_size"],
+        **decoder_fields_from_hf(hf_config, norm_eps=1e-6, max_seq_len=40_960),
         rope_theta=rope_theta(hf_config),
-        norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-        tie_embeddings=hf_config.get("tie_word_embeddings", False),
-        attention_bias=hf_config.get("attention_bias", False),
-        max_seq_len=hf_config.get("max_position_embeddings", 40_960),
-        init_std=hf_config.get("initializer_range", 0.02),
     )
 
 
