@@ -9,6 +9,7 @@ they agree to about 2e-6 on the tiny model, inside the 1e-5 the dense families' 
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ from temper.generator.vllm import VllmGenerator  # noqa: E402
 TOLERANCE = 1e-5  # fp32; vLLM's fused MoE kernel and Temper's per-expert matmuls round apart
 PROMPTS = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1, 6, 2] * 3]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, stop=[])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_dense_engine_left_running():
+    """Engines an earlier test in this process left running (a client it never closed keeps
+    its generator alive) hold vLLM's process-wide state as a dense model set it up, without
+    the expert-parallel group a MoE engine needs (see `_InlineEngines.check_can_start`): shut
+    them down, as their owners are gone."""
+    gc.collect()
+    engines = VllmGenerator._inline_engines
+    for llm in list(engines.running):
+        engines.close(llm)
 
 
 def _model(*, tied: bool):
