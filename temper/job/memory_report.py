@@ -26,15 +26,20 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**10:.1f} KiB"
 
 
+def _count(num: int) -> str:
+    """A parameter count: 8.19B, or 2.34M below a billion (a tiny test model)."""
+    return f"{num / 1e9:.2f}B" if num >= 1e9 else f"{num / 1e6:.2f}M"
+
+
 def headline(plan: MemoryPlan) -> str:
     """What the plan is of, in one line."""
     settings = plan.settings
     training = "full" if settings.lora_rank is None else f"LoRA rank {settings.lora_rank}"
     generator = settings.generator_dtype or settings.dtype
     dtypes = settings.dtype if generator == settings.dtype else f"{settings.dtype}/{generator}"
-    params = f"{plan.num_params / 1e9:.2f}B parameters"
+    params = f"{_count(plan.num_params)} parameters"
     if plan.num_active_params != plan.num_params:
-        params += f", {plan.num_active_params / 1e9:.2f}B active"
+        params += f", {_count(plan.num_active_params)} active"
     return (
         f"{plan.model_name} ({params}), {training}, {dtypes}; "
         f"{settings.nnodes} x {settings.nproc_per_node} ranks, {settings.placement}; "

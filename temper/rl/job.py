@@ -186,7 +186,8 @@ class RLJob(Configurable):
         and thread shards are off (the ranks already use the cores)."""
         sharding: Sharding.Config = field(default_factory=Sharding.Config)
         """How the trainer is sharded when the job runs on several ranks (`--nproc N`,
-        torchrun); data-parallel only (tp must be 1). Unused in one process."""
+        torchrun): data parallel (tp must be 1), and expert parallel for MoE models
+        (`dims.ep`). Unused in one process."""
         placement: Placement.Config = field(default_factory=Placement.Config)
         """Where trainer and generator run on several ranks: 'colocated' (every rank does
         both) or 'disaggregated' (the last `placement.generator_ranks` ranks generate, the
