@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from temper.job import PlanSettings, describe_for_rank, plan_memory
@@ -92,3 +94,8 @@ def test_weights_over_budget_suggest_what_the_plan_does_not_use_yet():
     trainer, _ = advice(32)
     assert "base weights (frozen): routed experts" in trainer
     assert trainer.endswith("try more ranks (--nproc, --nnodes)")
+
+
+def test_a_tiny_models_headline_counts_millions():
+    text = plan_text(plan_memory(PlanSettings(model="qwen3_moe/tiny:digits")))
+    assert re.match(r"qwen3_moe/tiny:digits \(\d+\.\d\dM parameters, \d+\.\d\dM active\)", text)
