@@ -135,3 +135,23 @@ def tiny_hf_qwen3_moe(
             elif ".mlp.experts." in name:
                 param.normal_(0.0, 0.05)
     return model
+
+
+def assert_export_reloads_exactly(source, model, export_dir: Path, *, tokens_BT, hf_class):
+    """transformers loads `export_dir` (what Temper exported of `model`, itself loaded from
+    `source`'s checkpoint) as `hf_class` with `source`'s tensors bit for bit and `model`'s
+    logits, and Temper loads it back with the same config. Returns transformers' model."""
+    from transformers import AutoModelForCausalLM
+
+    from temper.checkpoint.hf import load_pretrained
+
+    reloaded = AutoModelForCausalLM.from_pretrained(export_dir).float().eval()
+    assert isinstance(reloaded, hf_class)
+    expected, actual = source.state_dict(), reloaded.state_dict()
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens_BT).logits, model(tokens_BT), rtol=0, atol=1e-5)
+    assert load_pretrained(export_dir).config == model.config
+    return reloaded

@@ -17,7 +17,12 @@ from temper.models.lora import LoraConfig, apply_lora
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.oracle import greedy_decode
-from tests.models.hf_reference import LLAMA3_ROPE, save_hf, tiny_hf_llama
+from tests.models.hf_reference import (
+    LLAMA3_ROPE,
+    assert_export_reloads_exactly,
+    save_hf,
+    tiny_hf_llama,
+)
 
 pytest.importorskip("transformers")
 
@@ -56,7 +61,7 @@ def test_llama3_scaling_changes_the_logits(tmp_path):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_export_loads_in_transformers_exactly(tmp_path, tie):
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     source = tiny_hf_llama(tie=tie, seed=3)
     save_hf(source, tmp_path / "hf")
@@ -66,17 +71,13 @@ def test_export_loads_in_transformers_exactly(tmp_path, tie):
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["rope_parameters"]["rope_type"] == "llama3"
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").float().eval()
-    assert isinstance(reloaded, LlamaForCausalLM)
-    expected, actual = source.state_dict(), reloaded.state_dict()
-    assert actual.keys() == expected.keys()
-    for key, value in expected.items():
-        assert torch.equal(actual[key], value), key
-    tokens_BT = _tokens(3, 120, seed=1)
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens_BT).logits, model(tokens_BT), rtol=0, atol=1e-5)
-    again = load_pretrained(tmp_path / "export")
-    assert again.config == model.config
+    assert_export_reloads_exactly(
+        source,
+        model,
+        tmp_path / "export",
+        tokens_BT=_tokens(3, 120, seed=1),
+        hf_class=LlamaForCausalLM,
+    )
 
 
 def test_init_model_writes_a_llama_directory_transformers_loads(tmp_path):

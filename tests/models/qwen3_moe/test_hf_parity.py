@@ -21,7 +21,7 @@ from temper.models.qwen3_moe import Qwen3Moe
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.oracle import greedy_decode
-from tests.models.hf_reference import save_hf, tiny_hf_qwen3_moe
+from tests.models.hf_reference import assert_export_reloads_exactly, save_hf, tiny_hf_qwen3_moe
 
 pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_renormalizing_the_top_k_changes_the_logits(tmp_path):
 
 def test_export_writes_one_tensor_per_expert_and_transformers_reloads_it_exactly(tmp_path):
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     source = tiny_hf_qwen3_moe(seed=3)
     model = load_pretrained(save_hf(source, tmp_path / "hf"))
@@ -83,17 +83,13 @@ def test_export_writes_one_tensor_per_expert_and_transformers_reloads_it_exactly
     assert "model.layers.0.mlp.gate.weight" in keys
     assert "model.layers.1.mlp.gate_proj.weight" in keys  # the dense layer
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").float().eval()
-    assert isinstance(reloaded, Qwen3MoeForCausalLM)
-    expected, actual = source.state_dict(), reloaded.state_dict()
-    assert actual.keys() == expected.keys()
-    for key, value in expected.items():
-        assert torch.equal(actual[key], value), key
-    tokens_BT = _tokens(2, 50, seed=1)
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens_BT).logits, model(tokens_BT), rtol=0, atol=1e-5)
-    again = load_pretrained(tmp_path / "export")
-    assert again.config == model.config
+    assert_export_reloads_exactly(
+        source,
+        model,
+        tmp_path / "export",
+        tokens_BT=_tokens(2, 50, seed=1),
+        hf_class=Qwen3MoeForCausalLM,
+    )
 
 
 def test_init_model_writes_a_qwen3_moe_directory_transformers_loads(tmp_path):
