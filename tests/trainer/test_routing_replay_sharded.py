@@ -1,7 +1,8 @@
 """Routing replay in a MoE trainer sharded over 2 gloo ranks (FSDP): each rank replays its own
 datums' routes, and the gradient and the routing metrics (all ranks' data, an idle rank too)
 equal one process's on all the data, with activation checkpointing too (each block's backward
-recomputes its forward through the same experts)."""
+recomputes its forward through the same experts), and with the experts split over the two
+ranks (expert parallelism: replay fixes the routing before the experts' all-to-all)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ SHARES = {
 }
 
 
-def _engine(*, sharded: bool, checkpointing: str = "none") -> TrainerEngine:
+def _engine(*, sharded: bool, checkpointing: str = "none", ep: int = 1) -> TrainerEngine:
     config = dataclasses.replace(qwen3_moe_size("tiny", vocab_size=VOCAB), num_layers=2)
     sharding = None
     if sharded:
-        dims = ParallelDims.Config(dp_shard=2)
+        dims = ParallelDims.Config(dp_shard=2, ep=ep)
         sharding = Sharding.Config(dims=dims, activation_checkpointing=checkpointing)
     return TrainerEngine.Config(sharding=sharding).build(
         model=materialize(config, seed=0), lora=None
@@ -67,6 +68,10 @@ def _run(rank: int) -> dict:
             output = engine.forward_backward(data, "cross_entropy", routing_replay="sampler")
             results[f"{name}_{checkpointing}"] = (output.metrics, _grads(engine))
             del engine
+    engine = _engine(sharded=True, ep=2)
+    data = _data()[SHARES["alternate"][engine.sharding.dp_rank]]
+    output = engine.forward_backward(data, "cross_entropy", routing_replay="sampler")
+    results["alternate_none_ep2"] = (output.metrics, _grads(engine))
     return results
 
 
@@ -75,15 +80,17 @@ def results(tmp_path_factory) -> list[dict]:
     return spawn(_run, world_size=2, out_dir=tmp_path_factory.mktemp("ranks"))
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-@pytest.mark.parametrize("shares", list(SHARES))
-def test_sharded_replay_equals_one_process(results, shares, checkpointing):
+@pytest.mark.parametrize(
+    "case",
+    [f"{shares}_{mode}" for shares in SHARES for mode in ("none", "full")] + ["alternate_none_ep2"],
+)
+def test_sharded_replay_equals_one_process(results, case):
     engine = _engine(sharded=False)
     metrics = engine.forward_backward(_data(), "cross_entropy", routing_replay="sampler").metrics
     reference = _grads(engine)
     assert metrics["routing/topk_diff:mean"] == 0 and metrics["routing/router_topk_diff:mean"] > 0
     for result in results:
-        rank_metrics, grads = result[f"{shares}_{checkpointing}"]
+        rank_metrics, grads = result[case]
         for key, value in metrics.items():
             if key.startswith("routing/"):
                 assert rank_metrics[key] == pytest.approx(value, rel=1e-9), key
