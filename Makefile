@@ -41,7 +41,7 @@ $(VENV)/.installed-test: pyproject.toml Makefile $(TORCH_STAMP)
 	$(BIN)/python -m pip install --quiet chz==0.4.0 "blobfile>=3.0" "termcolor>=2.0" \
 		"datasets>=2.14" "pillow>=10.0"
 	$(BIN)/python -m pip install --quiet --no-deps tinker-cookbook==0.6.1
-	@touch $@
+	@touch $@ $(VENV)/.installed-core  # the test extra installs the core too
 
 demo: $(VENV)/.installed-core
 	$(BIN)/temper train
