@@ -34,9 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from temper.checkpoint.run_state import rng_from_json, rng_to_json
 from temper.client.sampling_client import SamplingClient
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
@@ -72,6 +71,7 @@ from temper.rl.env import EnvSource, ProblemSource
 from temper.rl.envs import EnvConfig
 from temper.rl.episodes import EpisodeRunner
 from temper.rl.evaluation import HeldoutSuccess
+from temper.rl.loop_state import RLLoopState, RLResult
 from temper.rl.loops import run_async, run_sync
 from temper.rl.run_logs import metrics_logger, open_rollouts, truncate_logs
 from temper.rl.steps import RLSteps
@@ -81,47 +81,6 @@ from temper.sampler.engine import SamplerEngine
 from temper.tasks import SumDigits, TaskConfig
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.sharding import Sharding
-
-
-@dataclass(frozen=True)
-class RLResult:
-    warmup_accuracy: float | None
-    final_accuracy: float
-    reward_first: float
-    reward_last: float
-    sampler_path: str
-
-
-@dataclass
-class RLLoopState:
-    """All a resume needs besides the weights and optimizer state: the run's RNG (problems
-    and sample seeds) and what the final report shows. Saved as the run state's `loop`."""
-
-    rng: random.Random
-    rewards: list[float] = field(default_factory=list)
-    """Mean rollout reward of each RL step done."""
-    warmup_accuracy: float | None = None
-    """Held-out accuracy after the warm-up (None without one)."""
-    kl_reference: str | None = None
-    """Sampler weights of the policy at the start of RL, the KL penalty's reference
-    (kl_coef > 0); saved once, so a resumed run keeps the same reference."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rewards": list(self.rewards),
-            "warmup_accuracy": self.warmup_accuracy,
-            "kl_reference": self.kl_reference,
-            "rng": rng_to_json(self.rng),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RLLoopState:
-        return cls(
-            rng=rng_from_json(data["rng"]),
-            rewards=list(data["rewards"]),
-            warmup_accuracy=data.get("warmup_accuracy"),
-            kl_reference=data.get("kl_reference"),
-        )
 
 
 class RLJob(Configurable):
@@ -261,10 +220,7 @@ class RLJob(Configurable):
         of `gpu_memory_gib` (`temper plan`), from the config alone: the model's shapes come
         from its named size or its directory's config.json; nothing is built."""
         placement = self.check_ranks(world_size=nnodes * nproc_per_node)
-        try:
-            decoder = model_config(self.config.model.base_model)
-        except ValueError as error:  # named by its flag: the plan's user set it there
-            raise ValueError(f"--model.base_model: {error}") from None
+        decoder = _model_shapes(self.config)
         settings = _plan_settings(
             self.config,
             placement,
@@ -559,6 +515,15 @@ def _plan_settings(
     )
 
 
+def _model_shapes(config: RLJob.Config) -> DecoderConfig:
+    """The trained model's config from its name or directory alone (nothing built); an
+    error is named by its flag, where the user set it."""
+    try:
+        return model_config(config.model.base_model)
+    except ValueError as error:
+        raise ValueError(f"--model.base_model: {error}") from None
+
+
 def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
     """Settings that depend on the number of (trainer) ranks; raises the same error on every
     rank."""
@@ -571,11 +536,7 @@ def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
             "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
         )
     if dims.ep_enabled:  # against the model's experts: its config alone, nothing built
-        try:
-            decoder = model_config(config.model.base_model)
-        except ValueError as error:
-            raise ValueError(f"--model.base_model: {error}") from None
-        dims.check_model(decoder)
+        dims.check_model(_model_shapes(config))
     Ranks(rank=0, world_size=num_ranks).share(
         config.rl.prompts_per_step, field="RLJob.Config.rl.prompts_per_step"
     )

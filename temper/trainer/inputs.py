@@ -114,6 +114,56 @@ class MicroBatch:
         return torch.repeat_interleave(torch.arange(len(self.datums)), lengths).to(device)
 
 
+def _checked_inputs(
+    datum: Datum,
+    *,
+    where: str,
+    length: int,
+    required: Sequence[str],
+    allowed: set[str],
+    topk: Sequence[str],
+) -> list[tuple[str, TensorData]]:
+    """(name, values) of the datum's inputs the loss reads, in name order, each checked
+    against the datum's `length` tokens (inputs named in `topk` may be [T, K], all one
+    shape); a missing or misspelled input raises ValueError naming it."""
+    checked: list[tuple[str, TensorData]] = []
+    missing = [name for name in required if name not in datum.loss_fn_inputs]
+    if missing:
+        unread = set(datum.loss_fn_inputs) - allowed
+        hints = [
+            f"{close!r} for {name!r}"
+            for name in missing
+            if (close := misspelled_input(name, allowed=unread)) is not None
+        ]
+        hint = f" (did you write {', '.join(hints)}?)" if hints else ""
+        raise ValueError(f"{where}: loss_fn_inputs is missing {missing}{hint}")
+    topk_shape, topk_name = None, ""  # the first input named in `topk`, and its shape
+    # In name order, so an error names the same input whatever order the wire gave.
+    for name, value in sorted(datum.loss_fn_inputs.items()):
+        if name not in allowed:
+            _check_not_a_misspelling(name, allowed=allowed, where=where)
+            continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
+        shape = tuple(value.shape)
+        if name in topk and len(shape) == 2 and shape[0] == length and shape[1] >= 1:
+            pass
+        elif shape != (length,):
+            expected = f"[{length}] or [{length}, K]" if name in topk else f"[{length}]"
+            raise ValueError(
+                f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)}, but "
+                f"model_input has {length} tokens; expected {expected}"
+            )
+        if name in topk:
+            if topk_shape is not None and shape != topk_shape:
+                raise ValueError(
+                    f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)} but "
+                    f"loss_fn_inputs[{topk_name!r}] has shape {list(topk_shape)}; "
+                    f"{' and '.join(repr(n) for n in topk)} must have one shape"
+                )
+            topk_shape, topk_name = shape, name
+        checked.append((name, value))
+    return checked
+
+
 def prepare(
     data: Sequence[Datum],
     *,
@@ -151,39 +201,9 @@ def prepare(
             )
         if min(tokens) < 0 or max(tokens) >= vocab_size:
             _check_ids(tokens, where=f"{where}: model_input", vocab_size=vocab_size)
-        missing = [name for name in required if name not in datum.loss_fn_inputs]
-        if missing:
-            unread = set(datum.loss_fn_inputs) - allowed
-            hints = [
-                f"{close!r} for {name!r}"
-                for name in missing
-                if (close := misspelled_input(name, allowed=unread)) is not None
-            ]
-            hint = f" (did you write {', '.join(hints)}?)" if hints else ""
-            raise ValueError(f"{where}: loss_fn_inputs is missing {missing}{hint}")
-        topk_shape, topk_name = None, ""  # the first input named in `topk`, and its shape
-        # In name order, so an error names the same input whatever order the wire gave.
-        for name, value in sorted(datum.loss_fn_inputs.items()):
-            if name not in allowed:
-                _check_not_a_misspelling(name, allowed=allowed, where=where)
-                continue  # e.g. a "mask" the cookbook keeps on datums; the loss does not read it
-            shape = tuple(value.shape)
-            if name in topk and len(shape) == 2 and shape[0] == length and shape[1] >= 1:
-                pass
-            elif shape != (length,):
-                expected = f"[{length}] or [{length}, K]" if name in topk else f"[{length}]"
-                raise ValueError(
-                    f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)}, but "
-                    f"model_input has {length} tokens; expected {expected}"
-                )
-            if name in topk:
-                if topk_shape is not None and shape != topk_shape:
-                    raise ValueError(
-                        f"{where}: loss_fn_inputs[{name!r}] has shape {list(shape)} but "
-                        f"loss_fn_inputs[{topk_name!r}] has shape {list(topk_shape)}; "
-                        f"{' and '.join(repr(n) for n in topk)} must have one shape"
-                    )
-                topk_shape, topk_name = shape, name
+        for name, value in _checked_inputs(
+            datum, where=where, length=length, required=required, allowed=allowed, topk=topk
+        ):
             columns.setdefault(name, []).append((index, value))
         token_lists.append(tokens)
     # Tensors are built per input name over all datums (one tensor each, split into per-datum

@@ -4,7 +4,8 @@ test), on a spawned rank or in this process."""
 from __future__ import annotations
 
 from temper.job import run_checkpoints
-from temper.rl.job import RLJob, RLResult
+from temper.rl.job import RLJob
+from temper.rl.loop_state import RLResult
 
 
 def no_plots(run_dir):
