@@ -16,9 +16,10 @@ one H100/H200):
   Qwen3-MoE block (bench/moe_block.py), at the bench's default config and at one layer of
   Qwen3-30B-A3B (D=2048, 128 experts, top-8, F=768, 8192 tokens).
 - rl_smoke: `temper train arithmetic_smoke` on CUDA in bf16, one rank; the last metrics line.
-- vllm: vLLM's GPU build at the 0.6B shape: tokens/s at batch 64, a weight update, and how
-  much `sleep()` gives back.
+- vllm: vLLM at the decode check's shape and batches (compiled, CUDA graphs): tokens/s, a
+  weight update, and how much `sleep()` gives back; on CPU (dry run) vLLM's CPU build, eager.
 - weight_sync: NCCL weight transfer between two GPUs (bench/weight_sync.py), where two exist.
+- summary (last line): Temper's decode against vLLM's at each batch, tokens/s ratio.
 
 `--dry-run` runs the same checks on CPU at tiny shapes (the CPU test suite runs it, so the
 script does not rot): it proves the code paths, not the GPU. `--only NAME` runs one check.
@@ -145,9 +146,8 @@ def sdpa_kernels(shapes: Shapes) -> dict:
 def decode(shapes: Shapes) -> dict:
     import torch
 
-    from temper.api import SamplingParams
     from temper.models import materialize, qwen3_size
-    from temper.sampler.engine import SamplerEngine, SampleRequest
+    from temper.sampler.engine import SamplerEngine
 
     model = materialize(qwen3_size(shapes.model), device=shapes.device, dtype=shapes.dtype, seed=0)
     on_gpu = shapes.device == "cuda"
@@ -160,13 +160,7 @@ def decode(shapes: Shapes) -> dict:
             ).build(model=model)
             _sync(on_gpu)
             build_s = time.perf_counter() - start
-            requests = [
-                SampleRequest(
-                    prompt=[(7 * row + j) % 100 for j in range(16)],
-                    params=SamplingParams(max_tokens=shapes.new_tokens, stop=[], seed=row),
-                )
-                for row in range(batch)
-            ]
+            requests = _decode_requests(shapes, batch=batch)
             engine.generate(requests)
             _sync(on_gpu)
             start = time.perf_counter()
@@ -243,39 +237,81 @@ def rl_smoke(shapes: Shapes) -> dict:
 
 
 def vllm(shapes: Shapes) -> dict:
-    if shapes.device == "cpu":
-        return {"skipped": "vLLM's GPU build is checked on a GPU only"}
+    """vLLM at the decode check's shape and batches (compiled with CUDA graphs on a GPU, eager
+    on CPU), then a weight update and, on a GPU, what `sleep()` gives back."""
+    try:
+        import vllm as _  # noqa: F401
+    except ImportError:
+        return {"skipped": "vLLM is not installed (make vllm)"}
     import torch
 
-    from temper.api import SamplingParams
     from temper.generator.vllm import VllmGenerator
     from temper.models import materialize, qwen3_size
-    from temper.sampler.engine import SampleRequest
 
-    model = materialize(qwen3_size(shapes.model), dtype=shapes.dtype, seed=0)
-    generator = VllmGenerator.Config(
-        max_model_len=2048, kv_cache_mib=8192, sleep="keep_weights"
-    ).build(model=model)
-    requests = [
-        SampleRequest(
-            prompt=[(7 * row + j) % 1000 for j in range(16)],
-            params=SamplingParams(max_tokens=64, stop=[], seed=row),
-        )
-        for row in range(64)
-    ]
-    generator.generate(requests)
+    on_gpu = shapes.device == "cuda"
+    model = materialize(qwen3_size(shapes.model), device=shapes.device, dtype=shapes.dtype, seed=0)
     start = time.perf_counter()
-    generator.generate(requests)
-    found = {"batch64_tokens_per_s": round(64 * 64 / (time.perf_counter() - start))}
+    generator = VllmGenerator.Config(
+        max_model_len=shapes.seq,
+        max_num_seqs=max(shapes.batches),
+        sleep="keep_weights" if on_gpu else "off",
+        execution="compiled" if on_gpu else "eager",
+    ).build(model=model)
+    found: dict = {"build_s": round(time.perf_counter() - start, 2), "rows": []}
+    for batch in shapes.batches:
+        requests = _decode_requests(shapes, batch=batch)
+        generator.generate(requests)
+        start = time.perf_counter()
+        generator.generate(requests)
+        seconds = time.perf_counter() - start
+        found["rows"].append(
+            {
+                "batch": batch,
+                "tokens_per_s": round(batch * shapes.new_tokens / seconds),
+                "ms_per_step": round(1e3 * seconds / shapes.new_tokens, 2),
+            }
+        )
     start = time.perf_counter()
     generator.update_weights(model.state_dict(), version=1)
-    found["update_weights_s"] = round(time.perf_counter() - start, 2)
-    free = torch.cuda.mem_get_info()[0]
-    generator.sleep()
-    found["sleep_freed_gib"] = round((torch.cuda.mem_get_info()[0] - free) / 2**30, 2)
-    generator.wake_up()
+    found["update_weights_s"] = round(time.perf_counter() - start, 3)
+    if on_gpu:
+        free = torch.cuda.mem_get_info()[0]
+        generator.sleep()
+        found["sleep_freed_gib"] = round((torch.cuda.mem_get_info()[0] - free) / 2**30, 2)
+        generator.wake_up()
     generator.close()
     return found
+
+
+def _decode_requests(shapes: Shapes, *, batch: int) -> list:
+    """The decode checks' workload: `batch` 16-token prompts, `new_tokens` each, no stops."""
+    from temper.api import SamplingParams
+    from temper.sampler.engine import SampleRequest
+
+    return [
+        SampleRequest(
+            prompt=[(7 * row + j) % 100 for j in range(16)],
+            params=SamplingParams(max_tokens=shapes.new_tokens, stop=[], seed=row),
+        )
+        for row in range(batch)
+    ]
+
+
+def summary(results: list[dict]) -> dict:
+    """Temper's decode (its first decoding setting: CUDA graphs on a GPU) against vLLM's at each
+    batch: the ratio of tokens/s (1.0: as fast as vLLM)."""
+    by_name = {result["check"]: result for result in results}
+    temper, vllm_found = by_name.get("decode", {}), by_name.get("vllm", {})
+    if not temper.get("ok") or "rows" not in vllm_found:
+        return {"check": "summary", "ok": True, "skipped": "needs the decode and vllm checks"}
+    first = temper["rows"][0]["graphs"]
+    ours = {row["batch"]: row["tokens_per_s"] for row in temper["rows"] if row["graphs"] == first}
+    theirs = {row["batch"]: row["tokens_per_s"] for row in vllm_found["rows"]}
+    ratios = {
+        str(batch): round(ours[batch] / theirs[batch], 3)
+        for batch in sorted(ours.keys() & theirs.keys())
+    }
+    return {"check": "summary", "ok": True, "temper_graphs": first, "temper_vs_vllm": ratios}
 
 
 def weight_sync(shapes: Shapes) -> dict:
@@ -356,6 +392,7 @@ def main() -> int:
     for name in CHECKS:
         results.append(run_isolated(name, dry_run=args.dry_run, timeout_s=shapes.timeout_s))
         print(json.dumps(results[-1]), flush=True)
+    print(json.dumps(summary(results)), flush=True)
     return 0 if all(result["ok"] for result in results) else 1
 
 

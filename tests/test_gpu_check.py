@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["environment", "gpu_tests", "sdpa_kernels", "decode", "train_step", "moe_block"]
 CHECKS += ["rl_smoke"]
-CHECKS += ["vllm", "weight_sync"]
+CHECKS += ["vllm", "weight_sync", "summary"]
 
 
 def test_the_dry_run_runs_every_check_on_cpu():
@@ -36,6 +36,9 @@ def test_the_dry_run_runs_every_check_on_cpu():
     assert [row["batch"] for row in by_name["decode"]["rows"]] == [1, 4]
     assert all(row["tokens_per_s"] > 0 for row in by_name["decode"]["rows"])
     assert by_name["rl_smoke"]["last_metrics"]["step"] >= 1
+    if "skipped" not in by_name["vllm"]:  # vLLM's CPU build is installed (make vllm)
+        assert [row["batch"] for row in by_name["vllm"]["rows"]] == [1, 4]
+        assert set(by_name["summary"]["temper_vs_vllm"]) == {"1", "4"}
     moe_cases = by_name["moe_block"]["cases"]
     assert [case["num_experts"] for case in moe_cases] == [4, 8]
     assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())
