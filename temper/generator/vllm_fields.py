@@ -75,6 +75,16 @@ def request_fields(request: SampleRequest, *, v2: bool) -> dict[str, Any]:
     return fields
 
 
+def can_return_routes() -> bool:
+    """Whether the installed vLLM can run Model Runner V2 (Triton for its device), so return
+    routed experts; False without vLLM."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return False
+    return bool(HAS_TRITON)
+
+
 def check_routes(*, num_experts: int, v2: bool | None) -> None:
     """A vLLM engine that should return routed experts: a MoE model, on Model Runner V2
     (`v2` None: before the engine is built, from whether vLLM finds Triton)."""
@@ -83,9 +93,7 @@ def check_routes(*, num_experts: int, v2: bool | None) -> None:
             "VllmGenerator.Config.record_routes needs a MoE model; this model has no experts"
         )
     if v2 is None:
-        from vllm.triton_utils import HAS_TRITON
-
-        v2 = HAS_TRITON
+        v2 = can_return_routes()
     if not v2:
         raise ValueError(
             f"VllmGenerator.Config.record_routes: {NO_MODEL_RUNNER_V2}. Use generator backend "
