@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from temper.api.types import SamplingParams
-from temper.sampler import sampling
+from temper.sampler.sampling import row_sort_width, sampling_logprobs
 
 
 def kept_ids(logprobs_V: torch.Tensor) -> list[int]:
@@ -30,11 +30,11 @@ def support_of_logits(logits_BV: torch.Tensor, params: SamplingParams) -> list[l
     """The supports Temper's sampling transform keeps for rows of logits with `params`: the
     reference the engine's recorded supports are checked against (from a full forward)."""
     num_rows = logits_BV.shape[0]
-    logprobs_BV = sampling.sampling_logprobs(
+    logprobs_BV = sampling_logprobs(
         logits_BV,
         temperature_B=torch.full((num_rows,), params.temperature),
         top_k_B=torch.full((num_rows,), max(params.top_k, 0), dtype=torch.long),
         top_p_B=torch.full((num_rows,), params.top_p, dtype=torch.float64),
-        sort_width=sampling.row_sort_width(params),
+        sort_width=row_sort_width(params),
     )
     return [kept_ids(row_V) for row_V in logprobs_BV]
