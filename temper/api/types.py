@@ -44,6 +44,11 @@ class SamplingParams:
     seed: int | None = None
     """Same seed, prompt and weights give the same tokens, whatever else shares the batch (on
     CPU; on CUDA, kernels chosen by batch size can move logits at a near tie)."""
+    return_support: bool = False
+    """Temper's field (not Tinker's): also return, for every sampled token, the token ids
+    top-k/top-p kept when it was drawn (`SampledSequence.support`), so a trainer can
+    renormalise its distribution over the same support (losses/support.py). Needs a
+    temperature > 0; the vllm backend also needs top_k >= 1 (see docs/rl.md)."""
 
     def __post_init__(self) -> None:
         check_range(self.max_tokens, field="max_tokens", integer=True, also=(None,))
@@ -60,6 +65,8 @@ class SamplingParams:
         check_range(self.top_p, field="top_p", greater_than=0, at_most=1)
         check_range(self.seed, field="seed", integer=True, also=(None,))
         _check_stop(self.stop)
+        if not isinstance(self.return_support, bool):
+            raise TypeError(f"return_support must be a bool, got {self.return_support!r}")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -169,6 +176,10 @@ class SampledSequence:
     for this sequence was routed to, the prompt's then each generated token's but the last
     (which was never fed back): len(prompt) + len(tokens) - 1 tokens, the positions of the
     training datum `prompt + tokens[:-1]`."""
+    support: list[list[int]] | None = None
+    """With `SamplingParams.return_support`: per generated position, the token ids (ascending)
+    that top-k/top-p kept in the distribution the token was drawn from; the token is one of
+    them, and its logprob is normalised over exactly these."""
 
 
 @dataclass(frozen=True, kw_only=True)

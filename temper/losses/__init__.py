@@ -20,11 +20,16 @@ from temper.losses.gspo import GSPO
 from temper.losses.importance_sampling import IMPORTANCE_SAMPLING
 from temper.losses.ppo import PPO
 from temper.losses.stable_reinforce import STABLE_REINFORCE
+from temper.losses.support import with_support
 
+# Every policy loss also takes a sampler's support (losses/support.py).
 LOSSES: Mapping[str, LossSpec] = types.MappingProxyType(
     {
         spec.name: spec
-        for spec in (CROSS_ENTROPY, IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)
+        for spec in (
+            CROSS_ENTROPY,
+            *map(with_support, (IMPORTANCE_SAMPLING, PPO, CISPO, DRO, GSPO, STABLE_REINFORCE)),
+        )
     }
 )
 

@@ -48,6 +48,12 @@ class SegmentedLossFn(Protocol):
         ...
 
 
+class PositionLogprobs(Protocol):
+    def __call__(
+        self, logprobs_NK: torch.Tensor, *, inputs: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor: ...
+
+
 InputDefault = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 """A missing loss input, computed from the datum's other (converted) inputs."""
 
@@ -75,6 +81,10 @@ class LossSpec:
     """Config keys with no default."""
     check_config: Callable[[Mapping[str, float]], None] | None = None
     """Raises ValueError when resolved values are inconsistent (e.g. clip bounds crossed)."""
+    position_logprobs: PositionLogprobs | None = None
+    """Maps the trainer's logprobs of the targets ([N], or [N, K]) to the one logprob per
+    position the loss reads and the `logprobs` output reports (losses/support.py); None:
+    used as they are."""
 
     @property
     def config_keys(self) -> tuple[str, ...]:

@@ -155,6 +155,8 @@ class _Episode:
     end_reason: str | None = None
     env_seconds: float = 0.0
     routed_experts: RoutedExperts | None = None
+    support: list[list[int]] | None = None
+    """The sampler's kept ids per completion token, when it returns them."""
 
     @property
     def num_turns(self) -> int:
@@ -173,6 +175,7 @@ class _Episode:
                 stop_reason=self.stop_reason,
                 metrics=dict(self.metrics),
                 routed_experts=self.routed_experts,
+                sampler_support=self.support,
             )
         metrics = dict(self.metrics)
         metrics["turns"] = float(self.num_turns)
@@ -187,6 +190,7 @@ class _Episode:
             metrics=metrics,
             action_mask=self.mask,
             routed_experts=self.routed_experts,
+            sampler_support=self.support,
         )
 
 
@@ -345,6 +349,8 @@ class RunningEpisodes:
         episode.completion += action
         episode.logprobs += list(sequence.logprobs)
         episode.mask += [1.0] * len(action)
+        if sequence.support is not None:
+            episode.support = (episode.support or []) + list(sequence.support)
         episode.stop_reason = sequence.stop_reason
         # The last action's routes cover its whole context, so the episode's datum's too.
         episode.routed_experts = sequence.routed_experts
@@ -402,6 +408,8 @@ class RunningEpisodes:
         episode.completion += observation
         episode.logprobs += [0.0] * len(observation)
         episode.mask += [0.0] * len(observation)
+        if episode.support is not None:  # the environment's tokens: each its own support
+            episode.support += [[token] for token in observation]
         return True
 
 

@@ -44,6 +44,7 @@ from temper.config.configurable import Configurable
 from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.distributed.world import using_trainer_world
+from temper.generator import vllm_fields
 from temper.generator.choice import GeneratorChoice
 from temper.generator.remote import RemoteGenerators
 from temper.job import (
@@ -562,12 +563,15 @@ def _check_config(config: RLJob.Config) -> None:
             "must fit the sampler's cache"
         )
     placement, generator = config.placement, config.generator
-    if config.rl.routing_replay != "off" and generator.backend != "temper":
+    if (
+        config.rl.routing_replay != "off"
+        and generator.backend != "temper"
+        and not vllm_fields.can_return_routes()
+    ):
         raise ValueError(
             f"{name}.rl.routing_replay={config.rl.routing_replay!r} needs the sampler's routes, "
-            f"which only {name}.generator.backend='temper' records; the vllm backend returns "
-            "none (vLLM 0.32 returns routed experts only from its model runner V2, which needs "
-            "Triton: its CPU build cannot)"
+            f"which this vLLM build cannot return ({vllm_fields.NO_MODEL_RUNNER_V2}); use "
+            f"{name}.generator.backend='temper', whose engine records them"
         )
     if placement.generator_tp > 1 and generator.backend != "vllm":
         raise ValueError(

@@ -28,6 +28,10 @@ class Trajectory:
     """Multi-turn episodes: 1.0 on each completion token the policy sampled, 0.0 on the
     environment's observation tokens between turns (their `sampler_logprobs` are 0.0). None:
     every completion token was sampled (single-turn)."""
+    sampler_support: list[list[int]] | None = None
+    """With the sampler's support returned (`RLSteps.Config.sampling_support` 'sampler'):
+    per completion token, the token ids top-k/top-p kept when it was drawn (an observation
+    token of a multi-turn episode: itself alone)."""
     routed_experts: RoutedExperts | None = None
     """MoE policies sampled with recorded routes: the experts of every position of the
     datum (prompt + completion[:-1]), from the last action's sample (its context is the
@@ -48,13 +52,18 @@ class Trajectory:
         return [v for v, weight in zip(values, self.action_mask, strict=True) if weight]
 
 
-def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) -> Datum:
+def policy_datum(
+    trajectory: Trajectory, *, advantage: float | Sequence[float], sampler_temperature: float = 1.0
+) -> Datum:
     """Inputs for `importance_sampling` / `ppo`: targets, sampler logprobs, advantages.
 
     `advantage` is one number for every completion token, or one per completion token (e.g.
     with a per-token KL penalty). The losses are sums over tokens; the caller folds any
     normalization into `advantage`. Observation tokens of a multi-turn episode (its
-    `action_mask` is 0 there) get advantage 0 and logprob 0, like prompt tokens."""
+    `action_mask` is 0 there) get advantage 0 and logprob 0, like prompt tokens. With the
+    sampler's support on the trajectory, the targets are [T, K] with a `support_mask` and the
+    `sampler_temperature` the tokens were drawn at, so the loss renormalises the trainer's
+    distribution over the same support (losses/support.py)."""
     tokens = trajectory.prompt + trajectory.completion
     num_prompt_targets = len(trajectory.prompt) - 1
     num_completion = len(trajectory.completion)
@@ -72,15 +81,39 @@ def policy_datum(trajectory: Trajectory, *, advantage: float | Sequence[float]) 
         advantages_C = [
             a if m else 0.0 for a, m in zip(advantages_C, trajectory.action_mask, strict=True)
         ]
+    inputs = {
+        "target_tokens": tokens[1:],
+        "logprobs": [0.0] * num_prompt_targets + trajectory.sampler_logprobs,
+        "advantages": [0.0] * num_prompt_targets + advantages_C,
+    }
+    if trajectory.sampler_support is not None:
+        supports = [[token] for token in trajectory.prompt[1:]] + trajectory.sampler_support
+        inputs |= support_inputs(tokens[1:], supports, temperature=sampler_temperature)
     return Datum(
         model_input=ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "logprobs": [0.0] * num_prompt_targets + trajectory.sampler_logprobs,
-            "advantages": [0.0] * num_prompt_targets + advantages_C,
-        },
+        loss_fn_inputs=inputs,
         routed_experts=trajectory.routed_experts,
     )
+
+
+def support_inputs(
+    targets: Sequence[int], supports: Sequence[Sequence[int]], *, temperature: float
+) -> dict[str, list]:
+    """`target_tokens` [T, K] (each position's target first, then the rest of its support,
+    padded by repeating the target), `support_mask` [T, K] and `sampler_temperature` [T]."""
+    if len(supports) != len(targets):
+        raise ValueError(f"{len(supports)} supports for {len(targets)} target positions")
+    rows = []
+    for target, support in zip(targets, supports, strict=True):
+        if target not in support:
+            raise ValueError(f"target token {target} is not in its support {list(support)}")
+        rows.append([target, *(token for token in support if token != target)])
+    width = max(len(row) for row in rows)
+    return {
+        "target_tokens": [row + [row[0]] * (width - len(row)) for row in rows],
+        "support_mask": [[1.0] * len(row) + [0.0] * (width - len(row)) for row in rows],
+        "sampler_temperature": [temperature] * len(rows),
+    }
 
 
 def supervised_datum(

@@ -80,6 +80,16 @@ class RLSteps(Configurable):
         """Most tokens per completion (per action, in a multi-turn episode)."""
         temperature: float = 1.0
         """Sampling temperature of rollouts."""
+        top_p: float = 1.0
+        """Nucleus (top-p) truncation of rollouts; 1 keeps every token."""
+        top_k: int = -1
+        """Top-k truncation of rollouts; -1 keeps every token (the vllm backend needs a
+        top_k to return the support: the vocabulary size keeps top-p alone in force)."""
+        sampling_support: Literal["full", "sampler"] = "full"
+        """'sampler': the sampler returns each token's top-k/top-p support and the loss
+        renormalises the trainer's distribution over it at the sampling temperature, so the
+        importance ratio compares like with like (losses/support.py, docs/rl.md); 'full':
+        the trainer's logprob is over the whole vocabulary at temperature 1."""
         loss_fn: Literal["ppo", "importance_sampling", "stable_reinforce"] = "ppo"
         """Policy loss; the sampler's logprobs give the importance ratios (stable_reinforce:
         truncated-importance-weighted REINFORCE, docs/server.md)."""
@@ -143,7 +153,13 @@ class RLSteps(Configurable):
         self.share = ranks.share(config.prompts_per_step, field="RLJob.Config.rl.prompts_per_step")
         """This rank's groups of each step (all of them in one process)."""
         self.timer = PhaseTimer()
-        self.params = SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature)
+        self.params = SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            return_support=config.sampling_support == "sampler",
+        )
         """Each request's stop tokens are its env's."""
         self._started = time.perf_counter()
 
@@ -266,6 +282,7 @@ class RLSteps(Configurable):
                 policy_datum(
                     flat[i],
                     advantage=[(advantages[i] - p) / num_tokens[substep] for p in penalties[i]],
+                    sampler_temperature=config.temperature,
                 )
                 for i in indices
             ]
@@ -319,3 +336,14 @@ def _check_config(config: RLSteps.Config) -> None:
     check_choice(
         config.routing_replay, field=f"{name}.routing_replay", choices=ROUTING_REPLAY_CHOICES
     )
+    check_choice(
+        config.sampling_support, field=f"{name}.sampling_support", choices=("full", "sampler")
+    )
+    check_range(config.top_p, field=f"{name}.top_p", greater_than=0, at_most=1)
+    if config.top_k < 1 and config.top_k != -1:
+        raise ValueError(f"{name}.top_k must be >= 1, or -1 for no limit, got {config.top_k}")
+    if config.sampling_support == "sampler" and config.temperature == 0:
+        raise ValueError(
+            f"{name}.sampling_support='sampler' needs temperature > 0 (a greedy token has no "
+            "support to renormalise over)"
+        )

@@ -161,7 +161,10 @@ class Admission:
         if state.params.stop_strings:
             matcher = StopStringMatcher(state.params.stop_strings, tokenizer=self.tokenizer)
         topk = [] if state.request.topk_sample_logprobs else None
-        return SlotOwner(state=state, sample_index=sample_index, matcher=matcher, topk=topk)
+        support = [] if state.params.return_support else None
+        return SlotOwner(
+            state=state, sample_index=sample_index, matcher=matcher, topk=topk, support=support
+        )
 
     def _cached_prefix(self, request: SampleRequest) -> CachedPrefix | None:
         """The longest cached sequence the request's prompt extends, if it may use one."""

@@ -62,6 +62,7 @@ from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
+from temper.sampler.support import kept_ids
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
@@ -436,6 +437,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
                 k = owner.state.request.topk_sample_logprobs
                 ids_K, values_K = sampling.topk_logprobs(logprobs_BV[row : row + 1], k)
                 owner.topk.append(list(zip(ids_K[0].tolist(), values_K[0].tolist(), strict=True)))
+            if owner.support is not None:
+                owner.support.append(kept_ids(logprobs_BV[row]))
             if owner.matcher is not None and owner.matcher.push(token):
                 stopped_B[row] = True
 
@@ -468,6 +471,7 @@ class SamplerEngine(Configurable, OnePromptSampling):
                 stop_reason="stop" if row_stopped else "length",
                 topk_logprobs=owner.topk,
                 routed_experts=row_routed,
+                support=owner.support,
             )
             if owner.needs_python:
                 slots.num_python_rows -= 1

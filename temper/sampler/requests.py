@@ -164,6 +164,11 @@ def validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_len
             targets.check(prompt_length=len(request.prompt), vocab_size=vocab_size)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
+    if request.params.return_support and request.params.temperature == 0:
+        raise ValueError(
+            f"{where}: return_support needs a temperature > 0 (a greedy token is drawn from "
+            "no truncated distribution); use temperature > 0 with top_k=1 for the argmax"
+        )
     for token in request.params.stop_token_ids:
         if token >= vocab_size:
             raise ValueError(

@@ -29,12 +29,14 @@ class SlotOwner:
     sample_index: int
     matcher: StopStringMatcher | None
     topk: list[TopkLogprobs] | None
+    support: list[list[int]] | None = None
+    """The kept token ids of each drawn position (`SamplingParams.return_support`)."""
     stopped_by_string: bool = False
 
     @property
     def needs_python(self) -> bool:
-        """Per-token Python work: stop strings, top-k logprobs."""
-        return self.matcher is not None or self.topk is not None
+        """Per-token Python work: stop strings, top-k logprobs, kept supports."""
+        return self.matcher is not None or self.topk is not None or self.support is not None
 
 
 class SlotTable:

@@ -441,6 +441,8 @@ class TrainerEngine(Configurable):
         """The batch's summed loss; its datums' outputs go into `outputs`."""
         logprobs_N = self._logprobs_N(batch)  # [N], or [N, K] with K targets per position
         inputs = batch.flat_inputs(self.device)
+        if spec.position_logprobs is not None:  # e.g. renormalised over a sampler's support
+            logprobs_N = spec.position_logprobs(logprobs_N, inputs=inputs)
         with compute_in(self.device, self._autocast):
             if spec.segmented:
                 segments_N = batch.segments(self.device)

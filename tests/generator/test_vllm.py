@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from temper.api import SamplingParams
-from temper.api.prompt_targets import PromptTargets
 from temper.generator.seam import Generator
 from temper.models import materialize, qwen3_size
 from temper.sampler import sampling
@@ -242,9 +241,6 @@ def test_bad_input_gets_the_engines_errors(backends, request_kwargs, message):
 
 def test_what_vllm_cannot_map_is_refused_by_name(backends):
     vllm, _, _ = backends
-    targets = PromptTargets.from_ids([[2], [3]])
-    with pytest.raises(ValueError, match="target_prompt_logprobs is not available"):
-        vllm.generate([SampleRequest(prompt=[1, 2, 3], target_prompt_logprobs=targets)])
     tiny = SamplingParams(temperature=1e-7)
     with pytest.raises(ValueError, match="which vLLM decodes greedily"):
         vllm.generate([SampleRequest(prompt=[1, 2], params=tiny)])

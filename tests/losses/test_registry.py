@@ -40,12 +40,18 @@ def test_inputs_declared():
     assert get_loss("cross_entropy").required_inputs == ("target_tokens",)
     assert get_loss("cross_entropy").optional_inputs == ("weights",)
     assert get_loss("cross_entropy").topk_inputs == ("target_tokens", "weights")
+    support = ("support_mask", "sampler_temperature")  # every policy loss (losses/support.py)
     for name in ("ppo", "cispo"):
-        assert get_loss(name).optional_inputs == ("clip_low_threshold", "clip_high_threshold")
+        assert get_loss(name).optional_inputs == (
+            "clip_low_threshold",
+            "clip_high_threshold",
+            *support,
+        )
     assert get_loss("gspo").optional_inputs == (
         "sequence_ratio_mask",
         "clip_low_threshold",
         "clip_high_threshold",
+        *support,
     )
     # Every default fills an input the loss accepts but does not require.
     for spec in LOSSES.values():

@@ -62,6 +62,13 @@ def test_bad_settings_name_the_field(fields, message):
         ({"kl_coef": -0.1}, "kl_coef must be >= 0"),
         ({"kl_estimator": "k2"}, "kl_estimator must be 'k1' or 'k3'"),
         ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine'"),
+        ({"top_p": 0.0}, r"RLSteps\.Config\.top_p must be in \(0, 1\]"),
+        ({"top_k": 0}, r"RLSteps\.Config\.top_k must be >= 1, or -1"),
+        ({"sampling_support": "kept"}, "sampling_support must be 'full' or 'sampler'"),
+        (
+            {"sampling_support": "sampler", "temperature": 0.0},
+            "sampling_support='sampler' needs temperature > 0",
+        ),
     ],
 )
 def test_bad_step_settings_name_the_field(fields, message):
