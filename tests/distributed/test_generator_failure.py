@@ -29,7 +29,7 @@ def rl_config() -> RLJob.Config:
     )
     config.warmup.steps = 2
     config.checkpoint_every = 3  # after the warm-up and RL step 0
-    config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, timeout_s=60)
+    config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, sync_timeout_s=60)
     return config
 
 
