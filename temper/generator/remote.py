@@ -232,10 +232,11 @@ class RemoteGenerator:
         each send theirs on their own channel). With `overlaps_sync` the generators go on
         sampling the current version meanwhile, until `commit_weights`."""
         deadline = self._deadlines.sync()
-        if self._lead:
-            _control(self._roles, Weights(version=version), deadline=deadline)
-        what = f"weight sync of version {version}"
-        self._sender.send(_pieces(source), what=what, deadline=deadline)
+        with self._links.failing():
+            if self._lead:
+                _control(self._roles, Weights(version=version), deadline=deadline)
+            what = f"weight sync of version {version}"
+            self._sender.send(_pieces(source), what=what, deadline=deadline)
 
     def commit_weights(self, *, version: int) -> None:
         """Sample from the version sent last from now on (collective over the trainer ranks,
@@ -243,7 +244,8 @@ class RemoteGenerator:
         if self.overlaps_sync:
             self._trainers_idle()
         if self._lead:
-            _control(self._roles, Commit(version=version), deadline=self._deadlines.sync())
+            with self._links.failing():
+                _control(self._roles, Commit(version=version), deadline=self._deadlines.sync())
         self._version = version
 
     def _trainers_idle(self) -> None:
@@ -346,14 +348,21 @@ class RemoteLinks:
             return recv_object(group=link.group, src=1, wait=deadline.bound(link.group))
 
     @contextlib.contextmanager
-    def _on_link(self, link: Link, phase: str, *, deadline: Deadline) -> Iterator[None]:
+    def failing(self) -> Iterator[None]:
+        """A `PeerFailure` inside (on a link, a weight sync or a command) fails every later
+        call, and nothing more is sent, not even goodbyes."""
         try:
-            with crossing(lambda: phase, who=f"trainer rank {link.trainer}", deadline=deadline):
-                yield
+            yield
         except PeerFailure as failure:
-            self._closed = True  # nothing more is sent, not even goodbyes
+            self._closed = True
             self._failure = str(failure)
             raise
+
+    @contextlib.contextmanager
+    def _on_link(self, link: Link, phase: str, *, deadline: Deadline) -> Iterator[None]:
+        who = f"trainer rank {link.trainer}"
+        with self.failing(), crossing(lambda: phase, who=who, deadline=deadline):
+            yield
 
 
 class RemoteReference:
@@ -475,7 +484,8 @@ class RemoteGenerators:
         (collective over the trainer ranks, before or after `connect`)."""
         if self._lead:
             reference = Reference(directory=directory, dtype=dtype)
-            _control(self.roles, reference, deadline=self._deadlines.sync())
+            with self._links.failing():
+                _control(self.roles, reference, deadline=self._deadlines.sync())
         return RemoteReference(self._links, name=directory, vocab_size=vocab_size)
 
     def close(self) -> None:
