@@ -56,6 +56,10 @@ class PeerFailure(RuntimeError):
     got; the job cannot go on and resumes from its last checkpoint."""
 
 
+class DeadlinePassed(TimeoutError):
+    """An exchange's deadline passed before its next operation began."""
+
+
 @dataclass
 class Deadline:
     """A time limit on a whole exchange, counted from when it is made."""
@@ -76,7 +80,7 @@ class Deadline:
         next operations, and return what is left; raises TimeoutError once it has passed."""
         left = self.left()
         if left <= 0:
-            raise TimeoutError(f"the deadline of {self.seconds:g} s passed")
+            raise DeadlinePassed(f"{self.elapsed():.1f} s since the exchange began")
         _set_pg_timeout(timedelta(seconds=left + grace_s), group)
         return timedelta(seconds=left)
 
@@ -136,11 +140,11 @@ def failure_message(
     """'generator rank 2: weight sync of version 3: receiving bucket 5 (...) from trainer
     rank 1 failed after 10.0 s: no answer within the deadline (Placement.Config...=10) (...)'."""
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if _timed_out(error):
-        why = "no answer within the deadline"
-        if deadline is not None:
-            why += f" ({deadline.describe()} s)"
-        why += ": the peer stalled"
+    limit = "" if deadline is None else f" ({deadline.describe()} s)"
+    if isinstance(error, DeadlinePassed):
+        why = f"the deadline{limit} passed before this step began: this rank or a peer stalled"
+    elif _timed_out(error):
+        why = f"no answer within the deadline{limit}: the peer stalled"
     else:
         why = "the peer stopped (its connection closed)"
     took = "" if deadline is None else f" after {deadline.elapsed():.1f} s"

@@ -1,10 +1,11 @@
 """Faults injected into a disaggregated RL job's weight sync, on gloo ranks (the deadline tests).
 
 A generator rank dies (`os._exit`, as if killed: no goodbye on any connection) or stalls (a
-sleep) when it receives its Nth data broadcast of the sync of `FAULT_VERSION`, and writes the
-wall-clock time of the fault to a file first. Trainer ranks record when and how they ended.
-`run_until_failure` starts the ranks and, once every trainer rank has ended, stops the ranks
-still alive, as torchrun does once one rank of its job fails.
+sleep of `stall_s`) when it receives its Nth data broadcast of the sync of `FAULT_VERSION`,
+and writes the wall-clock time of the fault to a file first. Every rank records when and how
+it ended. `run_until_failure` starts the ranks and, once every trainer rank has ended and the
+generator rank had `generator_grace_s` to end too, stops the ranks still alive, as torchrun
+does once one rank of its job fails.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def arm_fault(*, kind: str, record: Path, stall_s: float = 600.0) -> None:
     weight_transfer._all = faulty_broadcast
 
 
-def faulty_rank(rank: int, config: RLJob.Config, run_dir: Path, out: Path, kind: str) -> dict:
-    """The job on this rank; the generator rank (the last) with a fault armed. A trainer rank
-    returns how it ended: the error's message and when."""
+def faulty_rank(
+    rank: int, config: RLJob.Config, run_dir: Path, out: Path, kind: str, stall_s: float
+) -> dict:
+    """The job on this rank; the generator rank (the last) with a fault armed. Returns how
+    it ended: the error's message and when."""
     skip_plots()
-    if rank == 2:
-        arm_fault(kind=kind, record=out / "fault.json")
+    if rank + 1 == _world_size():  # the generator rank
+        arm_fault(kind=kind, record=out / "fault.json", stall_s=stall_s)
     try:
         RLJob(config).run(run_dir=run_dir)
     except RuntimeError as error:
@@ -64,15 +67,29 @@ def faulty_rank(rank: int, config: RLJob.Config, run_dir: Path, out: Path, kind:
     return {"time": time.time(), "error": None}
 
 
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 def run_until_failure(
-    config: RLJob.Config, *, run_dir: Path, out: Path, kind: str, world_size: int = 3
+    config: RLJob.Config,
+    *,
+    run_dir: Path,
+    out: Path,
+    kind: str,
+    world_size: int = 3,
+    stall_s: float = 600.0,
+    generator_grace_s: float = 0.0,
 ) -> dict:
-    """The job on `world_size` gloo ranks with a fault on the last; once every trainer rank
-    has ended (at most 240 s), the ranks still alive are stopped (torchrun's part). Returns
-    the fault's record, each trainer rank's result, and the generator's exit code."""
+    """The job on `world_size` gloo ranks with a fault on the last (its one generator rank);
+    once every trainer rank has ended (at most 240 s) and the generator rank had
+    `generator_grace_s` more, the ranks still alive are stopped (torchrun's part). Returns the
+    fault's record, each rank's result (None: it left none), and the generator's exit code."""
     context = mp.get_context("spawn")
     port = free_port()
-    args = (config, run_dir, out, kind)
+    args = (config, run_dir, out, kind, stall_s)
     processes = [
         context.Process(target=_entry, args=(rank, faulty_rank, world_size, port, out, args))
         for rank in range(world_size)
@@ -83,6 +100,7 @@ def run_until_failure(
     for process in processes[:-1]:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
     trainers_alive = [process.is_alive() for process in processes[:-1]]
+    processes[-1].join(timeout=generator_grace_s)
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -93,11 +111,12 @@ def run_until_failure(
         torch.load(out / f"rank{rank}.pt", weights_only=False)
         if (out / f"rank{rank}.pt").exists()
         else None
-        for rank in range(world_size - 1)
+        for rank in range(world_size)
     ]
     return {
         "fault": json.loads((out / "fault.json").read_text()),
-        "trainers": results,
+        "trainers": results[:-1],
+        "generator": results[-1],
         "trainers_alive": trainers_alive,
         "generator_exit": processes[-1].exitcode,
     }

@@ -76,8 +76,20 @@ def test_a_generator_rank_killed_mid_sync_ends_the_job_in_time_and_it_resumes(tm
 def test_a_generator_rank_stalled_mid_sync_ends_the_job_within_the_deadline(tmp_path):
     out = tmp_path / "stalled"
     out.mkdir()
-    outcome = run_until_failure(rl_config(), run_dir=tmp_path / "run", out=out, kind="stall")
+    outcome = run_until_failure(
+        rl_config(),
+        run_dir=tmp_path / "run",
+        out=out,
+        kind="stall",
+        stall_s=DEADLINE_S + 3,
+        generator_grace_s=30,
+    )
     _check_ended_in_time(outcome)
     message = outcome["trainers"][0]["error"]
     _check_message(message, why="no answer within the deadline")
     assert f"sync_timeout_s={DEADLINE_S:g}" in message, message
+    # Once awake, the generator rank finds its trainers gone and ends, saying where it was.
+    generator = outcome["generator"]["error"]
+    assert generator.startswith("generator rank 2: "), generator
+    assert f"weight sync of version {FAULT_VERSION}: receiving bucket" in generator
+    assert "received) from trainer rank 0" in generator, generator
