@@ -36,6 +36,7 @@ ENGINE = SamplerEngine.Config(max_batch=8, max_seq_len=32)
         ),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
         ({"sync_timeout_s": -1}, "sync_timeout_s must be > 0"),
+        ({"call_timeout_s": 0}, "call_timeout_s must be > 0"),
         ({"overlap_sync": "yes"}, "overlap_sync must be true or false"),
     ],
 )
