@@ -79,7 +79,7 @@ def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(t
         message = (out_dir / f"rank{rank}.pt").exists() and _load(out_dir, rank)
         assert message, f"trainer rank {rank} did not report the failure"
         assert f"trainer rank {rank}: generate call on policy version" in message, message
-        assert "to generator rank 2: waiting for its answer" in message, message
+        assert "to generator rank 2: " in message, message  # sending it, or awaiting its answer
         assert "the peer stopped" in message, message
         assert "resume" in message
     state = json.loads((run_dir / "run_state" / "state.json").read_text())
