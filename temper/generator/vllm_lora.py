@@ -92,7 +92,8 @@ class VllmMultiLora:
         self._family = family_of_model(model)
         self._base_config = model.config
         slots = LoraSlots(
-            max_loras=config.max_resident_adapters,
+            # vLLM takes no more slots than adapters it may hold.
+            max_loras=min(config.max_resident_adapters, config.max_adapters),
             max_cpu_loras=config.max_adapters,
             max_lora_rank=vllm.max_lora_rank,
         )
