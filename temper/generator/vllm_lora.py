@@ -154,7 +154,7 @@ class VllmMultiLora:
             raise ValueError(
                 f"LoRA rank {config.rank} exceeds the vLLM engine's max_lora_rank "
                 f"{self.max_lora_rank} (VllmGenerator.Config.max_lora_rank; "
-                "--generator.vllm.max_lora_rank), which must be set when the engine starts"
+                "--generator.vllm.max-lora-rank), which must be set when the engine starts"
             )
         expected = self._expected_shapes(config)
         given = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
