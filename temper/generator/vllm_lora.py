@@ -32,6 +32,7 @@ expert adapters (refused at `register` if vLLM cannot load them).
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import threading
@@ -173,14 +174,16 @@ class VllmMultiLora:
                 raise ValueError(f"adapter tensor {name!r} holds NaN or infinite values")
 
     def _expected_shapes(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
-        if config not in self._shapes:
+        # Shapes depend on the rank and the targets only: one entry per such choice.
+        key = dataclasses.replace(config, seed=0, alpha=1.0)
+        if key not in self._shapes:
             with torch.device("meta"):
                 skeleton = self._base_config.build()
-            apply_lora(skeleton, config)
-            self._shapes[config] = {
+            apply_lora(skeleton, key)
+            self._shapes[key] = {
                 name: tuple(t.shape) for name, t in lora_state_dict(skeleton).items()
             }
-        return self._shapes[config]
+        return self._shapes[key]
 
     def _write(
         self, config: LoraConfig, tensors: Mapping[str, torch.Tensor], *, lora_id: int
