@@ -5,14 +5,18 @@ Each adapter's rows equal its merged model's full forward (greedy tokens, logpro
 1e-5 in fp32); a new version gets a fresh vLLM name, so cached prefix blocks of the old one
 are never reused; an adapter vLLM dropped is reloaded from its file; a forgotten version
 leaves vLLM and disk; a failed load keeps the previous version serving; capacity errors
-name the setting. `make test-vllm` runs these."""
+name the setting; a tensor-parallel engine loads each adapter on both its workers. `make
+test-vllm` runs these."""
 
 from __future__ import annotations
 
 import copy
 import gc
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.vllm
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 from temper.generator.vllm_lora import VllmMultiLora  # noqa: E402
 
+ROOT = Path(__file__).parents[2]
 TOLERANCE = 1e-5  # fp32: KV-cache decode vs a full forward
 CONFIGS = [
     LoraConfig(rank=2, seed=1),
@@ -225,3 +230,55 @@ def test_capacity_is_a_clear_error_and_dropped_versions_free_it(setup):
     del held[0]
     gc.collect()
     held.append(sampler.register(config=config, tensors=tensors, version=100))  # room again
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_loads_each_adapter_on_every_worker():
+    """vLLM's own engine processes, two tensor-parallel workers: each adapter, read from its
+    directory by both, gives its merged model's rows; one dropped is reloaded by both. In a
+    process of its own: vLLM binds CPU workers from settings it reads once per process, so an
+    in-process engine started earlier (this module's) would fix them."""
+    code = (
+        "from tests.generator.test_vllm_lora import check_tensor_parallel; check_tensor_parallel()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor-parallel adapters: ok" in result.stdout
+
+
+def check_tensor_parallel() -> None:
+    _, adapters, merged = trained_adapters(CONFIGS[:2])
+    sampler = VllmMultiLora(
+        MultiLoraSampler.Config(max_resident_adapters=2, max_adapters=4),
+        model=trained_adapters([])[0],
+        tokenizer=None,
+        vllm=VllmGenerator.Config(
+            kv_cache_mib=64,
+            max_lora_rank=8,
+            max_num_seqs=16,
+            engine_process="separate",
+            tensor_parallel_size=2,
+        ),
+    )
+    try:
+        held = [sampler.register(config=c, tensors=t, version=0) for c, t in adapters]
+        mixed = sampler.engine.generate(_greedy(PROMPTS[:2]), adapters=[a.request for a in held])
+        for who, response in enumerate(mixed):
+            _assert_matches_merged([response], [PROMPTS[who]], merged[who])
+        sampler.engine.remove_adapter(held[1].request.lora_int_id)
+        again = sampler.generate(_greedy(PROMPTS[2:3]), adapter=held[1])
+        _assert_matches_merged(again, PROMPTS[2:3], merged[1])
+    finally:
+        sampler.close()
+    print("tensor-parallel adapters: ok")
