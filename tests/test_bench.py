@@ -204,3 +204,16 @@ def test_moe_ep_reports_both_modes_and_the_plan(tmp_path):
         "plan_within_5_percent": True,
     }
     assert left_behind(tmp_path) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_multi_lora_reports_each_path_and_sync_bytes(tmp_path):
+    pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
+    flags = ["--users", "2", "--total-batch", "4", "--max-tokens", "4", "--rounds", "1"]
+    flags += ["--rank", "8", "--sync-size", "tiny"]
+    report = run_bench("vllm_multi_lora.py", *flags, tmp_path=tmp_path)
+    assert set(report["tokens_per_s"]) == {"merged", "one_user", "users"}
+    assert all(speed > 0 for speed in report["tokens_per_s"].values())
+    assert 0 < report["sync"]["attn"]["ratio"] < report["sync"]["all"]["ratio"] < 1
+    assert left_behind(tmp_path) == []

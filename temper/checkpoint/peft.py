@@ -28,7 +28,7 @@ transformers 4, whose experts are linears, would see the dense layers targeted t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +37,14 @@ from safetensors.torch import save_file
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.models.common.decoder import Decoder
-from temper.models.lora import adapted_key, lora_modules
-from temper.models.lora_experts import ExpertsLora
-from temper.models.registry import family_of_model
+from temper.models.lora import (
+    UNEMBEDDING_ADAPTER,
+    LoraConfig,
+    lora_modules,
+    lora_state_dict,
+)
+from temper.models.lora_experts import ADAPTER_SUFFIX
+from temper.models.registry import ModelFamily, family_of_model
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -72,11 +77,29 @@ class _HfAdapter:
 
 def _hf_adapters(model: Decoder) -> Iterator[_HfAdapter]:
     """Every adapter of `model` under its HF module name, expert adapters one per expert."""
-    family = family_of_model(model)
-    for name, module in lora_modules(model).items():
-        key = adapted_key(name, module)
-        lora_A, lora_B = module.lora_A.detach(), module.lora_B.detach()
-        expert = isinstance(module, ExpertsLora)
+    return _hf_adapters_of(family_of_model(model), lora_state_dict(model))
+
+
+def _adapted_key(module_name: str) -> tuple[str, bool]:
+    """The weight an adapter module (a `lora_state_dict` name less its factor) changes, and
+    whether it holds one pair per expert (see `temper.models.lora.adapted_key`)."""
+    if module_name == UNEMBEDDING_ADAPTER:
+        return "output.weight", False
+    if module_name.endswith(ADAPTER_SUFFIX):
+        return module_name.removesuffix(ADAPTER_SUFFIX), True
+    return f"{module_name}.weight", False
+
+
+def _hf_adapters_of(
+    family: ModelFamily, tensors: Mapping[str, torch.Tensor]
+) -> Iterator[_HfAdapter]:
+    """The adapters in `tensors` (`lora_state_dict` names) under their HF module names."""
+    for name in tensors:
+        if not name.endswith(".lora_A"):
+            continue
+        module_name = name.removesuffix(".lora_A")
+        lora_A, lora_B = tensors[name].detach(), tensors[f"{module_name}.lora_B"].detach()
+        key, expert = _adapted_key(module_name)
         for slot, hf_key in family.hf_slots(key, tuple(lora_A.shape)).items():
             pair = (lora_A[slot.expert], lora_B[slot.expert]) if expert else (lora_A, lora_B)
             yield _HfAdapter(hf_key.removesuffix(".weight"), *pair, expert=expert)
@@ -103,12 +126,17 @@ def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict
     shapes = {(module.rank, module.alpha) for module in modules.values()}
     assert len(shapes) == 1, f"LoRA modules disagree on (rank, alpha): {shapes}"
     ((rank, alpha),) = shapes
-    adapters = list(_hf_adapters(model))
+    return _adapter_config(
+        list(_hf_adapters(model)), rank=rank, alpha=alpha, base=base_model_name_or_path
+    )
+
+
+def _adapter_config(adapters: list[_HfAdapter], *, rank: int, alpha: float, base: str) -> dict:
     targets = {adapter.name.rsplit(".", 1)[-1] for adapter in adapters}
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
+        "base_model_name_or_path": base,
         "r": rank,
         "lora_alpha": alpha,
         "target_modules": [name for name in _HF_TARGET_ORDER if name in targets],
@@ -129,8 +157,12 @@ def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict
 
 def peft_adapter_tensors(model: Decoder) -> dict[str, torch.Tensor]:
     """LoRA tensors under PEFT's key names, on the CPU and contiguous."""
+    return _peft_tensors(_hf_adapters(model))
+
+
+def _peft_tensors(adapters: Iterator[_HfAdapter]) -> dict[str, torch.Tensor]:
     tensors = {}
-    for adapter in _hf_adapters(model):
+    for adapter in adapters:
         for factor in ("lora_A", "lora_B"):
             key = f"{_PEFT_PREFIX}{adapter.name}.{factor}.weight"
             tensors[key] = getattr(adapter, factor).to("cpu").contiguous()
@@ -153,7 +185,36 @@ def save_peft_adapter(
     adapter_config = peft_adapter_config(model, base_model_name_or_path=base_model_name_or_path)
     tensors = peft_adapter_tensors(model)
     with staged_directory(out_dir) as staging:
-        save_file(tensors, str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-        text = json.dumps(adapter_config, indent=2) + "\n"
-        (staging / ADAPTER_CONFIG_FILE).write_text(text)
+        _write(staging, tensors=tensors, config=adapter_config)
     return out_dir
+
+
+def save_peft_adapter_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    out_dir: str | Path,
+    *,
+    family: ModelFamily,
+    lora: LoraConfig,
+    base_model_name_or_path: str,
+) -> Path:
+    """Write adapter tensors (`lora_state_dict` names, of a `family` model adapted by `lora`)
+    as a PEFT adapter directory, whole or not at all; the directory must not exist.
+
+    The same files `save_peft_adapter` writes for a model holding these tensors."""
+    adapters = list(_hf_adapters_of(family, tensors))
+    if not adapters:
+        raise ValueError(
+            "save_peft_adapter_tensors: no adapter tensors given (names ending in .lora_A)"
+        )
+    config = _adapter_config(
+        adapters, rank=lora.rank, alpha=lora.alpha, base=base_model_name_or_path
+    )
+    out_dir = check_free(out_dir, overwrite=False)
+    with staged_directory(out_dir) as staging:
+        _write(staging, tensors=_peft_tensors(iter(adapters)), config=config)
+    return out_dir
+
+
+def _write(directory: Path, *, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    (directory / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

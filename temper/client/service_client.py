@@ -31,7 +31,7 @@ from temper.client.training_client import TrainingClient, training_kind
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import Ranks
 from temper.generator.choice import GeneratorChoice
-from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import AdapterSampler, MultiLoraSampler
 from temper.generator.remote import RemoteGenerators
 from temper.generator.seam import Generator
 from temper.models.build import parse_dtype
@@ -75,13 +75,14 @@ class ServiceClient:
         remote: RemoteGenerators | None = None,
         sleep_generator: bool = False,
     ) -> None:
-        """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine
-        only); None: its defaults. `remote`: the generator ranks of a disaggregated placement
-        (generator/remote.py), where the training client's snapshots sample; None: generators
-        in this process. `sleep_generator`: each training client's generator releases its KV
-        cache while the trainer runs forward_backward. `dtype`: the precision
-        (trainer/precision.py): 'float32', 'bfloat16' (pure), 'bf16-mixed' (fp32 weights, bf16
-        matmuls, a bf16 generator) or 'auto' (bf16-mixed on CUDA, else float32)."""
+        """`multi_lora`: the shared sampler of LoRA clients on one base (Temper's engine or
+        vLLM, as `generator` chooses); None: its defaults. `remote`: the generator ranks of a
+        disaggregated placement (generator/remote.py), where the training client's snapshots
+        sample; None: generators in this process. `sleep_generator`: each training client's
+        generator releases its KV cache while the trainer runs forward_backward. `dtype`: the
+        precision (trainer/precision.py): 'float32', 'bfloat16' (pure), 'bf16-mixed' (fp32
+        weights, bf16 matmuls, a bf16 generator) or 'auto' (bf16-mixed on CUDA, else
+        float32)."""
         check_device(device, named=f"device={device!r}", instead="use device='cpu'")
         self.storage = CheckpointStorage(storage_dir)
         self.device = device
@@ -265,14 +266,17 @@ class ServiceClient:
             sleep_generator=self.sleep_generator,
         )
 
-    def _adapter_sampler(self, shared: SharedBase) -> MultiLoraSampler | None:
-        """The multi-LoRA sampler of `shared`, or None where LoRA snapshots sample merged
-        weights (`multi_lora.enabled` off, or the vLLM backend)."""
-        if not self.multi_lora_config.enabled or self.generator_choice.config.backend != "temper":
+    def _adapter_sampler(self, shared: SharedBase) -> AdapterSampler | None:
+        """The multi-LoRA sampler of `shared` (of the chosen backend), or None where LoRA
+        snapshots sample merged weights (`multi_lora.enabled` off)."""
+        if not self.multi_lora_config.enabled:
             return None
         return shared.sampler(
-            lambda model: self.multi_lora_config.build(
-                model=model, tokenizer=shared.tokenizer, engine=self.sampler_config
+            lambda model: self.generator_choice.adapter_sampler(
+                self.multi_lora_config,
+                engine=self.sampler_config,
+                model=model,
+                tokenizer=shared.tokenizer,
             )
         )
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from temper.checkpoint.model_source import ModelSource
-from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import AdapterSampler
 from temper.tokenizer import Tokenizer
 
 
@@ -47,10 +47,10 @@ class SharedBase:
             parameter.requires_grad_(False)
         self._template = model
         self.tokenizer = tokenizer
-        self._sampler: MultiLoraSampler | None = None
+        self._sampler: AdapterSampler | None = None
         self._sampler_lock = threading.Lock()
 
-    def sampler(self, make: Callable[[nn.Module], MultiLoraSampler]) -> MultiLoraSampler:
+    def sampler(self, make: Callable[[nn.Module], AdapterSampler]) -> AdapterSampler:
         """The multi-LoRA sampler every LoRA client of this base samples through, built by
         `make(model)` on first use (`model`: a plain tree on the shared tensors)."""
         with self._sampler_lock:

@@ -38,7 +38,7 @@ from temper.client.sampler_weights import recorded_base_model, save_sampler_weig
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import AdapterFeed, GeneratorFeed, RemoteFeed, WeightSync
-from temper.generator.multi_lora import MultiLoraSampler
+from temper.generator.multi_lora import AdapterSampler
 from temper.generator.remote import RemoteGenerators
 from temper.generator.seam import Generator
 from temper.tokenizer import Tokenizer
@@ -86,7 +86,7 @@ class TrainingClient:
         engine: TrainerEngine,
         tokenizer: Tokenizer,
         shared_base: SharedBase | None = None,
-        adapter_sampler: MultiLoraSampler | None = None,
+        adapter_sampler: AdapterSampler | None = None,
         remote: RemoteGenerators | None = None,
         sleep_generator: bool = False,
     ) -> None:

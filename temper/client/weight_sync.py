@@ -44,7 +44,7 @@ from torch import nn
 
 from temper.checkpoint.gather import sampler_share
 from temper.client.sampler_weights import sampler_model, sampler_update
-from temper.generator.multi_lora import AdapterView, MultiLoraSampler
+from temper.generator.multi_lora import AdapterSampler, AdapterView
 from temper.generator.remote import RemoteGenerator, RemoteGenerators
 from temper.generator.seam import Generator
 from temper.models.build import materialize
@@ -92,7 +92,7 @@ class AdapterFeed:
     """A LoRA trainer's adapters, registered on a multi-LoRA sampler shared with the other
     clients of its base (generator/multi_lora.py): a version is a copy of the adapters."""
 
-    def __init__(self, *, trainer: TrainerEngine, multi_lora: MultiLoraSampler) -> None:
+    def __init__(self, *, trainer: TrainerEngine, multi_lora: AdapterSampler) -> None:
         assert trainer.lora is not None
         self._trainer, self._multi_lora = trainer, multi_lora
 

@@ -3,7 +3,8 @@
 'temper' is Temper's KV-cache engine (temper/sampler/engine.py), set up by its own
 `SamplerEngine.Config` (the `sampler` field of job and server configs); 'vllm' is vLLM
 (vllm.py, extra `vllm`), set up by `GeneratorChoice.Config.vllm`. Both stand behind the
-`Generator` seam (seam.py).
+`Generator` seam (seam.py), and both serve many LoRA adapters on one base
+(`adapter_sampler`: multi_lora.py, vllm_lora.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from torch import nn
 
 from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
+from temper.generator.multi_lora import AdapterSampler, MultiLoraSampler
 from temper.generator.seam import Generator
 from temper.generator.vllm import INSTALL_HINT, VllmGenerator  # vLLM itself: when built
+from temper.generator.vllm_lora import VllmMultiLora
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import Tokenizer
 
@@ -59,6 +62,21 @@ class GeneratorChoice(Configurable):
                 vllm = replace(vllm, record_routes=True)
             return vllm.build(model=model, tokenizer=tokenizer)
         return engine.build(model=model, tokenizer=tokenizer)
+
+    def adapter_sampler(
+        self,
+        multi_lora: MultiLoraSampler.Config,
+        *,
+        engine: SamplerEngine.Config,
+        model: nn.Module,
+        tokenizer: Tokenizer | None,
+    ) -> AdapterSampler:
+        """The sampler of many LoRA adapters on the base `model`: Temper's engine
+        (`MultiLoraSampler`, set up by `engine`) or one vLLM engine (vllm_lora.py)."""
+        if self.config.backend == "vllm":
+            vllm = self.vllm_config(engine=engine, model_max_seq_len=model.config.max_seq_len)
+            return VllmMultiLora(multi_lora, model=model, tokenizer=tokenizer, vllm=vllm)
+        return multi_lora.build(model=model, tokenizer=tokenizer, engine=engine)
 
     def vllm_config(
         self, *, engine: SamplerEngine.Config, model_max_seq_len: int

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from torch import nn
 from temper.api.types import SampleResponse
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
+from temper.generator.call_batches import Call, CallBatches
 from temper.models.lora import LoraConfig
 from temper.models.multi_lora import install_slots, load_adapter, set_rows
 from temper.sampler.engine import SamplerEngine
@@ -54,6 +55,17 @@ class AdapterCapacityError(RuntimeError):
     """More live adapters than `MultiLoraSampler.Config.max_adapters`."""
 
 
+def check_capacity(*, held: int, config: MultiLoraSampler.Config) -> None:
+    """AdapterCapacityError, naming the setting, when `held` versions fill the sampler."""
+    if held >= config.max_adapters:
+        raise AdapterCapacityError(
+            f"{held} LoRA adapter versions are held (every live sampling snapshot of a LoRA "
+            f"model holds one), the most this sampler takes (MultiLoraSampler.Config."
+            f"max_adapters = {config.max_adapters}; temper serve: --multi-lora.max-adapters); "
+            "drop sampling clients or raise it"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class Adapter:
     """One adapter version: config and tensors (`lora_state_dict` names), never written."""
@@ -65,14 +77,6 @@ class Adapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-@dataclass(eq=False)
-class _Call:
-    requests: list[SampleRequest]
-    adapter: Adapter
-    results: list[SampleResponse] | None = None
-    error: BaseException | None = None
 
 
 class MultiLoraSampler(Configurable):
@@ -130,9 +134,7 @@ class MultiLoraSampler(Configurable):
             OrderedDict()
         )  # slot -> adapter, LRU first
         self._engine_lock = threading.Lock()  # one batch or score at a time
-        self._queue_lock = threading.Condition()
-        self._queue: list[_Call] = []
-        self._busy = False
+        self._batches = CallBatches[Adapter](window_s=config.batch_window_s, run=self._run)
         self.num_loads = 0
         """Adapters copied into a slot so far."""
         self.num_batches = 0
@@ -152,13 +154,7 @@ class MultiLoraSampler(Configurable):
     ) -> Adapter:
         """A new adapter version with a private copy of `tensors` (see the module docstring)."""
         with self._registry_lock:
-            if len(self._live) >= self.config.max_adapters:
-                raise AdapterCapacityError(
-                    f"{len(self._live)} LoRA adapter versions are held (every live sampling "
-                    f"snapshot of a LoRA model holds one), the most this sampler takes "
-                    f"(MultiLoraSampler.Config.max_adapters = {self.config.max_adapters}; "
-                    "temper serve: --multi-lora.max-adapters); drop sampling clients or raise it"
-                )
+            check_capacity(held=len(self._live), config=self.config)
             device = self.config.store_device
             copies = {name: t.detach().to(device, copy=True) for name, t in tensors.items()}
             adapter = Adapter(config=config, tensors=copies, version=version)
@@ -169,40 +165,7 @@ class MultiLoraSampler(Configurable):
         self, requests: Sequence[SampleRequest], *, adapter: Adapter
     ) -> list[SampleResponse]:
         """`requests` sampled with `adapter`, batched with the calls that arrive meanwhile."""
-        call = _Call(requests=list(requests), adapter=adapter)
-        with self._queue_lock:
-            self._queue.append(call)
-            self._queue_lock.notify_all()  # a leader gathering callers counts this one
-            while self._busy and call.results is None and call.error is None:
-                self._queue_lock.wait()
-            if call.results is None and call.error is None:  # lead the next batch
-                self._busy = True
-                self._gather_callers()
-                calls, self._queue = self._queue, []
-            else:
-                calls = []
-        if calls:
-            try:
-                self._run(calls)
-            finally:
-                with self._queue_lock:
-                    self._busy = False
-                    self._queue_lock.notify_all()
-        if call.error is not None:
-            raise call.error
-        assert call.results is not None
-        return call.results
-
-    def _gather_callers(self) -> None:
-        """Wait while other clients' calls keep arriving, each within the batch window of
-        the last, up to ten windows in all (under the queue lock)."""
-        window = self.config.batch_window_s
-        deadline = time.monotonic() + 10 * window
-        while window > 0 and time.monotonic() < deadline:
-            count = len(self._queue)
-            self._queue_lock.wait(min(window, deadline - time.monotonic()))
-            if len(self._queue) == count:
-                return
+        return self._batches.call(list(requests), key=adapter)
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, adapter: Adapter, temperature: float = 1.0
@@ -212,7 +175,7 @@ class MultiLoraSampler(Configurable):
             set_rows(self.engine.model, slot)
             return self.engine.score(sequences, temperature=temperature)
 
-    def _run(self, calls: list[_Call]) -> None:
+    def _run(self, calls: list[Call[Adapter]]) -> None:
         with self._engine_lock:
             ready = []
             for call in calls:  # a bad request fails its own call only
@@ -224,12 +187,12 @@ class MultiLoraSampler(Configurable):
             for round_calls in self._rounds(ready):
                 self._run_round(round_calls)
 
-    def _rounds(self, calls: list[_Call]) -> list[list[_Call]]:
+    def _rounds(self, calls: list[Call[Adapter]]) -> list[list[Call[Adapter]]]:
         """Consecutive groups of calls needing at most max_resident_adapters adapters."""
-        rounds: list[list[_Call]] = []
+        rounds: list[list[Call[Adapter]]] = []
         adapters: set[int] = set()
         for call in calls:
-            key = id(call.adapter)
+            key = id(call.key)
             if not rounds or (
                 key not in adapters and len(adapters) == self.config.max_resident_adapters
             ):
@@ -239,8 +202,8 @@ class MultiLoraSampler(Configurable):
             adapters.add(key)
         return rounds
 
-    def _run_round(self, calls: list[_Call]) -> None:
-        slots = self._make_resident([call.adapter for call in calls])
+    def _run_round(self, calls: list[Call[Adapter]]) -> None:
+        slots = self._make_resident([call.key for call in calls])
         requests = [
             dataclasses.replace(request, adapter=slot)
             for call, slot in zip(calls, slots, strict=True)
@@ -300,16 +263,54 @@ class MultiLoraSampler(Configurable):
         )
 
 
+class AdapterVersion(Protocol):
+    """One registered adapter version, as its sampler hands it out."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class AdapterSampler(Protocol):
+    """A sampler of many adapters on one base: Temper's engine (`MultiLoraSampler`) or vLLM
+    (generator/vllm_lora.py), with the same capacity rules (`MultiLoraSampler.Config`)."""
+
+    config: MultiLoraSampler.Config
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_adapters(self) -> int: ...
+
+    def register(
+        self, *, config: LoraConfig, tensors: Mapping[str, torch.Tensor], version: int
+    ) -> AdapterVersion: ...
+
+    def generate(
+        self, requests: Sequence[SampleRequest], *, adapter: Any
+    ) -> list[SampleResponse]: ...
+
+    def score(
+        self, sequences: Sequence[Sequence[int]], *, adapter: Any, temperature: float = 1.0
+    ) -> list[torch.Tensor]: ...
+
+    def describe(self) -> str: ...
+
+
 class AdapterView:
     """The `Generator` of one LoRA trainer's snapshots: a shared sampler and one adapter
-    version (replaced, not written, by `update_weights`)."""
+    version (replaced, not written, by `update_weights`: a version that fails to register
+    leaves the previous one serving)."""
 
     holds_one_version = False
 
-    def __init__(self, sampler: MultiLoraSampler, *, config: LoraConfig) -> None:
+    def __init__(self, sampler: AdapterSampler, *, config: LoraConfig) -> None:
         self.sampler = sampler
         self.lora = config
-        self.adapter: Adapter | None = None
+        self.adapter: AdapterVersion | None = None
 
     @property
     def model(self) -> None:
@@ -340,7 +341,7 @@ class AdapterView:
     ) -> list[torch.Tensor]:
         return self.sampler.score(sequences, adapter=self._current(), temperature=temperature)
 
-    def _current(self) -> Adapter:
+    def _current(self) -> AdapterVersion:
         if self.adapter is None:
             raise RuntimeError("AdapterView: no adapter yet (update_weights first)")
         return self.adapter

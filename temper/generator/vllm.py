@@ -56,7 +56,9 @@ from temper.generator import vllm_fields
 from temper.generator.vllm_arguments import (
     DEFAULT_MAX_NUM_SEQS,
     SLEEP_LEVELS,
+    VLLM_LORA_RANKS,
     GpuMemory,
+    LoraSlots,
     SleepMode,
     engine_arguments,
 )
@@ -157,6 +159,10 @@ class VllmGenerator(Configurable, OnePromptSampling):
         """Deadline of one weight update into vLLM's own processes: a worker that stalls or
         dies mid-transfer raises a TimeoutError naming the phase and how far it got. The
         default covers a 70B model's sync on a GPU cluster."""
+        max_lora_rank: int = 32
+        """Widest LoRA rank an engine serving LoRA clients on a shared base takes (vLLM's
+        max_lora_rank, one of 1, 8, 16, 32, 64, 128, 256, 320, 512; generator/vllm_lora.py);
+        vLLM reserves that width in each resident slot, and wider adapters are refused."""
 
         def __post_init__(self) -> None:
             owner = "VllmGenerator.Config"
@@ -179,10 +185,19 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 self.max_model_len, field=f"{owner}.max_model_len", at_least=2, also=(None,)
             )
             check_range(self.sync_timeout_s, field=f"{owner}.sync_timeout_s", greater_than=0)
+            check_choice(
+                self.max_lora_rank, field=f"{owner}.max_lora_rank", choices=VLLM_LORA_RANKS
+            )
 
     def __init__(
-        self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None
+        self,
+        config: Config,
+        *,
+        model: nn.Module,
+        tokenizer: Tokenizer | None = None,
+        lora: LoraSlots | None = None,
     ) -> None:
+        """`lora`: serve LoRA adapters on `model` (generator/vllm_lora.py builds it so)."""
         vllm = _import_vllm()
         from temper.generator import vllm_transfer  # registers its engine with vLLM
 
@@ -225,6 +240,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 gpu_memory_fraction=config.gpu_memory_fraction,
                 tokenizer_given=tokenizer is not None,
                 gpu=GpuMemory.now(),
+                lora=lora,
             )
             | vllm_transfer.transfer_arguments()
         )
@@ -274,20 +290,29 @@ class VllmGenerator(Configurable, OnePromptSampling):
 
     # -- sampling -------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+    def generate(
+        self, requests: Sequence[SampleRequest], *, adapters: Sequence[Any] | None = None
+    ) -> list[SampleResponse]:
+        """`adapters`: each request's vLLM `LoRARequest` (an engine built with `lora`)."""
         self._check_weights()
         for index, request in enumerate(requests):
             self._check(request, index=index)
         vllm = _import_vllm()
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [self._params(request) for request in requests]
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(
+            prompts,
+            params,
+            lora_request=None if adapters is None else list(adapters),
+            use_tqdm=False,
+        )
         return [self._response(r, out) for r, out in zip(requests, outputs, strict=True)]
 
     def score(
-        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0
+        self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0, adapter: Any = None
     ) -> list[torch.Tensor]:
-        """Logprob of tokens[1:] of each sequence (vLLM's prompt logprobs, temperature 1)."""
+        """Logprob of tokens[1:] of each sequence (vLLM's prompt logprobs, temperature 1);
+        `adapter`: a vLLM `LoRARequest` to score with."""
         self._check_weights()
         if temperature != 1.0:
             raise ValueError(
@@ -306,7 +331,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         params = vllm.SamplingParams(
             max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
         )
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
         return [
             torch.tensor(_actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
             for out in outputs
@@ -403,6 +428,15 @@ class VllmGenerator(Configurable, OnePromptSampling):
         )
 
     # -- weights and memory ---------------------------------------------------------------
+
+    def add_adapter(self, adapter: Any) -> None:
+        """Load a vLLM `LoRARequest` into every engine of the group (it reads the files)."""
+        if not self._llm.llm_engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM did not load LoRA adapter {adapter.lora_name!r}")
+
+    def remove_adapter(self, lora_id: int) -> None:
+        """Drop a loaded adapter from vLLM's caches (a no-op for one it evicted itself)."""
+        self._llm.llm_engine.remove_lora(lora_id)
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Load new weights into the running engine (Temper parameter names). A module or a

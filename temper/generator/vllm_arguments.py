@@ -33,6 +33,22 @@ SLEEP_LEVELS = {"keep_weights": 1, "drop_weights": 2}
 both (for when new weights are loaded after every wake-up anyway)."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM takes as `max_lora_rank` (its LoRA kernels' widths)."""
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """vLLM's LoRA settings for an engine that serves adapters (generator/vllm_lora.py)."""
+
+    max_loras: int
+    """Adapters in one batch (vLLM's device slots)."""
+    max_cpu_loras: int
+    """Adapters vLLM keeps loaded in host memory; more evicts the least recently used."""
+    max_lora_rank: int
+    """Widest adapter rank (one of VLLM_LORA_RANKS)."""
+
+
 @dataclass(frozen=True)
 class GpuMemory:
     """The GPU's memory when the engine starts."""
@@ -69,6 +85,7 @@ def engine_arguments(
     gpu_memory_fraction: float | None,
     tokenizer_given: bool,
     gpu: GpuMemory | None,
+    lora: LoraSlots | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` (see the module docstring for how each is chosen)."""
     if kv_cache_mib is None:
@@ -91,6 +108,13 @@ def engine_arguments(
     }
     if sleep != "off":
         arguments["enable_sleep_mode"] = True
+    if lora is not None:
+        arguments.update(
+            enable_lora=True,
+            max_loras=lora.max_loras,
+            max_cpu_loras=lora.max_cpu_loras,
+            max_lora_rank=lora.max_lora_rank,
+        )
     if gpu is not None:
         fraction = gpu_memory_fraction
         if fraction is None:

@@ -114,9 +114,13 @@ class ModelChoice(Configurable):
             sampler=sampler,
             trainer=trainer,
             generator=generator,
-            # A job trains one policy: a LoRA one samples merged weights, which decode
-            # faster than adapters on the multi-LoRA sampler (CUDA graphs, the CPU twins).
-            multi_lora=MultiLoraSampler.Config(enabled=False),
+            # A job trains one policy: with Temper's engine a LoRA one samples merged
+            # weights, which decode faster than adapters on the multi-LoRA sampler (CUDA
+            # graphs, the CPU twins); an in-process vLLM takes its adapters (only they
+            # are synced).
+            multi_lora=MultiLoraSampler.Config(
+                enabled=remote is None and generator is not None and generator.backend == "vllm"
+            ),
             remote=remote,
             sleep_generator=sleep_generator,
         )

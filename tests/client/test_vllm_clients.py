@@ -1,6 +1,8 @@
 """The in-process clients on the vLLM backend: what an `optim_step` changes is what the next
 sampling client samples (full and LoRA, tied and untied output layers), and an older client,
-which a one-version generator cannot keep, refuses new requests by name. `make test-vllm`."""
+which a one-version generator cannot keep, refuses new requests by name. LoRA clients on the
+multi-LoRA vLLM engine (generator/vllm_lora.py) sync their adapters only, and older clients
+keep their versions. `make test-vllm`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch
 from temper import AdamParams, ModelInput, SamplingParams, ServiceClient
 from temper.checkpoint.hf import save_pretrained
 from temper.generator.choice import GeneratorChoice
+from temper.generator.multi_lora import AdapterView, MultiLoraSampler
 from temper.models import materialize, qwen3_size
+from temper.models.lora import lora_state_dict
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import build_builtin_tokenizer
 from tests.client.test_sampling_snapshots import _data
@@ -21,6 +25,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)"
 pytestmark = pytest.mark.vllm
 
 from temper.generator.vllm import VllmGenerator  # noqa: E402
+from temper.generator.vllm_lora import VllmMultiLora  # noqa: E402
 
 ADAM = AdamParams(learning_rate=1e-2)
 VLLM = GeneratorChoice.Config(
@@ -54,7 +59,12 @@ def _trainer_scores(client, tokens) -> torch.Tensor:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_vllm_samples_what_optim_step_made(tmp_path, tied, lora):
-    service = ServiceClient(storage_dir=tmp_path / "storage", generator=VLLM)
+    # LoRA here: merged weights in an engine of the client's own (multi-LoRA off).
+    service = ServiceClient(
+        storage_dir=tmp_path / "storage",
+        generator=VLLM,
+        multi_lora=MultiLoraSampler.Config(enabled=False),
+    )
     base = "tiny" if tied else _untied_model_dir(tmp_path / "untied")
     if lora:
         client = service.create_lora_training_client(base, rank=4, seed=1)
@@ -81,3 +91,46 @@ def test_vllm_samples_what_optim_step_made(tmp_path, tied, lora):
         first.sample(ModelInput.from_ints(tokens[:3]), 1, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="take a new sampling client"):
         first.compute_logprobs(ModelInput.from_ints(tokens))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_vllm_lora_clients_sync_only_adapters_and_keep_old_versions(tmp_path, tied, monkeypatch):
+    service = ServiceClient(storage_dir=tmp_path / "storage", generator=VLLM)
+    base = "tiny" if tied else _untied_model_dir(tmp_path / "untied")
+    client = service.create_lora_training_client(base, rank=4, seed=1)
+    sampler = client.adapter_sampler
+    assert isinstance(sampler, VllmMultiLora)
+    synced = []
+    register = sampler.register
+
+    def counting_register(**kwargs):
+        synced.append(sum(t.numel() * t.element_size() for t in kwargs["tensors"].values()))
+        return register(**kwargs)
+
+    monkeypatch.setattr(sampler, "register", counting_register)
+
+    def no_whole_weights(*args, **kwargs):
+        raise AssertionError("a LoRA sync reloaded the base weights")
+
+    monkeypatch.setattr(VllmGenerator, "update_weights", no_whole_weights)
+    data = _data(client.get_tokenizer())
+    tokens = data[2].model_input.to_ints()
+    first = client.save_weights_and_get_sampling_client()
+    assert isinstance(first.generator, AdapterView)
+    before = first.compute_logprobs(ModelInput.from_ints(tokens)).result()
+    for _ in range(2):
+        client.forward_backward(data, "cross_entropy")
+        client.optim_step(ADAM).result()
+        sampler_client = client.save_weights_and_get_sampling_client()
+        scores = sampler_client.compute_logprobs(ModelInput.from_ints(tokens)).result()[1:]
+        assert sampler_client.version == client.engine.policy_version
+        assert (torch.tensor(scores) - _trainer_scores(client, tokens)).abs().max() < 1e-5
+    assert scores != before[1:]  # the weights did move
+    adapter_bytes = sum(
+        t.numel() * t.element_size() for t in lora_state_dict(client.engine.model).values()
+    )
+    assert synced == [adapter_bytes] * 3
+    model_bytes = sum(t.numel() * t.element_size() for t in client.engine.model.parameters())
+    assert adapter_bytes < 0.2 * model_bytes
+    # The first client keeps its version on the shared engine (no retirement).
+    assert first.compute_logprobs(ModelInput.from_ints(tokens)).result() == before

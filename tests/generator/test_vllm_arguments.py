@@ -11,7 +11,12 @@ import torch
 
 from temper.generator.choice import GeneratorChoice
 from temper.generator.vllm import VllmGenerator
-from temper.generator.vllm_arguments import GpuMemory, engine_arguments, kv_bytes_per_token
+from temper.generator.vllm_arguments import (
+    GpuMemory,
+    LoraSlots,
+    engine_arguments,
+    kv_bytes_per_token,
+)
 from temper.job.model import with_vllm_sleep
 from temper.models import qwen3_size
 from temper.sampler.engine import SamplerEngine
@@ -78,3 +83,17 @@ def test_a_jobs_vllm_takes_the_samplers_context_and_batch():
     )
     kept = GeneratorChoice(explicit).vllm_config(engine=engine, model_max_seq_len=40960)
     assert (kept.max_model_len, kept.max_num_seqs) == (4096, 8)
+
+
+def test_lora_is_enabled_only_for_a_multi_lora_engine():
+    assert "enable_lora" not in _arguments()
+    slots = LoraSlots(max_loras=4, max_cpu_loras=16, max_lora_rank=32)
+    arguments = _arguments(lora=slots)
+    assert arguments["enable_lora"] is True
+    assert (arguments["max_loras"], arguments["max_cpu_loras"]) == (4, 16)
+    assert arguments["max_lora_rank"] == 32
+
+
+def test_a_lora_rank_vllm_lacks_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"VllmGenerator\.Config\.max_lora_rank.*got 12"):
+        VllmGenerator.Config(max_lora_rank=12)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from temper.generator.choice import GeneratorChoice
 from temper.job import ModelChoice
 from temper.sampler.engine import SamplerEngine
 from temper.trainer.engine import TrainerEngine
@@ -78,3 +79,20 @@ def test_a_bf16_mixed_job_model_trains_fp32_weights_and_samples_bf16(tmp_path):
 def test_a_bad_precision_is_named():
     with pytest.raises(ValueError, match=r"ModelChoice\.Config\.dtype"):
         ModelChoice.Config(dtype="float16")
+
+
+@pytest.mark.parametrize("backend", ["temper", "vllm"])
+def test_a_lora_job_samples_adapters_on_vllm_and_merged_weights_on_temper(tmp_path, backend):
+    """vLLM takes a LoRA job's adapters (its syncs carry adapter bytes only); Temper's engine
+    decodes merged weights faster than its multi-LoRA sampler."""
+    service = (
+        ModelChoice.Config(lora_rank=2)
+        .build()
+        .service_client(
+            storage_dir=tmp_path,
+            sampler=SamplerEngine.Config(max_batch=4, max_seq_len=32),
+            trainer=TrainerEngine.Config(),
+            generator=GeneratorChoice.Config(backend=backend),
+        )
+    )
+    assert service.multi_lora_config.enabled == (backend == "vllm")

@@ -1,8 +1,9 @@
 """Which models share a base model's weights and sampler, and room for LoRA adapters there.
 
-LoRA models on one base share its weights (unless the trainer is sharded, --nproc) and, with
-Temper's engine, one multi-LoRA sampler (generator/multi_lora.py); each live sampling
-snapshot of theirs holds one adapter version there, at most `--multi-lora.max-adapters`. The
+LoRA models on one base share its weights (unless the trainer is sharded, --nproc) and one
+multi-LoRA sampler (generator/multi_lora.py, or a vLLM engine: generator/vllm_lora.py); each
+live sampling snapshot of theirs holds one adapter version there, at most
+`--multi-lora.max-adapters`. The
 server asks its backend how full that sampler is (`TrainingBackend.adapter_slots`). Before a
 model takes a snapshot at that limit, the least recently sampled snapshots of the LoRA models
 on the same base are evicted (sampling on one answers 404 naming the setting); when none is
@@ -35,13 +36,8 @@ class AdapterRoom:
         return served.is_lora and self.config.trainer.sharding is None
 
     def shares_sampler(self, served: ServedModel) -> bool:
-        """Its snapshots sample on the base's multi-LoRA sampler."""
-        config = self.config
-        return (
-            self.shares_base(served)
-            and config.multi_lora.enabled
-            and config.generator.backend == "temper"
-        )
+        """Its snapshots sample on the base's multi-LoRA sampler (Temper's engine or vLLM)."""
+        return self.shares_base(served) and self.config.multi_lora.enabled
 
     def sampler_reads_trainer(self) -> bool:
         """A full fine-tuning model's sampler decodes on the trainer's own tensors (one

@@ -124,8 +124,9 @@ class ServerConfig(Configurable.Config):
     """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
     `generator.vllm`; one process only, not with --nproc)."""
     multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
-    """One sampler per base model for its LoRA models' snapshots (Temper's engine;
-    adapter_room.py); a snapshot holds a copy of its adapters."""
+    """One sampler per base model for its LoRA models' snapshots (Temper's engine, or one vLLM
+    engine with --generator.backend vllm; adapter_room.py); a snapshot holds one version of
+    its adapters."""
 
     def sampler_config(self) -> SamplerEngine.Config:
         """The engines' settings: `sampler`, recording routes when the server replays them."""
