@@ -18,6 +18,8 @@ one H100/H200):
 - rl_smoke: `temper train arithmetic_smoke` on CUDA in bf16, one rank; the last metrics line.
 - vllm: vLLM at the decode check's shape and batches (compiled, CUDA graphs): tokens/s, a
   weight update, and how much `sleep()` gives back; on CPU (dry run) vLLM's CPU build, eager.
+- vllm_lora: LoRA adapters inside vLLM at that shape: the time to register a new adapter
+  version (rank 32, every target), and one adapter's rows against the same rows over 16.
 - weight_sync: NCCL weight transfer between two GPUs (bench/weight_sync.py), where two exist.
 - summary (last line): Temper's decode against vLLM's at each batch, tokens/s ratio.
 
@@ -33,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -283,6 +286,97 @@ def vllm(shapes: Shapes) -> dict:
     return found
 
 
+def vllm_lora(shapes: Shapes) -> dict:
+    """LoRA adapters inside vLLM (generator/vllm_lora.py) at the decode check's shape: the time
+    to register one new adapter version (rank 32, every target: what an RL LoRA step sends),
+    and tokens/s of the largest batch as one adapter's rows against the same rows spread over
+    several adapters."""
+    try:
+        import vllm as _  # noqa: F401
+    except ImportError:
+        return {"skipped": "vLLM is not installed (make vllm)"}
+    import torch
+
+    from temper.generator.multi_lora import MultiLoraSampler
+    from temper.generator.vllm import VllmGenerator
+    from temper.generator.vllm_lora import VllmMultiLora
+    from temper.models import materialize, qwen3_size
+    from temper.models.lora import LoraConfig, apply_lora, lora_state_dict
+
+    on_gpu = shapes.device == "cuda"
+    users, batch = (16, max(shapes.batches)) if on_gpu else (4, max(shapes.batches))
+    size = qwen3_size(shapes.model)
+    model = materialize(size, device=shapes.device, dtype=shapes.dtype, seed=0)
+    lora = LoraConfig(rank=32)
+    with torch.device("meta"):
+        skeleton = size.build()
+    apply_lora(skeleton, lora)
+    shapes_of = {name: t.shape for name, t in lora_state_dict(skeleton).items()}
+    draws = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, shapes.dtype)
+
+    def tensors() -> dict:
+        return {
+            name: (torch.randn(shape, generator=draws) * 0.02).to(dtype)
+            for name, shape in shapes_of.items()
+        }
+
+    sampler = VllmMultiLora(
+        MultiLoraSampler.Config(max_adapters=users + 1, max_resident_adapters=users),
+        model=model,
+        tokenizer=None,
+        vllm=VllmGenerator.Config(
+            max_model_len=shapes.seq,
+            max_num_seqs=batch,
+            execution="compiled" if on_gpu else "eager",
+        ),
+    )
+    adapters, seconds = [], []
+    for who in range(users):
+        update = tensors()
+        start = time.perf_counter()
+        adapters.append(sampler.register(config=lora, tensors=update, version=who))
+        seconds.append(time.perf_counter() - start)
+    adapter_mib = sum(t.numel() * t.element_size() for t in update.values()) / 2**20
+    found: dict = {
+        "users": users,
+        "batch": batch,
+        "adapter_mib": round(adapter_mib, 1),
+        "adapter_update_s": round(sorted(seconds)[len(seconds) // 2], 3),
+    }
+    requests = _decode_requests(shapes, batch=batch)
+    share = batch // users
+
+    def one_adapter() -> None:
+        sampler.generate(requests, adapter=adapters[0])
+
+    def mixed() -> None:
+        threads = [
+            threading.Thread(
+                target=sampler.generate,
+                args=(requests[who * share : (who + 1) * share],),
+                kwargs={"adapter": adapters[who]},
+            )
+            for who in range(users)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    for name, run in (("one_adapter", one_adapter), ("mixed", mixed)):
+        run()
+        start = time.perf_counter()
+        run()
+        tokens = (batch if name == "one_adapter" else share * users) * shapes.new_tokens
+        found[f"{name}_tokens_per_s"] = round(tokens / (time.perf_counter() - start))
+    found["mixed_vs_one_adapter"] = round(
+        found["mixed_tokens_per_s"] / found["one_adapter_tokens_per_s"], 3
+    )
+    sampler.close()
+    return found
+
+
 def _decode_requests(shapes: Shapes, *, batch: int) -> list:
     """The decode checks' workload: `batch` 16-token prompts, `new_tokens` each, no stops."""
     from temper.api import SamplingParams
@@ -346,6 +440,7 @@ CHECKS: dict[str, Callable[[Shapes], dict]] = {
     "moe_block": moe_block,
     "rl_smoke": rl_smoke,
     "vllm": vllm,
+    "vllm_lora": vllm_lora,
     "weight_sync": weight_sync,
 }
 

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["environment", "gpu_tests", "sdpa_kernels", "decode", "train_step", "moe_block"]
 CHECKS += ["rl_smoke"]
-CHECKS += ["vllm", "weight_sync", "summary"]
+CHECKS += ["vllm", "vllm_lora", "weight_sync", "summary"]
 
 
 def test_the_dry_run_runs_every_check_on_cpu():
@@ -39,6 +39,7 @@ def test_the_dry_run_runs_every_check_on_cpu():
     if "skipped" not in by_name["vllm"]:  # vLLM's CPU build is installed (make vllm)
         assert [row["batch"] for row in by_name["vllm"]["rows"]] == [1, 4]
         assert set(by_name["summary"]["temper_vs_vllm"]) == {"1", "4"}
+        assert by_name["vllm_lora"]["mixed_tokens_per_s"] > 0
     moe_cases = by_name["moe_block"]["cases"]
     assert [case["num_experts"] for case in moe_cases] == [4, 8]
     assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())
