@@ -66,7 +66,14 @@ def transfer_arguments() -> dict[str, Any]:
 
 class TemperWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`): importing it there is what
-    registers `TemperTransferEngine` in that process. It adds no methods."""
+    registers `TemperTransferEngine` in that process. Its method is what `collective_rpc`
+    calls by name (vLLM's own processes take no function from the caller)."""
+
+    def temper_weight_shards(self) -> dict[str, Any]:
+        """This worker's weights by HF name (vllm_readback.py)."""
+        from temper.generator.vllm_readback import worker_shards
+
+        return worker_shards(self)
 
 
 # -- the worker side (inside vLLM's workers) ----------------------------------------------
