@@ -33,6 +33,7 @@ from temper.config import cli as config_cli
 from temper.config import recipes, serialize
 from temper.config.configurable import missing_packages
 from temper.distributed import launch
+from temper.distributed.placement import Placement
 from temper.distributed.ranks import Ranks
 from temper.job import ModelChoice
 
@@ -237,7 +238,15 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
     # NCCL and one GPU per rank for a job on 'cuda', gloo on CPU.
     model = getattr(invocation.config, "model", None)
     device = model.device if isinstance(model, ModelChoice.Config) else "cpu"
-    rank = launch.init_from_env(device_type="cuda" if device.startswith("cuda") else "cpu")
+    placement = getattr(invocation.config, "placement", None)
+    # A colocated run's weight syncs are the default group's gathers: the placement's deadlines
+    # bound them as they bound a disaggregated run's transfers.
+    timeout_s = None
+    if isinstance(placement, Placement.Config):
+        timeout_s = max(placement.sync_timeout_s, placement.call_timeout_s)
+    rank = launch.init_from_env(
+        device_type="cuda" if device.startswith("cuda") else "cpu", timeout_s=timeout_s
+    )
     prepared = False
     try:
         ranks = Ranks.of_default_group()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,13 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
-def init_from_env(*, device_type: str | None = None) -> RankInfo:
+def init_from_env(*, device_type: str | None = None, timeout_s: float | None = None) -> RankInfo:
     """Initialize the default process group from torchrun's variables; returns this rank.
 
-    `device_type` 'cuda' or 'cpu' (default: 'cuda' when available).
+    `device_type` 'cuda' or 'cpu' (default: 'cuda' when available). `timeout_s`: how long a
+    collective of the default group (the trainer's gathers and reductions, a colocated
+    generator's weight gathers) waits for a rank that stalls before it fails; None: torch's
+    default (10 min on NCCL, 30 min on gloo). A rank that dies fails it at once.
     """
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
@@ -53,13 +57,14 @@ def init_from_env(*, device_type: str | None = None) -> RankInfo:
         raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if device_type == "cuda":
         torch.cuda.set_device(device)
         # device_id binds NCCL's communicators to this rank's GPU at once (no guessing from
         # the current device of whichever thread makes the first collective).
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     return RankInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,

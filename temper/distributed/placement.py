@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.distributed.deadline import Deadlines
 from temper.distributed.parallel_dims import MeshDegrees
 from temper.distributed.weight_transfer import WeightChannel
 from temper.distributed.world import TrainerWorld
@@ -107,9 +108,18 @@ class Placement(Configurable):
         weights while it still samples the current one, and copies it in once the current
         version's requests have run, so the transfer overlaps sampling (async mode). Costs
         one more copy of the weights per generator rank (`temper plan` counts it)."""
-        timeout_s: float = 600.0
-        """How long a rank waits on another (a request, a weight bucket) before it fails
-        with an error naming the rank, instead of hanging."""
+        sync_timeout_s: float = 600.0
+        """Deadline of one weight sync (every bucket of a version, from every trainer rank to
+        every generator rank) and of each command the trainer sends the generator ranks; a
+        peer that dies ends the sync at once, one that stalls when this passes, with an error
+        naming the rank, the bucket and the bytes so far. 600 s covers a 70B model in bf16
+        (140 GB) at 0.25 GB/s, a tenth of a 25 Gb/s Ethernet link and far below NCCL over
+        NVLink or InfiniBand (tens of GB/s), with the layer-by-layer gathers of FSDP shards
+        and the generator's load included."""
+        call_timeout_s: float = 1800.0
+        """Deadline of one call to a generator rank (a batch to sample or score), from the
+        request to the whole answer. 1800 s covers a batch of 32k-token completions of a 70B
+        model decoding at about 20 tokens/s per sequence (a large batch on one engine)."""
 
         def __post_init__(self) -> None:
             modes = ("colocated", "disaggregated")
@@ -141,12 +151,22 @@ class Placement(Configurable):
                     f"generator_ranks={self.generator_ranks} (each engine spans generator_tp "
                     "ranks)"
                 )
-            for name in ("bucket_mb", "timeout_s"):
+            for name in ("bucket_mb", "sync_timeout_s", "call_timeout_s"):
                 check_range(getattr(self, name), field=f"Placement.Config.{name}", greater_than=0)
 
         @property
         def bucket_bytes(self) -> int:
             return max(1, int(self.bucket_mb * 2**20))
+
+        @property
+        def deadlines(self) -> Deadlines:
+            return Deadlines(sync_s=self.sync_timeout_s, call_s=self.call_timeout_s)
+
+        @property
+        def trainer_timeout_s(self) -> float:
+            """The timeout of the trainer ranks' own groups: a rank may wait at one of their
+            collectives while another finishes a call or a sync."""
+            return max(self.sync_timeout_s, self.call_timeout_s)
 
     def __init__(self, config: Config, *, world_size: int) -> None:
         self.config = config
@@ -174,7 +194,9 @@ class Placement(Configurable):
         and return this rank's roles; `trainer_mesh`: the trainer's sharding degrees (None:
         an unsharded trainer on one rank)."""
         assert self.disaggregated, "split() is for a disaggregated placement"
-        timeout = timedelta(seconds=self.config.timeout_s)
+        timeout = timedelta(seconds=self.config.sync_timeout_s)
+        trainer_timeout = timedelta(seconds=self.config.trainer_timeout_s)
+        call_timeout = timedelta(seconds=self.config.call_timeout_s)
         trainers = tuple(range(self.num_trainers))
         tp = self.config.generator_tp
         everyone = range(self.num_trainers, self.world_size)
@@ -182,8 +204,8 @@ class Placement(Configurable):
         lenders = tuple(rank for rank in everyone if rank not in generators)
         world = TrainerWorld(
             ranks=trainers,
-            group=dist.new_group(list(trainers), timeout=timeout),
-            loop_group=dist.new_group(list(trainers), backend="gloo", timeout=timeout),
+            group=dist.new_group(list(trainers), timeout=trainer_timeout),
+            loop_group=dist.new_group(list(trainers), backend="gloo", timeout=trainer_timeout),
         )
         if trainer_mesh is not None:
             world.prepare_mesh(trainer_mesh, device_type=device_type)
@@ -191,13 +213,14 @@ class Placement(Configurable):
         for trainer in trainers:
             ranks = [trainer, *generators]
             control = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            data = dist.new_group(ranks, timeout=timeout)
             channels.append(
-                WeightChannel(control=control, data=dist.new_group(ranks, timeout=timeout))
+                WeightChannel(control=control, data=data, sender=trainer, receivers=generators)
             )
         rank = dist.get_rank()
         links = []
         for trainer, generator in request_pairs(len(trainers), generators):
-            group = dist.new_group([trainer, generator], backend="gloo", timeout=timeout)
+            group = dist.new_group([trainer, generator], backend="gloo", timeout=call_timeout)
             if rank in (trainer, generator):
                 links.append(Link(trainer=trainer, generator=generator, group=group))
         return Roles(

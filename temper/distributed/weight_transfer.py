@@ -12,6 +12,11 @@ a bucket of weights beyond its model, whatever the model's size.
 Several senders (each trainer rank, with its own shard) each run one transfer on their own
 channel; a receiver takes the channels one after another. Both sides must run a transfer to
 its end; a header of None ends it.
+
+With a `Deadline` (deadline.py) the whole transfer must end within it: every broadcast waits
+only what is left of it, and a peer that dies or stalls raises a `PeerFailure` that names this
+rank, the bucket and the bytes so far ("weight sync of version 3: receiving bucket 5 (40.0 of
+120.0 MiB) from trainer rank 1 failed after 10.0 s: ...").
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from temper.distributed.deadline import (
+    NCCL_GRACE_S,
+    Deadline,
+    Progress,
+    crossing,
+    size_text,
+    wait_all,
+)
 from temper.distributed.weight_pieces import (
     Destination,
     WeightPiece,
@@ -40,6 +53,17 @@ class WeightChannel:
 
     control: Any
     data: Any
+    sender: int = 0
+    """The sending rank (global), named in a failure's message."""
+    receivers: tuple[int, ...] = ()
+    """The receiving ranks (global), named in a failure's message."""
+
+    def sender_name(self) -> str:
+        return f"trainer rank {self.sender}"
+
+    def receivers_name(self) -> str:
+        ranks = ", ".join(str(rank) for rank in self.receivers) or "?"
+        return f"generator rank{'s' if len(self.receivers) > 1 else ''} {ranks}"
 
 
 @dataclass(frozen=True)
@@ -82,12 +106,22 @@ class BucketSender:
         self._bucket_bytes, self._dtype, self._device = bucket_bytes, dtype, device
         self._buffer: torch.Tensor | None = None  # uint8, the packed pieces; grown, reused
 
-    def send(self, pieces: Iterable[WeightPiece]) -> TransferStats:
+    def send(
+        self,
+        pieces: Iterable[WeightPiece],
+        *,
+        what: str = "weight transfer",
+        deadline: Deadline | None = None,
+    ) -> TransferStats:
         """Send every piece (whole tensors and row ranges), then the end of the transfer.
 
         A bucket holds up to `bucket_bytes` of pieces: the small ones copied into the packed
         buffer, the large ones as they are (the sender keeps them until the bucket goes, so a
-        piece must not change before `send` returns: a model's tensors, or new ones)."""
+        piece must not change before `send` returns: a model's tensors, or new ones).
+        `what` names the transfer in a failure's message ('weight sync of version 3');
+        `deadline` bounds the whole transfer."""
+        watch = _Watch(Progress(what), who=self._channel.sender_name(), deadline=deadline)
+        to = self._channel.receivers_name()
         entries: list[tuple[str, int, tuple[int, ...], bool]] = []
         direct: list[torch.Tensor] = []  # the unpacked pieces of the bucket, in order
         used = size_so_far = 0  # bytes of the packed buffer filled; of the whole bucket
@@ -98,7 +132,10 @@ class BucketSender:
             nonlocal entries, direct, used, size_so_far, buckets, total, largest
             if entries:
                 assert bucket_dtype is not None
-                self._broadcast(entries, self._bytes(used), direct, bucket_dtype)
+                watch.progress.step = (
+                    f"sending bucket {buckets + 1} ({size_text(total)} sent before it) to {to}"
+                )
+                self._broadcast(entries, self._bytes(used), direct, bucket_dtype, watch=watch)
                 buckets, total = buckets + 1, total + size_so_far
                 largest = max(largest, size_so_far)
             entries, direct, used, size_so_far = [], [], 0, 0
@@ -126,7 +163,9 @@ class BucketSender:
                 used = start + _aligned(size)
             del piece, whole  # a gathered whole tensor goes with its bucket
         flush()
-        dist.broadcast_object_list([None], group=self._channel.control, group_src=0)
+        watch.progress.step = f"ending the transfer ({size_text(total)} sent) to {to}"
+        with watch.on(self._channel.control):
+            dist.broadcast_object_list([None], group=self._channel.control, group_src=0)
         return TransferStats(
             tensors=tensors, buckets=buckets, bytes=total, largest_bucket_bytes=largest
         )
@@ -167,13 +206,21 @@ class BucketSender:
         packed: torch.Tensor,
         direct: list[torch.Tensor],
         dtype: torch.dtype,
+        *,
+        watch: _Watch,
     ) -> None:
         """The header, the packed buffer, then each direct piece (as bytes: any backend sends
         any dtype so), all queued at once: per-broadcast latency overlaps the transfers."""
         header = BucketHeader(entries=tuple(entries), dtype=dtype, packed_bytes=packed.numel())
-        dist.broadcast_object_list([header], group=self._channel.control, group_src=0)
+        with watch.on(self._channel.control):
+            dist.broadcast_object_list([header], group=self._channel.control, group_src=0)
         data = ([packed] if packed.numel() else []) + [as_bytes(value) for value in direct]
-        _all(data, group=self._channel.data)
+        _all(
+            data,
+            group=self._channel.data,
+            watch=watch,
+            on_cuda=torch.device(self._device).type == "cuda",
+        )
 
 
 class BucketReceiver:
@@ -184,21 +231,41 @@ class BucketReceiver:
         self._channels, self._device = tuple(channels), device
         self._buffer: torch.Tensor | None = None  # uint8, grown to the largest need
 
-    def receive(self, *, into: Destination | None = None) -> Iterator[WeightRows]:
+    def receive(
+        self,
+        *,
+        into: Destination | None = None,
+        who: str = "the receiver",
+        what: str = "weight transfer",
+        deadline: Deadline | None = None,
+        total_elements: int | None = None,
+    ) -> Iterator[WeightRows]:
         """Each piece of a transfer from every channel, in channel order: a view valid until
         the next is drawn. A large piece for which `into` gives a tensor is received straight
         into it (and that tensor is what comes out). Draw them all (`drain` the rest after an
-        error), or the senders wait."""
-        for channel in self._channels:
-            yield from self._receive(channel, into)
+        error), or the senders wait.
 
-    def _receive(self, channel: WeightChannel, into: Destination | None) -> Iterator[WeightRows]:
+        A failure's message names this rank (`who`: 'generator rank 2'), the transfer
+        (`what`), the bucket and the bytes received of the whole (`total_elements` of the
+        transfer's dtype); `deadline` bounds the whole transfer."""
+        watch = _Watch(Progress(what), who=who, deadline=deadline)
+        count = _Count(total_elements=total_elements)
+        for channel in self._channels:
+            yield from self._receive(channel, into, watch=watch, count=count)
+
+    def _receive(
+        self, channel: WeightChannel, into: Destination | None, *, watch: _Watch, count: _Count
+    ) -> Iterator[WeightRows]:
         while True:
             message: list[Any] = [None]
-            dist.broadcast_object_list(message, group=channel.control, group_src=0)
+            watch.progress.step = count.step(channel, bucket=count.buckets + 1)
+            with watch.on(channel.control):
+                dist.broadcast_object_list(message, group=channel.control, group_src=0)
             header: BucketHeader | None = message[0]
             if header is None:
                 return
+            count.bucket(header)
+            watch.progress.step = count.step(channel, bucket=count.buckets)
             # Where each piece lands: the packed ones at the start of the buffer, each other
             # one where `into` says or after them; all received before any is drawn.
             dtype, entries = header.dtype, header.entries
@@ -225,7 +292,13 @@ class BucketReceiver:
                 views.append(target)
                 if not packed:
                     received.append(as_bytes(target))
-            _all(received, group=channel.data)
+            _all(
+                received,
+                group=channel.data,
+                watch=watch,
+                on_cuda=torch.device(self._device).type == "cuda",
+            )
+            count.received(header)
             for (name, start, _, _), value in zip(entries, views, strict=True):
                 yield WeightRows(name=name, start=start, value=value)
             del data, views, received, targets  # the buffer is free again
@@ -246,11 +319,58 @@ def drain(stream: Iterator[object]) -> None:
 _ALIGNMENT = 16  # bytes: every tensor of a bucket starts aligned for any dtype's view
 
 
-def _all(tensors: list[torch.Tensor], *, group: Any) -> None:
+def _all(tensors: list[torch.Tensor], *, group: Any, watch: _Watch, on_cuda: bool) -> None:
     """Broadcast each tensor from group rank 0, in order, all queued before any is waited on."""
-    works = [dist.broadcast(tensor, group=group, group_src=0, async_op=True) for tensor in tensors]
-    for work in works:
-        work.wait()
+    if not tensors:
+        return
+    with watch.on(group, on_cuda=on_cuda):
+        works = [
+            dist.broadcast(tensor, group=group, group_src=0, async_op=True) for tensor in tensors
+        ]
+        wait_all(works, deadline=watch.deadline, on_cuda=on_cuda)
+
+
+@dataclass
+class _Watch:
+    """A transfer's progress and deadline, and who runs it: each group operation runs
+    `on` it, under what is left of the deadline, and fails with a message saying where."""
+
+    progress: Progress
+    who: str
+    deadline: Deadline | None
+
+    def on(self, group: Any, *, on_cuda: bool = False) -> Any:
+        if self.deadline is not None:
+            with crossing(self.progress, who=self.who, deadline=self.deadline):
+                self.deadline.bound(group, grace_s=NCCL_GRACE_S if on_cuda else 0.0)
+        return crossing(self.progress, who=self.who, deadline=self.deadline)
+
+
+@dataclass
+class _Count:
+    """A receiver's buckets and bytes so far, over every channel of one transfer."""
+
+    total_elements: int | None
+    buckets: int = 0
+    bytes: int = 0
+    total_bytes: int | None = None
+
+    def bucket(self, header: BucketHeader) -> None:
+        self.buckets += 1
+        if self.total_elements is not None:
+            self.total_bytes = self.total_elements * header.dtype.itemsize
+
+    def received(self, header: BucketHeader) -> None:
+        self.bytes += sum(
+            math.prod(shape) * header.dtype.itemsize for _, _, shape, _ in header.entries
+        )
+
+    def step(self, channel: WeightChannel, *, bucket: int) -> str:
+        whole = "" if self.total_bytes is None else f" of {size_text(self.total_bytes)}"
+        return (
+            f"receiving bucket {bucket} ({size_text(self.bytes)}{whole} received) "
+            f"from {channel.sender_name()}"
+        )
 
 
 def _aligned(size: int) -> int:

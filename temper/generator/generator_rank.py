@@ -16,13 +16,16 @@ One thread per linked trainer rank answers its calls (generate, score) under one
 engine runs one batch at a time, and each call waits until the version it names is committed.
 
 A call that fails (a bad request) answers a `Failure` and the rank serves on; a link or the
-control group failing (a trainer rank gone, or the placement's timeout) ends the rank with an
-error naming the peer.
+control group failing ends the rank with a `PeerFailure` (distributed/deadline.py) naming the
+trainer rank, the phase and how far it got: a trainer rank that dies fails it at once, and a
+weight sync must end within `sync_timeout_s`. Waiting for the next command or call while the
+trainers train has no deadline (`IDLE_WAIT`): a trainer that dies closes its connections.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,16 @@ import torch.distributed as dist
 from torch import nn
 
 from temper.api.threads import ThreadSettings
+from temper.distributed.deadline import (
+    IDLE_WAIT,
+    Deadlines,
+    PeerFailure,
+    Progress,
+    crossing,
+    recv_object,
+    send_object,
+    wait_idle,
+)
 from temper.distributed.placement import Link, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
@@ -49,6 +62,7 @@ from temper.generator.remote import (
     Stop,
     Weights,
     WeightsCall,
+    call_name,
 )
 from temper.generator.seam import Generator
 from temper.models.build import materialize
@@ -73,14 +87,18 @@ class GeneratorRank:
         backend: GeneratorChoice.Config | None = None,
         device: torch.device,
         overlap_sync: bool = False,
+        deadlines: Deadlines | None = None,
         on_start: Callable[[Any], None] | None = None,
         load_reference: Callable[[str, torch.dtype], nn.Module] | None = None,
     ) -> None:
         """`backend`: Temper's engine (set up by `engine`; the default) or vLLM.
         `overlap_sync`: receive new weights into a second copy while sampling (see the
-        module docstring). `on_start(model_config)`: called once the trainer said which
-        model (a log line)."""
+        module docstring). `deadlines`: of a weight sync (the placement's; default: its
+        default). `on_start(model_config)`: called once the trainer said which model (a log
+        line)."""
         self._roles, self._engine_config, self._device = roles, engine, device
+        self._deadlines = deadlines or Deadlines()
+        self._who = f"generator rank {roles.rank}"
         self._backend = GeneratorChoice(backend or GeneratorChoice.Config())
         self._overlap_sync = overlap_sync
         self._next: WeightSource | None = None  # the second copy (overlap_sync)
@@ -119,10 +137,21 @@ class GeneratorRank:
             # this one can exit.
             if self._engine is not None:
                 self._engine.close()
-        for thread in threads:
-            thread.join()
+        self._join(threads)
         if self._link_errors:
             raise self._link_errors[0]
+
+    def _join(self, threads: list[threading.Thread]) -> None:
+        """The links' threads, once each trainer rank said goodbye: within a sync deadline
+        of trainer rank 0's, as every trainer rank ends its job at about the same time."""
+        deadline = self._deadlines.sync()
+        for thread, link in zip(threads, self._links, strict=True):
+            thread.join(timeout=max(deadline.left(), 0.0))
+            if thread.is_alive():
+                raise PeerFailure(
+                    f"{self._who}: trainer rank {link.trainer} did not end its link within "
+                    f"{deadline.describe()} s of the job's end; it stalled"
+                )
 
     def _follow(self, command: object) -> None:
         if isinstance(command, Start):
@@ -156,13 +185,11 @@ class GeneratorRank:
     def _next_command(self) -> Any:
         box: list[Any] = [None]
         trainer = self._roles.trainer_ranks[0]
-        try:
-            dist.broadcast_object_list(box, group=self._roles.sync_control, group_src=0)
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"generator rank {self._roles.rank}: trainer rank {trainer} stopped sending "
-                f"({error})"
-            ) from error
+        group = self._roles.sync_control
+        phase = f"waiting for the next command from trainer rank {trainer}"
+        with crossing(lambda: phase, who=self._who, deadline=None):
+            wait_idle(group)  # the trainers may train for long meanwhile
+            dist.broadcast_object_list(box, group=group, group_src=0)
         return box[0]
 
     def _receive(self, version: int) -> None:
@@ -184,7 +211,7 @@ class GeneratorRank:
         if model is None:  # vLLM: whole tensors by name
             self._load_whole(target, version=version)
             return
-        stream = self._receiver.receive(into=rows_of(model.state_dict()))
+        stream = self._receiver.receive(into=rows_of(model.state_dict()), **self._sync(version))
         try:
             if isinstance(target, WeightSource):
                 target.update(stream, version=version)
@@ -197,7 +224,7 @@ class GeneratorRank:
         """Each tensor into the engine once its rows from every channel are there: a receiver
         (a bucket's buffer) per channel, the channels drawn in step."""
         streams = [
-            BucketReceiver(channels=[channel], device=self._device).receive()
+            BucketReceiver(channels=[channel], device=self._device).receive(**self._sync(version))
             for channel in self._roles.weight_channels
         ]
         try:
@@ -206,6 +233,15 @@ class GeneratorRank:
         finally:
             for stream in streams:
                 drain(stream)  # the rest of the buckets, if loading stopped early
+
+    def _sync(self, version: int) -> dict[str, Any]:
+        """How the receiver names and bounds the sync of `version` (its `receive` settings)."""
+        return {
+            "who": self._who,
+            "what": f"weight sync of version {version}",
+            "deadline": self._deadlines.sync(),
+            "total_elements": sum(math.prod(shape) for shape in self._shapes.values()),
+        }
 
     def _commit(self, version: int) -> None:
         assert self._engine is not None
@@ -235,16 +271,19 @@ class GeneratorRank:
         # The rank's own thread count, whatever the other links' generate calls set
         # meanwhile, and its own GPU (a new thread starts on cuda:0).
         settings.apply()
+        progress = Progress(f"the link to trainer rank {link.trainer}")
         try:
-            while not isinstance(call := _receive(link), Stop):
-                _send(link, self._answer(call))
-        except BaseException as error:
-            self._link_errors.append(
-                RuntimeError(
-                    f"generator rank {link.generator}: the link to trainer rank {link.trainer} "
-                    f"failed ({error})"
-                )
-            )
+            with crossing(progress, who=self._who, deadline=None):
+                while True:
+                    progress.step = "waiting for its next call"
+                    call = recv_object(group=link.group, src=0, wait=IDLE_WAIT)
+                    if isinstance(call, Stop):
+                        break
+                    answer = self._answer(call)
+                    progress.step = f"sending the answer to its {call_name(call)}"
+                    send_object(answer, group=link.group, dst=0)
+        except BaseException as error:  # a PeerFailure naming the phase, as a rule
+            self._link_errors.append(error)
 
     def _answer(self, call: object) -> object:
         if isinstance(call, ReferenceScoreCall):
@@ -309,13 +348,3 @@ class GeneratorRank:
                 return Failure("ValueError", str(error))
             except Exception as error:
                 return Failure("RuntimeError", f"{type(error).__name__}: {error}")
-
-
-def _receive(link: Link) -> Any:
-    box: list[Any] = [None]
-    dist.recv_object_list(box, group=link.group, group_src=0)
-    return box[0]
-
-
-def _send(link: Link, message: object) -> None:
-    dist.send_object_list([message], group=link.group, group_dst=0)

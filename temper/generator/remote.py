@@ -23,13 +23,16 @@ A KL reference (`load_reference`) loads on the generator ranks too, from the sam
 weights the trainer saved (a path every rank sees), and only scores: the trainer ranks hold
 no second model for it.
 
-A failed link (a generator rank that died, or no answer within the placement's timeout) is a
-RuntimeError naming the generator rank; the job stops and can resume from its last
-checkpoint.
+Every exchange has a deadline (distributed/deadline.py): a weight sync and each command
+`sync_timeout_s`, a call (request to whole answer) `call_timeout_s`. A generator rank that
+dies, or does not answer within the deadline, fails the exchange with a `PeerFailure` naming
+this rank, the generator rank, the phase and how far it got; the link is closed for good,
+the job stops and can resume from its last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +43,14 @@ import torch.distributed as dist
 from torch import nn
 
 from temper.api.types import SampleResponse
+from temper.distributed.deadline import (
+    Deadline,
+    Deadlines,
+    PeerFailure,
+    crossing,
+    recv_object,
+    send_object,
+)
 from temper.distributed.placement import Link, Roles
 from temper.distributed.ranks import Ranks
 from temper.distributed.weight_pieces import WeightPiece
@@ -153,12 +164,13 @@ class RemoteGenerator:
         transfer_dtype: torch.dtype | None,
         device: torch.device,
         overlap_sync: bool,
+        deadlines: Deadlines,
     ) -> None:
         """Collective over the trainer ranks (every one makes its own); trainer rank 0
         tells the generator ranks which model to build."""
         self.overlaps_sync = overlap_sync
         """Weights are sent ahead (`send_weights`) while the current version samples."""
-        self._roles, self._links = roles, links
+        self._roles, self._links, self._deadlines = roles, links, deadlines
         self._vocab_size = model_config.vocab_size
         self._version = -1  # no weights sent yet
         self._lead = roles.rank == roles.trainer_ranks[0]
@@ -169,7 +181,8 @@ class RemoteGenerator:
             device=device,
         )
         if self._lead:
-            _control(roles, Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer))
+            start = Start(model_config=model_config, dtype=dtype, tokenizer=tokenizer)
+            _control(roles, start, deadline=deadlines.sync())
 
     @property
     def model(self) -> nn.Module | None:
@@ -218,9 +231,12 @@ class RemoteGenerator:
         `sampler_share`), to every generator rank (collective over the trainer ranks, which
         each send theirs on their own channel). With `overlaps_sync` the generators go on
         sampling the current version meanwhile, until `commit_weights`."""
-        if self._lead:
-            _control(self._roles, Weights(version=version))
-        self._sender.send(_pieces(source))
+        deadline = self._deadlines.sync()
+        with self._links.failing():
+            if self._lead:
+                _control(self._roles, Weights(version=version), deadline=deadline)
+            what = f"weight sync of version {version}"
+            self._sender.send(_pieces(source), what=what, deadline=deadline)
 
     def commit_weights(self, *, version: int) -> None:
         """Sample from the version sent last from now on (collective over the trainer ranks,
@@ -228,7 +244,8 @@ class RemoteGenerator:
         if self.overlaps_sync:
             self._trainers_idle()
         if self._lead:
-            _control(self._roles, Commit(version=version))
+            with self._links.failing():
+                _control(self._roles, Commit(version=version), deadline=self._deadlines.sync())
         self._version = version
 
     def _trainers_idle(self) -> None:
@@ -258,8 +275,9 @@ class RemoteLinks:
     KL reference: a call is split over them in order, one exchange at a time (clients read
     from several threads), and a failed link fails every later call."""
 
-    def __init__(self, roles: Roles) -> None:
+    def __init__(self, roles: Roles, *, deadlines: Deadlines) -> None:
         self.links = [link for link in roles.links if link.trainer == roles.rank]
+        self._deadlines = deadlines
         self._generator_ranks = roles.generator_ranks
         self._closed = False
         self._failure: str | None = None  # why a link failed; every later call says it again
@@ -289,9 +307,10 @@ class RemoteLinks:
                 raise RuntimeError(self._failure)
             if self._closed:
                 raise RuntimeError("the generator ranks' links are closed (the job ended)")
+            deadline = self._deadlines.call()
             for link, call in calls:
-                self._send(link, call)
-            return [self._answer(link, call) for link, call in calls]
+                self._send(link, call, deadline=deadline)
+            return [self._answer(link, call, deadline=deadline) for link, call in calls]
 
     def close(self) -> None:
         """Tell this rank's generators it is done (once; nothing after a failed link)."""
@@ -299,11 +318,12 @@ class RemoteLinks:
             if self._closed:
                 return
             self._closed = True
+            deadline = self._deadlines.sync()
             for link in self.links:
-                self._send(link, Stop())
+                self._send(link, Stop(), deadline=deadline)
 
-    def _answer(self, link: Link, call: object) -> Any:
-        answer = self._receive(link)
+    def _answer(self, link: Link, call: object, *, deadline: Deadline) -> Any:
+        answer = self._receive(link, call, deadline=deadline)
         if isinstance(answer, Failure):
             error = ValueError if answer.kind == "ValueError" else RuntimeError
             raise error(f"generator rank {link.generator}: {answer.message}")
@@ -317,25 +337,32 @@ class RemoteLinks:
             answer = answer.result
         return answer
 
-    def _send(self, link: Link, message: object) -> None:
-        self._on_link(link, lambda: dist.send_object_list([message], group=link.group, group_dst=1))
+    def _send(self, link: Link, message: object, *, deadline: Deadline) -> None:
+        phase = f"{call_name(message)} to generator rank {link.generator}: sending it"
+        with self._on_link(link, phase, deadline=deadline):
+            send_object(message, group=link.group, dst=1)
 
-    def _receive(self, link: Link) -> Any:
-        box: list[Any] = [None]
-        self._on_link(link, lambda: dist.recv_object_list(box, group=link.group, group_src=1))
-        return box[0]
+    def _receive(self, link: Link, call: object, *, deadline: Deadline) -> Any:
+        phase = f"{call_name(call)} to generator rank {link.generator}: waiting for its answer"
+        with self._on_link(link, phase, deadline=deadline):
+            return recv_object(group=link.group, src=1, wait=deadline.bound(link.group))
 
-    def _on_link(self, link: Link, talk: Callable[[], object]) -> None:
+    @contextlib.contextmanager
+    def failing(self) -> Iterator[None]:
+        """A `PeerFailure` inside (on a link, a weight sync or a command) fails every later
+        call, and nothing more is sent, not even goodbyes."""
         try:
-            talk()
-        except RuntimeError as error:
-            self._closed = True  # nothing more is sent, not even goodbyes
-            self._failure = (
-                f"generator rank {link.generator} did not answer trainer rank {link.trainer} "
-                f"({error}); it stopped or took longer than the placement's timeout_s. The "
-                "job cannot go on: resume it from its last checkpoint (temper train --resume)"
-            )
-            raise RuntimeError(self._failure) from error
+            yield
+        except PeerFailure as failure:
+            self._closed = True
+            self._failure = str(failure)
+            raise
+
+    @contextlib.contextmanager
+    def _on_link(self, link: Link, phase: str, *, deadline: Deadline) -> Iterator[None]:
+        who = f"trainer rank {link.trainer}"
+        with self.failing(), crossing(lambda: phase, who=who, deadline=deadline):
+            yield
 
 
 class RemoteReference:
@@ -413,11 +440,15 @@ class RemoteGenerators:
         transfer_dtype: torch.dtype | None,
         device: torch.device,
         overlap_sync: bool = False,
+        deadlines: Deadlines | None = None,
     ) -> None:
+        """`deadlines`: of a weight sync and of a call (the placement's; default: its
+        defaults)."""
         self.roles = roles
         self._bucket_bytes, self._transfer_dtype = bucket_bytes, transfer_dtype
         self._device, self._overlap_sync = device, overlap_sync
-        self._links = RemoteLinks(roles)
+        self._deadlines = deadlines or Deadlines()
+        self._links = RemoteLinks(roles, deadlines=self._deadlines)
         self._lead = roles.rank == roles.trainer_ranks[0]
         self._ended = False
         self.generator: RemoteGenerator | None = None
@@ -441,6 +472,7 @@ class RemoteGenerators:
             transfer_dtype=self._transfer_dtype,
             device=self._device,
             overlap_sync=self._overlap_sync,
+            deadlines=self._deadlines,
         )
         return self.generator
 
@@ -451,7 +483,9 @@ class RemoteGenerators:
         rank sees) in `dtype`, as a KL reference that scores sequences; its generator here
         (collective over the trainer ranks, before or after `connect`)."""
         if self._lead:
-            _control(self.roles, Reference(directory=directory, dtype=dtype))
+            reference = Reference(directory=directory, dtype=dtype)
+            with self._links.failing():
+                _control(self.roles, reference, deadline=self._deadlines.sync())
         return RemoteReference(self._links, name=directory, vocab_size=vocab_size)
 
     def close(self) -> None:
@@ -463,12 +497,34 @@ class RemoteGenerators:
         self._ended = True
         self._links.close()
         if self._lead:
-            _control(self.roles, Stop())
+            _control(self.roles, Stop(), deadline=self._deadlines.sync())
 
 
-def _control(roles: Roles, message: object) -> None:
+def _control(roles: Roles, message: object, *, deadline: Deadline) -> None:
     """Trainer rank 0 to every generator rank (and the other trainer ranks' copies of it)."""
-    dist.broadcast_object_list([message], group=roles.sync_control, group_src=0)
+    group = roles.sync_control
+    phase = f"sending the command {call_name(message)} to generator ranks {roles.generator_ranks}"
+    with crossing(lambda: phase, who=f"trainer rank {roles.rank}", deadline=deadline):
+        deadline.bound(group)
+        dist.broadcast_object_list([message], group=group, group_src=0)
+
+
+def call_name(message: object) -> str:
+    """A call or command as a failure's message names it: 'generate call on policy version 3'."""
+    names = {
+        GenerateCall: "generate call",
+        ScoreCall: "score call",
+        ReferenceScoreCall: "KL reference score call",
+        WeightsCall: "weights check",
+        Stop: "stop",
+        Start: "start",
+        Weights: "weights",
+        Reference: "reference",
+        Commit: "commit",
+    }
+    name = names.get(type(message), type(message).__name__)
+    version = getattr(message, "version", None)
+    return name if version is None else f"{name} on policy version {version}"
 
 
 def _pieces(source: WeightUpdate) -> Iterator[WeightPiece]:

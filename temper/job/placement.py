@@ -92,6 +92,7 @@ def serve_generator(
         backend=generator,
         device=rank_device(device),
         overlap_sync=placement.overlap_sync,
+        deadlines=placement.deadlines,
         on_start=on_start,
         load_reference=functools.partial(_load_reference, device=rank_device(device)),
     ).serve()
@@ -133,6 +134,7 @@ def remote_generators(
         transfer_dtype=None if transfer is None else parse_dtype(transfer),
         device=rank_device(device),
         overlap_sync=placement.overlap_sync,
+        deadlines=placement.deadlines,
     )
 
 

@@ -29,7 +29,7 @@ def rl_config() -> RLJob.Config:
     )
     config.warmup.steps = 2
     config.checkpoint_every = 3  # after the warm-up and RL step 0
-    config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, timeout_s=60)
+    config.placement = Placement.Config(mode="disaggregated", generator_ranks=1, sync_timeout_s=60)
     return config
 
 
@@ -78,7 +78,9 @@ def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(t
     for rank in (0, 1):
         message = (out_dir / f"rank{rank}.pt").exists() and _load(out_dir, rank)
         assert message, f"trainer rank {rank} did not report the failure"
-        assert "generator rank 2 did not answer" in message, message
+        assert f"trainer rank {rank}: generate call on policy version" in message, message
+        assert "to generator rank 2: " in message, message  # sending it, or awaiting its answer
+        assert "the peer stopped" in message, message
         assert "resume" in message
     state = json.loads((run_dir / "run_state" / "state.json").read_text())
     assert state["step"] == 3  # the checkpoint after the warm-up and RL step 0

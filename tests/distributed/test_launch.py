@@ -3,6 +3,8 @@ the rank's GPU is LOCAL_RANK's, set before the group starts and bound to NCCL wi
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,11 @@ def test_a_cuda_rank_binds_its_own_gpu_to_nccl(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(("init", kwargs)))
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
-    info = launch.init_from_env(device_type="cuda")
+    info = launch.init_from_env(device_type="cuda", timeout_s=90)
     gpu = torch.device("cuda", 1)
     assert info.device == gpu and info.local_rank == 1 and info.rank == 3
-    assert calls == [("set", gpu), ("init", {"backend": "nccl", "device_id": gpu})]
+    timeout = datetime.timedelta(seconds=90)
+    assert calls == [
+        ("set", gpu),
+        ("init", {"backend": "nccl", "device_id": gpu, "timeout": timeout}),
+    ]

@@ -35,7 +35,8 @@ ENGINE = SamplerEngine.Config(max_batch=8, max_seq_len=32)
             "generator_tp=2 must divide generator_ranks=3",
         ),
         ({"bucket_mb": 0}, "bucket_mb must be > 0"),
-        ({"timeout_s": -1}, "timeout_s must be > 0"),
+        ({"sync_timeout_s": -1}, "sync_timeout_s must be > 0"),
+        ({"call_timeout_s": 0}, "call_timeout_s must be > 0"),
         ({"overlap_sync": "yes"}, "overlap_sync must be true or false"),
     ],
 )
@@ -69,7 +70,7 @@ def _requests() -> list[SampleRequest]:
 
 
 def _remote_main(rank: int) -> dict:
-    placement = Placement(Placement.Config(mode="disaggregated", timeout_s=60), world_size=2)
+    placement = Placement(Placement.Config(mode="disaggregated", sync_timeout_s=60), world_size=2)
     roles = placement.split(trainer_mesh=None, device_type="cpu")
     if roles.is_generator:
         GeneratorRank(roles=roles, engine=ENGINE, device=torch.device("cpu")).serve()
@@ -115,7 +116,7 @@ def test_a_remote_generator_samples_what_the_engine_samples_in_process(tmp_path)
 def _overlap_main(rank: int) -> dict:
     """A call on version 7 that the generator holds until version 8 has fully arrived: it
     can only finish if the weights travel while it runs."""
-    config = Placement.Config(mode="disaggregated", timeout_s=60, overlap_sync=True)
+    config = Placement.Config(mode="disaggregated", sync_timeout_s=60, overlap_sync=True)
     roles = Placement(config, world_size=2).split(trainer_mesh=None, device_type="cpu")
     if roles.is_generator:
         arrived, waits = threading.Event(), []
