@@ -87,7 +87,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--separate", action="store_true")
+    parser.add_argument("--bucket-mb", type=float, default=vllm_transfer.BUCKET_BYTES / 2**20)
     args = parser.parse_args()
+    vllm_transfer.BUCKET_BYTES = int(args.bucket_mb * 2**20)
 
     model = materialize(qwen3_size(args.shape), seed=0, dtype=args.dtype, init="empty").eval()
     with torch.no_grad():

@@ -5,10 +5,12 @@ model of the trainer's shape and the generator on it (Temper's engine, or vLLM i
 process), `Weights` receives a version's buckets from every trainer rank's channel in turn
 (weight_transfer.py), `Commit` makes it the version sampled from, `Reference` (before or
 after `Start`) loads a KL reference (a plain model that only scores, from a sampler
-checkpoint), `Stop` ends the job. The buckets land straight in Temper's engine's model, while
-no request runs; with `overlap_sync`, or for vLLM (which takes whole tensors), in a second
-copy while requests on the current version still run, which `Commit` then loads into the
-generator.
+checkpoint), `Stop` ends the job. The buckets land straight in the generator's weights while
+no request runs (the rank's lock is held for the whole load): in Temper's engine's model, or
+for vLLM, which loads whole tensors by name, through its weight-transfer protocol as each
+tensor's rows are all there (distributed/whole_tensors.py: the channels drawn in step, only
+tensors still arriving staged). With `overlap_sync` they land in a second copy while
+requests on the current version still run, which `Commit` then loads into the generator.
 
 One thread per linked trainer rank answers its calls (generate, score) under one lock, so the
 engine runs one batch at a time, and each call waits until the version it names is committed.
@@ -23,6 +25,7 @@ trainers train has no deadline (`IDLE_WAIT`): a trainer that dies closes its con
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +48,7 @@ from temper.distributed.deadline import (
 from temper.distributed.placement import Link, Roles
 from temper.distributed.weight_pieces import rows_of
 from temper.distributed.weight_transfer import BucketReceiver, drain
+from temper.distributed.whole_tensors import WholeTensors, interleave
 from temper.generator.choice import GeneratorChoice
 from temper.generator.remote import (
     Answer,
@@ -68,9 +72,10 @@ from temper.sampler.weight_source import WeightSource
 
 
 def keeps_second_copy(*, overlap_sync: bool, backend: GeneratorChoice.Config) -> bool:
-    """Whether a generator rank receives new weights into a second copy of them: to overlap
-    the transfer with sampling, or for vLLM, which takes whole tensors by name."""
-    return overlap_sync or backend.backend == "vllm"
+    """Whether a generator rank receives new weights into a second copy of them: only to
+    overlap the transfer with sampling (either backend)."""
+    del backend
+    return overlap_sync
 
 
 class GeneratorRank:
@@ -96,12 +101,15 @@ class GeneratorRank:
         self._who = f"generator rank {roles.rank}"
         self._backend = GeneratorChoice(backend or GeneratorChoice.Config())
         self._overlap_sync = overlap_sync
-        self._next: WeightSource | None = None  # the second copy (overlap_sync, vLLM)
+        self._next: WeightSource | None = None  # the second copy (overlap_sync)
         self._on_start = on_start
         self._load_reference = load_reference
         self._reference: nn.Module | None = None  # the KL reference (scores only)
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
+        self._shapes: dict[str, tuple[int, ...]] = {}  # of the model's tensors, in order
+        self.whole_tensors = WholeTensors(shapes=self._shapes)
+        """Assembles vLLM's whole tensors (its `peak_staged_bytes`: the last load's)."""
         self._changed = threading.Condition()  # guards the engine and the version
         self._engine: Generator | None = None
         self._version = -1
@@ -163,9 +171,12 @@ class GeneratorRank:
         empty_model = functools.partial(
             materialize, start.model_config, device=self._device, dtype=start.dtype, init="empty"
         )
+        model = empty_model()
+        self._shapes.update({key: tuple(value.shape) for key, value in model.state_dict().items()})
         engine = self._backend.generator(
-            engine=self._engine_config, model=empty_model(), tokenizer=start.tokenizer
+            engine=self._engine_config, model=model, tokenizer=start.tokenizer
         )
+        del model  # vLLM keeps its own weights; Temper's engine keeps this one
         if keeps_second_copy(overlap_sync=self._overlap_sync, backend=self._backend.config):
             self._next = WeightSource(empty_model())
         with self._changed:
@@ -197,7 +208,9 @@ class GeneratorRank:
 
     def _load(self, target: Generator | WeightSource, *, version: int) -> None:
         model = target.model
-        assert model is not None
+        if model is None:  # vLLM: whole tensors by name
+            self._load_whole(target, version=version)
+            return
         stream = self._receiver.receive(into=rows_of(model.state_dict()), **self._sync(version))
         try:
             if isinstance(target, WeightSource):
@@ -207,16 +220,27 @@ class GeneratorRank:
         finally:
             drain(stream)  # the rest of the buckets, if loading stopped early
 
+    def _load_whole(self, engine: Generator, *, version: int) -> None:
+        """Each tensor into the engine once its rows from every channel are there: a receiver
+        (a bucket's buffer) per channel, the channels drawn in step."""
+        streams = [
+            BucketReceiver(channels=[channel], device=self._device).receive(**self._sync(version))
+            for channel in self._roles.weight_channels
+        ]
+        try:
+            pieces = interleave(streams, shapes=self._shapes)
+            engine.update_weights(self.whole_tensors(pieces), version=version)
+        finally:
+            for stream in streams:
+                drain(stream)  # the rest of the buckets, if loading stopped early
+
     def _sync(self, version: int) -> dict[str, Any]:
         """How the receiver names and bounds the sync of `version` (its `receive` settings)."""
-        assert self._engine is not None
-        model = self._engine.model if self._next is None else self._next.model
-        assert model is not None
         return {
             "who": self._who,
             "what": f"weight sync of version {version}",
             "deadline": self._deadlines.sync(),
-            "total_elements": sum(tensor.numel() for tensor in model.state_dict().values()),
+            "total_elements": sum(math.prod(shape) for shape in self._shapes.values()),
         }
 
     def _commit(self, version: int) -> None:
@@ -277,11 +301,10 @@ class GeneratorRank:
                         f"{self._version} arrived; a generator rank keeps one version",
                     )
                 assert self._engine is not None
-                if isinstance(call, WeightsCall):  # vLLM: the copy it loaded them from
+                if isinstance(call, WeightsCall):
                     model = self._engine.model
-                    if model is None:
-                        assert self._next is not None
-                        model = self._next.model
+                    if model is None:  # vLLM: read out of its workers (no copy is kept)
+                        return self._engine.read_weights()
                     return {k: v.cpu() for k, v in model.state_dict().items()}
                 if isinstance(call, GenerateCall):
                     result = self._engine.generate(call.requests)

@@ -52,7 +52,7 @@ from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
 from temper.checkpoint.hf import save_pretrained
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
-from temper.generator import vllm_fields
+from temper.generator import vllm_fields, vllm_readback
 from temper.generator.vllm_arguments import (
     DEFAULT_MAX_NUM_SEQS,
     SLEEP_LEVELS,
@@ -489,6 +489,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
                     f"model expects {expected}"
                 )
             yield from self._family.tensors_to_hf(name, tensor.detach())
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """The weights vLLM holds, whole, in Temper's names, on CPU: read out of every
+        worker (vllm_readback.py), since this backend keeps no copy of them. For checks on
+        small models."""
+        self._check_weights()
+        return vllm_readback.read_weights(self._llm, family=self._family, shapes=self._shapes)
 
     def sleep(self) -> None:
         self._check_can_sleep()

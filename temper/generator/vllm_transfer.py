@@ -2,9 +2,9 @@
 
 This module is the one place that knows vLLM's weight-transfer interface (a vLLM upgrade
 touches only it). Every update runs vLLM's four phases: `init_weight_transfer_engine` once
-per engine, then per version `start_weight_update`, `update_weights` once per bucket of at
-most `BUCKET_BYTES` (never the whole model at once), and `finish_weight_update` with the
-policy version as vLLM's weight version (`LLM.get_weight_version()` reads it back).
+per engine, then per version `start_weight_update`, `update_weights` (buckets of at most
+`BUCKET_BYTES`, never the whole model at once), and `finish_weight_update` with the policy
+version as vLLM's weight version (`LLM.get_weight_version()` reads it back).
 
 The worker side is `TemperTransferEngine`, registered in vLLM's
 `WeightTransferEngineFactory` as `ENGINE_NAME`. vLLM's own processes (its engine process,
@@ -15,15 +15,18 @@ idempotent). It receives each bucket into vLLM's layerwise reload, as vLLM's NCC
 does (`initialize_layerwise_reload` at start, `model.load_weights` per bucket,
 `finalize_layerwise_reload` at finish), then runs the CPU fix-ups a reload needs
 (`_refresh_output_layer`, `_refresh_moe_experts`). Its two transports:
-- 'inline': vLLM runs in this process, so a bucket's tensors travel in the update request
-  itself (no copy before vLLM's own into its weights);
+- 'inline': vLLM runs in this process: one `update_weights` request per bucket, its tensors
+  in the request itself (no copy before vLLM's own into its weights);
 - 'gloo': vLLM runs in its own processes (a separate engine process, tensor parallelism);
   the sender (this process, rank 0) and every vLLM worker (ranks 1..tp) form a gloo group
-  of their own, and each bucket is broadcast over it while the `update_weights` request
-  runs on the workers.
-On CUDA the same engine runs (its buckets are staged in host memory); vLLM's `nccl` and
-`ipc` engines would move them device to device, which needs a trainer-side engine on the
-same GPUs and is not wired here (docs/sampler.md).
+  of their own, and one `update_weights` request streams every bucket over it
+  (distributed/bucket_stream.py): a worker loads bucket k while bucket k+1 arrives, and
+  acknowledges each, so no more than two are in flight and the deadline knows how far the
+  load got.
+On CUDA the same engine runs (its buckets are staged in host memory); the stream runs as it
+is over an NCCL group between distinct GPUs, but a generator rank's vLLM sits on the rank's
+own GPU, where NCCL cannot pair two ranks and CUDA IPC would be the way: not wired here
+(docs/sampler.md).
 
 Every update has a deadline (`timeout_s`): a worker that stalls or dies mid-transfer raises
 a `TimeoutError` naming the worker ranks, the phase and how far the transfer got, within
@@ -44,6 +47,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from temper.distributed import bucket_stream
+
 ENGINE_NAME = "temper"
 """The name of Temper's engine in vLLM's WeightTransferEngineFactory."""
 BUCKET_BYTES = 64 * 2**20
@@ -51,7 +56,6 @@ BUCKET_BYTES = 64 * 2**20
 STALL_ENV = "TEMPER_TEST_VLLM_TRANSFER_STALL"
 """Tests only: 'N:SECONDS' makes every worker sleep SECONDS before receiving bucket N
 (counted from 1 in each update), to stand for a stalled peer."""
-_ALIGNMENT = 16  # bytes: each tensor of a bucket starts aligned for any dtype's view
 
 Transport = Literal["inline", "gloo"]
 
@@ -66,7 +70,14 @@ def transfer_arguments() -> dict[str, Any]:
 
 class TemperWorkerExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`): importing it there is what
-    registers `TemperTransferEngine` in that process. It adds no methods."""
+    registers `TemperTransferEngine` in that process. Its method is what `collective_rpc`
+    calls by name (vLLM's own processes take no function from the caller)."""
+
+    def temper_weight_shards(self) -> dict[str, Any]:
+        """This worker's weights by HF name (vllm_readback.py)."""
+        from temper.generator.vllm_readback import worker_shards
+
+        return worker_shards(self)
 
 
 # -- the worker side (inside vLLM's workers) ----------------------------------------------
@@ -91,10 +102,12 @@ def _engine_class() -> type:
 
     @dataclass
     class UpdateInfo(WeightTransferUpdateInfo):
-        names: list[str]
-        dtype_names: list[str]
-        shapes: list[list[int]]
-        tensors: list[torch.Tensor] | None = field(default=None)  # inline transport only
+        # inline transport: one bucket, its tensors in the request
+        names: list[str] = field(default_factory=list)
+        dtype_names: list[str] = field(default_factory=list)
+        shapes: list[list[int]] = field(default_factory=list)
+        tensors: list[torch.Tensor] | None = None
+        streamed: bool = False  # gloo transport: every bucket, streamed (bucket_stream.py)
 
     class TemperTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Receives buckets (inline or over gloo) into vLLM's layerwise reload."""
@@ -130,15 +143,20 @@ def _engine_class() -> type:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
+            if update_info.streamed:
+                # vLLM keeps the tensors of a layer not yet complete: each bucket has its
+                # own buffer, freed once vLLM lets go of it.
+                self.buckets += bucket_stream.receive(
+                    self.group,
+                    device=torch.device("cpu"),
+                    load=self.model.load_weights,
+                    before_load=lambda number: _maybe_stall(self.buckets + number),
+                )
+                return
             self.buckets += 1
             _maybe_stall(self.buckets)
-            if update_info.tensors is not None:
-                tensors = update_info.tensors
-            else:
-                tensors = _receive_bucket(self.group, update_info, self.init_info)
-            # vLLM keeps the tensors of a layer not yet complete: each bucket has its own
-            # buffer, freed once vLLM lets go of it.
-            self.model.load_weights(list(zip(update_info.names, tensors, strict=True)))
+            assert update_info.tensors is not None
+            self.model.load_weights(list(zip(update_info.names, update_info.tensors, strict=True)))
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -164,19 +182,6 @@ def register_engine() -> None:
     except ValueError as error:
         if "already registered" not in str(error):
             raise
-
-
-def _receive_bucket(group: Any, info: Any, init: Any) -> list[torch.Tensor]:
-    dtypes = [getattr(torch, name) for name in info.dtype_names]
-    sizes = [_nbytes(shape, dtype) for shape, dtype in zip(info.shapes, dtypes, strict=True)]
-    offsets = _offsets(sizes)
-    buffer = torch.empty(offsets[-1], dtype=torch.uint8)
-    views = [buffer[start : start + size] for start, size in zip(offsets, sizes, strict=False)]
-    _broadcast_all(group, views, timeout_s=init.timeout_s)
-    return [
-        view.view(dtype).view(shape)
-        for view, dtype, shape in zip(views, dtypes, info.shapes, strict=True)
-    ]
 
 
 def _maybe_stall(bucket: int) -> None:
@@ -246,6 +251,7 @@ class VllmTransfer:
         self._store = store  # the workers' rendezvous; kept for the engine's life
         try:
             self._group = _gloo_group(_Info(**init), rank=0, is_master=True, store=store)
+            self._sender = bucket_stream.StreamSender(self._group, device=torch.device("cpu"))
         except RuntimeError as error:
             raise self._late(_Progress(phase="init_weight_transfer_engine"), error) from error
         call.result(
@@ -259,34 +265,60 @@ class VllmTransfer:
         progress = _Progress()
         deadline = time.monotonic() + self._timeout_s
         self._call(self._llm.start_weight_update, progress, deadline)
-        for bucket in _buckets(named):
-            progress.phase = "update_weights"
-            self._send(bucket, progress, deadline)
-            progress.buckets += 1
-            progress.bytes += sum(tensor.nbytes for _, tensor in bucket)
+        progress.phase = "update_weights"
+        if self._transport == "inline":
+            for bucket in _buckets(named):
+                self._send_inline(bucket)
+                _count(progress, bucket)
+        else:
+            self._stream(_buckets(named), progress, deadline)
         progress.phase = "finish_weight_update"
         self._call(
             lambda: self._llm.finish_weight_update(weight_version=str(version)), progress, deadline
         )
         return progress
 
-    def _send(
-        self, bucket: list[tuple[str, torch.Tensor]], progress: _Progress, deadline: float
-    ) -> None:
+    def _send_inline(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         info: dict[str, Any] = {
             "names": [name for name, _ in bucket],
             "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket],
             "shapes": [list(tensor.shape) for _, tensor in bucket],
+            "tensors": [tensor for _, tensor in bucket],
         }
-        if self._transport == "inline":
-            info["tensors"] = [tensor for _, tensor in bucket]
-            self._llm.update_weights({"update_info": info})
-            return
-        call = _Call(lambda: self._llm.update_weights({"update_info": info}))
-        sent = [_as_bytes(tensor) for _, tensor in bucket]
+        self._llm.update_weights({"update_info": info})
+
+    def _stream(
+        self, buckets: Iterable[list[tuple[str, Any]]], progress: _Progress, deadline: float
+    ) -> None:
+        """Every bucket in one `update_weights` request, while the workers receive them over
+        the transfer group, loading bucket k while bucket k+1 arrives (bucket_stream.py)."""
+        finished = threading.Event()  # the request ended, or an acknowledgement came
+        call = _Call(
+            lambda: self._llm.update_weights({"update_info": {"streamed": True}}), wake=finished
+        )
+
+        def wait(work: Any) -> None:
+            acknowledged = threading.Event()
+
+            def done(_: object) -> None:
+                acknowledged.set()
+                finished.set()
+
+            work.get_future().add_done_callback(done)
+            while not acknowledged.is_set():
+                if call.done:
+                    if call.error is not None:
+                        raise call.error
+                    return  # the workers acknowledged every bucket before they returned
+                finished.clear()
+                if acknowledged.is_set() or call.done:
+                    continue
+                if not finished.wait(max(0.0, deadline - time.monotonic())):
+                    raise self._late(progress, None)
+
         try:
-            _broadcast_all(self._group, sent, timeout_s=max(0.0, deadline - time.monotonic()))
-        except RuntimeError as error:
+            self._sender.send(buckets, wait=wait, acked=lambda bucket: _count(progress, bucket))
+        except bucket_stream.PeerError as error:
             if call.error is not None:
                 raise call.error from error
             raise self._late(progress, error) from error
@@ -314,11 +346,19 @@ class _Call:
     """One request to the engine on a daemon thread of its own (the sender broadcasts
     meanwhile, and a stalled engine must not keep this process from exiting)."""
 
-    def __init__(self, method: Callable[[], object]) -> None:
+    def __init__(
+        self, method: Callable[[], object], *, wake: threading.Event | None = None
+    ) -> None:
+        """`wake`: set too when the request ends (for whoever waits on more than it)."""
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._wake = wake
         self._thread = threading.Thread(target=self._run, args=(method,), daemon=True)
         self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def _run(self, method: Callable[[], object]) -> None:
         try:
@@ -327,6 +367,8 @@ class _Call:
             self.error = error
         finally:
             self._done.set()
+            if self._wake is not None:
+                self._wake.set()
 
     def result(self, deadline: float, *, on_timeout: Callable[[], BaseException]) -> None:
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
@@ -355,13 +397,9 @@ def _gloo_group(info: Any, *, rank: int, is_master: bool, store: Any = None) -> 
     return dist.ProcessGroupGloo(prefixed, rank, info.world_size, timeout)
 
 
-def _broadcast_all(group: Any, tensors: list[torch.Tensor], *, timeout_s: float) -> None:
-    """Broadcast each (uint8) tensor from rank 0, all queued before any is waited on."""
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    works = [group.broadcast([tensor], options) for tensor in tensors if tensor.numel()]
-    for work in works:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+def _count(progress: _Progress, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    progress.buckets += 1
+    progress.bytes += sum(tensor.nbytes for _, tensor in bucket)
 
 
 def _buckets(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, Any]]]:
@@ -375,27 +413,6 @@ def _buckets(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[s
         size += tensor.nbytes
     if bucket:
         yield bucket
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel * dtype.itemsize
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    """Start of each tensor in a bucket's buffer, then its end (aligned starts)."""
-    offsets, end = [], 0
-    for size in sizes:
-        offsets.append(end)
-        end += -(-size // _ALIGNMENT) * _ALIGNMENT
-    return [*offsets, end]
 
 
 # vLLM's workers import this module by its `worker_extension_cls` name before they load the

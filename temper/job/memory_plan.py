@@ -50,9 +50,10 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
   (the weight, B @ A scaled, their sum).
 - Async mode, colocated: the snapshot of the previous version keeps its own engine (weights
   and KV cache) while the next one samples (`client/weight_sync.py`; max_staleness 1).
-  Disaggregated generators update in place between requests (no copy), unless they overlap
-  the transfer with sampling (`overlap_sync`) or run vLLM (which takes whole tensors): then
-  each holds a second copy of the weights.
+  Disaggregated generators update in place between requests (no copy; vLLM through its
+  weight-transfer protocol, staging only the tensors whose rows are still arriving, not
+  counted here), unless they overlap the transfer with sampling (`overlap_sync`): then each
+  holds a second copy of the weights.
 - A KL reference (`rl.kl_coef > 0`) is one more sampler on every colocated rank: weights and its
   own KV cache. Disaggregated, it loads on the generator ranks as whole weights that only
   score (no KV cache), and the trainer ranks hold none of it.
@@ -369,7 +370,7 @@ class _Rows:
             item = "prefix cache, at most"
             rows.append(PlanRow(item=item, num_bytes=prefix))
         if not colocated and settings.overlap_sync:
-            item = "second copy of the weights (overlap_sync, vLLM)"
+            item = "second copy of the weights (overlap_sync)"
             rows.append(PlanRow(item=item, num_bytes=weights))
         if colocated and settings.mode == "async":
             rows.append(

@@ -82,7 +82,7 @@ class PlanSettings:
     """Size of one weight-sync bucket in MiB."""
     overlap_sync: bool = False
     """disaggregated: generators receive new weights into a second copy while they sample
-    (--placement.overlap_sync; vLLM generator ranks always keep that copy)."""
+    (--placement.overlap_sync)."""
     mode: Literal["sync", "async"] = "sync"
     """async: colocated ranks keep the previous version's sampler while the next samples."""
     kl_reference: bool = False

@@ -1,7 +1,8 @@
 """Weight updates into vLLM through its weight-transfer protocol (vllm_transfer.py), on vLLM's
 CPU build: Temper's engine in vLLM's factory runs the four phases in bucket after bucket, the
-policy version reads back as vLLM's weight version, what vLLM samples from next is exactly the
-new weights (greedy tokens and prompt logprobs against Temper's engine), in this process,
+policy version reads back as vLLM's weight version, vLLM's workers hold bitwise the new
+weights (read back out of them) and sample from them (greedy tokens and prompt logprobs
+against Temper's engine), in this process,
 in vLLM's own engine process and over two tensor-parallel workers (no file written), and a
 worker that stalls mid-transfer ends the update at the deadline with an error saying where.
 `make test-vllm` runs these."""
@@ -51,6 +52,14 @@ def _worker_state(worker) -> tuple[str, int, bool]:
     return type(engine).__name__, engine.buckets, worker._weight_update_active
 
 
+def _assert_holds(vllm, state: dict[str, torch.Tensor]) -> None:
+    """What vLLM's workers hold, read back (CPU-packed layers through their own kernel, tensor-
+    parallel shards joined), is bitwise the update."""
+    held = vllm.read_weights()
+    assert held.keys() == state.keys()
+    assert all(torch.equal(held[name], value) for name, value in state.items())
+
+
 def _assert_samples_from(vllm, model, tokenizer) -> None:
     greedy = SamplingParams(max_tokens=6, temperature=0, stop=[])
     request = [SampleRequest(prompt=PROMPT, params=greedy, prompt_logprobs=True)]
@@ -78,6 +87,7 @@ def test_the_four_phases_run_bucket_by_bucket_and_the_version_reads_back(monkeyp
         assert engine == "TemperTransferEngine" and not active  # finished
         assert buckets > 1  # 3 MiB of weights in buckets of 64 KiB (a larger tensor alone)
         assert vllm._llm.get_weight_version() == "7" and vllm.version == 7
+        _assert_holds(vllm, state)
         _assert_samples_from(vllm, model, tokenizer)
     finally:
         vllm.close()
@@ -103,6 +113,7 @@ def test_vllms_own_processes_take_new_weights_without_a_file(monkeypatch, tensor
             model.load_state_dict(state)
             vllm.update_weights(state, version=version)
             assert vllm._llm.get_weight_version() == str(version)
+            _assert_holds(vllm, state)
             _assert_samples_from(vllm, model, tokenizer)
     finally:
         vllm.close()

@@ -362,7 +362,7 @@ def test_overlap_sync_adds_a_copy_of_the_weights_on_each_generator_rank():
     split = {"placement": "disaggregated", "generator_ranks": 4}
     plain, overlap = plan_memory(_big(**split)), plan_memory(_big(**split, overlap_sync=True))
     weights = _rows(plain, "generator")["generator weights"]
-    assert _rows(overlap, "generator")["second copy of the weights (overlap_sync"] == weights
+    assert _rows(overlap, "generator")["second copy of the weights (overlap_sync)"] == weights
     assert overlap.role("generator").steady_bytes == plain.role("generator").steady_bytes + weights
     assert overlap.role("trainer") == plain.role("trainer")
 
