@@ -19,8 +19,9 @@ from temper.config.checks import check_choice
 from temper.config.configurable import Configurable
 from temper.generator.multi_lora import AdapterSampler, MultiLoraSampler
 from temper.generator.seam import Generator
-from temper.generator.vllm import INSTALL_HINT, VllmGenerator  # vLLM itself: when built
+from temper.generator.vllm import VllmGenerator  # vLLM itself: when built
 from temper.generator.vllm_lora import VllmMultiLora
+from temper.generator.vllm_process import INSTALL_HINT
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import Tokenizer
 

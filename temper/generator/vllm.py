@@ -34,8 +34,6 @@ use are split between them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, un
 
 from __future__ import annotations
 
-import gc
-import logging
 import os
 import random
 import tempfile
@@ -62,6 +60,12 @@ from temper.generator.vllm_arguments import (
     SleepMode,
     engine_arguments,
 )
+from temper.generator.vllm_process import (
+    InlineEngines,
+    bind_cpu_workers,
+    import_vllm,
+    shut_down,
+)
 from temper.models.build import dtype_name
 from temper.models.registry import family_of_model
 from temper.sampler.requests import OnePromptSampling, SampleRequest, sample_seed, validate
@@ -71,55 +75,12 @@ from temper.tokenizer import Tokenizer
 
 # vLLM decodes greedily below this temperature (vllm.sampling_params._SAMPLING_EPS).
 _VLLM_GREEDY_BELOW = 1e-5
-INSTALL_HINT = "install it with `make vllm` (or pip install -e '.[vllm]'; see README.md)"
-
-
-class _InlineEngines:
-    """The vLLM engines running in this process. vLLM keeps one process-wide distributed
-    state for all of them, and shutting one down (also when it is garbage collected) tears
-    that state down under the others. So an engine closed while others run stays held here,
-    and the last one to close shuts them all down."""
-
-    def __init__(self) -> None:
-        self.running: list[Any] = []
-        self.closed: list[Any] = []
-        self.moe: set[int] = set()  # ids of the running engines that serve a MoE model
-
-    def check_can_start(self, *, moe: bool) -> None:
-        """vLLM sets its process-wide state up for the first engine; for a dense model it has
-        no expert-parallel group, which a MoE model's engine needs. Engines that were dropped
-        but not yet collected are collected first."""
-        if not moe or not self.running or self.moe:
-            return
-        gc.collect()  # finalizes dropped generators (weakref.finalize closes their engines)
-        if self.running and not self.moe:
-            raise ValueError(
-                "VllmGenerator: a MoE model's vLLM engine cannot start in this process while "
-                f"{len(self.running)} dense model engine(s) run here (vLLM keeps one "
-                "distributed state per process, and a dense model's has no expert-parallel "
-                "group); close them first, or set VllmGenerator.Config.engine_process="
-                "'separate'"
-            )
-
-    def add(self, llm: Any, *, moe: bool) -> None:
-        self.running.append(llm)
-        if moe:
-            self.moe.add(id(llm))
-
-    def close(self, llm: Any) -> None:
-        self.running = [other for other in self.running if other is not llm]
-        self.moe.discard(id(llm))
-        self.closed.append(llm)
-        if not self.running:
-            for engine in self.closed:
-                engine.llm_engine.engine_core.shutdown()
-            self.closed.clear()
 
 
 class VllmGenerator(Configurable, OnePromptSampling):
     holds_one_version = True
     model = None  # vLLM holds its own copy of the weights
-    _inline_engines = _InlineEngines()  # process-wide, as vLLM's own state is
+    _inline_engines = InlineEngines()  # process-wide, as vLLM's own state is
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -198,7 +159,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         lora: LoraSlots | None = None,
     ) -> None:
         """`lora`: serve LoRA adapters on `model` (generator/vllm_lora.py builds it so)."""
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from temper.generator import vllm_transfer  # registers its engine with vLLM
 
         self.config = config
@@ -225,7 +186,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         # vLLM reads this when the engine starts: in one process, weights pass as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
         if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
-            _bind_cpu_workers(config.tensor_parallel_size)
+            bind_cpu_workers(config.tensor_parallel_size)
         self._arguments = (
             engine_arguments(
                 model_dir=str(model_dir),
@@ -271,7 +232,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         # Shut down by `close`, or when this generator is garbage collected.
         self._release = weakref.finalize(
             self,
-            _shut_down,
+            shut_down,
             self._llm,
             inline_engines=self._inline_engines if self._inline else None,
         )
@@ -283,7 +244,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
     def describe(self) -> str:
         mode = "in this process" if self._inline else "in its own processes"
         return (
-            f"vLLM {_import_vllm().__version__} {mode} ({self.config.execution}), {self.dtype}, "
+            f"vLLM {import_vllm().__version__} {mode} ({self.config.execution}), {self.dtype}, "
             f"KV cache {self._arguments['kv_cache_memory_bytes'] / 2**20:.0f} MiB, "
             f"max_model_len {self.max_seq_len}, max_num_seqs {self._arguments['max_num_seqs']}"
         )
@@ -297,7 +258,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._check_weights()
         for index, request in enumerate(requests):
             self._check(request, index=index)
-        vllm = _import_vllm()
+        vllm = import_vllm()
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [self._params(request) for request in requests]
         outputs = self._llm.generate(
@@ -326,7 +287,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 vocab_size=self.vocab_size,
                 max_seq_len=self.max_seq_len,
             )
-        vllm = _import_vllm()
+        vllm = import_vllm()
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
         params = vllm.SamplingParams(
             max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
@@ -382,7 +343,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             skip_special_tokens=False,
         )
         fields |= vllm_fields.request_fields(request, v2=self._v2)
-        return _import_vllm().SamplingParams(**fields)
+        return import_vllm().SamplingParams(**fields)
 
     def _response(self, request: SampleRequest, output: Any) -> SampleResponse:
         prompt_logprobs = topk_prompt = None
@@ -524,13 +485,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._directory.cleanup()
 
 
-def _shut_down(llm: Any, *, inline_engines: _InlineEngines | None) -> None:
-    if inline_engines is not None:
-        inline_engines.close(llm)
-    else:
-        llm.llm_engine.engine_core.shutdown()
-
-
 def _actual_logprobs(entries: Sequence[Any], tokens: Sequence[int]) -> list[float | None]:
     """Each position's logprob of the token actually there (None at position 0)."""
     pairs = zip(entries[1:], tokens[1:], strict=True)
@@ -548,58 +502,5 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _import_vllm() -> Any:
-    # vLLM logs every weight reload at INFO; VLLM_LOGGING_LEVEL=INFO brings that back.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-        import vllm.inputs
-    except ImportError as error:
-        raise ImportError(f"generator backend 'vllm' needs vLLM: {INSTALL_HINT}") from error
-    for name, expected in _EXPECTED_WARNINGS.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropMessage) for f in logger.filters):
-            logger.addFilter(_DropMessage(expected))
-    return vllm
-
-
-# Warnings vLLM gives for what Temper does on purpose: a built-in vocabulary has no chat
-# template to warm up, and a tied output layer has no weight of its own to reload (it is
-# rebuilt by the transfer engine: vllm_transfer.py).
-_EXPECTED_WARNINGS = {
-    "vllm.renderers.base": "Chat template warmup failed",
-    "vllm.model_executor.model_loader.reload.layerwise": "ParallelLMHead: Failed to load",
-}
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, start: str) -> None:
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
-
-
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _bind_cpu_workers(num_workers: int) -> None:
-    """Give each of vLLM's CPU workers its own block of this process's cores (see the
-    module docstring), unless the user bound them."""
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
-        return
-    if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) >= num_workers:
-        return  # vLLM binds a worker per NUMA node
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < num_workers:
-        raise ValueError(
-            f"VllmGenerator.Config.tensor_parallel_size={num_workers} needs a CPU core per "
-            f"worker; this process may use {len(cores)}"
-        )
-    size = len(cores) // num_workers
-    blocks = [cores[index * size : (index + 1) * size] for index in range(num_workers)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        ",".join(str(core) for core in block) for block in blocks
-    )

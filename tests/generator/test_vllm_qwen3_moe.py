@@ -22,8 +22,7 @@ from temper.tokenizer import build_builtin_tokenizer
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.generator import vllm as vllm_backend  # noqa: E402
-from temper.generator import vllm_transfer  # noqa: E402
+from temper.generator import vllm_process, vllm_transfer  # noqa: E402
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32; vLLM's fused MoE kernel and Temper's per-expert matmuls round apart
@@ -35,8 +34,8 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0, stop=[])
 def _no_dense_engine_left_running():
     """Engines an earlier test in this process left running (a client it never closed keeps
     its generator alive) hold vLLM's process-wide state as a dense model set it up, without
-    the expert-parallel group a MoE engine needs (see `_InlineEngines.check_can_start`): shut
-    them down, as their owners are gone."""
+    the expert-parallel group a MoE engine needs (see
+    `vllm_process.InlineEngines.check_can_start`): shut them down, as their owners are gone."""
     gc.collect()
     engines = VllmGenerator._inline_engines
     for llm in list(engines.running):
@@ -142,7 +141,7 @@ def test_without_the_moe_reload_workaround_vllm_reads_unpacked_experts(monkeypat
 def test_a_moe_engine_does_not_start_beside_a_running_dense_one():
     # vLLM's process-wide state is set up by the first engine; a dense model's has no
     # expert-parallel group. Stand-in engines: only the bookkeeping is under test.
-    engines = vllm_backend._InlineEngines()
+    engines = vllm_process.InlineEngines()
     dense = object()
     engines.add(dense, moe=False)
     engines.check_can_start(moe=False)
