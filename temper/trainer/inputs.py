@@ -161,7 +161,20 @@ def _checked_inputs(
                 )
             topk_shape, topk_name = shape, name
         checked.append((name, value))
+    if topk_shape is not None and len(topk_shape) == 2 and "support_mask" in topk:
+        _check_support_given(datum, where=where, length=length, shape=topk_shape)
     return checked
+
+
+def _check_support_given(datum: Datum, *, where: str, length: int, shape: tuple[int, ...]) -> None:
+    """A policy loss scores one token per position: [T, K] targets are its drawn token and
+    the rest of the sampler's support (losses/support.py), so they need the support's mask."""
+    if "support_mask" not in datum.loss_fn_inputs:
+        raise ValueError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {list(shape)}, but "
+            f"model_input has {length} tokens; expected [{length}] (or [{length}, K] with "
+            f"'support_mask' [{length}, K], to renormalise over a sampler's support)"
+        )
 
 
 def prepare(

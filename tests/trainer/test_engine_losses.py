@@ -188,8 +188,8 @@ def test_custom_loss_over_top_k_logprobs_equals_cross_entropy_with_its_gradient(
          "cross_entropy", r"loss_fn_inputs\['weights'\] has shape \[2\] but"),
         ({"target_tokens": torch.zeros(2, 3, dtype=torch.long), "logprobs": torch.zeros(2),
           "advantages": torch.zeros(2)},
-         "ppo", r"loss_fn_inputs\['target_tokens'\] is \[T, K\], but a policy loss scores "
-                r"one token per position; give 'support_mask'"),
+         "ppo", r"loss_fn_inputs\['target_tokens'\] has shape \[2, 3\], but model_input has "
+                r"2 tokens; expected \[2\] \(or \[2, K\] with 'support_mask'"),
         ({"target_tokens": torch.full((2, 3), VOCAB)},
          "cross_entropy", rf"token {VOCAB} at position \[0, 0\] is outside the vocabulary"),
     ],

@@ -103,6 +103,10 @@ def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
         topk_shape = topk_shapes.pop() if len(topk_shapes) == 1 else (len(tokens),)
         if topk_shape[0] != len(tokens) or len(topk_shape) > 2 or 0 in topk_shape:
             return False
+        # A policy loss's [T, K] targets are a sampler's support: they need its mask.
+        needs_mask = len(topk_shape) == 2 and "support_mask" in spec.topk_inputs
+        if needs_mask and "support_mask" not in inputs:
+            return False
         for name in allowed & inputs.keys():
             tensor = inputs[name]
             expected = topk_shape if name in spec.topk_inputs else (len(tokens),)
