@@ -28,9 +28,12 @@ is over an NCCL group between distinct GPUs, but a generator rank's vLLM sits on
 own GPU, where NCCL cannot pair two ranks and CUDA IPC would be the way: not wired here
 (docs/sampler.md).
 
-Every update has a deadline (`timeout_s`): a worker that stalls or dies mid-transfer raises
-a `TimeoutError` naming the worker ranks, the phase and how far the transfer got, within
-the deadline. In one process there is no peer to wait on, so the inline transport has none.
+Every update has a deadline (`timeout_s`): a worker that stalls mid-transfer raises a
+`TimeoutError` naming the worker ranks, the phase and how far the transfer got, within the
+deadline; one that dies closes its connection, and the update raises a `RuntimeError` saying
+so at once. In one process there is no peer to wait on, so the inline transport has none.
+vLLM's processes end with the process that drives them, even if it is killed: importing this
+module in a worker starts that watch (vllm_owner.py).
 """
 
 from __future__ import annotations
@@ -347,9 +350,10 @@ class VllmTransfer:
         if "timeout" in str(error).lower() or "timed out" in str(error).lower():
             return self._late(progress, error)
         cause = str(error).strip().splitlines()[0]
+        who = "the vLLM worker rank 1" if self._workers == 1 else "a vLLM worker"
         return RuntimeError(
-            f"vLLM weight transfer: a vLLM worker ({self._ranks()} of the transfer group) "
-            f"stopped (its connection closed) in phase {progress.phase}, "
+            f"vLLM weight transfer: {who} of the transfer group ({self._ranks()}) stopped "
+            f"(its connection closed) in phase {progress.phase}, "
             f"{self._sent(progress)} ({cause}); the engine's weights are incomplete"
         )
 
