@@ -34,6 +34,7 @@ use are split between them in contiguous blocks (`VLLM_CPU_OMP_THREADS_BIND`, un
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import tempfile
@@ -60,6 +61,7 @@ from temper.generator.vllm_arguments import (
     SleepMode,
     engine_arguments,
 )
+from temper.generator.vllm_owner import OwnerBeacon
 from temper.generator.vllm_process import (
     InlineEngines,
     bind_cpu_workers,
@@ -213,8 +215,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         if self._inline:
             self._inline_engines.check_can_start(moe=moe)
         set_num_threads, python_random = torch.set_num_threads, random.getstate()
+        # vLLM's own processes end with this one, even if it is killed (vllm_owner.py).
+        self._owner = None if self._inline else OwnerBeacon()
         try:
-            with torch.random.fork_rng(devices=[]):
+            announced = self._owner.announced() if self._owner else contextlib.nullcontext()
+            with announced, torch.random.fork_rng(devices=[]):
                 self._llm = vllm.LLM(**self._arguments)
         finally:
             torch.set_num_threads = set_num_threads  # see the module docstring

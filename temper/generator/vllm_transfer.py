@@ -28,9 +28,12 @@ is over an NCCL group between distinct GPUs, but a generator rank's vLLM sits on
 own GPU, where NCCL cannot pair two ranks and CUDA IPC would be the way: not wired here
 (docs/sampler.md).
 
-Every update has a deadline (`timeout_s`): a worker that stalls or dies mid-transfer raises
-a `TimeoutError` naming the worker ranks, the phase and how far the transfer got, within
-the deadline. In one process there is no peer to wait on, so the inline transport has none.
+Every update has a deadline (`timeout_s`): a worker that stalls mid-transfer raises a
+`TimeoutError` naming the worker ranks, the phase and how far the transfer got, within the
+deadline; one that dies closes its connection, and the update raises a `RuntimeError` saying
+so at once. In one process there is no peer to wait on, so the inline transport has none.
+vLLM's processes end with the process that drives them, even if it is killed: importing this
+module in a worker starts that watch (vllm_owner.py).
 """
 
 from __future__ import annotations
@@ -48,14 +51,16 @@ import torch
 import torch.distributed as dist
 
 from temper.distributed import bucket_stream
+from temper.generator.vllm_owner import watch_owner_if_announced
 
 ENGINE_NAME = "temper"
 """The name of Temper's engine in vLLM's WeightTransferEngineFactory."""
 BUCKET_BYTES = 64 * 2**20
 """Bytes of weights per `update_weights` request (a larger tensor goes alone)."""
-STALL_ENV = "TEMPER_TEST_VLLM_TRANSFER_STALL"
-"""Tests only: 'N:SECONDS' makes every worker sleep SECONDS before receiving bucket N
-(counted from 1 in each update), to stand for a stalled peer."""
+FAULT_ENV = "TEMPER_TEST_VLLM_TRANSFER_FAULT"
+"""Tests only: 'N:SECONDS' makes every worker sleep SECONDS before loading bucket N (counted
+from 1 in each update), to stand for a stalled peer; 'N:exit' ends the worker there at once
+(`os._exit`, no goodbye on any connection), as if it were killed."""
 
 Transport = Literal["inline", "gloo"]
 
@@ -150,11 +155,11 @@ def _engine_class() -> type:
                     self.group,
                     device=torch.device("cpu"),
                     load=self.model.load_weights,
-                    before_load=lambda number: _maybe_stall(self.buckets + number),
+                    before_load=lambda number: _maybe_fault(self.buckets + number),
                 )
                 return
             self.buckets += 1
-            _maybe_stall(self.buckets)
+            _maybe_fault(self.buckets)
             assert update_info.tensors is not None
             self.model.load_weights(list(zip(update_info.names, update_info.tensors, strict=True)))
 
@@ -184,12 +189,14 @@ def register_engine() -> None:
             raise
 
 
-def _maybe_stall(bucket: int) -> None:
-    setting = os.environ.get(STALL_ENV)
+def _maybe_fault(bucket: int) -> None:
+    setting = os.environ.get(FAULT_ENV)
     if setting:
-        at, seconds = setting.split(":")
+        at, fault = setting.split(":")
         if bucket == int(at):
-            time.sleep(float(seconds))
+            if fault == "exit":
+                os._exit(17)
+            time.sleep(float(fault))
 
 
 def _refresh_output_layer(model: torch.nn.Module) -> None:
@@ -319,9 +326,7 @@ class VllmTransfer:
         try:
             self._sender.send(buckets, wait=wait, acked=lambda bucket: _count(progress, bucket))
         except bucket_stream.PeerError as error:
-            if call.error is not None:
-                raise call.error from error
-            raise self._late(progress, error) from error
+            raise self._stopped(progress, error) from error
         call.result(deadline, on_timeout=lambda: self._late(progress, None))
 
     def _call(self, method: Callable[[], object], progress: _Progress, deadline: float) -> None:
@@ -331,15 +336,33 @@ class VllmTransfer:
         _Call(method).result(deadline, on_timeout=lambda: self._late(progress, None))
 
     def _late(self, progress: _Progress, error: BaseException | None) -> TimeoutError:
-        workers = "rank 1" if self._workers == 1 else f"ranks 1-{self._workers}"
         cause = f" ({error})" if error is not None else ""
         return TimeoutError(
-            f"vLLM weight transfer: the vLLM worker {workers} of the transfer group did not "
-            f"finish phase {progress.phase} within VllmGenerator.Config.sync_timeout_s="
-            f"{self._timeout_s:g} s, after {progress.buckets} bucket(s), "
-            f"{progress.bytes / 2**20:.1f} MiB sent{cause}; the engine's weights are "
+            f"vLLM weight transfer: the vLLM worker {self._ranks()} of the transfer group did "
+            f"not finish phase {progress.phase} within VllmGenerator.Config.sync_timeout_s="
+            f"{self._timeout_s:g} s, {self._sent(progress)}{cause}; the engine's weights are "
             "incomplete"
         )
+
+    def _stopped(self, progress: _Progress, error: BaseException) -> Exception:
+        """A collective of the stream failed: a worker died (its connection closed), or the
+        group's own timeout passed (a stall)."""
+        if "timeout" in str(error).lower() or "timed out" in str(error).lower():
+            return self._late(progress, error)
+        cause = str(error).strip().splitlines()[0]
+        who = "the vLLM worker rank 1" if self._workers == 1 else "a vLLM worker"
+        return RuntimeError(
+            f"vLLM weight transfer: {who} of the transfer group ({self._ranks()}) stopped "
+            f"(its connection closed) in phase {progress.phase}, "
+            f"{self._sent(progress)} ({cause}); the engine's weights are incomplete"
+        )
+
+    def _ranks(self) -> str:
+        return "rank 1" if self._workers == 1 else f"ranks 1-{self._workers}"
+
+    @staticmethod
+    def _sent(progress: _Progress) -> str:
+        return f"after {progress.buckets} bucket(s), {progress.bytes / 2**20:.1f} MiB sent"
 
 
 class _Call:
@@ -416,6 +439,8 @@ def _buckets(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[s
 
 
 # vLLM's workers import this module by its `worker_extension_cls` name before they load the
-# model; that import is the one hook that reaches them, so it registers the engine.
+# model; that import is the one hook that reaches them, so it registers the engine and, in a
+# worker of an engine in its own processes, watches the engine's owner (vllm_owner.py).
 with contextlib.suppress(ImportError):  # without vLLM there is nothing to register with
     register_engine()
+watch_owner_if_announced()

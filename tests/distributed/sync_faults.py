@@ -2,7 +2,8 @@
 
 A generator rank dies (`os._exit`, as if killed: no goodbye on any connection) or stalls (a
 sleep of `stall_s`) when it receives its Nth data broadcast of the sync of `FAULT_VERSION`,
-and writes the wall-clock time of the fault to a file first. Every rank records when and how
+and writes the wall-clock time of the fault to a file first, with the ids of the processes
+it started (vLLM's engine process and workers) when asked. Every rank records when and how
 it ended. `run_until_failure` starts the ranks and, once every trainer rank has ended and the
 generator rank had `generator_grace_s` to end too, stops the ranks still alive, as torchrun
 does once one rank of its job fails.
@@ -29,8 +30,11 @@ FAULT_AT_BROADCAST = 3
 """The data broadcast of that sync (counted on the generator rank) at which the fault comes."""
 
 
-def arm_fault(*, kind: str, record: Path, stall_s: float = 600.0) -> None:
-    """On this generator rank: die or stall in the middle of the sync of FAULT_VERSION."""
+def arm_fault(
+    *, kind: str, record: Path, stall_s: float = 600.0, record_children: bool = False
+) -> None:
+    """On this generator rank: die or stall in the middle of the sync of FAULT_VERSION.
+    `record_children`: the record names the processes this rank started (psutil)."""
     receive, broadcast = generator_rank.GeneratorRank._receive, weight_transfer._all
     state = {"armed": False, "count": 0}
 
@@ -42,7 +46,10 @@ def arm_fault(*, kind: str, record: Path, stall_s: float = 600.0) -> None:
         if state["armed"]:
             state["count"] += 1
             if state["count"] == FAULT_AT_BROADCAST:
-                record.write_text(json.dumps({"time": time.time(), "kind": kind}))
+                fault = {"time": time.time(), "kind": kind}
+                if record_children:
+                    fault["children"] = _descendants()
+                record.write_text(json.dumps(fault))
                 if kind == "kill":
                     os._exit(17)
                 time.sleep(stall_s)
@@ -52,14 +59,28 @@ def arm_fault(*, kind: str, record: Path, stall_s: float = 600.0) -> None:
     weight_transfer._all = faulty_broadcast
 
 
+def _descendants() -> list[int]:
+    import psutil
+
+    return [child.pid for child in psutil.Process().children(recursive=True)]
+
+
 def faulty_rank(
-    rank: int, config: RLJob.Config, run_dir: Path, out: Path, kind: str, stall_s: float
+    rank: int,
+    config: RLJob.Config,
+    run_dir: Path,
+    out: Path,
+    kind: str,
+    stall_s: float,
+    record_children: bool,
 ) -> dict:
     """The job on this rank; the generator rank (the last) with a fault armed. Returns how
     it ended: the error's message and when."""
     skip_plots()
     if rank + 1 == _world_size():  # the generator rank
-        arm_fault(kind=kind, record=out / "fault.json", stall_s=stall_s)
+        arm_fault(
+            kind=kind, record=out / "fault.json", stall_s=stall_s, record_children=record_children
+        )
     try:
         RLJob(config).run(run_dir=run_dir)
     except RuntimeError as error:
@@ -82,14 +103,17 @@ def run_until_failure(
     world_size: int = 3,
     stall_s: float = 600.0,
     generator_grace_s: float = 0.0,
+    record_children: bool = False,
 ) -> dict:
     """The job on `world_size` gloo ranks with a fault on the last (its one generator rank);
     once every trainer rank has ended (at most 240 s) and the generator rank had
     `generator_grace_s` more, the ranks still alive are stopped (torchrun's part). Returns the
-    fault's record, each rank's result (None: it left none), and the generator's exit code."""
+    fault's record (None: the job ended before the fault; with the generator rank's child
+    processes: `record_children`), each rank's result (None: it left none), and the generator's
+    exit code."""
     context = mp.get_context("spawn")
     port = free_port()
-    args = (config, run_dir, out, kind, stall_s)
+    args = (config, run_dir, out, kind, stall_s, record_children)
     processes = [
         context.Process(target=_entry, args=(rank, faulty_rank, world_size, port, out, args))
         for rank in range(world_size)
@@ -114,7 +138,7 @@ def run_until_failure(
         for rank in range(world_size)
     ]
     return {
-        "fault": json.loads((out / "fault.json").read_text()),
+        "fault": json.loads(fault.read_text()) if (fault := out / "fault.json").exists() else None,
         "trainers": results[:-1],
         "generator": results[-1],
         "trainers_alive": trainers_alive,

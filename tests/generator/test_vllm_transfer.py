@@ -122,7 +122,7 @@ def test_vllms_own_processes_take_new_weights_without_a_file(monkeypatch, tensor
 def test_a_stalled_worker_ends_the_update_at_the_deadline_saying_where(monkeypatch):
     stall_s, deadline_s = 60, 3.0
     monkeypatch.setattr(vllm_transfer, "BUCKET_BYTES", SMALL_BUCKET)
-    monkeypatch.setenv(vllm_transfer.STALL_ENV, f"3:{stall_s}")  # before receiving bucket 3
+    monkeypatch.setenv(vllm_transfer.FAULT_ENV, f"3:{stall_s}")  # before receiving bucket 3
     model, tokenizer = _model()
     config = VllmGenerator.Config(
         kv_cache_mib=32, engine_process="separate", sync_timeout_s=deadline_s
