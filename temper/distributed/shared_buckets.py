@@ -110,11 +110,10 @@ class MappedSlots:
         release(buffer)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # read before the acknowledgement
-        kept = torch._C._storage_Use_Count(storage._cdata) - held
-        if kept > 0:
+        if torch._C._storage_Use_Count(storage._cdata) > held:
             raise RuntimeError(
-                f"the loader kept {kept} view(s) of shared slot {descriptor['slot']} past its "
-                "return; the sender refills that slot, so they would change under it"
+                f"the loader kept views of shared slot {descriptor['slot']} past its return; "
+                "the sender refills that slot, so they would change under it"
             )
 
     def _buffer(self, slot: int, handle: dict[str, Any], *, device: torch.device) -> torch.Tensor:
