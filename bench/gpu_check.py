@@ -17,7 +17,9 @@ one H100/H200):
   Qwen3-30B-A3B (D=2048, 128 experts, top-8, F=768, 8192 tokens).
 - rl_smoke: `temper train arithmetic_smoke` on CUDA in bf16, one rank; the last metrics line.
 - vllm: vLLM at the decode check's shape and batches (compiled, CUDA graphs): tokens/s, a
-  weight update, and how much `sleep()` gives back; on CPU (dry run) vLLM's CPU build, eager.
+  weight update, and how much `sleep()` gives back; then a weight update into vLLM's own
+  engine process on the same GPU (engine_process='separate': the ipc transport, CUDA IPC);
+  on CPU (dry run) vLLM's CPU build, eager (the ipc transport over shared memory).
 - vllm_lora: LoRA adapters inside vLLM at that shape: the time to register a new adapter
   version (rank 32, every target), and one adapter's rows against the same rows over 16.
 - weight_sync: NCCL weight transfer between two GPUs (bench/weight_sync.py), where two exist.
@@ -241,7 +243,8 @@ def rl_smoke(shapes: Shapes) -> dict:
 
 def vllm(shapes: Shapes) -> dict:
     """vLLM at the decode check's shape and batches (compiled with CUDA graphs on a GPU, eager
-    on CPU), then a weight update and, on a GPU, what `sleep()` gives back."""
+    on CPU), then a weight update and, on a GPU, what `sleep()` gives back; then a weight
+    update into vLLM's own engine process on the same device (the ipc transport)."""
     try:
         import vllm as _  # noqa: F401
     except ImportError:
@@ -283,7 +286,30 @@ def vllm(shapes: Shapes) -> dict:
         found["sleep_freed_gib"] = round((torch.cuda.mem_get_info()[0] - free) / 2**30, 2)
         generator.wake_up()
     generator.close()
-    return found
+    return found | _separate_update(model, shapes)
+
+
+def _separate_update(model, shapes: Shapes) -> dict:
+    """A weight update into vLLM's own engine process on this device (engine_process=
+    'separate': the ipc transport, CUDA IPC on a GPU, shared memory on CPU), timed after one
+    warm-up update, beside the in-process one above."""
+    from temper.generator.vllm import VllmGenerator
+
+    generator = VllmGenerator.Config(
+        max_model_len=shapes.seq, max_num_seqs=8, engine_process="separate"
+    ).build(model=model)
+    try:
+        state = model.state_dict()
+        generator.update_weights(state, version=1)
+        start = time.perf_counter()
+        generator.update_weights(state, version=2)
+        seconds = time.perf_counter() - start
+    finally:
+        generator.close()
+    return {
+        "separate_transport": generator.transport,
+        "separate_update_weights_s": round(seconds, 3),
+    }
 
 
 def vllm_lora(shapes: Shapes) -> dict:

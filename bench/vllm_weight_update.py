@@ -8,9 +8,10 @@ order each round, on the same engine and the same new weights:
   `vllm_transfer.BUCKET_BYTES` (inline transport), the CPU fix-ups at finish.
 - `reload_weights`: the same HF-named tensors (converted before the clock starts) through
   `collective_rpc("reload_weights", weights_iterator=...)` and the same fix-ups.
-With --separate, also `transfer_engine_process`: a second engine in vLLM's own process,
-updated over the gloo transport, beside `plain_gloo_broadcast` (the same bytes in one gloo
-broadcast between two processes, buffers allocated before the clock starts).
+With --separate, also an engine in vLLM's own process, updated over the ipc transport
+(`transfer_engine_process_ipc`: buckets in shared memory) and, on a second such engine, over
+the gloo transport (`transfer_engine_process_gloo`), beside `plain_gloo_broadcast` (the same
+bytes in one gloo broadcast between two processes, buffers allocated before the clock starts).
 Targets (CPU): transfer <= reload_weights and <= 0.5 s (0.6B).
 
 Medians over --repeats after --warmup. Prints one JSON line with both configs.
@@ -129,16 +130,21 @@ def main() -> None:
     vllm.close()
     medians = {f"{name}_s": round(statistics.median(t), 4) for name, t in results.items()}
     if args.separate:
-        separate = VllmGenerator.Config(
-            kv_cache_mib=64, max_model_len=256, max_num_seqs=8, engine_process="separate"
-        ).build(model=model)
-        times = _timed(
-            lambda i: separate.update_weights(states[i % 2], version=i + 1),
-            repeats=args.repeats,
-            warmup=args.warmup,
-        )
-        separate.close()
-        medians["transfer_engine_process_s"] = round(statistics.median(times), 4)
+        for transport in ("ipc", "gloo"):
+            separate = VllmGenerator.Config(
+                kv_cache_mib=64,
+                max_model_len=256,
+                max_num_seqs=8,
+                engine_process="separate",
+                transport=transport,
+            ).build(model=model)
+            times = _timed(
+                lambda i, engine=separate: engine.update_weights(states[i % 2], version=i + 1),
+                repeats=args.repeats,
+                warmup=args.warmup,
+            )
+            separate.close()
+            medians[f"transfer_engine_process_{transport}_s"] = round(statistics.median(times), 4)
         plain = _plain_broadcast(nbytes, repeats=args.repeats, warmup=args.warmup)
         medians["plain_gloo_broadcast_s"] = round(statistics.median(plain), 4)
     print(
@@ -149,7 +155,13 @@ def main() -> None:
                 "dtype": args.dtype,
                 "bytes": nbytes,
                 "bucket_bytes": vllm_transfer.BUCKET_BYTES,
-                "config": {"transfer": "inline transport", "reload_weights": "in-process"},
+                "config": {
+                    "transfer": "inline transport",
+                    "reload_weights": "in-process",
+                    "transfer_engine_process_ipc": "engine_process=separate, ipc transport",
+                    "transfer_engine_process_gloo": "engine_process=separate, gloo transport",
+                    "plain_gloo_broadcast": "the same bytes, one gloo broadcast, 2 processes",
+                },
                 "repeats": args.repeats,
                 **medians,
                 "transfer_over_reload": round(

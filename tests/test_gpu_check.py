@@ -40,6 +40,8 @@ def test_the_dry_run_runs_every_check_on_cpu():
         assert [row["batch"] for row in by_name["vllm"]["rows"]] == [1, 4]
         assert set(by_name["summary"]["temper_vs_vllm"]) == {"1", "4"}
         assert by_name["vllm_lora"]["mixed_tokens_per_s"] > 0
+        assert by_name["vllm"]["separate_transport"] == "ipc"  # shared memory on CPU
+        assert by_name["vllm"]["separate_update_weights_s"] > 0
     moe_cases = by_name["moe_block"]["cases"]
     assert [case["num_experts"] for case in moe_cases] == [4, 8]
     assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())

@@ -12,8 +12,13 @@ side. A header of length 0 ends the stream. The order of operations is the same 
 rank: H1 D1 H2 D2 A1 H3 D3 A2 ... HN DN A(N-1) END AN.
 
 The same code runs on whatever backend the group has: gloo with host buffers on CPU (the CPU
-twin), NCCL with device buffers on a GPU; `device` says where buffers live. Deadlines are the
-caller's: the sender hands each acknowledgement's work to its `wait` hook.
+twin), NCCL with device buffers on a GPU; `device` says where buffers live. A second group,
+`control`, may carry the headers and acknowledgements in host memory while `group` carries
+the tensors' bytes (NCCL for the bytes, gloo for the rest: a host-side acknowledgement is what
+a deadline can wait on, and a header is read on the host anyway); the order of operations on
+each group is the one above, restricted to that group. A receiver on a GPU finishes its load
+on the device before it acknowledges. Deadlines are the caller's: the sender hands each
+acknowledgement's work to its `wait` hook.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ class PeerError(RuntimeError):
 
 
 class StreamSender:
-    def __init__(self, group: Any, *, device: torch.device) -> None:
+    def __init__(self, group: Any, *, device: torch.device, control: Any = None) -> None:
+        """`control`: the group of headers and acknowledgements (host memory); None: `group`."""
         self._group, self._device = group, device
+        self._control = _Control(group, device=device, control=control)
 
     def send(
         self,
@@ -66,14 +73,14 @@ class StreamSender:
 
     def _end(self, in_flight: deque, **hooks: Any) -> None:
         """The end of the stream, then the acknowledgements of the buckets still in flight."""
-        _wait_all(_header_works(self._group, b"", device=self._device))
+        _wait_all(self._control.header_works(b""))
         while in_flight:
             self._acknowledge(*in_flight.popleft(), **hooks)
 
     def _post(self, bucket: Bucket) -> list[Any]:
         header = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
         data = [_as_bytes(tensor.detach().to(self._device)) for _, tensor in bucket]
-        return _header_works(self._group, pickle.dumps(header), device=self._device) + [
+        return self._control.header_works(pickle.dumps(header)) + [
             _broadcast(self._group, value) for value in data if value.numel()
         ]
 
@@ -85,8 +92,7 @@ class StreamSender:
         wait: Callable[[Any], None],
         acked: Callable[[Bucket], None],
     ) -> None:
-        count = torch.full((1,), torch.iinfo(torch.int64).max, device=self._device)
-        work = _all_reduce_min(self._group, count)
+        work = self._control.acknowledgement(torch.iinfo(torch.int64).max)
         wait(work)
         _wait_all([*works, work])
         acked(bucket)
@@ -98,10 +104,13 @@ def receive(
     device: torch.device,
     load: Callable[[Bucket], None],
     before_load: Callable[[int], None] = lambda number: None,
+    control: Any = None,
 ) -> int:
     """Receive and `load` every bucket of one stream (a receiver's side); returns how many.
-    Each bucket has a buffer of its own (`load` may keep views of it)."""
-    entries = _receive_header(group, device=device)
+    Each bucket has a buffer of its own (`load` may keep views of it). `control`: as the
+    sender's."""
+    headers = _Control(group, device=device, control=control)
+    entries = headers.receive_header()
     if entries is None:
         return 0
     tensors, works = _post_data(group, entries, device=device)
@@ -109,12 +118,14 @@ def receive(
     number = 0
     while entries is not None:
         number += 1
-        following = _receive_header(group, device=device)
+        following = headers.receive_header()
         posted = None if following is None else _post_data(group, following, device=device)
         before_load(number)
         load([(name, tensor) for (name, _, _), tensor in zip(entries, tensors, strict=True)])
         del tensors
-        _wait_all([_all_reduce_min(group, torch.full((1,), number, device=device))])
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # loaded, before acknowledging
+        _wait_all([headers.acknowledgement(number)])
         if posted is not None:
             tensors, works = posted
             _wait_all(works)
@@ -122,24 +133,35 @@ def receive(
     return number
 
 
-def _header_works(group: Any, header: bytes, *, device: torch.device) -> list[Any]:
-    length = torch.tensor([len(header)], dtype=torch.int64, device=device)
-    works = [_broadcast(group, length)]
-    if header:
-        data = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-        works.append(_broadcast(group, data))
-    return works
+class _Control:
+    """Headers and acknowledgements: on `control` in host memory, or on the data group."""
 
+    def __init__(self, group: Any, *, device: torch.device, control: Any) -> None:
+        self.group = group if control is None else control
+        self.device = device if control is None else torch.device("cpu")
 
-def _receive_header(group: Any, *, device: torch.device) -> list[Any] | None:
-    length = torch.zeros(1, dtype=torch.int64, device=device)
-    _wait_all([_broadcast(group, length)])
-    size = int(length.item())
-    if size == 0:
-        return None
-    data = torch.empty(size, dtype=torch.uint8, device=device)
-    _wait_all([_broadcast(group, data)])
-    return pickle.loads(data.cpu().numpy().tobytes())
+    def header_works(self, header: bytes) -> list[Any]:
+        length = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
+        works = [_broadcast(self.group, length)]
+        if header:
+            data = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+            works.append(_broadcast(self.group, data))
+        return works
+
+    def receive_header(self) -> list[Any] | None:
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        _wait_all([_broadcast(self.group, length)])
+        size = int(length.item())
+        if size == 0:
+            return None
+        data = torch.empty(size, dtype=torch.uint8, device=self.device)
+        _wait_all([_broadcast(self.group, data)])
+        return pickle.loads(data.cpu().numpy().tobytes())
+
+    def acknowledgement(self, count: int) -> Any:
+        """The all-reduce (min) of buckets loaded: `count` from a receiver, the maximum from
+        the sender."""
+        return _all_reduce_min(self.group, torch.full((1,), count, device=self.device))
 
 
 def _post_data(

@@ -68,6 +68,12 @@ from temper.generator.vllm_process import (
     import_vllm,
     shut_down,
 )
+from temper.generator.vllm_transports import (
+    TRANSPORT_CHOICES,
+    TransportChoice,
+    choose_transport,
+    worker_devices,
+)
 from temper.models.build import dtype_name
 from temper.models.registry import family_of_model
 from temper.sampler.requests import OnePromptSampling, SampleRequest, sample_seed, validate
@@ -112,8 +118,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
         CUDA graphs on a GPU): minutes to start, faster decoding."""
         engine_process: Literal["inline", "separate"] = "inline"
         """'inline': vLLM runs in this process and takes new weights as tensors; 'separate':
-        vLLM's own engine process, new weights are broadcast to it over a gloo group of their
-        own (forced when tensor_parallel_size > 1)."""
+        vLLM's own engine process (forced when tensor_parallel_size > 1), new weights reach it
+        through `transport`."""
+        transport: TransportChoice = "auto"
+        """How new weights reach vLLM: 'auto' picks from where vLLM runs ('inline' in this
+        process; 'ipc', shared buffers, when its workers are on this process's device, one
+        GPU or CPU; 'nccl' when they are on other GPUs; else 'gloo', host-staged);
+        generator/vllm_transports.py. A choice that cannot work there is refused."""
         record_routes: bool = False
         """MoE models: return the experts vLLM routed every token to with each sample
         (`SampledSequence.routed_experts`, for Temper's routing replay). Needs vLLM's Model
@@ -148,6 +159,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 self.max_model_len, field=f"{owner}.max_model_len", at_least=2, also=(None,)
             )
             check_range(self.sync_timeout_s, field=f"{owner}.sync_timeout_s", greater_than=0)
+            check_choice(self.transport, field=f"{owner}.transport", choices=TRANSPORT_CHOICES)
             check_choice(
                 self.max_lora_rank, field=f"{owner}.max_lora_rank", choices=VLLM_LORA_RANKS
             )
@@ -184,6 +196,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
         model_dir = Path(self._directory.name) / "model"
         save_pretrained(model, model_dir, tokenizer=tokenizer)
         self._inline = config.engine_process == "inline" and config.tensor_parallel_size == 1
+        device = _device_of(model)
+        self._transport_name = choose_transport(
+            config.transport,
+            in_process=self._inline,
+            sender=device,
+            workers=worker_devices(sender=device, tensor_parallel_size=config.tensor_parallel_size),
+        )
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
         # vLLM reads this when the engine starts: in one process, weights pass as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
@@ -229,10 +248,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._v2 = vllm_fields.runs_v2(self._llm)
         self._transfer = vllm_transfer.VllmTransfer(
             self._llm,
-            transport="inline" if self._inline else "gloo",
+            transport=self._transport_name,
             tensor_parallel_size=config.tensor_parallel_size,
             tied=self._tied,
             timeout_s=config.sync_timeout_s,
+            device=device,
         )
         # Shut down by `close`, or when this generator is garbage collected.
         self._release = weakref.finalize(
@@ -246,12 +266,18 @@ class VllmGenerator(Configurable, OnePromptSampling):
     def version(self) -> int:
         return self._version
 
+    @property
+    def transport(self) -> str:
+        """The path new weights take into vLLM (vllm_transports.py)."""
+        return self._transport_name
+
     def describe(self) -> str:
         mode = "in this process" if self._inline else "in its own processes"
         return (
             f"vLLM {import_vllm().__version__} {mode} ({self.config.execution}), {self.dtype}, "
             f"KV cache {self._arguments['kv_cache_memory_bytes'] / 2**20:.0f} MiB, "
-            f"max_model_len {self.max_seq_len}, max_num_seqs {self._arguments['max_num_seqs']}"
+            f"max_model_len {self.max_seq_len}, max_num_seqs {self._arguments['max_num_seqs']}, "
+            f"weights over the {self._transport_name} transport"
         )
 
     # -- sampling -------------------------------------------------------------------------

@@ -14,23 +14,29 @@ before it loads its model, and the import registers the engine there (registrati
 idempotent). It receives each bucket into vLLM's layerwise reload, as vLLM's NCCL engine
 does (`initialize_layerwise_reload` at start, `model.load_weights` per bucket,
 `finalize_layerwise_reload` at finish), then runs the CPU fix-ups a reload needs
-(`_refresh_output_layer`, `_refresh_moe_experts`). Its two transports:
-- 'inline': vLLM runs in this process: one `update_weights` request per bucket, its tensors
-  in the request itself (no copy before vLLM's own into its weights);
-- 'gloo': vLLM runs in its own processes (a separate engine process, tensor parallelism);
-  the sender (this process, rank 0) and every vLLM worker (ranks 1..tp) form a gloo group
+(`_refresh_output_layer`, `_refresh_moe_experts`). Its transports, chosen from where vLLM
+runs (the rule: generator/vllm_transports.py; `VllmGenerator.Config.transport` forces one):
+- 'inline' (vLLM in this process): one `update_weights` request per bucket, its tensors in
+  the request itself (no copy before vLLM's own into its weights);
+- 'ipc' (vLLM's own processes, every worker on the sender's device: one GPU, or CPU): one
+  `update_weights` request per bucket, carrying a descriptor in plain data (names, shapes,
+  offsets, and the handle of a shared buffer: CUDA IPC on a GPU, a shared-memory file on
+  CPU; distributed/shared_buckets.py). The worker maps the buffer without a copy and loads
+  views of it; the request's return acknowledges the bucket, and the sender fills the other
+  of two buffers meanwhile. vLLM's layerwise reload keeps the tensors of a layer not yet
+  complete: the worker copies those (`_release_shared`), since the buffer is refilled;
+- 'gloo' / 'nccl' (vLLM's own processes, on other devices; gloo also where nothing else
+  fits): the sender (this process, rank 0) and every vLLM worker (ranks 1..tp) form a group
   of their own, and one `update_weights` request streams every bucket over it
   (distributed/bucket_stream.py): a worker loads bucket k while bucket k+1 arrives, and
   acknowledges each, so no more than two are in flight and the deadline knows how far the
-  load got.
-On CUDA the same engine runs (its buckets are staged in host memory); the stream runs as it
-is over an NCCL group between distinct GPUs, but a generator rank's vLLM sits on the rank's
-own GPU, where NCCL cannot pair two ranks and CUDA IPC would be the way: not wired here
-(docs/sampler.md).
+  load got. 'gloo' stages the buckets in host memory; 'nccl' sends them device to device
+  over an NCCL group and keeps headers and acknowledgements on a gloo group beside it (the
+  same stream code: gloo with gloo is its CPU twin).
 
 Every update has a deadline (`timeout_s`): a worker that stalls mid-transfer raises a
 `TimeoutError` naming the worker ranks, the phase and how far the transfer got, within the
-deadline; one that dies closes its connection, and the update raises a `RuntimeError` saying
+deadline (every transport but 'inline'); one that dies closes its connection, and the update raises a `RuntimeError` saying
 so at once. In one process there is no peer to wait on, so the inline transport has none.
 vLLM's processes end with the process that drives them, even if it is killed: importing this
 module in a worker starts that watch (vllm_owner.py).
@@ -45,12 +51,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from temper.distributed import bucket_stream
+from temper.distributed.shared_buckets import MappedSlots, SharedSlots
+from temper.generator.vllm_transports import Transport
 from temper.generator.vllm_owner import watch_owner_if_announced
 
 ENGINE_NAME = "temper"
@@ -61,8 +69,6 @@ FAULT_ENV = "TEMPER_TEST_VLLM_TRANSFER_FAULT"
 """Tests only: 'N:SECONDS' makes every worker sleep SECONDS before loading bucket N (counted
 from 1 in each update), to stand for a stalled peer; 'N:exit' ends the worker there at once
 (`os._exit`, no goodbye on any connection), as if it were killed."""
-
-Transport = Literal["inline", "gloo"]
 
 
 def transfer_arguments() -> dict[str, Any]:
@@ -112,7 +118,8 @@ def _engine_class() -> type:
         dtype_names: list[str] = field(default_factory=list)
         shapes: list[list[int]] = field(default_factory=list)
         tensors: list[torch.Tensor] | None = None
-        streamed: bool = False  # gloo transport: every bucket, streamed (bucket_stream.py)
+        streamed: bool = False  # gloo/nccl transport: every bucket, streamed (bucket_stream.py)
+        shared: dict[str, Any] | None = None  # ipc transport: one bucket's descriptor
 
     class TemperTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Receives buckets (inline or over gloo) into vLLM's layerwise reload."""
@@ -123,17 +130,23 @@ def _engine_class() -> type:
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
             self.init_info: InitInfo | None = None
-            self.group: Any = None
+            self.group: Any = None  # gloo: the stream; nccl: its headers and acknowledgements
+            self.data_group: Any = None  # nccl: the stream's bytes
+            self.mapped = MappedSlots()  # ipc: the sender's shared buffers
             self.buckets = 0
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             self.init_info = init_info
-            if init_info.transport == "gloo":
+            if init_info.transport in ("gloo", "nccl"):
                 from vllm.distributed import get_tensor_model_parallel_rank
 
-                self.group = _gloo_group(
-                    init_info, rank=1 + get_tensor_model_parallel_rank(), is_master=False
-                )
+                rank = 1 + get_tensor_model_parallel_rank()
+                store = _worker_store(init_info)
+                self.group = _gloo_group(init_info, rank=rank, store=store)
+                if init_info.transport == "nccl":
+                    self.data_group = _nccl_group(
+                        init_info, rank=rank, store=store, device=self.device
+                    )
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -151,15 +164,25 @@ def _engine_class() -> type:
             if update_info.streamed:
                 # vLLM keeps the tensors of a layer not yet complete: each bucket has its
                 # own buffer, freed once vLLM lets go of it.
+                nccl = self.data_group is not None
                 self.buckets += bucket_stream.receive(
-                    self.group,
-                    device=torch.device("cpu"),
+                    self.data_group if nccl else self.group,
+                    device=self.device if nccl else torch.device("cpu"),
                     load=self.model.load_weights,
                     before_load=lambda number: _maybe_fault(self.buckets + number),
+                    control=self.group if nccl else None,
                 )
                 return
             self.buckets += 1
             _maybe_fault(self.buckets)
+            if update_info.shared is not None:
+                self.mapped.load(
+                    update_info.shared,
+                    device=self.device,
+                    load=self.model.load_weights,
+                    release=_release_shared,
+                )
+                return
             assert update_info.tensors is not None
             self.model.load_weights(list(zip(update_info.names, update_info.tensors, strict=True)))
 
@@ -173,7 +196,8 @@ def _engine_class() -> type:
             _refresh_moe_experts(self.model)
 
         def shutdown(self) -> None:
-            self.group = None
+            self.group = self.data_group = None
+            self.mapped.close()
 
     return TemperTransferEngine
 
@@ -197,6 +221,23 @@ def _maybe_fault(bucket: int) -> None:
             if fault == "exit":
                 os._exit(17)
             time.sleep(float(fault))
+
+
+def _release_shared(buffer: torch.Tensor) -> None:
+    """Copy the tensors vLLM's layerwise reload keeps of a shared bucket (the weights of a
+    layer not yet complete, replayed once the layer is), so that the sender can refill the
+    buffer. A layer completed by the bucket kept nothing: only a layer split across buckets
+    costs a copy, of its part in this one."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    shared = buffer.untyped_storage().data_ptr()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, arguments in info.loaded_weights:
+            for key, value in arguments.arguments.items():
+                if isinstance(value, torch.Tensor) and (
+                    value.untyped_storage().data_ptr() == shared
+                ):
+                    arguments.arguments[key] = value.clone()
 
 
 def _refresh_output_layer(model: torch.nn.Module) -> None:
@@ -240,14 +281,22 @@ class VllmTransfer:
         tensor_parallel_size: int,
         tied: bool,
         timeout_s: float,
+        device: torch.device,
     ) -> None:
-        """Collective with the engine's workers: opens the transfer (`init` phase)."""
+        """Collective with the engine's workers: opens the transfer (`init` phase). `device`:
+        where the sender's buffers live (ipc: the shared ones; nccl: the stream's)."""
         self._llm, self._transport, self._timeout_s = llm, transport, timeout_s
         self._workers = tensor_parallel_size
         init = {"transport": transport, "tied": tied, "timeout_s": timeout_s}
         self._group: Any = None
-        if transport == "inline":
-            llm.init_weight_transfer_engine({"init_info": init})
+        if transport in ("inline", "ipc"):
+            if transport == "ipc":
+                self._slots = SharedSlots(device=device, min_bytes=BUCKET_BYTES)
+            call = _Call(lambda: llm.init_weight_transfer_engine({"init_info": init}))
+            call.result(
+                time.monotonic() + timeout_s,
+                on_timeout=lambda: self._late(_Progress(phase="init_weight_transfer_engine"), None),
+            )
             return
         world_size = 1 + tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
@@ -257,8 +306,12 @@ class VllmTransfer:
         call = _Call(lambda: llm.init_weight_transfer_engine({"init_info": init}))
         self._store = store  # the workers' rendezvous; kept for the engine's life
         try:
-            self._group = _gloo_group(_Info(**init), rank=0, is_master=True, store=store)
-            self._sender = bucket_stream.StreamSender(self._group, device=torch.device("cpu"))
+            self._group = _gloo_group(_Info(**init), rank=0, store=store)
+            if transport == "nccl":
+                data = _nccl_group(_Info(**init), rank=0, store=store, device=device)
+                self._sender = bucket_stream.StreamSender(data, device=device, control=self._group)
+            else:
+                self._sender = bucket_stream.StreamSender(self._group, device=torch.device("cpu"))
         except RuntimeError as error:
             raise self._late(_Progress(phase="init_weight_transfer_engine"), error) from error
         call.result(
@@ -277,6 +330,8 @@ class VllmTransfer:
             for bucket in _buckets(named):
                 self._send_inline(bucket)
                 _count(progress, bucket)
+        elif self._transport == "ipc":
+            self._share(_buckets(named), progress, deadline)
         else:
             self._stream(_buckets(named), progress, deadline)
         progress.phase = "finish_weight_update"
@@ -293,6 +348,33 @@ class VllmTransfer:
             "tensors": [tensor for _, tensor in bucket],
         }
         self._llm.update_weights({"update_info": info})
+
+    def _share(
+        self, buckets: Iterable[list[tuple[str, Any]]], progress: _Progress, deadline: float
+    ) -> None:
+        """One request per bucket, its bytes in a shared buffer: the next bucket is copied
+        into the other buffer while the workers load this one (the request returns once
+        they have)."""
+        pending: tuple[_Call, list[tuple[str, Any]]] | None = None
+        try:
+            for bucket in buckets:
+                info = {"shared": self._slots.fill(bucket)}
+                if pending is not None:
+                    waiting, pending = pending, None
+                    self._acknowledged(*waiting, progress, deadline)
+                pending = (
+                    _Call(lambda info=info: self._llm.update_weights({"update_info": info})),
+                    bucket,
+                )
+        finally:  # a bucket that failed to draw leaves the one in flight to finish first
+            if pending is not None:
+                self._acknowledged(*pending, progress, deadline)
+
+    def _acknowledged(
+        self, call: _Call, bucket: list[tuple[str, Any]], progress: _Progress, deadline: float
+    ) -> None:
+        call.result(deadline, on_timeout=lambda: self._late(progress, None))
+        _count(progress, bucket)
 
     def _stream(
         self, buckets: Iterable[list[tuple[str, Any]]], progress: _Progress, deadline: float
@@ -338,9 +420,10 @@ class VllmTransfer:
     def _late(self, progress: _Progress, error: BaseException | None) -> TimeoutError:
         cause = f" ({error})" if error is not None else ""
         return TimeoutError(
-            f"vLLM weight transfer: the vLLM worker {self._ranks()} of the transfer group did "
-            f"not finish phase {progress.phase} within VllmGenerator.Config.sync_timeout_s="
-            f"{self._timeout_s:g} s, {self._sent(progress)}{cause}; the engine's weights are "
+            f"vLLM weight transfer ({self._transport} transport): the vLLM worker "
+            f"{self._ranks()} of the transfer group did not finish phase {progress.phase} "
+            f"within VllmGenerator.Config.sync_timeout_s={self._timeout_s:g} s, "
+            f"{self._sent(progress)}{cause}; the engine's weights are "
             "incomplete"
         )
 
@@ -352,7 +435,8 @@ class VllmTransfer:
         cause = str(error).strip().splitlines()[0]
         who = "the vLLM worker rank 1" if self._workers == 1 else "a vLLM worker"
         return RuntimeError(
-            f"vLLM weight transfer: {who} of the transfer group ({self._ranks()}) stopped "
+            f"vLLM weight transfer ({self._transport} transport): {who} of the transfer group "
+            f"({self._ranks()}) stopped "
             f"(its connection closed) in phase {progress.phase}, "
             f"{self._sent(progress)} ({cause}); the engine's weights are incomplete"
         )
@@ -410,14 +494,27 @@ class _Info:
     world_size: int
 
 
-def _gloo_group(info: Any, *, rank: int, is_master: bool, store: Any = None) -> Any:
+def _worker_store(info: Any) -> Any:
+    """A worker's client of the sender's rendezvous store."""
     timeout = datetime.timedelta(seconds=info.timeout_s)
-    if store is None:
-        store = dist.TCPStore(
-            info.master_address, info.master_port, info.world_size, is_master, timeout=timeout
-        )
+    return dist.TCPStore(
+        info.master_address, info.master_port, info.world_size, False, timeout=timeout
+    )
+
+
+def _gloo_group(info: Any, *, rank: int, store: Any) -> Any:
+    timeout = datetime.timedelta(seconds=info.timeout_s)
     prefixed = dist.PrefixStore("temper-vllm-transfer", store)
     return dist.ProcessGroupGloo(prefixed, rank, info.world_size, timeout)
+
+
+def _nccl_group(info: Any, *, rank: int, store: Any, device: torch.device) -> Any:
+    """The nccl transport's data group (its own prefix on the same store), bound to `device`."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=info.timeout_s)
+    torch.cuda.set_device(device)
+    prefixed = dist.PrefixStore("temper-vllm-transfer-nccl", store)
+    return dist.ProcessGroupNCCL(prefixed, rank, info.world_size, options)
 
 
 def _count(progress: _Progress, bucket: list[tuple[str, torch.Tensor]]) -> None:

@@ -2,8 +2,9 @@
 CPU build: Temper's engine in vLLM's factory runs the four phases in bucket after bucket, the
 policy version reads back as vLLM's weight version, vLLM's workers hold bitwise the new
 weights (read back out of them) and sample from them (greedy tokens and prompt logprobs
-against Temper's engine), in this process,
-in vLLM's own engine process and over two tensor-parallel workers (no file written), and a
+against Temper's engine), in this process (inline transport), in vLLM's own engine process
+and over two tensor-parallel workers (ipc transport: buckets in shared memory, the CPU twin of
+CUDA IPC; gloo transport: streamed over a gloo group; no file written either way), and a
 worker that stalls mid-transfer ends the update at the deadline with an error saying where.
 `make test-vllm` runs these."""
 
@@ -93,8 +94,14 @@ def test_the_four_phases_run_bucket_by_bucket_and_the_version_reads_back(monkeyp
         vllm.close()
 
 
-@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["engine_process", "tp2"])
-def test_vllms_own_processes_take_new_weights_without_a_file(monkeypatch, tensor_parallel_size):
+@pytest.mark.parametrize(
+    ("tensor_parallel_size", "transport"),
+    [(1, "ipc"), (1, "gloo"), (2, "ipc")],
+    ids=["engine_process_ipc", "engine_process_gloo", "tp2_ipc"],
+)
+def test_vllms_own_processes_take_new_weights_without_a_file(
+    monkeypatch, tensor_parallel_size, transport
+):
     import safetensors.torch
 
     def no_file(*args, **kwargs):
@@ -103,11 +110,15 @@ def test_vllms_own_processes_take_new_weights_without_a_file(monkeypatch, tensor
     monkeypatch.setattr(vllm_transfer, "BUCKET_BYTES", SMALL_BUCKET)
     model, tokenizer = _model()
     config = VllmGenerator.Config(
-        kv_cache_mib=32, engine_process="separate", tensor_parallel_size=tensor_parallel_size
+        kv_cache_mib=32,
+        engine_process="separate",
+        tensor_parallel_size=tensor_parallel_size,
+        transport="auto" if transport == "ipc" else transport,  # auto: ipc on CPU
     )
     vllm = config.build(model=model, tokenizer=tokenizer)
     monkeypatch.setattr(safetensors.torch, "save_file", no_file)
     try:
+        assert vllm.transport == transport
         for version in (1, 2):
             state = _perturbed(model, seed=version)
             model.load_state_dict(state)
@@ -119,18 +130,22 @@ def test_vllms_own_processes_take_new_weights_without_a_file(monkeypatch, tensor
         vllm.close()
 
 
-def test_a_stalled_worker_ends_the_update_at_the_deadline_saying_where(monkeypatch):
+@pytest.mark.parametrize("transport", ["ipc", "gloo"])
+def test_a_stalled_worker_ends_the_update_at_the_deadline_saying_where(monkeypatch, transport):
     stall_s, deadline_s = 60, 3.0
     monkeypatch.setattr(vllm_transfer, "BUCKET_BYTES", SMALL_BUCKET)
     monkeypatch.setenv(vllm_transfer.FAULT_ENV, f"3:{stall_s}")  # before receiving bucket 3
     model, tokenizer = _model()
     config = VllmGenerator.Config(
-        kv_cache_mib=32, engine_process="separate", sync_timeout_s=deadline_s
+        kv_cache_mib=32, engine_process="separate", sync_timeout_s=deadline_s, transport=transport
     )
     vllm = config.build(model=model, tokenizer=tokenizer)
     try:
         started = time.monotonic()
-        message = r"worker rank 1 .* phase update_weights .*sync_timeout_s=3 s, after 2 bucket"
+        message = (
+            rf"\({transport} transport\): the vLLM worker rank 1 did not finish phase "
+            r"update_weights .*sync_timeout_s=3 s, after 2 bucket"
+        )
         with pytest.raises(TimeoutError, match=message):
             vllm.update_weights(_perturbed(model, seed=1), version=1)
         # It did not wait for the stalled worker (a hang guard, not a speed check).
