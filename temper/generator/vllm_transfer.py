@@ -11,10 +11,10 @@ The worker side is `TemperTransferEngine`, registered in vLLM's
 tensor-parallel workers) find it because the engine is started with this module's
 `TemperWorkerExtension` as `worker_extension_cls`: every vLLM worker imports this module
 before it loads its model, and the import registers the engine there (registration is
-idempotent). It receives each bucket into vLLM's layerwise reload, as vLLM's NCCL engine
-does (`initialize_layerwise_reload` at start, `model.load_weights` per bucket,
-`finalize_layerwise_reload` at finish), then runs the CPU fix-ups a reload needs
-(`_refresh_output_layer`, `_refresh_moe_experts`). Its two transports:
+idempotent). It receives each bucket through `vllm_reload.InPlaceReload` (`start` at
+`start_weight_update`, `load` per bucket, `finish` at `finish_weight_update`): vLLM's own
+weight loaders, straight into the live tensors of the layers vLLM keeps as the checkpoint has
+them, and vLLM's layerwise reload for the others. Its two transports:
 - 'inline': vLLM runs in this process: one `update_weights` request per bucket, its tensors
   in the request itself (no copy before vLLM's own into its weights);
 - 'gloo': vLLM runs in its own processes (a separate engine process, tensor parallelism);
@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from temper.distributed import bucket_stream
+from temper.generator.vllm_reload import InPlaceReload
 
 ENGINE_NAME = "temper"
 """The name of Temper's engine in vLLM's WeightTransferEngineFactory."""
@@ -110,7 +111,7 @@ def _engine_class() -> type:
         streamed: bool = False  # gloo transport: every bucket, streamed (bucket_stream.py)
 
     class TemperTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-        """Receives buckets (inline or over gloo) into vLLM's layerwise reload."""
+        """Receives buckets (inline or over gloo) into the model (vllm_reload.py)."""
 
         init_info_cls = InitInfo
         update_info_cls = UpdateInfo
@@ -120,6 +121,7 @@ def _engine_class() -> type:
             self.init_info: InitInfo | None = None
             self.group: Any = None
             self.buckets = 0
+            self.reload: InPlaceReload | None = None
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             self.init_info = init_info
@@ -131,10 +133,9 @@ def _engine_class() -> type:
                 )
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
             self.buckets = 0
-            initialize_layerwise_reload(self.model)
+            self.reload = InPlaceReload(self.model, model_config=self.model_config)
+            self.reload.start()
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # vLLM's base class synchronizes an accelerator, which a CPU worker has not.
@@ -143,29 +144,26 @@ def _engine_class() -> type:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
+            assert self.reload is not None
             if update_info.streamed:
                 # vLLM keeps the tensors of a layer not yet complete: each bucket has its
                 # own buffer, freed once vLLM lets go of it.
                 self.buckets += bucket_stream.receive(
                     self.group,
                     device=torch.device("cpu"),
-                    load=self.model.load_weights,
+                    load=self.reload.load,
                     before_load=lambda number: _maybe_stall(self.buckets + number),
                 )
                 return
             self.buckets += 1
             _maybe_stall(self.buckets)
             assert update_info.tensors is not None
-            self.model.load_weights(list(zip(update_info.names, update_info.tensors, strict=True)))
+            self.reload.load(zip(update_info.names, update_info.tensors, strict=True))
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            assert self.init_info is not None
-            finalize_layerwise_reload(self.model, self.model_config)
-            if self.init_info.tied:
-                _refresh_output_layer(self.model)
-            _refresh_moe_experts(self.model)
+            assert self.reload is not None
+            self.reload.finish()
+            self.reload = None
 
         def shutdown(self) -> None:
             self.group = None
@@ -190,26 +188,6 @@ def _maybe_stall(bucket: int) -> None:
         at, seconds = setting.split(":")
         if bucket == int(at):
             time.sleep(float(seconds))
-
-
-def _refresh_output_layer(model: torch.nn.Module) -> None:
-    """Rebuild the CPU backend's packed copy of a tied output layer from its (reloaded)
-    weight; on other backends this is the same no-op-like post-processing vLLM ran at load."""
-    head = model.lm_head
-    head.quant_method.process_weights_after_loading(head)
-
-
-def _refresh_moe_experts(model: torch.nn.Module) -> None:
-    """Finish a reload of every MoE layer with its expert kernel's own post-processing.
-
-    vLLM's reload runs a MoE layer's `process_weights_after_loading` again, which on a weight
-    update copies the new weights in but skips the experts kernel's step that the first load
-    ran: on CPU that step prepacks them into the grouped-GEMM layout, so without this the
-    kernel reads unpacked weights. On backends whose step is empty this does nothing."""
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
 
 
 # -- the sending side (the process that drives the vLLM engine) ----------------------------
