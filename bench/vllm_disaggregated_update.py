@@ -7,7 +7,8 @@ and the generator rank loads them into vLLM in its own engine process the way a 
 rank does (generator_rank.py `_load_whole`: the channels drawn in step, whole tensors
 assembled as their rows arrive, vLLM's weight-transfer protocol over the streamed gloo
 transport). Beside it, in the same run, the baseline: one plain gloo broadcast of the same
-bytes from trainer rank 0 to the generator rank (buffers allocated before the clock starts).
+bytes from trainer rank 0 to the generator rank (buffers allocated before the clock starts),
+and the sync with every piece copied out of the receivers' buffers (`sync_copied`).
 Each round starts at a barrier and ends when the generator's update has returned.
 
 Target (CPU): the sync within 1.5x the plain broadcast. Medians over --repeats after --warmup;
@@ -43,6 +44,10 @@ from temper.models import materialize, qwen3_size
 from temper.trainer.sharding import Sharding
 from tests.distributed.spawn import spawn
 
+SYNC_CASES = ("sync", "sync_copied")
+"""Alternating per round: large pieces received in place (the generator rank's path), and
+every piece copied out of the receivers' buffers."""
+
 
 def _generator(roles, args, rounds: int, pair) -> dict:
     model = materialize(qwen3_size(args.shape), dtype=args.dtype, init="empty").eval()
@@ -53,19 +58,22 @@ def _generator(roles, args, rounds: int, pair) -> dict:
     vllm = config.build(model=model)
     del model
     whole = WholeTensors(shapes=shapes)
-    sync_times, peaks = [], []
+    sync_times: dict[str, list[float]] = {case: [] for case in SYNC_CASES}
+    peaks = []
     for version in range(1, rounds + 1):
-        dist.barrier()
-        started = time.perf_counter()
-        streams = [
-            BucketReceiver(channels=[channel], device=torch.device("cpu")).receive()
-            for channel in roles.weight_channels
-        ]
-        vllm.update_weights(whole(interleave(streams, shapes=shapes)), version=version)
-        for stream in streams:
-            drain(stream)
-        sync_times.append(time.perf_counter() - started)
-        peaks.append(whole.peak_staged_bytes)
+        for case in SYNC_CASES if version % 2 else reversed(SYNC_CASES):
+            dist.barrier()
+            started = time.perf_counter()
+            into = whole.into if case == "sync" else None
+            streams = [
+                BucketReceiver(channels=[channel], device=torch.device("cpu")).receive(into=into)
+                for channel in roles.weight_channels
+            ]
+            vllm.update_weights(whole(interleave(streams, shapes=shapes)), version=version)
+            for stream in streams:
+                drain(stream)
+            sync_times[case].append(time.perf_counter() - started)
+            peaks.append(whole.peak_staged_bytes)
     vllm.close()
     nbytes = sum(torch.Size(shape).numel() for shape in shapes.values())
     buffer = torch.empty(nbytes * getattr(torch, args.dtype).itemsize, dtype=torch.uint8)
@@ -92,7 +100,7 @@ def _trainer(rank: int, roles, args, rounds: int, pair) -> dict:
             dtype=None,
             device=torch.device("cpu"),
         )
-        for _ in range(rounds):
+        for _ in range(rounds * len(SYNC_CASES)):
             dist.barrier()
             sender.send(sampler_share(trainer, lead=rank == 0))
     nbytes = sum(value.numel() * value.element_size() for value in trainer.state_dict().values())
@@ -135,7 +143,10 @@ def main() -> None:
     generator = results[2]
     model = materialize(qwen3_size(args.shape), dtype=args.dtype, init="empty")
     nbytes = sum(value.numel() * value.element_size() for value in model.state_dict().values())
-    sync = statistics.median(generator["sync"][args.warmup :])
+    syncs = {
+        f"{case}_s": round(statistics.median(generator["sync"][case][args.warmup :]), 4)
+        for case in SYNC_CASES
+    }
     broadcast = statistics.median(generator["broadcast"][args.warmup :])
     print(
         json.dumps(
@@ -147,13 +158,16 @@ def main() -> None:
                 "bucket_mb": args.bucket_mb,
                 "config": {
                     "sync": "2 FSDP trainer ranks -> 1 generator rank -> vLLM engine process "
-                    "(gloo channels, in-step draw, streamed gloo transport)",
+                    "(gloo channels, in-step draw, large pieces received into the whole "
+                    "tensors, streamed gloo transport)",
+                    "sync_copied": "the same, every piece received into the receivers' "
+                    "buffers and copied out",
                     "plain_gloo_broadcast": "trainer rank 0 -> generator rank, one broadcast",
                 },
                 "repeats": args.repeats,
-                "sync_s": round(sync, 4),
+                **syncs,
                 "plain_gloo_broadcast_s": round(broadcast, 4),
-                "sync_over_broadcast": round(sync / broadcast, 3),
+                "sync_over_broadcast": round(syncs["sync_s"] / broadcast, 3),
                 "peak_staged_mib": round(generator["peak_staged"] / 2**20, 1),
             }
         )

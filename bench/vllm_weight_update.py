@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import torch.distributed as dist
 
-from temper.generator import vllm_transfer
+from temper.generator import vllm_reload, vllm_transfer
 from temper.generator.vllm import VllmGenerator
 from temper.models import materialize, qwen3_size
 from temper.models.registry import family_of_model
@@ -112,8 +112,8 @@ def main() -> None:
         pairs = iter(hf_states[index % 2])
         vllm._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": pairs})
         if tied:
-            vllm._llm.collective_rpc(lambda w: vllm_transfer._refresh_output_layer(w.get_model()))
-        vllm._llm.collective_rpc(lambda w: vllm_transfer._refresh_moe_experts(w.get_model()))
+            vllm._llm.collective_rpc(lambda w: vllm_reload.process_in_place(w.get_model().lm_head))
+        vllm._llm.collective_rpc(lambda w: vllm_reload.refresh_moe_experts(w.get_model()))
 
     cases = {
         "transfer": lambda i: vllm.update_weights(states[i % 2], version=i + 1),

@@ -108,7 +108,7 @@ class GeneratorRank:
         self._links = [link for link in roles.links if link.generator == roles.rank]
         self._receiver = BucketReceiver(channels=roles.weight_channels, device=device)
         self._shapes: dict[str, tuple[int, ...]] = {}  # of the model's tensors, in order
-        self.whole_tensors = WholeTensors(shapes=self._shapes)
+        self.whole_tensors = WholeTensors(shapes=self._shapes, device=device)
         """Assembles vLLM's whole tensors (its `peak_staged_bytes`: the last load's)."""
         self._changed = threading.Condition()  # guards the engine and the version
         self._engine: Generator | None = None
@@ -222,9 +222,13 @@ class GeneratorRank:
 
     def _load_whole(self, engine: Generator, *, version: int) -> None:
         """Each tensor into the engine once its rows from every channel are there: a receiver
-        (a bucket's buffer) per channel, the channels drawn in step."""
+        (a bucket's buffer) per channel, the channels drawn in step, large pieces received
+        straight into the whole tensors."""
+        into = self.whole_tensors.into
         streams = [
-            BucketReceiver(channels=[channel], device=self._device).receive(**self._sync(version))
+            BucketReceiver(channels=[channel], device=self._device).receive(
+                into=into, **self._sync(version)
+            )
             for channel in self._roles.weight_channels
         ]
         try:

@@ -187,7 +187,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
         self.tokenizer = tokenizer
         self._family = family_of_model(model)
-        self._tied = bool(getattr(model_config, "tie_embeddings", False))
         self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         self._version = 0
         self._broken: str | None = None  # why the engine lost its weights
@@ -250,7 +249,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
             self._llm,
             transport=self._transport_name,
             tensor_parallel_size=config.tensor_parallel_size,
-            tied=self._tied,
             timeout_s=config.sync_timeout_s,
             device=device,
         )

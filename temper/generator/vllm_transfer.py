@@ -11,10 +11,10 @@ The worker side is `TemperTransferEngine`, registered in vLLM's
 tensor-parallel workers) find it because the engine is started with this module's
 `TemperWorkerExtension` as `worker_extension_cls`: every vLLM worker imports this module
 before it loads its model, and the import registers the engine there (registration is
-idempotent). It receives each bucket into vLLM's layerwise reload, as vLLM's NCCL engine
-does (`initialize_layerwise_reload` at start, `model.load_weights` per bucket,
-`finalize_layerwise_reload` at finish), then runs the CPU fix-ups a reload needs
-(`_refresh_output_layer`, `_refresh_moe_experts`). Its transports, chosen from where vLLM
+idempotent). It receives each bucket through `vllm_reload.InPlaceReload` (`start` at
+`start_weight_update`, `load` per bucket, `finish` at `finish_weight_update`): vLLM's own
+weight loaders, straight into the live tensors of the layers vLLM keeps as the checkpoint has
+them, and vLLM's layerwise reload for the others. Its transports, chosen from where vLLM
 runs (the rule: generator/vllm_transports.py; `VllmGenerator.Config.transport` forces one):
 - 'inline' (vLLM in this process): one `update_weights` request per bucket, its tensors in
   the request itself (no copy before vLLM's own into its weights);
@@ -35,9 +35,10 @@ runs (the rule: generator/vllm_transports.py; `VllmGenerator.Config.transport` f
   same stream code: gloo with gloo is its CPU twin).
 
 Every update has a deadline (`timeout_s`): a worker that stalls mid-transfer raises a
-`TimeoutError` naming the worker ranks, the phase and how far the transfer got, within the
-deadline (every transport but 'inline'); one that dies closes its connection, and the update raises a `RuntimeError` saying
-so at once. In one process there is no peer to wait on, so the inline transport has none.
+`TimeoutError` naming the transport, the worker ranks, the phase and how far the transfer
+got, within the deadline; one that dies closes its connection, and the update raises a
+`RuntimeError` saying so at once. In one process there is no peer to wait on, so the inline
+transport has none.
 vLLM's processes end with the process that drives them, even if it is killed: importing this
 module in a worker starts that watch (vllm_owner.py).
 """
@@ -58,8 +59,9 @@ import torch.distributed as dist
 
 from temper.distributed import bucket_stream
 from temper.distributed.shared_buckets import MappedSlots, SharedSlots
-from temper.generator.vllm_transports import Transport
 from temper.generator.vllm_owner import watch_owner_if_announced
+from temper.generator.vllm_reload import InPlaceReload
+from temper.generator.vllm_transports import Transport
 
 ENGINE_NAME = "temper"
 """The name of Temper's engine in vLLM's WeightTransferEngineFactory."""
@@ -105,7 +107,6 @@ def _engine_class() -> type:
     @dataclass
     class InitInfo(WeightTransferInitInfo):
         transport: str
-        tied: bool
         timeout_s: float
         master_address: str = ""
         master_port: int = 0
@@ -122,7 +123,7 @@ def _engine_class() -> type:
         shared: dict[str, Any] | None = None  # ipc transport: one bucket's descriptor
 
     class TemperTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-        """Receives buckets (inline or over gloo) into vLLM's layerwise reload."""
+        """Receives buckets (inline or over gloo) into the model (vllm_reload.py)."""
 
         init_info_cls = InitInfo
         update_info_cls = UpdateInfo
@@ -134,6 +135,7 @@ def _engine_class() -> type:
             self.data_group: Any = None  # nccl: the stream's bytes
             self.mapped = MappedSlots()  # ipc: the sender's shared buffers
             self.buckets = 0
+            self.reload: InPlaceReload | None = None
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             self.init_info = init_info
@@ -149,10 +151,9 @@ def _engine_class() -> type:
                     )
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
             self.buckets = 0
-            initialize_layerwise_reload(self.model)
+            self.reload = InPlaceReload(self.model, model_config=self.model_config)
+            self.reload.start()
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # vLLM's base class synchronizes an accelerator, which a CPU worker has not.
@@ -161,6 +162,7 @@ def _engine_class() -> type:
                 torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
+            assert self.reload is not None
             if update_info.streamed:
                 # vLLM keeps the tensors of a layer not yet complete: each bucket has its
                 # own buffer, freed once vLLM lets go of it.
@@ -168,7 +170,7 @@ def _engine_class() -> type:
                 self.buckets += bucket_stream.receive(
                     self.data_group if nccl else self.group,
                     device=self.device if nccl else torch.device("cpu"),
-                    load=self.model.load_weights,
+                    load=self.reload.load,
                     before_load=lambda number: _maybe_fault(self.buckets + number),
                     control=self.group if nccl else None,
                 )
@@ -179,21 +181,17 @@ def _engine_class() -> type:
                 self.mapped.load(
                     update_info.shared,
                     device=self.device,
-                    load=self.model.load_weights,
+                    load=self.reload.load,
                     release=_release_shared,
                 )
                 return
             assert update_info.tensors is not None
-            self.model.load_weights(list(zip(update_info.names, update_info.tensors, strict=True)))
+            self.reload.load(zip(update_info.names, update_info.tensors, strict=True))
 
         def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            assert self.init_info is not None
-            finalize_layerwise_reload(self.model, self.model_config)
-            if self.init_info.tied:
-                _refresh_output_layer(self.model)
-            _refresh_moe_experts(self.model)
+            assert self.reload is not None
+            self.reload.finish()
+            self.reload = None
 
         def shutdown(self) -> None:
             self.group = self.data_group = None
@@ -240,26 +238,6 @@ def _release_shared(buffer: torch.Tensor) -> None:
                     arguments.arguments[key] = value.clone()
 
 
-def _refresh_output_layer(model: torch.nn.Module) -> None:
-    """Rebuild the CPU backend's packed copy of a tied output layer from its (reloaded)
-    weight; on other backends this is the same no-op-like post-processing vLLM ran at load."""
-    head = model.lm_head
-    head.quant_method.process_weights_after_loading(head)
-
-
-def _refresh_moe_experts(model: torch.nn.Module) -> None:
-    """Finish a reload of every MoE layer with its expert kernel's own post-processing.
-
-    vLLM's reload runs a MoE layer's `process_weights_after_loading` again, which on a weight
-    update copies the new weights in but skips the experts kernel's step that the first load
-    ran: on CPU that step prepacks them into the grouped-GEMM layout, so without this the
-    kernel reads unpacked weights. On backends whose step is empty this does nothing."""
-    for module in model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
-
-
 # -- the sending side (the process that drives the vLLM engine) ----------------------------
 
 
@@ -279,7 +257,6 @@ class VllmTransfer:
         *,
         transport: Transport,
         tensor_parallel_size: int,
-        tied: bool,
         timeout_s: float,
         device: torch.device,
     ) -> None:
@@ -287,7 +264,7 @@ class VllmTransfer:
         where the sender's buffers live (ipc: the shared ones; nccl: the stream's)."""
         self._llm, self._transport, self._timeout_s = llm, transport, timeout_s
         self._workers = tensor_parallel_size
-        init = {"transport": transport, "tied": tied, "timeout_s": timeout_s}
+        init = {"transport": transport, "timeout_s": timeout_s}
         self._group: Any = None
         if transport in ("inline", "ipc"):
             if transport == "ipc":
@@ -487,7 +464,6 @@ class _Call:
 @dataclass
 class _Info:
     transport: str
-    tied: bool
     timeout_s: float
     master_address: str
     master_port: int

@@ -2,7 +2,8 @@
 vLLM generator rank loads from FSDP trainer ranks without a second copy of the model.
 
 - In one process: every tensor comes out once, whole and bitwise, in the model's order as its
-  rows complete; a piece from a reused buffer is copied; missing or repeated rows fail.
+  rows complete; a piece from a reused buffer is copied, one received through `into` is not;
+  missing or repeated rows fail.
 - 2 FSDP trainer ranks + 1 generator rank on gloo, the channels of a disaggregated
   placement: drawn in step, the tensors are bitwise the trainer's gathered weights and what is
   staged at once stays within a few tensors; drawn one channel after another (the contrast),
@@ -118,8 +119,45 @@ def test_pairs_pass_as_they_are_and_a_stream_that_lacks_or_repeats_rows_fails():
         list(WholeTensors(shapes=shapes)(iter([("other", torch.zeros(1))])))
 
 
+def _received(pieces: list[WeightRows], whole: WholeTensors):
+    """The pieces as a receiver with `whole.into` as its destination yields them: each one it
+    places lands in its tensor there, the rest in a reused buffer."""
+    buffer = torch.empty(64)
+    for rows in pieces:
+        target = whole.into(rows.name, rows.start, tuple(rows.value.shape), rows.value.dtype)
+        if target is None:
+            target = buffer[: rows.value.numel()].view(rows.value.shape)
+        target.copy_(rows.value)
+        yield WeightRows(name=rows.name, start=rows.start, value=target)
+        buffer.fill_(float("nan"))
+
+
+def test_pieces_received_into_place_come_out_whole_without_a_copy(monkeypatch):
+    state = _state()
+    shapes = {name: tuple(value.shape) for name, value in state.items()}
+    whole = WholeTensors(shapes=shapes)
+    streams = [_received(pieces, whole) for pieces in _fsdp_channels(state)]
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(
+        torch.Tensor, "copy_", lambda self, src: copies.append(self.shape) or copy(self, src)
+    )
+    out = dict(whole(interleave(streams, shapes=shapes)))
+    monkeypatch.undo()
+    # The receiver's one copy of each piece, and none after it.
+    pieces = [tuple(rows.value.shape) for channel in _fsdp_channels(state) for rows in channel]
+    assert sorted(tuple(shape) for shape in copies) == sorted(pieces)
+    assert out.keys() == state.keys()
+    assert all(torch.equal(out[name], value) for name, value in state.items())
+    assert whole.peak_staged_bytes == state["w1"].nbytes + state["w2"].nbytes
+    # Rows that do not fit the tensor they name stay in the receiver's buffer.
+    assert whole.into("w1", 1, (shapes["w1"][0], *shapes["w1"][1:]), torch.float32) is None
+    assert whole.into("other", 0, (2,), torch.float32) is None
+
+
 def _sync_main(rank: int) -> dict:
-    """Two transfers of an FSDP-sharded model: drawn in step, then one channel after another."""
+    """Three transfers of an FSDP-sharded model: drawn in step, then one channel after another,
+    then in step with large pieces received in place."""
     placement = Placement(
         Placement.Config(mode="disaggregated", generator_ranks=1, bucket_mb=0.25), world_size=3
     )
@@ -136,11 +174,17 @@ def _sync_main(rank: int) -> dict:
         ]
         in_step = {name: value.clone() for name, value in whole(interleave(streams, shapes=shapes))}
         in_step_peak = whole.peak_staged_bytes
+        streams = [
+            BucketReceiver(channels=[channel], device=torch.device("cpu")).receive(into=whole.into)
+            for channel in roles.weight_channels
+        ]
+        in_place = dict(whole(interleave(streams, shapes=shapes)))
         receiver = BucketReceiver(channels=roles.weight_channels, device=torch.device("cpu"))
         in_order = dict(whole(receiver.receive()))
         return {
             "in_step": in_step,
             "in_order": in_order,
+            "in_place": in_place,
             "peaks": (in_step_peak, whole.peak_staged_bytes),
             "largest": max(v.nbytes for v in in_step.values()),
         }
@@ -153,7 +197,7 @@ def _sync_main(rank: int) -> dict:
             dtype=None,
             device=torch.device("cpu"),
         )
-        for _ in range(2):
+        for _ in range(3):
             sender.send(sampler_share(trainer, lead=rank == 0))
         return {"expected": sampler_state_dict(trainer)}
 
@@ -165,7 +209,7 @@ def synced(tmp_path_factory):
 
 def test_fsdp_rows_become_the_trainers_whole_tensors_staging_a_few_at_a_time(synced):
     expected, received = synced[0]["expected"], synced[2]
-    for key in ("in_step", "in_order"):
+    for key in ("in_step", "in_order", "in_place"):
         assert received[key].keys() == expected.keys()
         assert all(torch.equal(received[key][k], v) for k, v in expected.items()), key
     in_step, in_order = received["peaks"]

