@@ -350,8 +350,17 @@ class VllmTransfer:
     def _acknowledged(
         self, call: _Call, bucket: list[tuple[str, Any]], progress: _Progress, deadline: float
     ) -> None:
-        call.result(deadline, on_timeout=lambda: self._late(progress, None))
+        self._result(call, progress, deadline)
         _count(progress, bucket)
+
+    def _result(self, call: _Call, progress: _Progress, deadline: float) -> None:
+        """Wait for one request to vLLM's workers: in time, or an error saying what failed."""
+        try:
+            call.result(deadline, on_timeout=lambda: self._late(progress, None))
+        except TimeoutError:
+            raise
+        except Exception as error:
+            raise self._failed(progress, error) from error
 
     def _stream(
         self, buckets: Iterable[list[tuple[str, Any]]], progress: _Progress, deadline: float
@@ -392,7 +401,7 @@ class VllmTransfer:
         if self._transport == "inline":
             method()
             return
-        _Call(method).result(deadline, on_timeout=lambda: self._late(progress, None))
+        self._result(_Call(method), progress, deadline)
 
     def _late(self, progress: _Progress, error: BaseException | None) -> TimeoutError:
         cause = f" ({error})" if error is not None else ""
@@ -415,6 +424,18 @@ class VllmTransfer:
             f"vLLM weight transfer ({self._transport} transport): {who} of the transfer group "
             f"({self._ranks()}) stopped "
             f"(its connection closed) in phase {progress.phase}, "
+            f"{self._sent(progress)} ({cause}); the engine's weights are incomplete"
+        )
+
+    def _failed(self, progress: _Progress, error: BaseException) -> Exception:
+        """A request to vLLM's workers failed: vLLM cancels it when a worker died (its
+        executor failed), or a worker raised."""
+        cause = str(error).strip().splitlines()[0]
+        died = "cancelled" in cause or "Executor failed" in cause
+        what = "stopped (vLLM's executor lost it)" if died else "failed"
+        return RuntimeError(
+            f"vLLM weight transfer ({self._transport} transport): the vLLM worker "
+            f"{self._ranks()} of the transfer group {what} in phase {progress.phase}, "
             f"{self._sent(progress)} ({cause}); the engine's weights are incomplete"
         )
 

@@ -143,8 +143,8 @@ def test_a_stalled_worker_ends_the_update_at_the_deadline_saying_where(monkeypat
     try:
         started = time.monotonic()
         message = (
-            rf"\({transport} transport\): the vLLM worker rank 1 did not finish phase "
-            r"update_weights .*sync_timeout_s=3 s, after 2 bucket"
+            rf"\({transport} transport\): the vLLM worker rank 1 of the transfer group did not "
+            r"finish phase update_weights .*sync_timeout_s=3 s, after 2 bucket"
         )
         with pytest.raises(TimeoutError, match=message):
             vllm.update_weights(_perturbed(model, seed=1), version=1)
