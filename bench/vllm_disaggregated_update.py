@@ -5,9 +5,10 @@ rank sends its share of a Qwen3 shape (--shape, random weights, --dtype) in --bu
 buckets (`sampler_share`: its own rows of the FSDP-sharded tensors; rank 0 the rest whole),
 and the generator rank loads them into vLLM in its own engine process the way a generator
 rank does (generator_rank.py `_load_whole`: the channels drawn in step, whole tensors
-assembled as their rows arrive, vLLM's weight-transfer protocol over the streamed gloo
-transport). Beside it, in the same run, the baseline: one plain gloo broadcast of the same
-bytes from trainer rank 0 to the generator rank (buffers allocated before the clock starts),
+assembled as their rows arrive, vLLM's weight-transfer protocol over --transport: ipc, the
+CPU default, or the streamed gloo transport). Beside it, in the same run, the baseline: one
+plain gloo broadcast of the same bytes from trainer rank 0 to the generator rank (buffers
+allocated before the clock starts),
 and the sync with every piece copied out of the receivers' buffers (`sync_copied`).
 Each round starts at a barrier and ends when the generator's update has returned.
 
@@ -53,9 +54,14 @@ def _generator(roles, args, rounds: int, pair) -> dict:
     model = materialize(qwen3_size(args.shape), dtype=args.dtype, init="empty").eval()
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
     config = VllmGenerator.Config(
-        kv_cache_mib=64, max_model_len=256, max_num_seqs=8, engine_process="separate"
+        kv_cache_mib=64,
+        max_model_len=256,
+        max_num_seqs=8,
+        engine_process="separate",
+        transport=args.transport,
     )
     vllm = config.build(model=model)
+    transport = vllm.transport
     del model
     whole = WholeTensors(shapes=shapes)
     sync_times: dict[str, list[float]] = {case: [] for case in SYNC_CASES}
@@ -83,7 +89,12 @@ def _generator(roles, args, rounds: int, pair) -> dict:
         started = time.perf_counter()
         dist.broadcast(buffer, group=pair, group_src=0)
         broadcast_times.append(time.perf_counter() - started)
-    return {"sync": sync_times, "broadcast": broadcast_times, "peak_staged": max(peaks)}
+    return {
+        "sync": sync_times,
+        "broadcast": broadcast_times,
+        "peak_staged": max(peaks),
+        "transport": transport,
+    }
 
 
 def _trainer(rank: int, roles, args, rounds: int, pair) -> dict:
@@ -132,6 +143,12 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6B")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bucket-mb", type=float, default=64.0)
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "ipc", "gloo"],
+        help="into vLLM's engine process (VllmGenerator.Config.transport; auto: ipc on CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
@@ -159,7 +176,7 @@ def main() -> None:
                 "config": {
                     "sync": "2 FSDP trainer ranks -> 1 generator rank -> vLLM engine process "
                     "(gloo channels, in-step draw, large pieces received into the whole "
-                    "tensors, streamed gloo transport)",
+                    f"tensors, {generator['transport']} transport)",
                     "sync_copied": "the same, every piece received into the receivers' "
                     "buffers and copied out",
                     "plain_gloo_broadcast": "trainer rank 0 -> generator rank, one broadcast",
