@@ -207,41 +207,15 @@ class VllmGenerator(Configurable, OnePromptSampling):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
         if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
             bind_cpu_workers(config.tensor_parallel_size)
-        self._arguments = (
-            engine_arguments(
-                model_dir=str(model_dir),
-                model_config=model_config,
-                dtype=self.dtype,
-                max_model_len=self.max_seq_len,
-                max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-                kv_cache_mib=config.kv_cache_mib,
-                tensor_parallel_size=config.tensor_parallel_size,
-                eager=config.execution == "eager",
-                sleep=config.sleep,
-                gpu_memory_fraction=config.gpu_memory_fraction,
-                tokenizer_given=tokenizer is not None,
-                gpu=GpuMemory.now(),
-                lora=lora,
-            )
-            | vllm_transfer.transfer_arguments()
-        )
         self._num_experts = getattr(model_config, "num_experts", 0)
         moe = bool(self._num_experts)
-        if config.record_routes:
-            vllm_fields.check_routes(num_experts=self._num_experts, v2=None)
-            self._arguments["enable_return_routed_experts"] = True
+        self._arguments = self._engine_arguments(
+            model_dir=model_dir, model_config=model_config, tokenizer=tokenizer, lora=lora
+        )
         if self._inline:
             self._inline_engines.check_can_start(moe=moe)
-        set_num_threads, python_random = torch.set_num_threads, random.getstate()
-        # vLLM's own processes end with this one, even if it is killed (vllm_owner.py).
         self._owner = None if self._inline else OwnerBeacon()
-        try:
-            announced = self._owner.announced() if self._owner else contextlib.nullcontext()
-            with announced, torch.random.fork_rng(devices=[]):
-                self._llm = vllm.LLM(**self._arguments)
-        finally:
-            torch.set_num_threads = set_num_threads  # see the module docstring
-            random.setstate(python_random)  # vLLM seeds the process's global generators
+        self._llm = self._start_engine(vllm)
         if self._inline:
             self._inline_engines.add(self._llm, moe=moe)
         self._v2 = vllm_fields.runs_v2(self._llm)
@@ -259,6 +233,48 @@ class VllmGenerator(Configurable, OnePromptSampling):
             self._llm,
             inline_engines=self._inline_engines if self._inline else None,
         )
+
+    def _engine_arguments(
+        self, *, model_dir: Path, model_config: Any, tokenizer: Tokenizer | None, lora: Any
+    ) -> dict[str, Any]:
+        """`vllm.LLM`'s keyword arguments (vllm_arguments.py, and the transfer's)."""
+        from temper.generator import vllm_transfer
+
+        arguments = (
+            engine_arguments(
+                model_dir=str(model_dir),
+                model_config=model_config,
+                dtype=self.dtype,
+                max_model_len=self.max_seq_len,
+                max_num_seqs=self.config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                kv_cache_mib=self.config.kv_cache_mib,
+                tensor_parallel_size=self.config.tensor_parallel_size,
+                eager=self.config.execution == "eager",
+                sleep=self.config.sleep,
+                gpu_memory_fraction=self.config.gpu_memory_fraction,
+                tokenizer_given=tokenizer is not None,
+                gpu=GpuMemory.now(),
+                lora=lora,
+            )
+            | vllm_transfer.transfer_arguments()
+        )
+        if self.config.record_routes:
+            vllm_fields.check_routes(num_experts=self._num_experts, v2=None)
+            arguments["enable_return_routed_experts"] = True
+        return arguments
+
+    def _start_engine(self, vllm: Any) -> Any:
+        """vLLM's `LLM` on `self._arguments`, leaving this process's thread setting and random
+        state as they were (see the module docstring); vLLM's own processes end with this
+        one, even if it is killed (`self._owner`, vllm_owner.py)."""
+        set_num_threads, python_random = torch.set_num_threads, random.getstate()
+        try:
+            announced = self._owner.announced() if self._owner else contextlib.nullcontext()
+            with announced, torch.random.fork_rng(devices=[]):
+                return vllm.LLM(**self._arguments)
+        finally:
+            torch.set_num_threads = set_num_threads
+            random.setstate(python_random)
 
     @property
     def version(self) -> int:

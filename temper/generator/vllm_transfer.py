@@ -96,6 +96,84 @@ class TemperWorkerExtension:
 # -- the worker side (inside vLLM's workers) ----------------------------------------------
 
 
+class _Receiving:
+    """The worker side's behaviour, mixed into `TemperTransferEngine` (whose base class is
+    vLLM's, so it is defined on first use): receives buckets (inline, shared, or streamed over
+    gloo/NCCL) into the model (vllm_reload.py)."""
+
+    # Set by vLLM's WeightTransferEngine.__init__, which also gives `parse_update_info`.
+    model: Any
+    model_config: Any
+    device: torch.device
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.init_info: Any = None
+        self.group: Any = None  # gloo: the stream; nccl: its headers and acknowledgements
+        self.data_group: Any = None  # nccl: the stream's bytes
+        self.mapped = MappedSlots()  # ipc: the sender's shared buffers
+        self.buckets = 0
+        self.reload: InPlaceReload | None = None
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        self.init_info = init_info
+        if init_info.transport in ("gloo", "nccl"):
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = 1 + get_tensor_model_parallel_rank()
+            store = _worker_store(init_info)
+            self.group = _gloo_group(init_info, rank=rank, store=store)
+            if init_info.transport == "nccl":
+                self.data_group = _nccl_group(init_info, rank=rank, store=store, device=self.device)
+
+    def start_weight_update(self) -> None:
+        self.buckets = 0
+        self.reload = InPlaceReload(self.model, model_config=self.model_config)
+        self.reload.start()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's base class synchronizes an accelerator, which a CPU worker has not.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: Any) -> None:
+        assert self.reload is not None
+        if update_info.streamed:
+            # vLLM keeps the tensors of a layer not yet complete: each bucket has its
+            # own buffer, freed once vLLM lets go of it.
+            nccl = self.data_group is not None
+            self.buckets += bucket_stream.receive(
+                self.data_group if nccl else self.group,
+                device=self.device if nccl else torch.device("cpu"),
+                load=self.reload.load,
+                before_load=lambda number: _maybe_fault(self.buckets + number),
+                control=self.group if nccl else None,
+            )
+            return
+        self.buckets += 1
+        _maybe_fault(self.buckets)
+        if update_info.shared is not None:
+            self.mapped.load(
+                update_info.shared,
+                device=self.device,
+                load=self.reload.load,
+                release=_release_shared,
+            )
+            return
+        assert update_info.tensors is not None
+        self.reload.load(zip(update_info.names, update_info.tensors, strict=True))
+
+    def finish_weight_update(self) -> None:
+        assert self.reload is not None
+        self.reload.finish()
+        self.reload = None
+
+    def shutdown(self) -> None:
+        self.group = self.data_group = None
+        self.mapped.close()
+
+
 def _engine_class() -> type:
     """`TemperTransferEngine`, defined on first use (its base class is vLLM's)."""
     from vllm.distributed.weight_transfer.base import (
@@ -122,80 +200,11 @@ def _engine_class() -> type:
         streamed: bool = False  # gloo/nccl transport: every bucket, streamed (bucket_stream.py)
         shared: dict[str, Any] | None = None  # ipc transport: one bucket's descriptor
 
-    class TemperTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
-        """Receives buckets (inline or over gloo) into the model (vllm_reload.py)."""
+    class TemperTransferEngine(_Receiving, WeightTransferEngine[InitInfo, UpdateInfo]):
+        """Receives buckets into the model (`_Receiving`)."""
 
         init_info_cls = InitInfo
         update_info_cls = UpdateInfo
-
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            self.init_info: InitInfo | None = None
-            self.group: Any = None  # gloo: the stream; nccl: its headers and acknowledgements
-            self.data_group: Any = None  # nccl: the stream's bytes
-            self.mapped = MappedSlots()  # ipc: the sender's shared buffers
-            self.buckets = 0
-            self.reload: InPlaceReload | None = None
-
-        def init_transfer_engine(self, init_info: InitInfo) -> None:
-            self.init_info = init_info
-            if init_info.transport in ("gloo", "nccl"):
-                from vllm.distributed import get_tensor_model_parallel_rank
-
-                rank = 1 + get_tensor_model_parallel_rank()
-                store = _worker_store(init_info)
-                self.group = _gloo_group(init_info, rank=rank, store=store)
-                if init_info.transport == "nccl":
-                    self.data_group = _nccl_group(
-                        init_info, rank=rank, store=store, device=self.device
-                    )
-
-        def start_weight_update(self) -> None:
-            self.buckets = 0
-            self.reload = InPlaceReload(self.model, model_config=self.model_config)
-            self.reload.start()
-
-        def update_weights(self, update_info: dict[str, Any]) -> None:
-            # vLLM's base class synchronizes an accelerator, which a CPU worker has not.
-            self.receive_weights(self.parse_update_info(update_info))
-            if torch.accelerator.is_available():
-                torch.accelerator.synchronize()
-
-        def receive_weights(self, update_info: UpdateInfo) -> None:
-            assert self.reload is not None
-            if update_info.streamed:
-                # vLLM keeps the tensors of a layer not yet complete: each bucket has its
-                # own buffer, freed once vLLM lets go of it.
-                nccl = self.data_group is not None
-                self.buckets += bucket_stream.receive(
-                    self.data_group if nccl else self.group,
-                    device=self.device if nccl else torch.device("cpu"),
-                    load=self.reload.load,
-                    before_load=lambda number: _maybe_fault(self.buckets + number),
-                    control=self.group if nccl else None,
-                )
-                return
-            self.buckets += 1
-            _maybe_fault(self.buckets)
-            if update_info.shared is not None:
-                self.mapped.load(
-                    update_info.shared,
-                    device=self.device,
-                    load=self.reload.load,
-                    release=_release_shared,
-                )
-                return
-            assert update_info.tensors is not None
-            self.reload.load(zip(update_info.names, update_info.tensors, strict=True))
-
-        def finish_weight_update(self) -> None:
-            assert self.reload is not None
-            self.reload.finish()
-            self.reload = None
-
-        def shutdown(self) -> None:
-            self.group = self.data_group = None
-            self.mapped.close()
 
     return TemperTransferEngine
 
