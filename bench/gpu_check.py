@@ -327,26 +327,14 @@ def vllm_lora(shapes: Shapes) -> dict:
     from temper.generator.vllm import VllmGenerator
     from temper.generator.vllm_lora import VllmMultiLora
     from temper.models import materialize, qwen3_size
-    from temper.models.lora import LoraConfig, apply_lora, lora_state_dict
+    from temper.models.lora import LoraConfig
 
     on_gpu = shapes.device == "cuda"
     users, batch = (16, max(shapes.batches)) if on_gpu else (4, max(shapes.batches))
     size = qwen3_size(shapes.model)
     model = materialize(size, device=shapes.device, dtype=shapes.dtype, seed=0)
     lora = LoraConfig(rank=32)
-    with torch.device("meta"):
-        skeleton = size.build()
-    apply_lora(skeleton, lora)
-    shapes_of = {name: t.shape for name, t in lora_state_dict(skeleton).items()}
-    draws = torch.Generator().manual_seed(0)
-    dtype = getattr(torch, shapes.dtype)
-
-    def tensors() -> dict:
-        return {
-            name: (torch.randn(shape, generator=draws) * 0.02).to(dtype)
-            for name, shape in shapes_of.items()
-        }
-
+    tensors = _random_adapter(size, lora=lora, dtype=getattr(torch, shapes.dtype))
     sampler = VllmMultiLora(
         MultiLoraSampler.Config(max_adapters=users + 1, max_resident_adapters=users),
         model=model,
@@ -401,6 +389,28 @@ def vllm_lora(shapes: Shapes) -> dict:
     )
     sampler.close()
     return found
+
+
+def _random_adapter(size, *, lora, dtype) -> Callable[[], dict]:
+    """Draws of random adapter tensors of `lora` on a model of `size` (shapes from a meta
+    model, nothing built), one set per call."""
+    import torch
+
+    from temper.models.lora import apply_lora, lora_state_dict
+
+    with torch.device("meta"):
+        skeleton = size.build()
+    apply_lora(skeleton, lora)
+    shapes_of = {name: t.shape for name, t in lora_state_dict(skeleton).items()}
+    draws = torch.Generator().manual_seed(0)
+
+    def tensors() -> dict:
+        return {
+            name: (torch.randn(shape, generator=draws) * 0.02).to(dtype)
+            for name, shape in shapes_of.items()
+        }
+
+    return tensors
 
 
 def _decode_requests(shapes: Shapes, *, batch: int) -> list:
