@@ -81,6 +81,30 @@ def _plain_broadcast(nbytes: int, *, repeats: int, warmup: int) -> list[float]:
     return times
 
 
+def _separate(model, *, states: list, nbytes: int, args) -> dict[str, float]:
+    """The same updates into vLLM's own engine process, over each transport, and one plain
+    gloo broadcast of the same bytes (medians in seconds)."""
+    found: dict[str, float] = {}
+    for transport in ("ipc", "gloo"):
+        separate = VllmGenerator.Config(
+            kv_cache_mib=64,
+            max_model_len=256,
+            max_num_seqs=8,
+            engine_process="separate",
+            transport=transport,
+        ).build(model=model)
+        times = _timed(
+            lambda i, engine=separate: engine.update_weights(states[i % 2], version=i + 1),
+            repeats=args.repeats,
+            warmup=args.warmup,
+        )
+        separate.close()
+        found[f"transfer_engine_process_{transport}_s"] = round(statistics.median(times), 4)
+    plain = _plain_broadcast(nbytes, repeats=args.repeats, warmup=args.warmup)
+    found["plain_gloo_broadcast_s"] = round(statistics.median(plain), 4)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="0.6B")
@@ -130,23 +154,7 @@ def main() -> None:
     vllm.close()
     medians = {f"{name}_s": round(statistics.median(t), 4) for name, t in results.items()}
     if args.separate:
-        for transport in ("ipc", "gloo"):
-            separate = VllmGenerator.Config(
-                kv_cache_mib=64,
-                max_model_len=256,
-                max_num_seqs=8,
-                engine_process="separate",
-                transport=transport,
-            ).build(model=model)
-            times = _timed(
-                lambda i, engine=separate: engine.update_weights(states[i % 2], version=i + 1),
-                repeats=args.repeats,
-                warmup=args.warmup,
-            )
-            separate.close()
-            medians[f"transfer_engine_process_{transport}_s"] = round(statistics.median(times), 4)
-        plain = _plain_broadcast(nbytes, repeats=args.repeats, warmup=args.warmup)
-        medians["plain_gloo_broadcast_s"] = round(statistics.median(plain), 4)
+        medians |= _separate(model, states=states, nbytes=nbytes, args=args)
     print(
         json.dumps(
             {
