@@ -71,6 +71,7 @@ from temper.generator.vllm_process import (
 from temper.generator.vllm_transports import (
     TRANSPORT_CHOICES,
     TransportChoice,
+    check_process_boundary,
     choose_transport,
     worker_devices,
 )
@@ -160,6 +161,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
             check_range(self.sync_timeout_s, field=f"{owner}.sync_timeout_s", greater_than=0)
             check_choice(self.transport, field=f"{owner}.transport", choices=TRANSPORT_CHOICES)
+            in_process = self.engine_process == "inline" and self.tensor_parallel_size == 1
+            check_process_boundary(self.transport, in_process=in_process)
             check_choice(
                 self.max_lora_rank, field=f"{owner}.max_lora_rank", choices=VLLM_LORA_RANKS
             )

@@ -36,6 +36,26 @@ def worker_devices(*, sender: torch.device, tensor_parallel_size: int) -> list[t
     return [torch.device(sender.type, index) for index in range(tensor_parallel_size)]
 
 
+def check_process_boundary(choice: TransportChoice, *, in_process: bool) -> None:
+    """What the config alone can refuse (before any engine starts): a transport across a
+    process boundary for vLLM in this process, or 'inline' for vLLM in its own processes.
+    Whether the devices fit is checked when the engine is built (`choose_transport`)."""
+    if choice == "auto":
+        return
+    if in_process and choice != "inline":
+        raise ValueError(
+            f"{_FIELD}={choice!r} needs vLLM in its own processes, and it runs in this one "
+            "(engine_process='inline', tensor_parallel_size 1): use 'inline' or 'auto', or "
+            "set VllmGenerator.Config.engine_process='separate'"
+        )
+    if not in_process and choice == "inline":
+        raise ValueError(
+            f"{_FIELD}='inline' needs vLLM in this process (engine_process='inline' and "
+            "tensor_parallel_size 1); it runs in its own processes: use 'auto' (ipc, nccl or "
+            "gloo, by where vLLM's workers run)"
+        )
+
+
 def choose_transport(
     choice: TransportChoice,
     *,

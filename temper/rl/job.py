@@ -75,7 +75,7 @@ from temper.rl.evaluation import HeldoutSuccess
 from temper.rl.loop_state import RLLoopState, RLResult
 from temper.rl.loops import run_async, run_sync
 from temper.rl.run_logs import metrics_logger, open_rollouts, truncate_logs
-from temper.rl.steps import RLSteps
+from temper.rl.steps import RLSteps, check_support_backend
 from temper.rl.warmup import SFTWarmup
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.engine import SamplerEngine
@@ -563,6 +563,7 @@ def _check_config(config: RLJob.Config) -> None:
             "must fit the sampler's cache"
         )
     placement, generator = config.placement, config.generator
+    check_support_backend(config.rl, backend=generator.backend, name=f"{name}.rl")
     if (
         config.rl.routing_replay != "off"
         and generator.backend != "temper"

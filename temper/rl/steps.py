@@ -347,3 +347,14 @@ def _check_config(config: RLSteps.Config) -> None:
             f"{name}.sampling_support='sampler' needs temperature > 0 (a greedy token has no "
             "support to renormalise over)"
         )
+
+
+def check_support_backend(config: RLSteps.Config, *, backend: str, name: str) -> None:
+    """vLLM returns a token's support only under a top-k (its sampling mask, or the finite
+    processed logprobs, exist only then): refused before the job starts, not at its first
+    RL step."""
+    if config.sampling_support == "sampler" and backend == "vllm" and config.top_k == -1:
+        raise ValueError(
+            f"{name}.sampling_support='sampler' with the vllm backend needs {name}.top_k >= 1 "
+            f"(--rl.top_k; the vocabulary's size keeps every token, leaving top_p alone in force)"
+        )

@@ -66,3 +66,19 @@ def test_vllms_workers_take_the_visible_gpus_in_order():
 def test_the_config_field_names_the_valid_transports():
     with pytest.raises(ValueError, match=r"VllmGenerator\.Config\.transport must be .*'ipc'"):
         VllmGenerator.Config(transport="shm")
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(transport="ipc"), r"transport='ipc' needs vLLM in its own processes"),
+        (dict(transport="nccl"), r"transport='nccl' needs vLLM in its own processes"),
+        (dict(transport="inline", engine_process="separate"), r"'inline' needs vLLM in this"),
+        (dict(transport="inline", tensor_parallel_size=2), r"'inline' needs vLLM in this"),
+    ],
+    ids=["ipc-inline", "nccl-inline", "inline-separate", "inline-tp2"],
+)
+def test_a_transport_across_the_wrong_process_boundary_is_refused_by_the_config(settings, message):
+    """Before any engine (or a job's warm-up) starts."""
+    with pytest.raises(ValueError, match=message):
+        VllmGenerator.Config(**settings)

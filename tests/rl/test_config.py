@@ -40,6 +40,13 @@ from temper.trainer.sharding import Sharding
             "tensor_parallel_size is set by the placement on generator ranks",
         ),
         (
+            {
+                "rl": RLSteps.Config(sampling_support="sampler"),
+                "generator": GeneratorChoice.Config(backend="vllm"),
+            },
+            r"rl.sampling_support='sampler' with the vllm backend needs RLJob.Config.rl.top_k",
+        ),
+        (
             {"trainer": TrainerEngine.Config(sharding=Sharding.Config())},
             r"trainer.sharding is set by the loop on several ranks; configure it through "
             r"RLJob.Config.sharding",
