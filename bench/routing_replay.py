@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rl_figures import rl_figures
+
 from recipes.sum_digits_moe import sum_digits_moe
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
@@ -59,22 +61,12 @@ def _run(mode: str, *, args: argparse.Namespace, directory: Path) -> dict:
     records = read_metrics(run_dir / "metrics.jsonl")
     rl = [r for r in records if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
-    tenth = max(1, len(rl) // 10)
     figures: dict = {
         "seconds": round(seconds, 1),
-        "rl_seconds_per_step": round(
-            sum(r["time/sample"] + r["time/train"] for r in rl) / len(rl), 4
-        ),
         "eval_after_warmup": next(a for s, a in evals if s == args.warmup_steps - 1),
         "eval_final": evals[-1][1],
-        "reward_first": sum(r["reward/mean"] for r in rl[:tenth]) / tenth,
-        "reward_last": sum(r["reward/mean"] for r in rl[-tenth:]) / tenth,
+        **rl_figures(rl, means=MEANS),
     }
-    for name in MEANS:
-        values = [r[name] for r in rl if name in r]
-        if values:
-            figures[f"{name}:mean"] = sum(values) / len(values)
-            figures[f"{name}:max"] = max(values)
     return figures
 
 

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rl_figures import rl_figures
+
 from recipes.arithmetic import arithmetic
 from temper.observability import read_metrics
 from temper.rl.job import RLJob
@@ -54,7 +56,6 @@ def _run(mode: str, *, args: argparse.Namespace, directory: Path) -> dict:
     seconds = time.perf_counter() - started
     records = read_metrics(run_dir / "metrics.jsonl")
     rl = [r for r in records if "reward/mean" in r]
-    tenth = max(1, len(rl) // 10)
     figures: dict = {
         "settings": {
             "top_p": config.rl.top_p,
@@ -65,18 +66,9 @@ def _run(mode: str, *, args: argparse.Namespace, directory: Path) -> dict:
             "backend": config.generator.backend,
         },
         "seconds": round(seconds, 1),
-        "rl_seconds_per_step": round(
-            sum(r["time/sample"] + r["time/train"] for r in rl) / len(rl), 4
-        ),
         "eval_final": [r["eval/accuracy"] for r in records if "eval/accuracy" in r][-1],
-        "reward_first": sum(r["reward/mean"] for r in rl[:tenth]) / tenth,
-        "reward_last": sum(r["reward/mean"] for r in rl[-tenth:]) / tenth,
+        **rl_figures(rl, means=MEANS),
     }
-    for name in MEANS:
-        values = [r[name] for r in rl if name in r]
-        if values:
-            figures[f"{name}:mean"] = sum(values) / len(values)
-            figures[f"{name}:max"] = max(values)
     return figures
 
 
