@@ -50,9 +50,11 @@ def memory(model) -> dict:
         engine = SamplerEngine.Config(
             max_batch=8, max_seq_len=max_seq_len, cpu=CpuDecoding.Config(processes=1)
         ).build(model=model)
+        computed = _per_sequence(model.config, max_seq_len=max_seq_len, dtype=torch.float32)
         report[f"tiny_fp32_allocated_{max_seq_len}"] = {
             "kv_bytes": engine.cache.nbytes // 8,
             "state_pool_bytes": engine.cache.states.nbytes // 8,
+            "kv_bytes_if_every_layer_had_kv": computed["kv_bytes_if_every_layer_had_kv"],
         }
         for name in ("4B", "9B"):
             report[f"{name}_bf16_{max_seq_len}"] = _per_sequence(

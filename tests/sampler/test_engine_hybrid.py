@@ -227,3 +227,24 @@ def test_static_decode_step_matches_the_eager_step(model):
     )
     for a, b in zip(eager, engine.generate(requests), strict=True):
         _assert_same(a, b, atol=1e-5)
+
+
+def test_bf16_packed_decode_is_the_models_own_and_tracks_scoring():
+    from temper.sampler.cpu.packed_linear import packing_available
+
+    if not packing_available(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
+    config = dataclasses.replace(qwen3_5_size("tiny", vocab_size=VOCAB), init_std=0.1)
+    model = materialize(config, seed=5, dtype="bfloat16").eval()
+    request = SampleRequest(prompt=PROMPTS[2], params=SamplingParams(max_tokens=8, seed=4))
+    responses = {}
+    for packed in ("auto", "off"):
+        engine = _engine(model, cpu=CpuDecoding.Config(processes=1, packed_linear=packed))
+        assert engine.decoding.twin == ("packed" if packed == "auto" else "none")
+        assert engine.cache.states.conv_LSCW.dtype == torch.bfloat16
+        assert engine.cache.states.state_LSNKV.dtype == torch.float32
+        responses[packed] = engine.generate([request])[0]
+    _assert_same(responses["auto"], responses["off"])
+    (sequence,) = responses["auto"].sequences
+    expected = engine.score([PROMPTS[2] + sequence.tokens])[0][len(PROMPTS[2]) - 1 :]
+    torch.testing.assert_close(torch.tensor(sequence.logprobs), expected, rtol=0, atol=0.15)
