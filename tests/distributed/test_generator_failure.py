@@ -8,8 +8,8 @@ generator rank loads the saved reference again."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import time
 
 import torch.multiprocessing as mp
