@@ -26,7 +26,8 @@ TrainOn = Literal["all_assistant", "last_assistant"]
 """Which assistant messages get weight 1: every one, or only the last of the conversation."""
 
 Message = Mapping[str, str]
-"""{"role": "system" | "user" | "assistant", "content": str}"""
+"""{"role": "system" | "user" | "assistant", "content": str}; the qwen3_5 renderers also take
+role "tool" and an assistant message's "tool_calls" (see qwen3_5.py)."""
 
 
 @dataclass(frozen=True)
