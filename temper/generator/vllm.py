@@ -51,7 +51,7 @@ from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
 from temper.checkpoint.hf import save_pretrained
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
-from temper.generator import vllm_fields, vllm_readback
+from temper.generator import vllm_fields, vllm_hybrid, vllm_readback
 from temper.generator.vllm_arguments import (
     DEFAULT_MAX_NUM_SEQS,
     SLEEP_LEVELS,
@@ -190,6 +190,10 @@ class VllmGenerator(Configurable, OnePromptSampling):
             )
         self.tokenizer = tokenizer
         self._family = family_of_model(model)
+        self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
+        if _vllm_on_cpu():  # before anything is written or started
+            family = self._family.hf_architecture
+            vllm_hybrid.check_cpu(model_config, dtype=self.dtype, family=family)
         self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         self._version = 0
         self._broken: str | None = None  # why the engine lost its weights
@@ -205,7 +209,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
             sender=device,
             workers=worker_devices(sender=device, tensor_parallel_size=config.tensor_parallel_size),
         )
-        self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
         # vLLM reads this when the engine starts: in one process, weights pass as tensors.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self._inline else "1"
         if config.tensor_parallel_size > 1 and _device_of(model).type == "cpu":
@@ -544,6 +547,13 @@ def _topk(entry: Mapping[int, Any], k: int) -> TopkLogprobs:
     the sampled token, which may rank lower)."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)
     return [(token, logprob.logprob) for token, logprob in ranked if logprob.rank <= k][:k]
+
+
+def _vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

@@ -1,6 +1,8 @@
 """The arguments a vLLM `LLM` is started with, from Temper's settings and the model's shapes.
 
 Kept apart from the backend so that they can be checked without vLLM or a GPU:
+- A hybrid model's reserve holds its full-attention layers' keys and values and its
+  linear-attention layers' states (generator/vllm_hybrid.py).
 - Context and KV reserve follow the sampler's settings when the generator is chosen through
   `GeneratorChoice` (max_seq_len, max_batch), so vLLM reserves what Temper's engine would for
   the same job: room for `max_num_seqs` whole sequences. A model's own context (40,960 tokens
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from temper.generator import vllm_hybrid
 from temper.models.common.decoder import DecoderConfig
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -66,9 +69,11 @@ class GpuMemory:
 
 
 def kv_bytes_per_token(config: DecoderConfig, *, dtype: torch.dtype) -> int:
-    """Keys and values of one token over every layer."""
+    """Keys and values of one token over every layer that has them (a hybrid model's
+    full-attention layers)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+    layers = len(config.attention_layers) if vllm_hybrid.is_hybrid(config) else config.num_layers
+    return layers * 2 * config.num_kv_heads * config.head_dim * element
 
 
 def engine_arguments(
@@ -89,8 +94,10 @@ def engine_arguments(
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` (see the module docstring for how each is chosen)."""
     if kv_cache_mib is None:
-        per_token = kv_bytes_per_token(model_config, dtype=getattr(torch, dtype))
-        kv_bytes = max_num_seqs * max_model_len * per_token
+        torch_dtype = getattr(torch, dtype)
+        per_token = kv_bytes_per_token(model_config, dtype=torch_dtype)
+        states = vllm_hybrid.state_bytes_per_sequence(model_config, dtype=torch_dtype)
+        kv_bytes = max_num_seqs * (max_model_len * per_token + states)
     else:
         kv_bytes = kv_cache_mib * 2**20
     arguments: dict[str, Any] = {
@@ -105,6 +112,7 @@ def engine_arguments(
         "logprobs_mode": "processed_logprobs",
         "max_logprobs": -1,
         "enable_prefix_caching": True,
+        **vllm_hybrid.engine_arguments(model_config),
     }
     if sleep != "off":
         arguments["enable_sleep_mode"] = True

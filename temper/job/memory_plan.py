@@ -39,7 +39,11 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 - Generator: whole weights in the generator's dtype (the trainer's compute dtype unless set;
   1/generator_tp of them with tensor parallelism), and the KV cache the engine preallocates:
   `max_batch` slots (default: the engine's share of the batch) x `max_seq_len` positions x
-  layers x 2 x kv heads x head dim. Colocated in one process with full fine-tuning in one
+  layers x 2 x kv heads x head dim (a hybrid model's full-attention layers only), and a
+  hybrid model's recurrent-state pool beside it: per slot and linear-attention layer a conv
+  state [conv channels, kernel - 1] in the generator's dtype and a delta-rule state [value
+  heads, key head dim, value head dim] in fp32 (sampler/recurrent_pool.py's formula), the
+  same at any sequence length. Colocated in one process with full fine-tuning in one
   dtype, the sampler reads the trainer's own tensors (no copy); otherwise (LoRA, a sharded
   trainer, 'bf16-mixed': a bf16 copy of the fp32 weights) it holds a copy of its own.
 - Weight sync, `bucketed` (what jobs run): two buckets of `bucket_mb` (a tensor larger than a
@@ -350,6 +354,7 @@ class _Rows:
             tp=tp,
         )
         weights, kv, prefix = engine.weights, engine.kv_cache, engine.prefix_cache
+        states = engine.recurrent_states
         if colocated and not self.sampler_copy:
             rows = [PlanRow(item="generator weights: the trainer's own (no copy)", num_bytes=0)]
         elif self.shapes.expert_numel:
@@ -365,7 +370,14 @@ class _Rows:
             item = f"generator weights, {share}whole {self.generator_dtype}"
             rows = [PlanRow(item=item, num_bytes=weights)]
         kv_item = f"KV cache: {slots} slots x {settings.max_seq_len} tokens"
+        linear = len(getattr(self.decoder, "linear_layers", ()))
+        if linear:
+            attention = self.decoder.num_layers - linear
+            kv_item += f", {attention} full-attention layers of {self.decoder.num_layers}"
         rows.append(PlanRow(item=kv_item, num_bytes=kv))
+        if states:
+            item = f"recurrent states: {slots} slots x {linear} linear-attention layers"
+            rows.append(PlanRow(item=item, num_bytes=states))
         if prefix:
             item = "prefix cache, at most"
             rows.append(PlanRow(item=item, num_bytes=prefix))
@@ -374,10 +386,14 @@ class _Rows:
             rows.append(PlanRow(item=item, num_bytes=weights))
         if colocated and settings.mode == "async":
             rows.append(
-                PlanRow(item="previous version's sampler (async)", num_bytes=weights + kv + prefix)
+                PlanRow(
+                    item="previous version's sampler (async)",
+                    num_bytes=weights + kv + states + prefix,
+                )
             )
         if settings.kl_reference and colocated:
-            rows.append(PlanRow(item="KL reference sampler", num_bytes=weights + kv + prefix))
+            item = "KL reference sampler"
+            rows.append(PlanRow(item=item, num_bytes=weights + kv + states + prefix))
         elif settings.kl_reference:  # whole weights that only score: no KV cache
             whole = self.shapes.sampler_numel * _itemsize(self.generator_dtype)
             where = " on each engine's first rank" if tp > 1 else ""

@@ -39,6 +39,7 @@ from temper.models.lora import (
 )
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.kv_cache import KVCacheShape
+from temper.sampler.recurrent_pool import RecurrentPoolShape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,11 +190,14 @@ class TrainerBytes:
 @dataclass(frozen=True, kw_only=True)
 class SamplerBytes:
     """What one of Temper's engines holds: its weights (none when it decodes on the trainer's
-    own tensors), the KV cache it allocates up front and at most its prefix cache."""
+    own tensors), the KV cache it allocates up front (a hybrid model's full-attention layers
+    only), a hybrid model's recurrent-state pool (allocated with it, the same at any sequence
+    length) and at most its prefix cache."""
 
     weights: int
     kv_cache: int
     prefix_cache: int
+    recurrent_states: int = 0
 
     @classmethod
     def of(
@@ -218,6 +222,9 @@ class SamplerBytes:
             weights=weights if own_weights else 0,
             kv_cache=kv,
             prefix_cache=int(prefix_cache_mib * 2**20),
+            recurrent_states=recurrent_state_bytes(
+                decoder, num_slots=num_slots, dtype=dtype, tp=tp
+            ),
         )
 
     @classmethod
@@ -244,7 +251,7 @@ class SamplerBytes:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.prefix_cache
+        return self.weights + self.kv_cache + self.recurrent_states + self.prefix_cache
 
 
 def _adapted_weight(model: nn.Module, name: str, module: nn.Module) -> torch.Tensor:
@@ -377,6 +384,16 @@ def autocast_copy_bytes(shapes: ModelShapes, *, dtype: str) -> int:
 def logits_bytes(decoder: DecoderConfig, *, tokens: int) -> int:
     """The fp32 logits of one chunk of rows and their log-softmax (logprobs.py)."""
     return 2 * min(DEFAULT_CHUNK_BYTES, tokens * decoder.vocab_size * 4)
+
+
+def recurrent_state_bytes(
+    decoder: DecoderConfig, *, num_slots: int, dtype: str, tp: int = 1
+) -> int:
+    """What Temper's engine preallocates for a hybrid model's linear-attention layers
+    (recurrent_pool.py: per slot and layer a conv state in `dtype` and a delta-rule state in
+    fp32); 0 for a dense model. With tensor parallelism each rank holds 1/tp of the heads."""
+    shape = RecurrentPoolShape.for_model(decoder, num_slots=num_slots)
+    return 0 if shape is None else math.ceil(shape.nbytes(parse_dtype(dtype)) / tp)
 
 
 def kv_cache_bytes(
