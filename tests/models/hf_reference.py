@@ -204,3 +204,45 @@ def _perturb_hybrid(model) -> None:
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("dt_bias"):
                 param.add_(0.1 * torch.randn_like(param))
+
+
+def tiny_hf_qwen3_5_moe(*, vocab_size: int = 97, tie: bool = False, seed: int = 0):
+    """A random tiny HF Qwen3.5-MoE (text only): tiny_hf_qwen3_5's mixers, 8 experts of width
+    32 with 2 per token and a shared expert of width 48 in every layer. The router is drawn
+    wide so that top-k choices are far apart."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForCausalLM(config).float().eval()
+    _perturb_hybrid(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+            elif ".mlp.experts." in name:
+                param.normal_(0.0, 0.05)
+    return model
