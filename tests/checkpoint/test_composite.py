@@ -210,3 +210,20 @@ def test_a_composite_without_text_tensors_under_the_prefix_is_refused(dirs, tmp_
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=r"no tensor is stored under 'model\.language_model\.'"):
         load_pretrained(bad)
+
+
+def test_a_training_client_saves_sampler_weights_with_the_passthrough(dirs, tmp_path):
+    from temper import AdamParams, Datum, ModelInput, ServiceClient
+
+    service = ServiceClient(storage_dir=tmp_path / "storage")
+    client = service.create_training_client(str(dirs["composite"]))
+    tokens = [1, 2, 3, 4]
+    inputs = {"target_tokens": [*tokens[1:], 1], "weights": [1.0] * 4}
+    datum = Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+    client.forward_backward([datum], "cross_entropy").result()
+    client.optim_step(AdamParams(learning_rate=1e-2)).result()
+    path = client.save_weights_for_sampler("trained").result().path
+    _, directory = service.storage.existing(path)
+    _assert_passthrough_kept(directory)
+    trained = load_pretrained(directory)
+    assert not torch.equal(trained.norm.weight, load_pretrained(dirs["text"]).norm.weight)

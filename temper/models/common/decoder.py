@@ -9,7 +9,8 @@ logits for convenience and for tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,7 @@ class DecoderConfig:
     """Longest sequence (prompt + completion) the model is used with."""
     init_std: float = 0.02
     """Standard deviation of the random normal init of weight matrices."""
-    hf_composite: HfComposite | None = field(default=None, compare=False, repr=False)
+    hf_composite: HfComposite | None = dataclasses.field(default=None, compare=False, repr=False)
     """The multimodal checkpoint this text model was read from, whose other parts (a vision
     tower) every export writes back (hf_composite.py); None: a text-only model. Not part of
     the model's shape: configs that differ only here compare equal."""
