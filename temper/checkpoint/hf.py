@@ -111,7 +111,7 @@ def empty_pretrained(
         files = _weight_files(Path(model_dir))
         composite = read_composite(Path(model_dir), hf_config=hf_config, family=family, files=files)
         config = dataclasses.replace(config, hf_composite=composite)
-    dtype = _default_dtype(hf_config) if dtype is None else parse_dtype(dtype)
+    dtype = _default_dtype(text) if dtype is None else parse_dtype(dtype)
     return materialize(config, device=device, dtype=dtype, init="empty")
 
 
