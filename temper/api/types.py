@@ -320,10 +320,78 @@ class EncodedTextChunk:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelInput:
-    """Model input as chunks of token ids (text only), concatenated in order."""
+class ImageChunk:
+    """An image given inline (Tinker's `ImageChunk`). Temper's models read text only: every
+    verb refuses a `ModelInput` holding one (`unsupported_chunk`) before any work starts."""
 
-    chunks: tuple[EncodedTextChunk, ...] = ()
+    data: bytes
+    format: Literal["png", "jpeg"]
+    expected_tokens: int | None = None
+    """The tokens the image stands for, as the caller expects them (advisory)."""
+    type: Literal["image"] = "image"
+
+    @property
+    def length(self) -> int:
+        return _image_length(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageAssetPointerChunk:
+    """An image named by a path or URL (Tinker's `ImageAssetPointerChunk`); refused by every
+    verb as `ImageChunk` is."""
+
+    format: Literal["png", "jpeg"]
+    location: str
+    expected_tokens: int | None = None
+    """The tokens the image stands for, as the caller expects them (advisory)."""
+    type: Literal["image_asset_pointer"] = "image_asset_pointer"
+
+    @property
+    def length(self) -> int:
+        return _image_length(self)
+
+
+def _image_length(chunk: ImageChunk | ImageAssetPointerChunk) -> int:
+    if chunk.expected_tokens is None:
+        raise ValueError(f"{type(chunk).__name__}.length needs expected_tokens to be set")
+    return chunk.expected_tokens
+
+
+ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk
+_CHUNK_TYPES = (EncodedTextChunk, ImageChunk, ImageAssetPointerChunk)
+_CHUNK_KINDS = {
+    "image": "an image chunk",
+    "image_asset_pointer": "an image chunk",
+    "dmel": "an audio (dmel) chunk",
+}
+
+
+def unsupported_chunk(kind: str, *, where: str) -> str:
+    """The message refusing a chunk of type `kind` ('image', 'image_asset_pointer', 'dmel')
+    found at `where` (e.g. "datum 0: model_input.chunks[1]"): Temper's models read text only,
+    so the Python API and the server say the same thing."""
+    what = _CHUNK_KINDS.get(kind, "a chunk")
+    return (
+        f"{where} is {what} (type {kind!r}): image and audio inputs are not supported; "
+        "Temper's models read text only (encoded_text chunks)"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInput:
+    """Model input as chunks, concatenated in order: token ids (`EncodedTextChunk`), or images
+    (`ImageChunk`, `ImageAssetPointerChunk`), which the API carries as Tinker's does and every
+    verb refuses, naming the chunk, since Temper's models read text only."""
+
+    chunks: tuple[ModelInputChunk, ...] = ()
+
+    def __post_init__(self) -> None:
+        for index, chunk in enumerate(self.chunks):
+            if not isinstance(chunk, _CHUNK_TYPES):
+                raise TypeError(
+                    f"ModelInput.chunks[{index}] must be an EncodedTextChunk, ImageChunk or "
+                    f"ImageAssetPointerChunk, got {type(chunk).__name__}"
+                )
 
     @classmethod
     def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
@@ -336,7 +404,16 @@ class ModelInput:
     def empty(cls) -> ModelInput:
         return cls()
 
-    def to_ints(self) -> list[int]:
+    def check_text_only(self, *, where: str = "model_input") -> None:
+        """A ValueError naming the first chunk that is not text (an image), if any; `where`
+        names this input in it (e.g. "datum 3: model_input")."""
+        for index, chunk in enumerate(self.chunks):
+            if type(chunk) is not EncodedTextChunk:
+                raise ValueError(unsupported_chunk(chunk.type, where=f"{where}.chunks[{index}]"))
+
+    def to_ints(self, *, where: str = "model_input") -> list[int]:
+        """The token ids of every chunk, in order (text only: see `check_text_only`)."""
+        self.check_text_only(where=where)
         return [token for chunk in self.chunks for token in chunk.tokens]
 
     @property

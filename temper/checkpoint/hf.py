@@ -10,10 +10,11 @@ and renamed, so a crash never leaves a half-written model directory behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
@@ -21,7 +22,18 @@ from safetensors.torch import save_file
 from torch import nn
 
 from temper.checkpoint.atomic import check_free, staged_directory
+from temper.checkpoint.composite import (
+    check_passthrough,
+    composite_hf_config,
+    is_composite,
+    read_composite,
+    read_passthrough,
+    stored_key,
+    text_config,
+    text_key,
+)
 from temper.models.build import dtype_name, materialize, parse_dtype
+from temper.models.common.hf_composite import HfComposite, PassthroughTensor
 from temper.models.registry import WeightSlot, family_for_hf_config, family_of_model
 from temper.tokenizer import Tokenizer
 
@@ -92,8 +104,14 @@ def empty_pretrained(
     """The model a HF model directory describes, with uninitialized storage on `device`
     (none on 'meta'); dtype as in `load_pretrained`."""
     hf_config = read_hf_config(model_dir)
-    config = family_for_hf_config(hf_config).config_from_hf(hf_config)
-    dtype = _default_dtype(hf_config) if dtype is None else parse_dtype(dtype)
+    text = text_config(hf_config)
+    family = family_for_hf_config(text)
+    config = family.config_from_hf(text)
+    if is_composite(hf_config):
+        files = _weight_files(Path(model_dir))
+        composite = read_composite(Path(model_dir), hf_config=hf_config, family=family, files=files)
+        config = dataclasses.replace(config, hf_composite=composite)
+    dtype = _default_dtype(text) if dtype is None else parse_dtype(dtype)
     return materialize(config, device=device, dtype=dtype, init="empty")
 
 
@@ -105,9 +123,13 @@ def locate_weights(
     HF tensor per expert. Reads only the files' headers.
 
     Raises ValueError naming the tensor when a shape differs from the one `model` (built from
-    config.json) expects, a stored tensor is not used by the model, or one is missing.
+    config.json) expects, a stored tensor is not used by the model, or one is missing. A
+    multimodal checkpoint's text tensors are found under their prefix, and the tensors of its
+    other parts (`model.config.hf_composite`) are left out (composite.py).
     """
     family = family_of_model(model)
+    composite: HfComposite | None = getattr(model.config, "hf_composite", None)
+    passthrough = set() if composite is None else {t.hf_key for t in composite.passthrough}
     tied = getattr(model, "output", "absent") is None
     remaining: dict[WeightSlot, tuple[int, ...]] = {}
     names: dict[WeightSlot, str] = {}
@@ -123,7 +145,9 @@ def locate_weights(
         located[path] = {}
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for hf_key in handle.keys():  # noqa: SIM118 - safe_open handles are not mappings
-                slot = family.slot_from_hf(hf_key)
+                if hf_key in passthrough:
+                    continue
+                slot = family.slot_from_hf(hf_key if composite is None else text_key(hf_key))
                 if slot == WeightSlot("output.weight") and tied:
                     continue  # some exporters store the tied unembedding; the embedding is it
                 if slot is None or slot not in remaining:
@@ -143,7 +167,7 @@ def locate_weights(
             f"{model_dir}: tensors not used by {family.hf_architecture}: {sorted(unexpected)}"
         )
     if remaining:
-        missing = sorted(names[slot] for slot in remaining)
+        missing = sorted(stored_key(composite, names[slot]) for slot in remaining)
         raise ValueError(f"{model_dir}: checkpoint lacks tensors {missing}")
     return located
 
@@ -162,37 +186,47 @@ def _copy_weights(model: nn.Module, *, model_dir: Path, device: torch.device) ->
                 target.copy_(handle.get_tensor(hf_key))
 
 
-def _shards(
-    tensors: dict[str, torch.Tensor], *, max_shard_bytes: int
-) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def _shards(sizes: Mapping[str, int], *, max_shard_bytes: int) -> list[list[str]]:
+    """The tensors (name -> bytes) of each shard, in order, each shard at most
+    `max_shard_bytes` unless one tensor alone is larger."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for key, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
+    for key, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = tensor
+        shards[-1].append(key)
         size += nbytes
     return shards
 
 
 def _write_weights(
-    directory: Path, tensors: dict[str, torch.Tensor], *, max_shard_bytes: int
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    passthrough: tuple[PassthroughTensor, ...] = (),
+    max_shard_bytes: int,
 ) -> None:
-    shards = _shards(tensors, max_shard_bytes=max_shard_bytes)
+    """`tensors` and the `passthrough` ones (read from their files a shard at a time) as
+    one safetensors file or shards and their index."""
+    sizes = {key: tensor.numel() * tensor.element_size() for key, tensor in tensors.items()}
+    sizes.update({tensor.hf_key: tensor.nbytes for tensor in passthrough})
+    stored = {tensor.hf_key: tensor for tensor in passthrough}
+    shards = _shards(sizes, max_shard_bytes=max_shard_bytes)
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_WEIGHTS), metadata=metadata)
-        return
     weight_map = {}
-    for index, shard in enumerate(shards, start=1):
-        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+    for index, keys in enumerate(shards, start=1):
+        shard = {key: tensors[key] for key in keys if key in tensors}
+        shard.update(read_passthrough(stored[key] for key in keys if key in stored))
+        name = SINGLE_WEIGHTS
+        if len(shards) > 1:
+            name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / name), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, name))
-    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
+        weight_map.update(dict.fromkeys(keys, name))
+        del shard
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2))
 
 
 def _special_token_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
@@ -210,14 +244,26 @@ def save_pretrained(
     tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    layout: Literal["as_loaded", "text"] = "as_loaded",
 ) -> Path:
-    """Write `model` (and optionally its tokenizer) as a HF model directory; returns its path."""
+    """Write `model` (and optionally its tokenizer) as a HF model directory; returns its path.
+
+    layout 'as_loaded': a model read from a multimodal checkpoint (`config.hf_composite`) is
+    written as that architecture again: the composite config.json, its text weights under
+    their prefix, and the other parts' tensors copied from the files they were read from
+    (composite.py). 'text': the text model alone, as the family's *ForCausalLM (e.g. for a
+    text-only generator)."""
+    if layout not in ("as_loaded", "text"):
+        raise ValueError(f"save_pretrained: layout must be 'as_loaded' or 'text', got {layout!r}")
     out_dir = check_free(out_dir, overwrite=overwrite)
     family = family_of_model(model)
+    composite = getattr(model.config, "hf_composite", None) if layout == "as_loaded" else None
+    if composite is not None:
+        check_passthrough(composite)  # before anything is written
     state_dict = model.state_dict()
     dtype = next(iter(state_dict.values())).dtype
     tensors = {
-        hf_key: tensor.detach().to("cpu").contiguous()
+        stored_key(composite, hf_key): tensor.detach().to("cpu").contiguous()
         for key, value in state_dict.items()
         for hf_key, tensor in family.tensors_to_hf(key, value)
     }
@@ -228,9 +274,12 @@ def save_pretrained(
         generation_config = {
             k: v for k, v in _special_token_ids(tokenizer).items() if v is not None
         }
+    if composite is not None:
+        hf_config = composite_hf_config(composite, text_hf_config=hf_config)
 
     with staged_directory(out_dir) as staging:
-        _write_weights(staging, tensors, max_shard_bytes=max_shard_bytes)
+        passthrough = () if composite is None else composite.passthrough
+        _write_weights(staging, tensors, passthrough=passthrough, max_shard_bytes=max_shard_bytes)
         (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         if generation_config:
             text = json.dumps(generation_config, indent=2) + "\n"

@@ -12,6 +12,10 @@ wraps `lm_head` only and shares its base weight with the embedding, so the two a
 targeted embedding layers in case the vocabulary was resized, which Temper never does): the
 adapter stays small and loads onto the unchanged base model.
 
+A model read from a multimodal checkpoint (`Qwen3_5ForConditionalGeneration`) names its
+modules as that checkpoint does (`model.language_model.layers.0.self_attn.q_proj`), so the
+adapter loads onto that base; it holds no tensor of the other parts (the vision tower).
+
 Expert adapters are saved per expert under the released per-expert module names
 (`model.layers.0.mlp.experts.3.gate_proj.lora_A.weight`, target modules `gate_proj`, `up_proj`,
 `down_proj`), the format PEFT writes for a model whose experts are linears. transformers 5
@@ -36,7 +40,9 @@ import torch
 from safetensors.torch import save_file
 
 from temper.checkpoint.atomic import check_free, staged_directory
+from temper.checkpoint.composite import stored_key
 from temper.models.common.decoder import Decoder
+from temper.models.common.hf_composite import HfComposite
 from temper.models.lora import (
     UNEMBEDDING_ADAPTER,
     LoraConfig,
@@ -77,7 +83,8 @@ class _HfAdapter:
 
 def _hf_adapters(model: Decoder) -> Iterator[_HfAdapter]:
     """Every adapter of `model` under its HF module name, expert adapters one per expert."""
-    return _hf_adapters_of(family_of_model(model), lora_state_dict(model))
+    composite = model.config.hf_composite
+    return _hf_adapters_of(family_of_model(model), lora_state_dict(model), composite=composite)
 
 
 def _adapted_key(module_name: str) -> tuple[str, bool]:
@@ -91,9 +98,10 @@ def _adapted_key(module_name: str) -> tuple[str, bool]:
 
 
 def _hf_adapters_of(
-    family: ModelFamily, tensors: Mapping[str, torch.Tensor]
+    family: ModelFamily, tensors: Mapping[str, torch.Tensor], *, composite: HfComposite | None
 ) -> Iterator[_HfAdapter]:
-    """The adapters in `tensors` (`lora_state_dict` names) under their HF module names."""
+    """The adapters in `tensors` (`lora_state_dict` names) under their HF module names (in a
+    multimodal checkpoint's layout for a model read from one: `composite`)."""
     for name in tensors:
         if not name.endswith(".lora_A"):
             continue
@@ -102,7 +110,8 @@ def _hf_adapters_of(
         key, expert = _adapted_key(module_name)
         for slot, hf_key in family.hf_slots(key, tuple(lora_A.shape)).items():
             pair = (lora_A[slot.expert], lora_B[slot.expert]) if expert else (lora_A, lora_B)
-            yield _HfAdapter(hf_key.removesuffix(".weight"), *pair, expert=expert)
+            name = stored_key(composite, hf_key).removesuffix(".weight")
+            yield _HfAdapter(name, *pair, expert=expert)
 
 
 def _dense_twins(adapters: list[_HfAdapter]) -> list[str]:
@@ -196,12 +205,14 @@ def save_peft_adapter_tensors(
     family: ModelFamily,
     lora: LoraConfig,
     base_model_name_or_path: str,
+    composite: HfComposite | None = None,
 ) -> Path:
     """Write adapter tensors (`lora_state_dict` names, of a `family` model adapted by `lora`)
     as a PEFT adapter directory, whole or not at all; the directory must not exist.
 
-    The same files `save_peft_adapter` writes for a model holding these tensors."""
-    adapters = list(_hf_adapters_of(family, tensors))
+    The same files `save_peft_adapter` writes for a model holding these tensors (a model read
+    from the multimodal checkpoint `composite`: its module names)."""
+    adapters = list(_hf_adapters_of(family, tensors, composite=composite))
     if not adapters:
         raise ValueError(
             "save_peft_adapter_tensors: no adapter tensors given (names ending in .lora_A)"

@@ -68,7 +68,7 @@ class SamplingClient:
         if targets is not None and not isinstance(targets, PromptTargets):
             targets = PromptTargets.from_ids(targets)
         request = SampleRequest(
-            prompt=prompt.to_ints(),
+            prompt=prompt.to_ints(where="sample: prompt"),
             params=sampling_params or SamplingParams(),
             num_samples=num_samples,
             prompt_logprobs=include_prompt_logprobs,
@@ -93,7 +93,7 @@ class SamplingClient:
         """Logprob of each prompt token given the ones before it (None for the first)."""
         if not isinstance(prompt, ModelInput):
             raise TypeError(f"prompt must be a ModelInput, got {type(prompt).__name__}")
-        tokens = prompt.to_ints()
+        tokens = prompt.to_ints(where="compute_logprobs: prompt")
         self._snapshot.check_usable()
         if not tokens:
             raise ValueError("compute_logprobs: prompt is empty; it needs at least one token")
@@ -124,7 +124,7 @@ class SamplingClient:
                 raise TypeError(
                     f"prompts[{index}] must be a ModelInput, got {type(prompt).__name__}"
                 )
-            tokens = prompt.to_ints()
+            tokens = prompt.to_ints(where=f"compute_logprobs_batch: prompts[{index}]")
             if not tokens:
                 raise ValueError(f"compute_logprobs_batch: prompts[{index}] is empty")
             sequences.append(tokens)

@@ -361,7 +361,12 @@ def lora_difference(
 
 
 def _datum_list(data: Iterable[Datum]) -> list[Datum]:
-    """`data` as a list (each item is checked by the engine)."""
+    """`data` as a list (each item is checked by the engine), refused here, before the call is
+    queued, when a datum holds an image chunk (text-only models)."""
     if isinstance(data, Datum | str | Mapping) or not isinstance(data, Iterable):
         raise TypeError(f"data must be a list of Datum, got {type(data).__name__}")
-    return list(data)
+    data = list(data)
+    for index, datum in enumerate(data):
+        if isinstance(datum, Datum):
+            datum.model_input.check_text_only(where=f"datum {index}: model_input")
+    return data

@@ -200,7 +200,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._entropy = random.Random()
         self._directory = tempfile.TemporaryDirectory(prefix="temper-vllm-")
         model_dir = Path(self._directory.name) / "model"
-        save_pretrained(model, model_dir, tokenizer=tokenizer)
+        # The text model alone: vLLM samples text, and weight updates name its tensors.
+        save_pretrained(model, model_dir, tokenizer=tokenizer, layout="text")
         self._inline = config.engine_process == "inline" and config.tensor_parallel_size == 1
         device = _device_of(model)
         self._transport_name = choose_transport(

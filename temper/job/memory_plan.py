@@ -82,6 +82,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from temper.checkpoint.composite import text_config
 from temper.checkpoint.hf import read_hf_config
 from temper.client.named_models import named_model
 from temper.job.model_bytes import (
@@ -113,7 +114,7 @@ def model_config(model: str) -> DecoderConfig:
     (client/named_models.py): its published shapes, or with a built-in tokenizer
     ('tiny:letters') that tokenizer's vocabulary, as `temper train` builds it."""
     if Path(model).expanduser().is_dir():
-        hf_config = read_hf_config(Path(model).expanduser())
+        hf_config = text_config(read_hf_config(Path(model).expanduser()))
         return family_for_hf_config(hf_config).config_from_hf(hf_config)
     return named_model(model, what="model").config()
 

@@ -203,7 +203,7 @@ def prepare(
         if not isinstance(datum, Datum):
             raise TypeError(f"datum {index}: expected a Datum, got {type(datum).__name__}")
         where = f"datum {index}"
-        tokens = datum.model_input.to_ints()
+        tokens = datum.model_input.to_ints(where=f"{where}: model_input")
         length = len(tokens)
         if length == 0:
             raise ValueError(f"{where}: model_input is empty")

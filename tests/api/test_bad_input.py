@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
+from temper.api import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk
 
 VOCAB = 29  # the built-in digits vocabulary of "tiny"
 MAX_SEQ_LEN = 2048
@@ -35,6 +36,19 @@ def _rl_datum(tokens, *, logprobs=None, advantages=None):
 
 
 GOOD = [_datum([1, 2, 3]), _datum([4, 5, 6, 7])]
+IMAGE = ImageChunk(data=b"\x89PNG", format="png", expected_tokens=2)
+WITH_IMAGE = ModelInput(
+    chunks=(EncodedTextChunk(tokens=(1, 2)), IMAGE, EncodedTextChunk(tokens=(3,)))
+)
+POINTER = ImageAssetPointerChunk(format="jpeg", location="/images/cat.jpeg")
+IMAGE_DATUM = Datum(
+    model_input=WITH_IMAGE,
+    loss_fn_inputs={"target_tokens": [1] * 5, "weights": [1.0] * 5},
+)
+IMAGE_REFUSED = (
+    r"model_input\.chunks\[1\] is an image chunk \(type 'image'\): image and audio inputs "
+    "are not supported"
+)
 
 
 def _outcome(call):
@@ -261,6 +275,21 @@ TRAINING_CASES = {
         TypeError,
         r"metrics\['kl'\] must be a number, got 'high'",
     ),
+    "forward_backward of an image": (
+        lambda c: c.forward_backward([GOOD[0], IMAGE_DATUM], "cross_entropy"),
+        ValueError,
+        f"datum 1: {IMAGE_REFUSED}",
+    ),
+    "forward of an image": (
+        lambda c: c.forward([IMAGE_DATUM], "cross_entropy"),
+        ValueError,
+        f"datum 0: {IMAGE_REFUSED}",
+    ),
+    "forward_backward_custom of an image": (
+        lambda c: c.forward_backward_custom([IMAGE_DATUM], lambda data, lps: (_lp_sum(lps), {})),
+        ValueError,
+        f"datum 0: {IMAGE_REFUSED}",
+    ),
     "optim_step without AdamParams": (
         lambda c: c.optim_step({"learning_rate": 1e-3}),
         TypeError,
@@ -385,6 +414,23 @@ SAMPLING_CASES = {
         lambda s: s.sample(ModelInput.from_ints([1, 2]), 1, {"max_tokens": 2}),
         TypeError,
         "params must be SamplingParams",
+    ),
+    "sample of an image": (
+        lambda s: s.sample(WITH_IMAGE, 1, GREEDY),
+        ValueError,
+        r"sample: prompt\.chunks\[1\] is an image chunk",
+    ),
+    "logprobs of an image": (
+        lambda s: s.compute_logprobs(WITH_IMAGE),
+        ValueError,
+        r"compute_logprobs: prompt\.chunks\[1\] is an image chunk",
+    ),
+    "logprobs of an image pointer": (
+        lambda s: s.compute_logprobs_batch(
+            [ModelInput.from_ints([1, 2]), ModelInput(chunks=(POINTER,))]
+        ),
+        ValueError,
+        r"prompts\[1\]\.chunks\[0\] is an image chunk \(type 'image_asset_pointer'\)",
     ),
     "logprobs of an empty prompt": (
         lambda s: s.compute_logprobs(ModelInput.empty()),
@@ -534,3 +580,9 @@ def test_token_ids_must_be_ints():
         ModelInput.from_ints([1, 1.5])
     with pytest.raises(TypeError, match=r"token ids must be ints, got True"):
         ModelInput.from_ints([1, True])
+
+
+def test_model_input_chunks_are_chunks():
+    with pytest.raises(TypeError, match=r"ModelInput.chunks\[0\] must be an EncodedTextChunk, "):
+        ModelInput(chunks=([1, 2],))
+    assert WITH_IMAGE.length == 5  # an image counts its expected tokens, as Tinker's does

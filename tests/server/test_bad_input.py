@@ -68,6 +68,25 @@ def fwdbwd(model_id, tokens, inputs=None, *, loss_fn="cross_entropy", config=Non
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
 
 
+def with_image(model_id: str, *, forward_only: bool) -> bytes:
+    """A forward(_backward) body whose datum holds text, an image, text."""
+    message = pb.ForwardBackwardRequest(
+        model_id=model_id, seq_id=10_000, loss_fn="cross_entropy", forward_only=forward_only
+    )
+    item = message.data.add()
+    item.model_input.add().encoded_text.tokens = np.asarray([1, 2], dtype=np.int32).tobytes()
+    item.model_input.add().image.data = b"\x89PNG"
+    item.model_input.add().encoded_text.tokens = np.asarray([3], dtype=np.int32).tobytes()
+    item.loss_fn_inputs["target_tokens"].CopyFrom(tensor([1] * 3, pb.DTYPE_INT64))
+    return message.SerializeToString()
+
+
+IMAGE_REFUSED = (
+    "datum 0: model_input.chunks[1] is an image chunk (type 'image'): image and audio inputs "
+    "are not supported"
+)
+
+
 def bad_training_requests(model_id: str, vocab: int, max_seq_len: int):
     """(name, route, request kwargs, status, message) for one training model."""
     targets = tensor([2, 3, 4], pb.DTYPE_INT64)
@@ -79,6 +98,12 @@ def bad_training_requests(model_id: str, vocab: int, max_seq_len: int):
         return {"json": {"model_id": model_id, "adam_params": params, "type": "optim_step"}}
 
     return [
+        ("an image chunk", "forward_backward",
+         {"content": with_image(model_id, forward_only=False), "headers": PROTOBUF}, 400,
+         IMAGE_REFUSED),
+        ("an image chunk to forward", "forward_backward",
+         {"content": with_image(model_id, forward_only=True), "headers": PROTOBUF}, 400,
+         IMAGE_REFUSED),
         ("JSON to a protobuf route", "forward_backward", {"json": {"model_id": model_id}}, 400,
          "is not a tinker_public.ForwardBackwardRequest protobuf"),
         ("zstd that is not zstd", "forward_backward",
@@ -250,10 +275,14 @@ def test_rejected_requests_change_nothing(server, model_dir, twins):
         assert a["logprobs"].tolist() == b["logprobs"].tolist()
 
 
-def sample_body(session_id, tokens=(1, 2), *, params=None, **fields) -> dict:
+IMAGE_POINTER = {"type": "image_asset_pointer", "format": "jpeg", "location": "/images/cat.jpeg"}
+
+
+def sample_body(session_id, tokens=(1, 2), *, params=None, chunks=None, **fields) -> dict:
+    text = [{"type": "encoded_text", "tokens": list(tokens)}]
     return {
         "sampling_session_id": session_id,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": list(tokens)}]},
+        "prompt": {"chunks": text if chunks is None else chunks},
         "num_samples": 1,
         "sampling_params": {"max_tokens": 3, "temperature": 0.0, **(params or {})},
         "type": "sample",
@@ -295,6 +324,16 @@ def test_bad_sample_requests_are_4xx_and_the_sampler_keeps_serving(server, model
             sample_body(session, prompt_logprobs=True, topk_prompt_logprobs=vocab + 1),
             400,
             f"topk_prompt_logprobs must be in 0..{vocab}, got {vocab + 1}",
+        ),
+        (
+            sample_body(session, chunks=[{"type": "image", "data": "iVBO", "format": "png"}]),
+            400,
+            "prompt.chunks[0] is an image chunk (type 'image'): image and audio inputs are not",
+        ),
+        (
+            sample_body(session, chunks=[IMAGE_POINTER], prompt_logprobs=True),
+            400,
+            "prompt.chunks[0] is an image chunk (type 'image_asset_pointer')",
         ),
         (sample_body("samp-unknown"), 404, "unknown sampling session 'samp-unknown'"),
         (sample_body(None), 400, "asample needs a sampling_session_id"),

@@ -9,6 +9,7 @@ logits for convenience and for tests.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from temper.config.checks import check_range
 from temper.models.common.attention import AttentionBackend, GroupedQueryAttention
 from temper.models.common.feed_forward import SwiGLU
+from temper.models.common.hf_composite import HfComposite
 from temper.models.common.moe import GroupedExperts
 from temper.models.common.rmsnorm import RMSNorm
 from temper.models.common.rope import Llama3RopeScaling, rope_cos_sin
@@ -55,6 +57,10 @@ class DecoderConfig:
     """Longest sequence (prompt + completion) the model is used with."""
     init_std: float = 0.02
     """Standard deviation of the random normal init of weight matrices."""
+    hf_composite: HfComposite | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The multimodal checkpoint this text model was read from, whose other parts (a vision
+    tower) every export writes back (hf_composite.py); None: a text-only model. Not part of
+    the model's shape: configs that differ only here compare equal."""
 
     def __post_init__(self) -> None:
         name = type(self).__qualname__

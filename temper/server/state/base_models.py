@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from temper.checkpoint.composite import text_config
 from temper.checkpoint.hf import read_hf_config
 from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
 from temper.models.registry import family_for_hf_config
@@ -206,7 +207,7 @@ def load_base_model(
 ) -> BaseModel:
     """Read a model directory's config (not its weights)."""
     model_dir = Path(path).expanduser()
-    hf_config = read_hf_config(model_dir)
+    hf_config = text_config(read_hf_config(model_dir))
     try:
         model_family = family_for_hf_config(hf_config)
         decoder = model_family.config_from_hf(hf_config)

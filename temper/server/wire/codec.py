@@ -34,6 +34,7 @@ from temper.api.types import (
     SamplingParams,
     TensorData,
     TopkLogprobs,
+    unsupported_chunk,
 )
 from temper.server.http.errors import BadRequest
 from temper.server.state.provenance import Provenance, Span
@@ -160,13 +161,11 @@ def _datum(message: pb.Datum, *, index: int) -> Datum:
     # Runs for every datum of every forward_backward, on the event loop: the messages that
     # name a datum and field are built only on error.
     chunks = []
-    for chunk in message.model_input:
+    for position, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
-            raise BadRequest(
-                f"datum {index}: model_input chunk of type {kind!r}; this server serves a "
-                "text-only model (encoded_text chunks)"
-            )
+            where = f"datum {index}: model_input.chunks[{position}]"
+            raise BadRequest(unsupported_chunk(str(kind), where=where))
         tokens = chunk.encoded_text.tokens
         if len(tokens) % 4:
             _frombuffer(tokens, np.int32, where=f"datum {index} tokens")  # raises
@@ -370,11 +369,10 @@ def _check_stop(stop: str | Sequence[str] | Sequence[int] | None) -> None:
 
 def model_input(value: tinker_types.ModelInput, *, where: str) -> ModelInput:
     chunks = []
-    for chunk in value.chunks:
+    for position, chunk in enumerate(value.chunks):
         if not isinstance(chunk, tinker_types.EncodedTextChunk):
-            raise BadRequest(
-                f"{where}: {type(chunk).__name__} chunks are not supported (text only)"
-            )
+            kind = getattr(chunk, "type", type(chunk).__name__)
+            raise BadRequest(unsupported_chunk(kind, where=f"{where}.chunks[{position}]"))
         chunks.append(EncodedTextChunk(tokens=tuple(int(token) for token in chunk.tokens)))
     return ModelInput(chunks=tuple(chunks))
 
