@@ -52,6 +52,11 @@ _PEFT_PREFIX = "base_model.model."
 # PEFT matches target_modules against the last component of a module's name; list them in
 # model order so the file reads like the architecture.
 _HF_TARGET_ORDER = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
     "q_proj",
     "k_proj",
     "v_proj",

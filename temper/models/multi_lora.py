@@ -44,7 +44,7 @@ from torch import nn
 
 from temper.models.common.decoder import Decoder
 from temper.models.common.moe import GroupedExperts, MoE
-from temper.models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraConfig
+from temper.models.lora import MLP_TARGETS, LoraConfig, mixer, shared_expert
 from temper.models.lora_experts import (
     ADAPTER_SUFFIX,
     EXPERT_TARGETS,
@@ -380,8 +380,12 @@ def install_slots(model: Decoder) -> None:
     rows = AdapterRows()
     model.multi_lora_rows = rows
     for block in model.blocks:
-        targets = [(block.attention, name) for name in ATTENTION_TARGETS]
+        _, module, names = mixer(block)
+        targets = [(module, name) for name in names]
         if isinstance(block.feed_forward, MoE):
+            shared = shared_expert(block.feed_forward)
+            if shared is not None:
+                targets += [(shared, name) for name in MLP_TARGETS]
             block.feed_forward = MultiLoraMoE(block.feed_forward, rows=rows)
         else:
             targets += [(block.feed_forward, name) for name in MLP_TARGETS]
