@@ -23,6 +23,10 @@ from temper.models.qwen3 import state_dict_adapter as qwen3_adapter
 from temper.models.qwen3.model import Qwen3
 from temper.models.qwen3.parallelize import parallelize_qwen3
 from temper.models.qwen3.sizes import QWEN3_SIZES
+from temper.models.qwen3_5 import state_dict_adapter as qwen3_5_adapter
+from temper.models.qwen3_5.model import Qwen3_5
+from temper.models.qwen3_5.parallelize import parallelize_qwen3_5
+from temper.models.qwen3_5.sizes import QWEN3_5_SIZES
 from temper.models.qwen3_moe import state_dict_adapter as qwen3_moe_adapter
 from temper.models.qwen3_moe.model import Qwen3Moe
 from temper.models.qwen3_moe.parallelize import parallelize_qwen3_moe
@@ -122,6 +126,17 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
             parallelize=parallelize_qwen3_moe,
             expert_key_to_hf=qwen3_moe_adapter.expert_key_to_hf,
             expert_key_from_hf=qwen3_moe_adapter.expert_key_from_hf,
+        ),
+        "qwen3_5": ModelFamily(
+            name=qwen3_5_adapter.HF_MODEL_TYPE,
+            hf_architecture=qwen3_5_adapter.HF_ARCHITECTURE,
+            model_cls=Qwen3_5,
+            sizes=QWEN3_5_SIZES,
+            config_from_hf=qwen3_5_adapter.config_from_hf,
+            config_to_hf=qwen3_5_adapter.config_to_hf,
+            key_to_hf=qwen3_5_adapter.key_to_hf,
+            key_from_hf=qwen3_5_adapter.key_from_hf,
+            parallelize=parallelize_qwen3_5,
         ),
     }
 )

@@ -74,6 +74,19 @@ class DecoderConfig:
         del layer_index
         return SwiGLU(dim=self.dim, hidden_dim=self.ffn_dim)
 
+    def block(self, *, layer_index: int, qk_norm: bool) -> nn.Module:
+        """Decoder block `layer_index` (a hybrid family returns its own kinds of block)."""
+        return DecoderBlock(self, layer_index=layer_index, qk_norm=qk_norm)
+
+    def final_norm(self) -> nn.Module:
+        """The norm before the output projection."""
+        return RMSNorm(self.dim, eps=self.norm_eps)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones): all of them here."""
+        return self.head_dim
+
 
 class DecoderBlock(nn.Module):
     def __init__(self, config: DecoderConfig, *, layer_index: int, qk_norm: bool) -> None:
@@ -111,10 +124,9 @@ class Decoder(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(
-            DecoderBlock(config, layer_index=index, qk_norm=qk_norm)
-            for index in range(config.num_layers)
+            config.block(layer_index=index, qk_norm=qk_norm) for index in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = config.final_norm()
         self.output = (
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
@@ -188,7 +200,7 @@ class Decoder(nn.Module):
         x_BTD = self.embed(tokens_BT)
         cos_B1TH, signed_sin_B1TH = rope_cos_sin(
             positions_BT,
-            head_dim=self.config.head_dim,
+            head_dim=self.config.rotary_dim,
             theta=self.config.rope_theta,
             dtype=x_BTD.dtype,
             scaling=self.config.rope_scaling,

@@ -1,0 +1,137 @@
+"""The Gated DeltaNet layer: Qwen3.5's linear attention.
+
+Shapes: B batch, T tokens, D model dim, C conv channels (q, k and v side by side, in
+in_proj_qkv's output order), W = conv kernel - 1, N value heads, M key heads, K key head dim,
+V value head dim.
+
+x -> in_proj_qkv -> causal depthwise conv1d (kernel W + 1, silu) -> q, k, v; beta = sigmoid(b)
+and the log decay g = -exp(A_log) * softplus(a + dt_bias) per value head; the gated delta rule
+(delta_rule.py) mixes the tokens; a gated RMSNorm (times silu(z)) and out_proj give the output.
+Query and key heads are repeated to the value heads (head n reads key head n // (N / M)).
+
+The layer holds no state. With no `RecurrentStates` (training, scoring) it runs the chunked form
+from zero; with one (a sampler) it continues from the states read and writes the states after
+each row's last real token, taking the recurrent form for a one-token step (recurrent.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from temper.models.common.centered_rmsnorm import GatedRMSNorm
+from temper.models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from temper.models.common.recurrent import RecurrentStates
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        *,
+        layer_index: int,
+        dim: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel: int,
+        norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(dim, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(dim, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, num_value_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, conv_kernel))
+        """The depthwise conv's weight [C, 1, W + 1] (HF conv1d.weight)."""
+        self.dt_bias = nn.Parameter(torch.empty(num_value_heads))
+        self.A_log = nn.Parameter(torch.empty(num_value_heads))
+        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(value_dim, dim, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, *, init_std: float, generator: torch.Generator | None) -> None:
+        """This module's own parameters (not its children's), as the HF init draws them: the
+        conv normal(0, init_std), dt_bias one, A = exp(A_log) uniform in [0.01, 16]."""
+        nn.init.normal_(self.conv_weight, mean=0.0, std=init_std, generator=generator)
+        nn.init.ones_(self.dt_bias)
+        self.A_log.uniform_(0.01, 16.0, generator=generator).log_()
+
+    def forward(
+        self, x_BTD: torch.Tensor, *, states: RecurrentStates | None = None
+    ) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        read = None if states is None else states.read_states(self.layer_index)
+        lengths_B = None if states is None else states.lengths_B
+        qkv_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
+        if states is None:
+            conv_BCT, conv_BCW = self._causal_conv(qkv_BCT), None
+        else:
+            conv_BCT, conv_BCW = self._conv_from_state(
+                qkv_BCT, None if read is None else read[0], lengths_B=lengths_B
+            )
+        key_dim = self.num_key_heads * self.key_head_dim
+        q_BTX, k_BTX, v_BTX = conv_BCT.transpose(1, 2).split(
+            (key_dim, key_dim, self.conv_dim - 2 * key_dim), dim=-1
+        )
+        q_BTNK, k_BTNK = (
+            x.reshape(B, T, self.num_key_heads, self.key_head_dim).repeat_interleave(
+                self.num_value_heads // self.num_key_heads, dim=2
+            )
+            for x in (q_BTX, k_BTX)
+        )
+        v_BTNV = v_BTX.reshape(B, T, self.num_value_heads, self.value_head_dim)
+        beta_BTN = self.in_proj_b(x_BTD).sigmoid()
+        # In fp32: a bf16 or fp16 exp(A_log) may overflow.
+        g_BTN = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        if lengths_B is not None:
+            # beta = 0 and g = 0 leave the state unchanged over right padding.
+            real_BT1 = (torch.arange(T, device=x_BTD.device) < lengths_B[:, None])[..., None]
+            beta_BTN = beta_BTN * real_BT1
+            g_BTN = g_BTN * real_BT1
+        state_BNKV = None if read is None else read[1]
+        if T == 1 and state_BNKV is not None:
+            out_BTNV, state_BNKV = recurrent_gated_delta_rule(
+                q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
+            )
+        else:
+            out_BTNV, state_BNKV = chunk_gated_delta_rule(
+                q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
+            )
+        if states is not None:
+            states.write_states(self.layer_index, conv_BCW=conv_BCW, state_BNKV=state_BNKV)
+        z_BTNV = self.in_proj_z(x_BTD).view(B, T, self.num_value_heads, self.value_head_dim)
+        return self.out_proj(self.norm(out_BTNV, z_BTNV).reshape(B, T, -1))
+
+    def _causal_conv(self, qkv_BCT: torch.Tensor) -> torch.Tensor:
+        """silu(causal depthwise conv) from zero history: [B, C, T]."""
+        W = self.conv_weight.shape[-1] - 1
+        out_BCX = F.conv1d(qkv_BCT, self.conv_weight, padding=W, groups=self.conv_dim)
+        return F.silu(out_BCX[..., : qkv_BCT.shape[-1]])
+
+    def _conv_from_state(
+        self,
+        qkv_BCT: torch.Tensor,
+        conv_BCW: torch.Tensor | None,
+        *,
+        lengths_B: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(silu(conv) [B, C, T] continuing from `conv_BCW` (None: zeros), the conv state after
+        each row's last real input [B, C, W])."""
+        B, C, T = qkv_BCT.shape
+        W = self.conv_weight.shape[-1] - 1
+        if conv_BCW is None:
+            conv_BCW = qkv_BCT.new_zeros(B, C, W)
+        inputs_BCX = torch.cat((conv_BCW.to(qkv_BCT.dtype), qkv_BCT), dim=-1)  # X = W + T
+        out_BCT = F.silu(F.conv1d(inputs_BCX, self.conv_weight, groups=self.conv_dim))
+        if lengths_B is None:
+            return out_BCT, inputs_BCX[..., T:]
+        # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BCX.
+        window_BW = lengths_B[:, None] + torch.arange(W, device=qkv_BCT.device)
+        return out_BCT, inputs_BCX.gather(2, window_BW[:, None, :].expand(B, C, W))
