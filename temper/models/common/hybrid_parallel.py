@@ -24,9 +24,10 @@ Replicated weights used on a rank's heads only get a partial gradient on each ra
 norms' are).
 
 The layer reads its weights as attributes (`self.conv_weight`, `self.A_log`, ...) in plain
-tensor code; `shard_gated_deltanet` gives the module a subclass whose properties return the
-rank's local part of those parameters, so the model code stays single-device and the state
-dict keeps its keys and whole shapes.
+tensor code; `shard_gated_deltanet` gives the module a subclass whose properties return, inside
+its forward, the rank's local part of those parameters (outside it, the parameters: FSDP reads
+them by name), so the model code stays single-device and the state dict keeps its keys and
+whole shapes.
 """
 
 from __future__ import annotations
@@ -85,25 +86,44 @@ def _local(parameter: torch.Tensor) -> torch.Tensor:
     return parameter.to_local()
 
 
-class _HeadSlicedGatedDeltaNet(GatedDeltaNet):
-    """A Gated DeltaNet on one tp rank: its head counts are the local ones and its parameters
-    read as the local part (`shard_gated_deltanet`). Never constructed: a module's class is
-    set to it."""
+class _LocalReads:
+    """Inside its forward, a module's named parameters read as their local part (`_local`);
+    elsewhere (FSDP's bookkeeping, state dicts) as the parameters themselves."""
+
+    local_reads = False
+
+    def _read(self, name: str) -> torch.Tensor:
+        parameter = self._parameters[name]
+        return _local(parameter) if self.local_reads else parameter
+
+    def forward(self, *args, **kwargs):
+        self.local_reads = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.local_reads = False
+
+
+class _HeadSlicedGatedDeltaNet(_LocalReads, GatedDeltaNet):
+    """A Gated DeltaNet on one tp rank: its head counts are the local ones and, in its
+    forward, its parameters read as the local part (`shard_gated_deltanet`). Never
+    constructed: a module's class is set to it."""
 
     qkv_rows_C: torch.Tensor
     """This rank's rows of in_proj_qkv and the conv weight: its q, k and v channels."""
 
     @property
     def conv_weight(self) -> torch.Tensor:
-        return _local(self._parameters["conv_weight"])[self.qkv_rows_C]
+        weight = self._read("conv_weight")
+        return weight[self.qkv_rows_C] if self.local_reads else weight
 
     @property
     def A_log(self) -> torch.Tensor:
-        return _local(self._parameters["A_log"])
+        return self._read("A_log")
 
     @property
     def dt_bias(self) -> torch.Tensor:
-        return _local(self._parameters["dt_bias"])
+        return self._read("dt_bias")
 
 
 class _RowSlicedLinear(nn.Linear):
@@ -113,15 +133,24 @@ class _RowSlicedLinear(nn.Linear):
     rows_O: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _local(self.weight)[self.rows_O])
+        weight = self.weight
+        # x is whole on every rank, but its gradient here is only this rank's rows' part:
+        # a replicated DTensor's partial gradient, summed over the tp group on the way back
+        # (what ColwiseParallel's input does for the split projections).
+        replicated = (Replicate(),) * weight.device_mesh.ndim
+        x_local = DTensor.from_local(x, weight.device_mesh, replicated, run_check=False).to_local(
+            grad_placements=(Partial(),) * weight.device_mesh.ndim
+        )
+        return F.linear(x_local, _local(weight)[self.rows_O])
 
 
-class _LocalGatedRMSNorm(GatedRMSNorm):
-    """The gated norm on one tp rank's heads, its replicated weight read locally."""
+class _LocalGatedRMSNorm(_LocalReads, GatedRMSNorm):
+    """The gated norm on one tp rank's heads, its replicated weight read locally in its
+    forward. Never constructed: a module's class is set to it."""
 
     @property
     def weight(self) -> torch.Tensor:
-        return _local(self._parameters["weight"])
+        return self._read("weight")
 
 
 def _qkv_rows(layer: GatedDeltaNet, *, rank: int, tp: int) -> torch.Tensor:
