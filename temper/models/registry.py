@@ -27,6 +27,10 @@ from temper.models.qwen3_5 import state_dict_adapter as qwen3_5_adapter
 from temper.models.qwen3_5.model import Qwen3_5
 from temper.models.qwen3_5.parallelize import parallelize_qwen3_5
 from temper.models.qwen3_5.sizes import QWEN3_5_SIZES
+from temper.models.qwen3_5_moe import state_dict_adapter as qwen3_5_moe_adapter
+from temper.models.qwen3_5_moe.model import Qwen3_5Moe
+from temper.models.qwen3_5_moe.parallelize import parallelize_qwen3_5_moe
+from temper.models.qwen3_5_moe.sizes import QWEN3_5_MOE_SIZES
 from temper.models.qwen3_moe import state_dict_adapter as qwen3_moe_adapter
 from temper.models.qwen3_moe.model import Qwen3Moe
 from temper.models.qwen3_moe.parallelize import parallelize_qwen3_moe
@@ -137,6 +141,19 @@ MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
             key_to_hf=qwen3_5_adapter.key_to_hf,
             key_from_hf=qwen3_5_adapter.key_from_hf,
             parallelize=parallelize_qwen3_5,
+        ),
+        "qwen3_5_moe": ModelFamily(
+            name=qwen3_5_moe_adapter.HF_MODEL_TYPE,
+            hf_architecture=qwen3_5_moe_adapter.HF_ARCHITECTURE,
+            model_cls=Qwen3_5Moe,
+            sizes=QWEN3_5_MOE_SIZES,
+            config_from_hf=qwen3_5_moe_adapter.config_from_hf,
+            config_to_hf=qwen3_5_moe_adapter.config_to_hf,
+            key_to_hf=qwen3_5_moe_adapter.key_to_hf,
+            key_from_hf=qwen3_5_moe_adapter.key_from_hf,
+            parallelize=parallelize_qwen3_5_moe,
+            expert_key_to_hf=qwen3_5_moe_adapter.expert_key_to_hf,
+            expert_key_from_hf=qwen3_5_moe_adapter.expert_key_from_hf,
         ),
     }
 )

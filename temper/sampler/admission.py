@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from temper.sampler.kv_cache import ExtendAttention, KVCache, PrefillAttention
+from temper.sampler.hybrid_backends import extend_backend, prefill_backend
+from temper.sampler.kv_cache import KVCache
 from temper.sampler.prefix_cache import CachedPrefix, PrefixCache
 from temper.sampler.prompt_scoring import (
     prompt_logprobs,
@@ -182,15 +183,16 @@ class Admission:
         tokens_BT = tokens_BT.to(self.device)
         slots_B = torch.tensor([slot for _, slot, _ in rows], device=self.device)
         lengths_B = torch.tensor(lengths, device=self.device)
-        positions_BT, attention = None, PrefillAttention(self.cache, slots_B)
+        positions_BT, attention = None, prefill_backend(self.cache, slots_B, lengths_B=lengths_B)
         if any(starts):
             for _, slot, cached in rows:
                 if cached is not None:
-                    k_LKTH, v_LKTH = cached.keys_values()
-                    self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
+                    self.cache.write_prefix(slot=slot, prefix=cached.slot_prefix())
+                elif self.cache.states is not None:
+                    self.cache.states.write_slot(slot, None)  # this row starts from zeros
             starts_B = torch.tensor(starts, device=self.device)
             positions_BT = starts_B[:, None] + torch.arange(tokens_BT.shape[1], device=self.device)
-            attention = ExtendAttention(
+            attention = extend_backend(
                 self.cache, slots_B, starts_B=starts_B, lengths_B=lengths_B,
                 positions_BT=positions_BT,
             )  # fmt: skip
@@ -247,7 +249,8 @@ class Admission:
     def _place_prompts(
         self, claims: list[tuple[RequestState, int]], *, prefill_slots: dict[int, int]
     ) -> None:
-        """Give every newly claimed slot its prompt's cached keys/values."""
+        """Give every newly claimed slot its prompt's cached keys/values (and a hybrid
+        model's recurrent states after the prompt)."""
         sources: list[int] = []
         targets: list[int] = []
         length = 0
@@ -260,8 +263,7 @@ class Admission:
                 targets.append(slot)
                 length = max(length, len(state.prompt))
             else:
-                k_LKTH, v_LKTH = state.prefix
-                self.cache.write_prefix(slot=slot, k_LKTH=k_LKTH, v_LKTH=v_LKTH)
+                self.cache.write_prefix(slot=slot, prefix=state.prefix)
         if sources:
             # One gather for every sample of every new prompt. Positions past a shorter
             # prompt copy padding, which decode overwrites before any query can see it.

@@ -42,7 +42,8 @@ from torch import nn
 
 from temper.models.common.moe import MoE
 from temper.sampler.decoding import DecodeModel, Decoding
-from temper.sampler.kv_cache import DecodeAttention, KVCache
+from temper.sampler.hybrid_backends import decode_backend
+from temper.sampler.kv_cache import KVCache
 from temper.sampler.weight_source import WeightSource
 
 CAPTURE_LOCK = threading.Lock()
@@ -86,7 +87,7 @@ class StaticDecoder:
 
     def _step(self, bucket: int) -> torch.Tensor:
         positions_B = self.positions_S[:bucket]
-        attention = DecodeAttention(self.cache, positions_B, width=self.cache.max_seq_len)
+        attention = decode_backend(self.cache, positions_B, width=self.cache.max_seq_len)
         hidden_B1D = self.model.hidden_states(
             self.tokens_S[:bucket, None], positions_BT=positions_B[:, None], attention=attention
         )

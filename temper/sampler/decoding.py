@@ -21,7 +21,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from temper.models.common.attention import AttentionBackend
-from temper.sampler.kv_cache import DecodeAttention, KVCache
+from temper.sampler.hybrid_backends import decode_backend
+from temper.sampler.kv_cache import KVCache
 from temper.sampler.weight_source import WeightSource
 
 Result = TypeVar("Result")
@@ -72,7 +73,7 @@ class Decoding:
     ) -> torch.Tensor:
         """Next-token logits [B, V] (fp32) of the rows in slots first_slot.. (one group of a
         decode step): a forward of `decoder` over their last tokens."""
-        attention = DecodeAttention(cache, positions_B, width=width, first_slot=first_slot)
+        attention = decode_backend(cache, positions_B, width=width, first_slot=first_slot)
         hidden_B1D = decoder.hidden_states(
             tokens_B[:, None], positions_BT=positions_B[:, None], attention=attention
         )

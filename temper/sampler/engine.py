@@ -57,6 +57,7 @@ from temper.sampler.cuda_graphs import CudaGraphDecoding, capture_blocker, defau
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
+from temper.sampler.recurrent_pool import RecurrentPoolShape
 from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
@@ -148,9 +149,19 @@ class SamplerEngine(Configurable, OnePromptSampling):
             return self.kv_cache_shape(model_config).nbytes(dtype)
 
         def kv_cache_shape(self, model_config: Any) -> KVCacheShape:
+            """Keys/values of every layer; a hybrid model's full-attention layers only."""
             return KVCacheShape.for_model(
                 model_config, num_slots=self.max_batch, max_seq_len=self.max_seq_len
             )
+
+        def recurrent_state_bytes(self, model_config: Any, *, dtype: torch.dtype) -> int:
+            """Bytes the recurrent-state pool of a hybrid model will take beside the KV cache
+            (0 for a model without linear-attention layers): the same at any max_seq_len."""
+            shape = self.recurrent_pool_shape(model_config)
+            return 0 if shape is None else shape.nbytes(dtype)
+
+        def recurrent_pool_shape(self, model_config: Any) -> RecurrentPoolShape | None:
+            return RecurrentPoolShape.for_model(model_config, num_slots=self.max_batch)
 
     def __init__(
         self, config: Config, *, model: nn.Module, tokenizer: Tokenizer | None = None
@@ -168,12 +179,18 @@ class SamplerEngine(Configurable, OnePromptSampling):
         self.device, self.dtype = parameter.device, parameter.dtype
         self.vocab_size = model_config.vocab_size
         self.cache = KVCache(
-            config.kv_cache_shape(model_config), dtype=self.dtype, device=self.device
+            config.kv_cache_shape(model_config),
+            dtype=self.dtype,
+            device=self.device,
+            states=config.recurrent_pool_shape(model_config),
         )
         self.slots = SlotTable(
             num_slots=config.max_batch, max_new_tokens=config.max_seq_len, device=self.device
         )
-        self.prefix_cache = PrefixCache(max_bytes=config.prefix_cache_bytes())
+        # A hybrid model's cached sequences are used whole: recurrent states do not rewind.
+        self.prefix_cache = PrefixCache(
+            max_bytes=config.prefix_cache_bytes(), whole_only=self.cache.states is not None
+        )
         self.adapters = RowAdapters(model)
         self.routes = self._route_recorder(model)
         """Records of the routes taken (MoE models with record_routes); None otherwise."""
@@ -207,9 +224,17 @@ class SamplerEngine(Configurable, OnePromptSampling):
         prefixes = (
             f"up to {self.config.prefix_cache_mib:g} MiB" if self.prefix_cache.enabled else "off"
         )
+        states = ""
+        if self.cache.states is not None:
+            shape = self.cache.states.shape
+            states = (
+                f"; recurrent states {self.cache.states.nbytes / 2**20:.1f} MiB: "
+                f"{self.config.max_batch} slots x {shape.num_layers} linear-attention layers"
+            )
         return (
             f"KV cache {mib:.1f} MiB: {self.config.max_batch} slots x {self.config.max_seq_len} "
-            f"positions, {str(self.dtype).removeprefix('torch.')}; prefix cache {prefixes}"
+            f"positions, {str(self.dtype).removeprefix('torch.')}{states}; prefix cache "
+            f"{prefixes}"
         )
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
@@ -228,8 +253,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
         self.prefix_cache.drop_adapter(adapter)
 
     def sleep(self) -> None:
-        """Release the KV cache and the prefix cache until `wake_up` (the weights stay: they
-        may be the trainer's)."""
+        """Release the KV cache (with a hybrid model's recurrent states) and the prefix cache
+        until `wake_up` (the weights stay: they may be the trainer's)."""
         self.prefix_cache.clear()
         self.decoding.sleep()  # first: CUDA graphs' pool goes back with the cache's memory
         self.cache.release()
@@ -498,9 +523,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
         counts: list[int],
         routes: list[torch.Tensor | None],
     ) -> None:
-        """Store the finished sequences' keys/values (and recorded routes) in the prefix
-        cache: the prompt and every sampled token but the last (never fed through the
-        model), in one gather."""
+        """Store the finished sequences' keys/values (recorded routes, a hybrid model's
+        recurrent states) in the prefix cache: the prompt and every sampled token but the
+        last (never fed through the model), in one gather."""
         states = [self.slots.owners[slot].state for slot in finished]
         sequences = [
             [*state.prompt, *row_tokens[: count - 1]]
@@ -508,10 +533,12 @@ class SamplerEngine(Configurable, OnePromptSampling):
         ]
         k_LFKCH, v_LFKCH = self.cache.read_prefixes(slots=finished, length=max(map(len, sequences)))
         adapters = [state.request.adapter for state in states]
+        pool = self.cache.states
         self.prefix_cache.store(
             sequences,
             adapters=adapters,
             k_LFKCH=k_LFKCH,
             v_LFKCH=v_LFKCH,
             routes=None if self.routes is None else routes,
+            states=None if pool is None else pool.read(finished),  # after each whole sequence
         )

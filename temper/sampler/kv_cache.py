@@ -1,14 +1,19 @@
 """A static, preallocated KV cache and the attention backends that fill and read it.
 
-Shapes: L layers, S slots (sequences decoded at once), K key/value heads, C cache positions
-per slot, H head dim, B rows of a forward, N query heads, T tokens, R the real (unpadded)
-tokens of a right-padded forward.
+Shapes: L layers (with keys/values), S slots (sequences decoded at once), K key/value heads, C
+cache positions per slot, H head dim, B rows of a forward, N query heads, T tokens, R the real
+(unpadded) tokens of a right-padded forward.
 
 The cache is allocated once, at its full size, when the engine is built (its byte size is
 known and reported up front); weight updates and requests never reallocate it. On CPU its
-zeros are the kernel's: pages of an anonymous mapping, zero-filled when first touched, so
-building an engine costs what its requests will touch, not a memset of the whole cache (a
-server builds one per sampling snapshot; the tiny model's 512 MiB cache took 0.4 s to zero).
+zeros are the kernel's (kv_cache_memory.py): building an engine costs what its requests will
+touch.
+
+A hybrid model's cache holds keys/values for its full-attention layers only (a model layer's
+place in the cache is `layer_of[layer_index]`) and, beside them, the recurrent-state pool of
+its linear-attention layers (`states`, recurrent_pool.py), which it moves, copies, releases
+and allocates with the keys/values of the same slots. The backends that also read and write
+those states are hybrid_backends.py.
 
 Decoding works on a prefix of the slots: the engine keeps active sequences in slots 0..B-1
 (it moves a sequence down when one below it finishes), so a decode step reads `k[layer, :B]`,
@@ -18,7 +23,6 @@ a view, and never gathers.
 from __future__ import annotations
 
 import math
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,24 +30,40 @@ from typing import Any
 import torch
 
 from temper.models.common.attention import causal_attention, masked_attention
+from temper.sampler.kv_cache_memory import zeros
+from temper.sampler.recurrent_pool import RecurrentPool, RecurrentPoolShape, SlotStates
 
 
 @dataclass(frozen=True, kw_only=True)
 class KVCacheShape:
     num_layers: int
+    """Layers with keys/values: all of a dense model's, a hybrid model's full-attention ones."""
     num_slots: int
     num_kv_heads: int
     max_seq_len: int
     head_dim: int
+    attention_layers: tuple[int, ...] | None = None
+    """The model layers (indices in the whole model) the cache's layers hold, in order; None:
+    layers 0..num_layers-1 (a dense model)."""
+
+    def __post_init__(self) -> None:
+        assert self.attention_layers is None or len(self.attention_layers) == self.num_layers
 
     @classmethod
     def for_model(cls, model_config: Any, *, num_slots: int, max_seq_len: int) -> KVCacheShape:
+        """Keys/values for every layer of a dense model; for a hybrid model (one with
+        `linear_layers`) those of its `attention_layers` only."""
+        attention_layers, num_layers = None, model_config.num_layers
+        if getattr(model_config, "linear_layers", ()):
+            attention_layers = tuple(model_config.attention_layers)
+            num_layers = len(attention_layers)
         return cls(
-            num_layers=model_config.num_layers,
+            num_layers=num_layers,
             num_slots=num_slots,
             num_kv_heads=model_config.num_kv_heads,
             max_seq_len=max_seq_len,
             head_dim=model_config.head_dim,
+            attention_layers=attention_layers,
         )
 
     @property
@@ -54,24 +74,43 @@ class KVCacheShape:
         """Bytes of keys plus values, known before anything is allocated."""
         return 2 * math.prod(self.dims) * torch.empty((), dtype=dtype).element_size()
 
+    def bytes_per_position(self, dtype: torch.dtype) -> int:
+        """Keys plus values of one token of one sequence (all cached layers)."""
+        return self.nbytes(dtype) // (self.num_slots * self.max_seq_len)
 
-def zeros(dims: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.zeros(dims)`; on CPU in pages the kernel zero-fills on first touch (an
-    anonymous mapping, freed with the tensor), so untouched positions cost nothing."""
-    numel = math.prod(dims)
-    if torch.device(device).type != "cpu" or numel == 0:
-        return torch.zeros(dims, dtype=dtype, device=device)
-    buffer = mmap.mmap(-1, numel * torch.empty((), dtype=dtype).element_size())
-    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(*dims)
+
+@dataclass(frozen=True)
+class SlotPrefix:
+    """A copy of what one slot holds for its first positions: keys/values [L, K, T, H] each
+    and, for a hybrid model, its recurrent states after them."""
+
+    k_LKTH: torch.Tensor
+    v_LKTH: torch.Tensor
+    states: SlotStates | None = None
 
 
 class KVCache:
-    def __init__(self, shape: KVCacheShape, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        states: RecurrentPoolShape | None = None,
+    ) -> None:
+        """`states`: the recurrent-state pool of a hybrid model's linear-attention layers."""
         self.shape, self.dtype, self.device = shape, dtype, device
         self.k_LSKCH = zeros(shape.dims, dtype=dtype, device=device)
         self.v_LSKCH = zeros(shape.dims, dtype=dtype, device=device)
         self.num_slots = shape.num_slots
         self.max_seq_len = shape.max_seq_len
+        layers = shape.attention_layers or range(shape.num_layers)
+        self.layer_of: list[int] = [-1] * (max(layers, default=-1) + 1)
+        """A model layer's index in the cache's first dimension (-1: no keys/values)."""
+        for index, layer in enumerate(layers):
+            self.layer_of[layer] = index
+        self.states = None if states is None else RecurrentPool(states, dtype=dtype, device=device)
+        """Each slot's recurrent states (a hybrid model), moved and copied with its keys/values."""
 
     @property
     def allocated(self) -> bool:
@@ -81,6 +120,8 @@ class KVCache:
         """Free the memory (a generator's sleep); `reacquire` allocates it again."""
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.k_LSKCH, self.v_LSKCH = empty, empty.clone()
+        if self.states is not None:
+            self.states.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -88,14 +129,18 @@ class KVCache:
         if not self.allocated:
             self.k_LSKCH = zeros(self.shape.dims, dtype=self.dtype, device=self.device)
             self.v_LSKCH = zeros(self.shape.dims, dtype=self.dtype, device=self.device)
+        if self.states is not None:
+            self.states.reacquire()
 
     @property
     def nbytes(self) -> int:
+        """Bytes of keys and values (a hybrid model's states: `states.nbytes`)."""
         return self.k_LSKCH.nbytes + self.v_LSKCH.nbytes
 
     def copy_slots(self, *, sources: Sequence[int], targets: Sequence[int], length: int) -> None:
         """Copy the first `length` positions of slots `sources` into `targets` (paired in
-        order, all layers) in one gather per tensor; the two must not share a slot."""
+        order, all layers, and their recurrent states) in one gather per tensor; the two must
+        not share a slot."""
         if len(sources) == 1:
             source, target = slice(sources[0], sources[0] + 1), slice(targets[0], targets[0] + 1)
         else:
@@ -104,18 +149,26 @@ class KVCache:
             target = torch.tensor(targets, device=device)
         self.k_LSKCH[:, target, :, :length] = self.k_LSKCH[:, source, :, :length]
         self.v_LSKCH[:, target, :, :length] = self.v_LSKCH[:, source, :, :length]
+        if self.states is not None:
+            self.states.copy_slots(sources=sources, targets=targets)
 
-    def read_prefix(self, *, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of one slot's first `length` positions, [L, K, length, H] each."""
-        return (
+    def read_prefix(self, *, slot: int, length: int) -> SlotPrefix:
+        """A copy of one slot's first `length` positions (and its recurrent states, which
+        must be those after them)."""
+        return SlotPrefix(
             self.k_LSKCH[:, slot, :, :length].clone(),
             self.v_LSKCH[:, slot, :, :length].clone(),
+            None if self.states is None else self.states.read_slot(slot),
         )
 
-    def write_prefix(self, *, slot: int, k_LKTH: torch.Tensor, v_LKTH: torch.Tensor) -> None:
-        length = k_LKTH.shape[2]
-        self.k_LSKCH[:, slot, :, :length] = k_LKTH
-        self.v_LSKCH[:, slot, :, :length] = v_LKTH
+    def write_prefix(self, *, slot: int, prefix: SlotPrefix) -> None:
+        """Give a slot these first positions; a hybrid model's slot also the prefix's states."""
+        length = prefix.k_LKTH.shape[2]
+        self.k_LSKCH[:, slot, :, :length] = prefix.k_LKTH
+        self.v_LSKCH[:, slot, :, :length] = prefix.v_LKTH
+        if self.states is not None:
+            assert prefix.states is not None, "a hybrid model's prefix carries its states"
+            self.states.write_slot(slot, prefix.states)
 
     def read_prefixes(
         self, *, slots: Sequence[int], length: int
@@ -142,9 +195,9 @@ class PrefillAttention:
     def attend(
         self, layer_index: int, q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
     ) -> torch.Tensor:
-        length = k_BKTH.shape[2]
-        self.cache.k_LSKCH[layer_index, self.slots_B, :, :length] = k_BKTH
-        self.cache.v_LSKCH[layer_index, self.slots_B, :, :length] = v_BKTH
+        length, layer = k_BKTH.shape[2], self.cache.layer_of[layer_index]
+        self.cache.k_LSKCH[layer, self.slots_B, :, :length] = k_BKTH
+        self.cache.v_LSKCH[layer, self.slots_B, :, :length] = v_BKTH
         return causal_attention(q_BNTH, k_BKTH, v_BKTH)
 
 
@@ -181,17 +234,17 @@ class ExtendAttention:
     def attend(
         self, layer_index: int, q_BNTH: torch.Tensor, k_BKTH: torch.Tensor, v_BKTH: torch.Tensor
     ) -> torch.Tensor:
-        head_dim = k_BKTH.shape[-1]
+        head_dim, layer = k_BKTH.shape[-1], self.cache.layer_of[layer_index]
         for new_BKTH, cache_SKCH in (
-            (k_BKTH, self.cache.k_LSKCH[layer_index]),
-            (v_BKTH, self.cache.v_LSKCH[layer_index]),
+            (k_BKTH, self.cache.k_LSKCH[layer]),
+            (v_BKTH, self.cache.v_LSKCH[layer]),
         ):
             new_RKH = new_BKTH.transpose(1, 2)[self.rows_R, self.columns_R]
             cache_SKCH.view(-1, head_dim).index_copy_(
                 0, self.flat_index_N, new_RKH.reshape(-1, head_dim)
             )
-        k_BKCH = self.cache.k_LSKCH[layer_index, self.slots_B, :, : self.width]
-        v_BKCH = self.cache.v_LSKCH[layer_index, self.slots_B, :, : self.width]
+        k_BKCH = self.cache.k_LSKCH[layer, self.slots_B, :, : self.width]
+        v_BKCH = self.cache.v_LSKCH[layer, self.slots_B, :, : self.width]
         return masked_attention(q_BNTH, k_BKCH, v_BKCH, visible_B1TC=self.visible_B1TC)
 
 
@@ -242,8 +295,9 @@ class DecodeAttention:
         self, layer_index: int, q_BN1H: torch.Tensor, k_BK1H: torch.Tensor, v_BK1H: torch.Tensor
     ) -> torch.Tensor:
         num_rows, num_kv_heads, _, head_dim = k_BK1H.shape
-        k_SKCH = self.cache.k_LSKCH[layer_index]
-        v_SKCH = self.cache.v_LSKCH[layer_index]
+        layer = self.cache.layer_of[layer_index]
+        k_SKCH = self.cache.k_LSKCH[layer]
+        v_SKCH = self.cache.v_LSKCH[layer]
         new_rows = num_rows * num_kv_heads
         k_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, k_BK1H.reshape(new_rows, -1))
         v_SKCH.view(-1, head_dim).index_copy_(0, self.flat_index_N, v_BK1H.reshape(new_rows, -1))

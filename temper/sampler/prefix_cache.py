@@ -29,6 +29,13 @@ extending it takes the routes its cached tokens were computed with. The cache ho
 `max_bytes`;
 the least recently used entries go first. Requests that ask for prompt logprobs do not use it
 (they need every prompt position's hidden state).
+
+A hybrid model's entries also keep the sequence's final recurrent states (its linear-attention
+layers', recurrent_pool.py), counted in its bytes. A recurrent state cannot be rewound: it
+holds the sequence's whole past, not one slot per position. So such a cache (`whole_only`)
+gives a prompt only an entry it extends whole (the next turn of a multi-turn episode, whose
+prompt is the last turn's prompt and completion plus the new observation); a prompt that
+shares only part of an entry prefills from the start.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+
+from temper.sampler.kv_cache import SlotPrefix
+from temper.sampler.recurrent_pool import SlotStates
 
 BLOCK = 16
 """Partial matches are found at multiples of this many tokens (an entry of n tokens adds n /
@@ -58,6 +68,9 @@ class CachedPrefix:
     routes_TLK: torch.Tensor | None = None
     """The experts each stored token was routed to (an engine that records routes,
     routes.py): its whole sequence's, however much of it this entry covers."""
+    states: SlotStates | None = None
+    """A hybrid model's recurrent states of the block, [L, F, ...] (row `row`'s are this
+    sequence's after its last token)."""
 
     @property
     def length(self) -> int:
@@ -67,6 +80,16 @@ class CachedPrefix:
         """This sequence's keys and values, [L, K, length, H] each."""
         length = self.length
         return self.k_LFKCH[:, self.row, :, :length], self.v_LFKCH[:, self.row, :, :length]
+
+    def slot_prefix(self) -> SlotPrefix:
+        """What a slot starting from this entry is given: its keys/values and, for a hybrid
+        model, its final recurrent states (`PrefixCache.whole_only` entries only)."""
+        k_LKTH, v_LKTH = self.keys_values()
+        if self.states is None:
+            return SlotPrefix(k_LKTH, v_LKTH)
+        row = self.row
+        states = SlotStates(self.states.conv_LCW[:, row], self.states.state_LNKV[:, row])
+        return SlotPrefix(k_LKTH, v_LKTH, states)
 
     def routes(self) -> torch.Tensor:
         """This entry's tokens' routes, [length, L, K]."""
@@ -93,13 +116,18 @@ class _Block:
     v_LFKCH: torch.Tensor
     bytes_per_position: int
     routes: Sequence[torch.Tensor] | None
+    states: SlotStates | None
+    bytes_per_sequence: int
 
 
 class PrefixCache:
-    def __init__(self, *, max_bytes: int) -> None:
+    def __init__(self, *, max_bytes: int, whole_only: bool = False) -> None:
+        """`whole_only`: entries are used whole or not at all (a hybrid model's, whose
+        recurrent states are those after the entry's last token)."""
         if max_bytes < 0:
             raise ValueError(f"PrefixCache: max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.whole_only = whole_only
         self.nbytes = 0
         self.num_hits = 0
         self.num_hit_tokens = 0
@@ -137,15 +165,16 @@ class PrefixCache:
 
     def longest(self, prompt: Sequence[int], *, adapter: int) -> CachedPrefix | None:
         """The longest cached start of `prompt` that leaves at least its last token to
-        compute (its position gives the logits): a whole stored sequence, or the first
-        multiple of BLOCK tokens of one (then an entry cut to that length)."""
+        compute (its position gives the logits): a whole stored sequence, or (unless
+        `whole_only`) the first multiple of BLOCK tokens of one (then an entry cut to that
+        length)."""
         self._index()
         if not self._entries or len(prompt) < 2:
             return None
         hashes = prefix_hashes(prompt[:-1], adapter=adapter)
         for length in range(len(hashes), 0, -1):
             key = hashes[length - 1]
-            if key not in self._entries and length % BLOCK == 0:
+            if key not in self._entries and length % BLOCK == 0 and not self.whole_only:
                 key = self._blocks.get(key, key)  # an entry this prompt shares blocks with
             entry = self._entries.get(key)
             if (
@@ -169,10 +198,12 @@ class PrefixCache:
         k_LFKCH: torch.Tensor,
         v_LFKCH: torch.Tensor,
         routes: Sequence[torch.Tensor] | None = None,
+        states: SlotStates | None = None,
     ) -> None:
         """Keep the keys/values of several sequences: sequence f's are row f of k_LFKCH and
         v_LFKCH, positions 0..len-1 (the block is held until the last of its entries goes),
-        and `routes[f]`, its tokens' recorded routes [len, L, K], when given.
+        `routes[f]`, its tokens' recorded routes [len, L, K], when given, and a hybrid
+        model's recurrent states after each sequence (row f of `states`, [L, F, ...]).
 
         They are hashed only when a lookup needs them: a single-turn RL step stores every
         sequence it samples and looks none up before its weights change."""
@@ -182,12 +213,17 @@ class PrefixCache:
         if routes is not None:
             assert all(len(r) == len(t) for r, t in zip(routes, sequences, strict=True))
             per_position += routes[0][0].numel() * routes[0].element_size()
+        per_sequence = 0
+        if states is not None:
+            assert self.whole_only, "recurrent states are only right at an entry's end"
+            per_sequence = (states.conv_LCW.nbytes + states.state_LNKV.nbytes) // len(sequences)
         block = _Block(
             sequences=sequences, adapters=adapters, k_LFKCH=k_LFKCH, v_LFKCH=v_LFKCH,
-            bytes_per_position=per_position, routes=routes,
+            bytes_per_position=per_position, routes=routes, states=states,
+            bytes_per_sequence=per_sequence,
         )  # fmt: skip
         self._pending.append(block)
-        self.nbytes += per_position * sum(map(len, sequences))
+        self.nbytes += per_position * sum(map(len, sequences)) + per_sequence * len(sequences)
         if self.nbytes > self.max_bytes:
             self._index()
             while self.nbytes > self.max_bytes:
@@ -205,10 +241,12 @@ class PrefixCache:
                     self._remove(key)  # the same tokens again: the newer copy stays
                 for length in range(BLOCK, len(tokens), BLOCK):
                     self._blocks[hashes[length - 1]] = key  # the newest entry with them
+                nbytes = block.bytes_per_position * len(tokens) + block.bytes_per_sequence
                 self._entries[key] = CachedPrefix(
                     tokens=tuple(tokens), adapter=adapter, k_LFKCH=block.k_LFKCH,
-                    v_LFKCH=block.v_LFKCH, row=row, nbytes=block.bytes_per_position * len(tokens),
+                    v_LFKCH=block.v_LFKCH, row=row, nbytes=nbytes,
                     routes_TLK=None if block.routes is None else block.routes[row],
+                    states=block.states,
                 )  # fmt: skip
         self._pending.clear()
 

@@ -14,6 +14,7 @@ import torch
 
 from temper.api.prompt_targets import PromptTargetLogprobs, PromptTargets
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs
+from temper.sampler.kv_cache import SlotPrefix
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio); spreads sample indices
 
@@ -102,8 +103,9 @@ class RequestState:
         base_seed = self.params.seed if self.params.seed is not None else entropy.getrandbits(63)
         self.seeds = [sample_seed(base_seed, i) for i in range(request.num_samples)]
         self.num_admitted = 0
-        self.prefix: tuple[torch.Tensor, torch.Tensor] | None = None
-        """Cached prompt keys/values, kept while samples still wait for a slot."""
+        self.prefix: SlotPrefix | None = None
+        """Cached prompt keys/values (and recurrent states), kept while samples still wait
+        for a slot."""
         self.prompt_routes: torch.Tensor | None = None
         """The prompt's recorded routes [P, L, K] (an engine that records routes)."""
         self.first_logits_V: torch.Tensor | None = None

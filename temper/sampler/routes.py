@@ -36,7 +36,7 @@ from torch import nn
 from temper.api.types import RoutedExperts
 from temper.models.common.moe import MoE
 from temper.models.common.moe_stats import moe_layers
-from temper.sampler.kv_cache import zeros
+from temper.sampler.kv_cache_memory import zeros
 
 
 def recording(
@@ -59,7 +59,7 @@ class RouteRecorder:
         self.num_layers, self.top_k, self.num_experts = len(layers), block.top_k, block.num_experts
         # The compact dtype RoutedExperts keeps them in (expert ids < 256: one byte each).
         self.dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
-        # Zero pages on CPU until a slot decodes that far (kv_cache.zeros).
+        # Zero pages on CPU until a slot decodes that far (kv_cache_memory.zeros).
         self.decode_SMLK = zeros(
             (num_slots, max_new_tokens, self.num_layers, self.top_k),
             dtype=self.dtype,

@@ -107,7 +107,8 @@ class ConversationDataset(Configurable):
         """Seed of the held-out split (kept apart from the run's seed, so runs with other
         seeds evaluate on the same conversations)."""
         renderer: RendererName = "role_colon"
-        """Chat format: role_colon (plain text, any tokenizer), qwen3 or qwen3_no_think."""
+        """Chat format: role_colon (plain text, any tokenizer), qwen3, qwen3_no_think, or
+        qwen3_5 (Qwen3.5 / Qwen3.6), qwen3_5_disable_thinking, qwen3_5_preserve_thinking."""
         train_on: TrainOn = "all_assistant"
         """Assistant messages trained on: all_assistant or last_assistant."""
 

@@ -71,7 +71,7 @@ from temper.trainer.router_stats import (
 )
 from temper.trainer.routing_replay import RouteReplay, RouteShape
 from temper.trainer.sharding import Sharding
-from temper.trainer.shared_prefix import packed_logprobs
+from temper.trainer.shared_prefix import packed_logprobs, packing_is_exact
 
 
 class TrainerEngine(Configurable):
@@ -84,7 +84,8 @@ class TrainerEngine(Configurable):
         share_prefixes: bool = True
         """Run a prefix shared by consecutive datums (a GRPO group's prompt) once per batch
         instead of once per datum, when that saves >= 15% of the positions; logprobs and
-        gradients equal the padded path's up to float rounding."""
+        gradients equal the padded path's up to float rounding. Off for hybrid models
+        (linear-attention layers), on which the packed layout is not exact (shared_prefix.py)."""
         shard_threads: int = 1
         """CPU, one process: run forward and forward_backward calls as this many shards of
         the datums at once, one thread each with single-threaded ops, summing the shards'
@@ -359,7 +360,7 @@ class TrainerEngine(Configurable):
             micro_batches(
                 prepared,
                 max_tokens=max_tokens or self.config.max_tokens_per_microbatch,
-                share_prefixes=self.config.share_prefixes,
+                share_prefixes=self.config.share_prefixes and packing_is_exact(self.model.config),
                 replaying=replay == "sampler",
             )
         )

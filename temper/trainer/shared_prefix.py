@@ -28,6 +28,17 @@ from temper.api.types import numbers_to_tensor
 from temper.models.common.attention import masked_attention
 from temper.models.common.logprobs import target_logprobs
 
+
+def packing_is_exact(model_config: object) -> bool:
+    """Whether a model computes the same function on the packed layout: only when attention is
+    its only token mixer. The layout is known to attention alone (through its backend); a
+    hybrid model's linear-attention layers (Gated DeltaNet, `linear_layers` in its config) run
+    a convolution and a recurrence along each row of their input, which in the packed sequence
+    would read across a prefix row's end and never carry the prefix's state into its suffix
+    rows. Such models train on the padded layout."""
+    return not getattr(model_config, "linear_layers", ())
+
+
 MIN_SAVING = 0.15
 """Pack only when it saves at least this fraction of the padded layout's positions."""
 KEY_MULTIPLE = 16

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import torch.multiprocessing as mp
@@ -78,8 +79,10 @@ def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(t
     for rank in (0, 1):
         message = (out_dir / f"rank{rank}.pt").exists() and _load(out_dir, rank)
         assert message, f"trainer rank {rank} did not report the failure"
-        assert f"trainer rank {rank}: generate call on policy version" in message, message
-        assert "to generator rank 2: " in message, message  # sending it, or awaiting its answer
+        # The rank's generate call (sending it, or awaiting its answer) or, where the generator
+        # answered this rank before dying on the other's call, the weight sync that follows.
+        assert f"trainer rank {rank}: " in message, message
+        assert re.search(r"policy version \d+ to generator ranks? \(?2\b", message), message
         assert "the peer stopped" in message, message
         assert "resume" in message
     state = json.loads((run_dir / "run_state" / "state.json").read_text())

@@ -136,11 +136,21 @@ def chunk_gated_delta_rule(
         if state_BNKV is None
         else state_BNKV.reshape(B * N, K, V).float()
     )
+    # Per-chunk views by unbind, not indexing: indexing's backward would fill a zero tensor of
+    # the whole size for every chunk; unbind's stacks the M gradients once.
+    per_chunk = zip(
+        readers_XMRK.unbind(1),
+        u_XMCV.unbind(1),
+        attn_XMCC.unbind(1),
+        writers_XMKC.unbind(1),
+        chunk_decay_XM11.unbind(1),
+        strict=True,
+    )
     outs = []
-    for m in range(M):
-        read_XRV = readers_XMRK[:, m] @ S_XKV
-        v_new_XCV = u_XMCV[:, m] - read_XRV[:, C:]
-        outs.append(torch.baddbmm(read_XRV[:, :C], attn_XMCC[:, m], v_new_XCV))
-        S_XKV = torch.baddbmm(S_XKV * chunk_decay_XM11[:, m], writers_XMKC[:, m], v_new_XCV)
+    for readers_XRK, u_XCV, attn_XCC, writers_XKC, chunk_decay_X11 in per_chunk:
+        read_XRV = readers_XRK @ S_XKV
+        v_new_XCV = u_XCV - read_XRV[:, C:]
+        outs.append(torch.baddbmm(read_XRV[:, :C], attn_XCC, v_new_XCV))
+        S_XKV = torch.baddbmm(S_XKV * chunk_decay_X11, writers_XKC, v_new_XCV)
     out_BNTV = torch.stack(outs, dim=1).reshape(B, N, M * C, V)[:, :, :T]
     return out_BNTV.transpose(1, 2).to(v_BTNV.dtype), S_XKV.reshape(B, N, K, V)

@@ -57,6 +57,8 @@ def fusable(model: nn.Module) -> bool:
     # e.g. scaling embeddings, decodes on its own forward).
     if not isinstance(model, Decoder) or type(model).hidden_states is not Decoder.hidden_states:
         return False
+    if getattr(model.config, "linear_layers", ()):
+        return False  # a hybrid model's blocks are not all grouped-query attention
     blocks = model.blocks
     dtypes = {parameter.dtype for parameter in model.parameters()}
     if len(dtypes) != 1 or dtypes.pop() not in (torch.float32, torch.bfloat16):

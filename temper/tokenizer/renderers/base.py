@@ -26,7 +26,8 @@ TrainOn = Literal["all_assistant", "last_assistant"]
 """Which assistant messages get weight 1: every one, or only the last of the conversation."""
 
 Message = Mapping[str, str]
-"""{"role": "system" | "user" | "assistant", "content": str}"""
+"""{"role": "system" | "user" | "assistant", "content": str}; the qwen3_5 renderers also take
+role "tool" and an assistant message's "tool_calls" (see qwen3_5.py)."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class Segments:
         return WeightedTokens(tokens=list(self.tokens), weights=list(self.weights))
 
 
-def check_messages(messages: Sequence[Message]) -> None:
-    """ValueError unless every message is {"role": one of ROLES, "content": str}."""
+def check_messages(messages: Sequence[Message], *, roles: tuple[str, ...] = ROLES) -> None:
+    """ValueError unless every message is {"role": one of `roles`, "content": str}."""
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ValueError(f"message {index} must be an object, got {type(message).__name__}")
@@ -101,8 +102,8 @@ def check_messages(messages: Sequence[Message]) -> None:
                 '{"role": ..., "content": "..."}'
             )
         role, content = message["role"], message["content"]
-        if role not in ROLES:
-            raise ValueError(f"message {index}: role {role!r} is not one of {list(ROLES)}")
+        if role not in roles:
+            raise ValueError(f"message {index}: role {role!r} is not one of {list(roles)}")
         if not isinstance(content, str):
             raise ValueError(
                 f"message {index}: content must be a string, got {type(content).__name__}"
