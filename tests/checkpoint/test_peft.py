@@ -24,6 +24,7 @@ from temper.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, sa
 from temper.models import materialize
 from temper.models.lora import LoraConfig, apply_lora, lora_modules
 from temper.models.qwen3_5 import qwen3_5_size
+from temper.models.qwen3_5_moe import qwen3_5_moe_size
 from tests.models.hf_reference import save_hf, tiny_hf_llama, tiny_hf_qwen3, tiny_hf_qwen3_moe
 
 pytest.importorskip("transformers")
@@ -36,7 +37,7 @@ def _hf_exported(family: str, *, tie: bool, seed: int):
     families whose HF twin tests/models does not build)."""
     from transformers import AutoModelForCausalLM
 
-    size = {"qwen3_5": qwen3_5_size}[family]
+    size = {"qwen3_5": qwen3_5_size, "qwen3_5_moe": qwen3_5_moe_size}[family]
     config = dataclasses.replace(size("tiny", vocab_size=VOCAB), tie_embeddings=tie)
     with tempfile.TemporaryDirectory() as directory:
         save_pretrained(materialize(config, seed=seed), directory)
@@ -50,6 +51,8 @@ HF_BUILDERS = {
     "qwen3_moe_all_sparse": lambda **kwargs: tiny_hf_qwen3_moe(mlp_only_layers=(), **kwargs),
     # 3 Gated DeltaNet layers and a gated full-attention layer: every projection adapted.
     "qwen3_5": lambda **kwargs: _hf_exported("qwen3_5", **kwargs),
+    # Routed experts (per expert) and a shared expert (a dense twin, `target_parameters`).
+    "qwen3_5_moe": lambda **kwargs: _hf_exported("qwen3_5_moe", **kwargs),
 }
 
 
