@@ -178,10 +178,11 @@ def test_moe_adapter_is_written_per_expert(tmp_path, dense_layers):
     assert not any(".mlp.gate." in key for key in keys)  # the router is not adapted
 
 
-def test_transformers_load_adapter_gives_the_moe_lora_logits(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_transformers_load_adapter_gives_the_moe_lora_logits(tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    save_hf(tiny_hf_qwen3_moe(seed=6), tmp_path / "base")
+    save_hf(HF_BUILDERS[family](tie=False, seed=6), tmp_path / "base")
     model = _lora_model(tmp_path / "base", LoraConfig(rank=4, alpha=8.0))
     save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="tiny-moe")
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "base").float().eval()
@@ -214,3 +215,25 @@ def test_qwen3_5_adapter_targets_the_linear_attention_projections(tmp_path):
     assert torch.equal(qkv_B, model.blocks[0].linear_attention.in_proj_qkv.lora_B)
     # 3 linear-attention layers of 5 projections, 1 attention layer of 4, the unembedding.
     assert len(keys) == 2 * (3 * 5 + 4 + 1)
+
+
+def test_qwen3_5_moe_expert_adapters_target_the_fused_parameters(tmp_path):
+    save_hf(_hf_exported("qwen3_5_moe", tie=False, seed=0), tmp_path / "base")
+    model = _lora_model(tmp_path / "base", LoraConfig(rank=2, alpha=4.0, train_attn=False))
+    out = save_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path="org/moe")
+    config = json.loads((out / ADAPTER_CONFIG_FILE).read_text())
+    # The shared expert's linears are modules; the routed experts' fused parameters.
+    assert config["target_modules"] == ["gate_proj", "up_proj", "down_proj", "lm_head"]
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 4}
+    assert config["alpha_pattern"] == {r".*\.gate_up_proj": 8.0}
+    experts = model.blocks[0].feed_forward.experts
+    E, R = experts.w_down_adapter.lora_A.shape[:2]
+    with safe_open(str(out / ADAPTER_WEIGHTS_FILE), framework="pt") as handle:
+        down_B = handle.get_tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight")
+        gate_up_A = handle.get_tensor(
+            "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"
+        )
+    # down: B [D, R * E], column r * E + e; gate_up: A [E * 2R, D], expert e's gate then up.
+    assert torch.equal(down_B[:, 1 * E + 3], experts.w_down_adapter.lora_B[3, :, 1])
+    assert torch.equal(gate_up_A[3 * 2 * R + R], experts.w_up_adapter.lora_A[3, 0])
