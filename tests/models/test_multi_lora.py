@@ -15,8 +15,6 @@ import torch
 
 from temper.api import SamplingParams
 from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
-from temper.models.qwen3_5 import qwen3_5_size
-from temper.models.qwen3_5_moe import qwen3_5_moe_size
 from temper.models.lora import (
     LoraConfig,
     apply_lora,
@@ -26,6 +24,8 @@ from temper.models.lora import (
     merged_state_dict,
 )
 from temper.models.multi_lora import apply_multi_lora, set_rows
+from temper.models.qwen3_5 import qwen3_5_size
+from temper.models.qwen3_5_moe import qwen3_5_moe_size
 from temper.sampler.engine import SamplerEngine, SampleRequest
 
 CONFIGS = [
