@@ -2,7 +2,11 @@
 gloo ranks: FSDP2, TP (heads of both mixers split, hybrid_parallel.py), activation
 checkpointing and LoRA on every projection (the linear-attention ones included) under FSDP
 train like one process on all the data; a DCP checkpoint saved under TP loads under FSDP and in
-one process bitwise, and the resumed FSDP run continues bitwise. FSDP x TP on 4 ranks too.
+one process bitwise, and the resumed FSDP run continues bitwise. Qwen3.5-MoE (4 routed experts
+and a shared expert a layer): expert parallelism (2 experts a rank), EP with LoRA on the
+experts, and TP (experts whole on each rank) likewise. FSDP x TP on 4 ranks too.
+
+One spawn runs every 2-rank scenario (process start-up dominates on a small machine).
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ SCENARIOS = {
         ALTERNATE,
     ),
     "fsdp_lora": ({"dims": {"dp_shard": 2}, "lora": LORA}, ALTERNATE),
+    "moe_ep": ({"dims": {"dp_shard": 2, "ep": 2}, "family": "qwen3_5_moe"}, ALTERNATE),
+    "moe_ep_lora": (
+        {"dims": {"dp_shard": 2, "ep": 2}, "family": "qwen3_5_moe", "lora": LORA},
+        ALTERNATE,
+    ),
+    "moe_tp": ({"dims": {"dp_shard": 1, "tp": 2}, "family": "qwen3_5_moe"}, None),
 }
 
 
-def _engine(dims: dict | None = None, **kwargs):
+def _engine(dims: dict | None = None, *, family: str = FAMILY, **kwargs):
     dims = None if dims is None else ParallelDims.Config(**dims)
-    return training.engine(family=FAMILY, dims=dims, **kwargs)
+    return training.engine(family=family, dims=dims, **kwargs)
 
 
 def _tp_shapes(engine) -> dict[str, tuple[bool, tuple[int, ...]]]:
@@ -113,6 +123,9 @@ def _run_scenarios(rank: int, directory) -> dict:
         share = slice(None) if shares is None else shares[engine.sharding.dp_rank]
         if name == "tp":
             results["tp_shapes"] = _tp_shapes(engine)
+        if name == "moe_ep":
+            experts = engine.model.blocks[0].feed_forward.experts
+            results["ep_experts"] = tuple(local_part(experts.w_gate).shape)
         results[name] = training.train(engine, share=share)
         del engine
     results["checkpoints"] = _checkpoints(rank, directory)
@@ -134,9 +147,17 @@ def results(tmp_path_factory) -> tuple[list[dict], object]:
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_two_ranks_train_qwen3_5_like_one_process(results, scenario):
     kwargs, _ = SCENARIOS[scenario]
-    reference = training.train(_engine(lora=kwargs.get("lora")))
+    reference = training.train(
+        _engine(family=kwargs.get("family", FAMILY), lora=kwargs.get("lora"))
+    )
     for result in results[0]:
         _assert_matches(result[scenario], reference)
+
+
+def test_expert_parallelism_holds_half_of_the_experts_on_each_rank(results):
+    config = training.tiny_model(family="qwen3_5_moe").config
+    for result in results[0]:
+        assert result["ep_experts"] == (2, config.moe_ffn_dim, config.dim)
 
 
 def test_tp_splits_the_heads_of_both_mixers(results):
