@@ -26,7 +26,9 @@ doubled), which is exact. That conversion takes every `gate_proj`/`up_proj`/`dow
 target for an expert, so a model that also has dense MLP layers (`mlp_only_layers`) lists
 those layers' weights again in `target_parameters` (`mlp.gate_proj.weight`: PEFT then adapts
 them as parameters, the same W + scale * B @ A). That entry is written only for such models:
-transformers 4, whose experts are linears, would see the dense layers targeted twice.
+transformers 4, whose experts are linears, would see the dense layers targeted twice. Model
+types PEFT does not convert (Qwen3.5-MoE) get their expert adapters written on the fused
+parameters themselves (peft_fused_experts.py); a shared expert's linears are plain targets.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ from safetensors.torch import save_file
 
 from temper.checkpoint.atomic import check_free, staged_directory
 from temper.checkpoint.composite import stored_key
+from temper.checkpoint.peft_fused_experts import (
+    fused_config_entries,
+    fused_expert_adapters,
+    fused_experts,
+    is_expert_adapter,
+)
 from temper.models.common.decoder import Decoder
 from temper.models.common.hf_composite import HfComposite
 from temper.models.lora import (
@@ -58,6 +66,11 @@ _PEFT_PREFIX = "base_model.model."
 # PEFT matches target_modules against the last component of a module's name; list them in
 # model order so the file reads like the architecture.
 _HF_TARGET_ORDER = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
     "q_proj",
     "k_proj",
     "v_proj",
@@ -71,7 +84,8 @@ _HF_TARGET_ORDER = (
 
 @dataclass(frozen=True)
 class _HfAdapter:
-    """One adapted HF module: a linear, or one expert's projection."""
+    """One adapted HF module: a linear, one expert's projection, or a fused expert
+    parameter (peft_fused_experts.py)."""
 
     name: str
     """Its HF module path, e.g. 'model.layers.0.self_attn.q_proj', 'lm_head',
@@ -79,6 +93,8 @@ class _HfAdapter:
     lora_A: torch.Tensor
     lora_B: torch.Tensor
     expert: bool
+    fused: bool = False
+    """A `target_parameters` adapter (not a `target_modules` one)."""
 
 
 def _hf_adapters(model: Decoder) -> Iterator[_HfAdapter]:
@@ -102,8 +118,9 @@ def _hf_adapters_of(
 ) -> Iterator[_HfAdapter]:
     """The adapters in `tensors` (`lora_state_dict` names) under their HF module names (in a
     multimodal checkpoint's layout for a model read from one: `composite`)."""
+    fused = fused_experts(family)
     for name in tensors:
-        if not name.endswith(".lora_A"):
+        if not name.endswith(".lora_A") or (fused and is_expert_adapter(name)):
             continue
         module_name = name.removesuffix(".lora_A")
         lora_A, lora_B = tensors[name].detach(), tensors[f"{module_name}.lora_B"].detach()
@@ -112,6 +129,10 @@ def _hf_adapters_of(
             pair = (lora_A[slot.expert], lora_B[slot.expert]) if expert else (lora_A, lora_B)
             name = stored_key(composite, hf_key).removesuffix(".weight")
             yield _HfAdapter(name, *pair, expert=expert)
+    if fused:
+        for adapter in fused_expert_adapters(family, tensors):
+            module = stored_key(composite, f"{adapter.module}.weight").removesuffix(".weight")
+            yield _HfAdapter(module, adapter.lora_A, adapter.lora_B, True, fused=True)
 
 
 def _dense_twins(adapters: list[_HfAdapter]) -> list[str]:
@@ -141,7 +162,7 @@ def peft_adapter_config(model: Decoder, *, base_model_name_or_path: str) -> dict
 
 
 def _adapter_config(adapters: list[_HfAdapter], *, rank: int, alpha: float, base: str) -> dict:
-    targets = {adapter.name.rsplit(".", 1)[-1] for adapter in adapters}
+    targets = {adapter.name.rsplit(".", 1)[-1] for adapter in adapters if not adapter.fused}
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -161,6 +182,8 @@ def _adapter_config(adapters: list[_HfAdapter], *, rank: int, alpha: float, base
     twins = _dense_twins(adapters)
     if twins:
         config["target_parameters"] = twins
+    if any(adapter.fused for adapter in adapters):
+        config |= fused_config_entries(rank=rank, alpha=alpha)
     return config
 
 

@@ -120,7 +120,8 @@ class ParallelDims(Configurable):
 
     def check_model(self, model_config: Any) -> None:
         """Raise if `model_config` (a DecoderConfig) cannot be split as the degrees say: `tp`
-        ways its heads and the feed-forward width of its dense layers (routed experts stay
+        ways its heads (a hybrid model's linear-attention key and value heads too) and the
+        feed-forward width of its dense layers (routed experts stay
         whole on every tp rank, so a model whose layers are all sparse never splits
         `ffn_dim`), `ep` ways its routed experts."""
         if self.ep_enabled:
@@ -139,6 +140,8 @@ class ParallelDims(Configurable):
         if not self.tp_enabled:
             return
         fields = ("num_heads", "num_kv_heads")
+        if getattr(model_config, "linear_layers", ()):  # Gated DeltaNet heads split too
+            fields += ("linear_num_key_heads", "linear_num_value_heads")
         if _has_dense_layer(model_config):
             fields += ("ffn_dim",)
         for field in fields:

@@ -24,6 +24,11 @@ bound (PEFT draws its stacked expert adapters the same way).
 
 Targets are chosen by the three `train_*` switches; a switch whose projections a model lacks
 fails in `apply_lora` before anything is changed, naming the switch and the valid ones.
+`train_attn` adapts each block's token mixer: a full-attention layer's q, k, v, o (a gated
+attention's q projection includes its gate half), a linear-attention (Gated DeltaNet) layer's
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj; the conv, decay and norm parameters
+of a Gated DeltaNet are never adapted (they are not linears). `train_mlp` adapts a MoE block's
+shared expert (its gate, up, down; never its sigmoid gate) beside the routed experts.
 """
 
 from __future__ import annotations
@@ -48,7 +53,11 @@ from temper.models.lora_experts import (
 )
 
 ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""A Gated DeltaNet's projections, by their attribute on the layer (the HF names)."""
 MLP_TARGETS = ("w_gate", "w_up", "w_down")
+SHARED_EXPERT = "shared_expert"
+"""The attribute of a MoE block's shared expert (a SwiGLU), where a family has one."""
 LORA_SUFFIXES = (".lora_A", ".lora_B")
 
 
@@ -61,10 +70,12 @@ class LoraConfig:
     alpha: float = 32.0
     """Scale numerator: the adapter adds (alpha / rank) * B @ A to each weight."""
     train_attn: bool = True
-    """Adapt the attention projections (q, k, v, o)."""
+    """Adapt the token mixers' projections: attention's q, k, v, o; a linear-attention
+    layer's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj."""
     train_mlp: bool = True
     """Adapt the feed-forward projections (gate, up, down): a dense layer's, and in a MoE
-    layer every routed expert's (one pair per expert; the router is never adapted)."""
+    layer every routed expert's (one pair per expert) and a shared expert's; the router and
+    the shared expert's gate are never adapted."""
     train_unembed: bool = True
     """Adapt the unembedding (output projection; the input embedding is never changed)."""
     seed: int = 0
@@ -152,6 +163,20 @@ projection's stacked adapters."""
 UNEMBEDDING_ADAPTER = "output_adapter"
 
 
+def mixer(block: nn.Module) -> tuple[str, nn.Module, tuple[str, ...]]:
+    """(attribute, module, linear names to adapt) of a block's token mixer: `attention` with
+    q, k, v, o, or a hybrid block's `linear_attention` with its five projections."""
+    linear = getattr(block, "linear_attention", None)
+    if linear is not None:
+        return "linear_attention", linear, LINEAR_ATTENTION_TARGETS
+    return "attention", block.attention, ATTENTION_TARGETS
+
+
+def shared_expert(feed_forward: nn.Module) -> nn.Module | None:
+    """A MoE block's shared expert (a SwiGLU beside the routed experts), or None."""
+    return getattr(feed_forward, SHARED_EXPERT, None)
+
+
 def _targets(model: Decoder, config: LoraConfig) -> dict[str, tuple[nn.Module, str]]:
     """Adapter module name -> (parent, attribute) of every weight to adapt, in a fixed order
     (it fixes the init): a linear by its parent module, a MoE block's stacked expert weight by
@@ -159,16 +184,23 @@ def _targets(model: Decoder, config: LoraConfig) -> dict[str, tuple[nn.Module, s
     _check_switches(model, config)
     targets = {}
     for index, block in enumerate(model.blocks):
+        prefix = f"blocks.{index}"
         if config.train_attn:
-            for name in ATTENTION_TARGETS:
-                targets[f"blocks.{index}.attention.{name}"] = (block.attention, name)
-        if config.train_mlp and isinstance(block.feed_forward, MoE):
+            part, module, names = mixer(block)
+            for name in names:
+                targets[f"{prefix}.{part}.{name}"] = (module, name)
+        feed_forward = block.feed_forward
+        if config.train_mlp and isinstance(feed_forward, MoE):
             for name in EXPERT_TARGETS:
-                adapter = f"blocks.{index}.feed_forward.experts.{name}{ADAPTER_SUFFIX}"
-                targets[adapter] = (block.feed_forward, name)
+                adapter = f"{prefix}.feed_forward.experts.{name}{ADAPTER_SUFFIX}"
+                targets[adapter] = (feed_forward, name)
+            shared = shared_expert(feed_forward)
+            if shared is not None:
+                for name in MLP_TARGETS:
+                    targets[f"{prefix}.feed_forward.{SHARED_EXPERT}.{name}"] = (shared, name)
         elif config.train_mlp:
             for name in MLP_TARGETS:
-                targets[f"blocks.{index}.feed_forward.{name}"] = (block.feed_forward, name)
+                targets[f"{prefix}.feed_forward.{name}"] = (feed_forward, name)
     return targets
 
 
@@ -189,12 +221,12 @@ def _missing_targets(model: Decoder, field: str) -> str | None:
     """What lacks the projections switch `field` adapts, or None when every block has them."""
     for index, block in enumerate(model.blocks):
         if field == "train_attn":
-            part, names = "attention", ATTENTION_TARGETS
+            part, module, names = mixer(block)
         elif isinstance(block.feed_forward, MoE):
             continue  # the experts' stacked weights
         else:
             part, names = "feed_forward", MLP_TARGETS
-        module = getattr(block, part)
+            module = block.feed_forward
         if not all(isinstance(getattr(module, name, None), nn.Linear) for name in names):
             return (
                 f"block {index}'s {part} ({type(module).__name__}) has no linear projections "

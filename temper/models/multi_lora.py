@@ -44,7 +44,7 @@ from torch import nn
 
 from temper.models.common.decoder import Decoder
 from temper.models.common.moe import GroupedExperts, MoE
-from temper.models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoraConfig
+from temper.models.lora import MLP_TARGETS, LoraConfig, mixer, shared_expert
 from temper.models.lora_experts import (
     ADAPTER_SUFFIX,
     EXPERT_TARGETS,
@@ -325,7 +325,9 @@ class MultiLoraExperts(GroupedExperts):
 class MultiLoraMoE(MoE):
     """A frozen MoE block whose experts add the adapter of each token's row: routed as the
     plain block is (`MoE.forward`), then combined once for the rows' one slot, or once per
-    used slot on that slot's tokens."""
+    used slot on that slot's tokens. A block with a shared expert (shared_expert_moe.py) keeps
+    it and its sigmoid gate, added after the routed part as that block adds it (the shared
+    expert's linears carry slots of their own)."""
 
     def __init__(self, base: MoE, *, rows: AdapterRows) -> None:
         num_experts, hidden_dim, dim = base.experts.w_gate.shape
@@ -341,6 +343,15 @@ class MultiLoraMoE(MoE):
         self.experts = MultiLoraExperts(base.experts, rows=rows)
         self.keep_routing = base.keep_routing
         self.rows = rows
+        self.shared_expert = getattr(base, "shared_expert", None)
+        self.shared_expert_gate = getattr(base, "shared_expert_gate", None)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        routed_BTD = super().forward(x_BTD)
+        if self.shared_expert is None:
+            return routed_BTD
+        gate_BT1 = torch.sigmoid(self.shared_expert_gate(x_BTD))
+        return routed_BTD + gate_BT1 * self.shared_expert(x_BTD)
 
     def combine(
         self, x_ND: torch.Tensor, *, weights_NK: torch.Tensor, experts_NK: torch.Tensor
@@ -380,8 +391,12 @@ def install_slots(model: Decoder) -> None:
     rows = AdapterRows()
     model.multi_lora_rows = rows
     for block in model.blocks:
-        targets = [(block.attention, name) for name in ATTENTION_TARGETS]
+        _, module, names = mixer(block)
+        targets = [(module, name) for name in names]
         if isinstance(block.feed_forward, MoE):
+            shared = shared_expert(block.feed_forward)
+            if shared is not None:
+                targets += [(shared, name) for name in MLP_TARGETS]
             block.feed_forward = MultiLoraMoE(block.feed_forward, rows=rows)
         else:
             targets += [(block.feed_forward, name) for name in MLP_TARGETS]

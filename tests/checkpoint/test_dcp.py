@@ -19,6 +19,8 @@ from temper.checkpoint.dcp import (
     save_train_state,
 )
 from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
+from temper.models.qwen3_5 import qwen3_5_size
+from temper.models.qwen3_5_moe import qwen3_5_moe_size
 
 VOCAB = 31
 METADATA = {"step": 3, "policy_version": 3, "lora": {"rank": 4, "alpha": 8.0}, "rng": [1, 2]}
@@ -27,8 +29,11 @@ METADATA = {"step": 3, "policy_version": 3, "lora": {"rank": 4, "alpha": 8.0}, "
 def _model(
     *, seed: int = 0, num_layers: int = 2, vocab_size: int = VOCAB, size=qwen3_size
 ) -> torch.nn.Module:
-    config = dataclasses.replace(size("tiny", vocab_size=vocab_size), num_layers=num_layers)
-    return materialize(config, seed=seed)
+    config = size("tiny", vocab_size=vocab_size)
+    changes = {"num_layers": num_layers}
+    if hasattr(config, "layer_types"):  # a hybrid model: its last layers, both kinds of mixer
+        changes["layer_types"] = config.layer_types[-num_layers:]
+    return materialize(dataclasses.replace(config, **changes), seed=seed)
 
 
 def _freeze_all_but_norms(model: torch.nn.Module) -> None:
@@ -73,7 +78,9 @@ def _saved_keys(directory) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "size", [qwen3_size, llama_size, qwen3_moe_size], ids=["qwen3", "llama", "qwen3_moe"]
+    "size",
+    [qwen3_size, llama_size, qwen3_moe_size, qwen3_5_size, qwen3_5_moe_size],
+    ids=["qwen3", "llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"],
 )
 def test_resume_from_checkpoint_is_bitwise_equal_to_uninterrupted_training(tmp_path, size):
     reference = _model(size=size)

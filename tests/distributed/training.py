@@ -10,6 +10,8 @@ from temper.api import AdamParams, Datum, ModelInput
 from temper.checkpoint.gather import full_state_dict
 from temper.distributed.parallel_dims import ParallelDims
 from temper.models import llama_size, materialize, qwen3_moe_size, qwen3_size
+from temper.models.qwen3_5 import qwen3_5_size
+from temper.models.qwen3_5_moe import qwen3_5_moe_size
 from temper.trainer import LoraConfig, TrainerEngine
 from temper.trainer.sharding import Sharding
 
@@ -19,10 +21,22 @@ STEPS = 3
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0, weight_decay=0.01)
 
 
-SIZES = {"qwen3": qwen3_size, "llama": llama_size, "qwen3_moe": qwen3_moe_size}
+SIZES = {
+    "qwen3": qwen3_size,
+    "llama": llama_size,
+    "qwen3_moe": qwen3_moe_size,
+    "qwen3_5": qwen3_5_size,
+    "qwen3_5_moe": qwen3_5_moe_size,
+}
 # Qwen3-MoE: 5 experts, split unevenly over 2 FSDP ranks (3 and 2), and a dense layer 0 beside
 # the sparse layer 1, so both kinds of feed-forward are sharded.
-FAMILY_CHANGES = {"qwen3_moe": {"num_experts": 5, "mlp_only_layers": (0,)}}
+# Qwen3.5 (-MoE): a Gated DeltaNet layer 0 and a gated full-attention layer 1 (the MoE each
+# with 4 routed experts and a shared expert).
+FAMILY_CHANGES = {
+    "qwen3_moe": {"num_experts": 5, "mlp_only_layers": (0,)},
+    "qwen3_5": {"layer_types": ("linear_attention", "full_attention")},
+    "qwen3_5_moe": {"layer_types": ("linear_attention", "full_attention"), "num_experts": 4},
+}
 
 
 def tiny_model(*, family: str = "qwen3", **changes) -> torch.nn.Module:

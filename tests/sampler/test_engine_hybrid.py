@@ -108,7 +108,10 @@ def test_samples_of_one_prompt_prefill_once_and_equal_separate_prefills(model, m
         )
         by_slots[max_batch] = engine.sample(PROMPTS[2], params, num_samples=4)
         assert len(prefills) == 1 and len(prefills[0]) == 1
-    _assert_same(by_slots[5], by_slots[1], atol=1e-5)
+    # Four rows decoding together against one at a time: the projections' matmuls round
+    # differently by batch size, and a sampled token of low probability (logprob ~ -5) carries
+    # that through four mixers; the same bound as decode against a full forward above.
+    _assert_same(by_slots[5], by_slots[1], atol=5e-5)
     greedy = _engine(model, max_batch=5).sample(PROMPTS[4], _greedy(9), num_samples=4)
     expected = greedy_decode(model, [PROMPTS[4]], max_new_tokens=9)[0]
     assert [s.tokens for s in greedy.sequences] == [expected] * 4

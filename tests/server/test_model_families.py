@@ -1,6 +1,8 @@
-"""`temper serve` on a directory of each family beyond Qwen3 (Llama 3, Qwen3-MoE), driven by the
-unmodified tinker SDK: two LoRA users on the one base train independently, and a trained adapter
-samples (on a MoE base the adapters include every routed expert's)."""
+"""`temper serve` on a directory of each family beyond Qwen3 (Llama 3, Qwen3-MoE, Qwen3.5 and
+Qwen3.5-MoE), driven by the unmodified tinker SDK: two LoRA users on the one base train
+independently, a trained adapter samples (on a MoE base the adapters include every routed
+expert's; on Qwen3.5 the Gated DeltaNet's projections, the sampler carrying its recurrent
+state), and `compute_logprobs` scores a sampled sequence as the trainer's forward does."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from tests.server.conftest import start_server
 from tests.server.test_sdk import PROMPT, datum
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
 def family_dir(request, tmp_path_factory) -> Path:
     from temper.checkpoint.model_source import init_model_dir
 
@@ -53,3 +55,13 @@ def test_two_lora_users_train_one_base_and_sample(service, family_dir):
     assert len(response.sequences) == 2
     assert response.sequences[0].tokens == response.sequences[1].tokens
     assert len(response.sequences[0].tokens) == len(response.sequences[0].logprobs) > 0
+
+    # The sampled sequence scored by the full forward: its logprobs are the sampler's own to
+    # the gap between the sampler's decode and the full forward (for Qwen3.5, its recurrent
+    # form against the chunked one).
+    sequence = response.sequences[0]
+    scored = sampler.compute_logprobs(
+        types.ModelInput.from_ints(prompt.to_ints() + sequence.tokens)
+    ).result()
+    assert scored[0] is None and len(scored) == prompt.length + len(sequence.tokens)
+    assert scored[prompt.length :] == pytest.approx(sequence.logprobs, abs=1e-4)

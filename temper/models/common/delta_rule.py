@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from temper.models.common.delta_rule_chunked import ChunkedDeltaRule
+
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -86,8 +88,8 @@ def recurrent_gated_delta_rule(
 
 
 def chunk_gated_delta_rule(
-    q_BTNK: torch.Tensor,
-    k_BTNK: torch.Tensor,
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
     v_BTNV: torch.Tensor,
     g_BTN: torch.Tensor,
     beta_BTN: torch.Tensor,
@@ -96,61 +98,35 @@ def chunk_gated_delta_rule(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_BTNV in v's dtype, final state_BNKV fp32) over the whole sequence in chunks of
-    `chunk_size`, from `state_BNKV` (None: zeros)."""
-    q_BNTK, k_BNTK, v_BNTV, g_BNT, beta_BNT = _heads_first(q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN)
-    B, N, T, K = k_BNTK.shape
-    V = v_BNTV.shape[-1]
+    `chunk_size`, from `state_BNKV` (None: zeros).
+
+    q and k may come with fewer heads H than v's N (H divides N): value head n reads key head
+    n // (N / H). They are normalized per key head, then repeated."""
+    B, T, H, K = k_BTHK.shape
+    N, V = v_BTNV.shape[-2:]
     C = chunk_size
     pad = -T % C
-    if pad:
-        q_BNTK, k_BNTK, v_BNTV = (F.pad(x, (0, 0, 0, pad)) for x in (q_BNTK, k_BNTK, v_BNTV))
-        g_BNT, beta_BNT = (F.pad(x, (0, pad)) for x in (g_BNT, beta_BNT))
     M = (T + pad) // C
-    # Fold batch and heads into one dim (X = B * N) so the chunk loop runs 3D batched matmuls.
-    q_XMCK, k_XMCK = (x.reshape(B * N, M, C, K) for x in (q_BNTK, k_BNTK))
-    v_XMCV = v_BNTV.reshape(B * N, M, C, V)
-    G_XMC = g_BNT.reshape(B * N, M, C).cumsum(dim=-1)
-    beta_XMC1 = beta_BNT.reshape(B * N, M, C, 1)
+    q_BTHK = l2_normalize(q_BTHK.float()) * K**-0.5
+    k_BTHK = l2_normalize(k_BTHK.float())
 
-    causal_CC = torch.ones(C, C, dtype=torch.bool, device=q_XMCK.device).tril()
-    log_decay_XMCC = (G_XMC[..., :, None] - G_XMC[..., None, :]).masked_fill(~causal_CC, -torch.inf)
-    decay_XMCC = log_decay_XMCC.exp()  # exp(G_i - G_j) for j <= i, else 0
-    k_beta_XMCK = k_XMCK * beta_XMC1
-    G_exp_XMC1 = G_XMC.exp().unsqueeze(-1)
+    def fold(x_BTHY: torch.Tensor) -> torch.Tensor:
+        """[B, T, H, Y] -> fp32 [B * N, M, C, Y] (heads repeated to N, T padded), one copy."""
+        x_BTHY = F.pad(x_BTHY.float(), (0, 0, 0, 0, 0, pad))
+        H, Y = x_BTHY.shape[-2:]
+        x_BTHGY = x_BTHY[:, :, :, None].expand(B, T + pad, H, N // H, Y)
+        return x_BTHGY.permute(0, 2, 3, 1, 4).reshape(B * N, M, C, Y)
 
-    # The UT transform: solve (I + strictly_lower(A)) [u, w] = [beta v, beta k exp(G)].
-    A_XMCC = (k_beta_XMCK @ k_XMCK.transpose(-1, -2)) * decay_XMCC
-    rhs_XMCY = torch.cat((v_XMCV * beta_XMC1, k_beta_XMCK * G_exp_XMC1), dim=-1)
-    uw_XMCY = torch.linalg.solve_triangular(A_XMCC, rhs_XMCY, upper=False, unitriangular=True)
-    u_XMCV, w_XMCK = uw_XMCY.split((V, K), dim=-1)
-
-    attn_XMCC = (q_XMCK @ k_XMCK.transpose(-1, -2)) * decay_XMCC
-    # What reads the incoming state: decayed queries (the outputs) and w (the new values).
-    readers_XMRK = torch.cat((q_XMCK * G_exp_XMC1, w_XMCK), dim=-2)  # R = 2C
-    G_last_XM1 = G_XMC[..., -1:]
-    writers_XMKC = (k_XMCK * (G_last_XM1 - G_XMC).exp().unsqueeze(-1)).transpose(-1, -2)
-    chunk_decay_XM11 = G_last_XM1.exp().unsqueeze(-1)
+    def fold_heads(x_BTN: torch.Tensor) -> torch.Tensor:
+        return F.pad(x_BTN.float(), (0, 0, 0, pad)).transpose(1, 2).reshape(B * N, M, C)
 
     S_XKV = (
-        q_XMCK.new_zeros(B * N, K, V)
+        q_BTHK.new_zeros(B * N, K, V)
         if state_BNKV is None
-        else state_BNKV.reshape(B * N, K, V).float()
+        else state_BNKV.reshape(B * N, K, V).float().contiguous()
     )
-    # Per-chunk views by unbind, not indexing: indexing's backward would fill a zero tensor of
-    # the whole size for every chunk; unbind's stacks the M gradients once.
-    per_chunk = zip(
-        readers_XMRK.unbind(1),
-        u_XMCV.unbind(1),
-        attn_XMCC.unbind(1),
-        writers_XMKC.unbind(1),
-        chunk_decay_XM11.unbind(1),
-        strict=True,
+    out_XMCV, S_XKV = ChunkedDeltaRule.apply(
+        fold(q_BTHK), fold(k_BTHK), fold(v_BTNV), fold_heads(g_BTN), fold_heads(beta_BTN), S_XKV
     )
-    outs = []
-    for readers_XRK, u_XCV, attn_XCC, writers_XKC, chunk_decay_X11 in per_chunk:
-        read_XRV = readers_XRK @ S_XKV
-        v_new_XCV = u_XCV - read_XRV[:, C:]
-        outs.append(torch.baddbmm(read_XRV[:, :C], attn_XCC, v_new_XCV))
-        S_XKV = torch.baddbmm(S_XKV * chunk_decay_X11, writers_XKC, v_new_XCV)
-    out_BNTV = torch.stack(outs, dim=1).reshape(B, N, M * C, V)[:, :, :T]
+    out_BNTV = out_XMCV.view(B, N, M * C, V)[:, :, :T]
     return out_BNTV.transpose(1, 2).to(v_BTNV.dtype), S_XKV.reshape(B, N, K, V)

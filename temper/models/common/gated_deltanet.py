@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from temper.models.common.causal_conv import CausalConvSilu
 from temper.models.common.centered_rmsnorm import GatedRMSNorm
 from temper.models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from temper.models.common.recurrent import RecurrentStates
@@ -69,22 +70,19 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x_BTD.shape
         read = None if states is None else states.read_states(self.layer_index)
         lengths_B = None if states is None else states.lengths_B
-        qkv_BCT = self.in_proj_qkv(x_BTD).transpose(1, 2)
+        qkv_BTC = self.in_proj_qkv(x_BTD)
         if states is None:
-            conv_BCT, conv_BCW = self._causal_conv(qkv_BCT), None
+            conv_BTC, conv_BCW = self._causal_conv(qkv_BTC), None
         else:
-            conv_BCT, conv_BCW = self._conv_from_state(
-                qkv_BCT, None if read is None else read[0], lengths_B=lengths_B
+            conv_BTC, conv_BCW = self._conv_from_state(
+                qkv_BTC, None if read is None else read[0], lengths_B=lengths_B
             )
         key_dim = self.num_key_heads * self.key_head_dim
-        q_BTX, k_BTX, v_BTX = conv_BCT.transpose(1, 2).split(
+        q_BTX, k_BTX, v_BTX = conv_BTC.split(
             (key_dim, key_dim, self.conv_dim - 2 * key_dim), dim=-1
         )
-        q_BTNK, k_BTNK = (
-            x.reshape(B, T, self.num_key_heads, self.key_head_dim).repeat_interleave(
-                self.num_value_heads // self.num_key_heads, dim=2
-            )
-            for x in (q_BTX, k_BTX)
+        q_BTMK, k_BTMK = (
+            x.unflatten(-1, (self.num_key_heads, self.key_head_dim)) for x in (q_BTX, k_BTX)
         )
         v_BTNV = v_BTX.reshape(B, T, self.num_value_heads, self.value_head_dim)
         beta_BTN = self.in_proj_b(x_BTD).sigmoid()
@@ -97,41 +95,43 @@ class GatedDeltaNet(nn.Module):
             g_BTN = g_BTN * real_BT1
         state_BNKV = None if read is None else read[1]
         if T == 1 and state_BNKV is not None:
+            group = self.num_value_heads // self.num_key_heads
+            q_BTNK, k_BTNK = (x.repeat_interleave(group, dim=2) for x in (q_BTMK, k_BTMK))
             out_BTNV, state_BNKV = recurrent_gated_delta_rule(
                 q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
             )
         else:
             out_BTNV, state_BNKV = chunk_gated_delta_rule(
-                q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
+                q_BTMK, k_BTMK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
             )
         if states is not None:
             states.write_states(self.layer_index, conv_BCW=conv_BCW, state_BNKV=state_BNKV)
         z_BTNV = self.in_proj_z(x_BTD).view(B, T, self.num_value_heads, self.value_head_dim)
         return self.out_proj(self.norm(out_BTNV, z_BTNV).reshape(B, T, -1))
 
-    def _causal_conv(self, qkv_BCT: torch.Tensor) -> torch.Tensor:
-        """silu(causal depthwise conv) from zero history: [B, C, T]."""
+    def _causal_conv(self, qkv_BTC: torch.Tensor) -> torch.Tensor:
+        """silu(causal depthwise conv) from zero history: [B, T, C]."""
         W = self.conv_weight.shape[-1] - 1
-        out_BCX = F.conv1d(qkv_BCT, self.conv_weight, padding=W, groups=self.conv_dim)
-        return F.silu(out_BCX[..., : qkv_BCT.shape[-1]])
+        return CausalConvSilu.apply(F.pad(qkv_BTC, (0, 0, W, 0)), self.conv_weight[:, 0])
 
     def _conv_from_state(
         self,
-        qkv_BCT: torch.Tensor,
+        qkv_BTC: torch.Tensor,
         conv_BCW: torch.Tensor | None,
         *,
         lengths_B: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(silu(conv) [B, C, T] continuing from `conv_BCW` (None: zeros), the conv state after
+        """(silu(conv) [B, T, C] continuing from `conv_BCW` (None: zeros), the conv state after
         each row's last real input [B, C, W])."""
-        B, C, T = qkv_BCT.shape
+        B, T, C = qkv_BTC.shape
         W = self.conv_weight.shape[-1] - 1
         if conv_BCW is None:
-            conv_BCW = qkv_BCT.new_zeros(B, C, W)
-        inputs_BCX = torch.cat((conv_BCW.to(qkv_BCT.dtype), qkv_BCT), dim=-1)  # X = W + T
-        out_BCT = F.silu(F.conv1d(inputs_BCX, self.conv_weight, groups=self.conv_dim))
+            conv_BCW = qkv_BTC.new_zeros(B, C, W)
+        inputs_BXC = torch.cat((conv_BCW.transpose(1, 2).to(qkv_BTC.dtype), qkv_BTC), dim=1)
+        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0])
         if lengths_B is None:
-            return out_BCT, inputs_BCX[..., T:]
-        # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BCX.
-        window_BW = lengths_B[:, None] + torch.arange(W, device=qkv_BCT.device)
-        return out_BCT, inputs_BCX.gather(2, window_BW[:, None, :].expand(B, C, W))
+            return out_BTC, inputs_BXC[:, T:].transpose(1, 2)
+        # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BXC.
+        window_BW = lengths_B[:, None] + torch.arange(W, device=qkv_BTC.device)
+        last_BWC = inputs_BXC.gather(1, window_BW[:, :, None].expand(B, W, C))
+        return out_BTC, last_BWC.transpose(1, 2)

@@ -1,10 +1,12 @@
-"""Parallelize a decoder (Qwen3, Llama 3, Qwen3-MoE): tensor parallel, expert parallel,
-activation checkpointing, compile, FSDP2.
+"""Parallelize a decoder (Qwen3, Llama 3, Qwen3-MoE, Qwen3.5): tensor parallel, expert
+parallel, activation checkpointing, compile, FSDP2.
 
 Applied in that order, to a model built on one device (model code stays single-device):
 
 1. TP (tp > 1): in each block, q/k/v and gate/up split column-wise (by heads, by hidden
-   width), o and down row-wise; the per-head q/k RMSNorms (Qwen3) see the local heads. Routed
+   width), o and down row-wise; the per-head q/k RMSNorms (Qwen3) see the local heads; a
+   hybrid block's token mixer (gated attention or Gated DeltaNet) splits by heads as
+   hybrid_parallel.py says. Routed
    experts (MoE blocks) stay whole on every tp rank: splitting them is expert parallelism's
    job, not TP's. Embedding,
    block norms and unembedding stay whole on every tp rank (activations between sublayers are
@@ -43,6 +45,8 @@ from temper.distributed.tensor_parallel import (
 )
 from temper.models.build import parse_dtype
 from temper.models.common.feed_forward import SwiGLU
+from temper.models.common.hybrid_decoder import HybridBlock
+from temper.models.common.hybrid_parallel import apply_hybrid_tp
 from temper.models.common.moe import MoE
 from temper.models.lora import has_lora
 
@@ -51,21 +55,27 @@ _HEADS_DIM = 2
 
 
 def decoder_tp_plan(block: nn.Module) -> dict:
-    """Submodule name -> TP style for one block."""
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-    }
+    """Submodule name -> TP style for one block (of a hybrid block, its feed-forward only:
+    hybrid_parallel.py splits its token mixer)."""
+    plan = {}
+    if not _hybrid(block):
+        plan["attention.wq"] = ColwiseParallel()
+        plan["attention.wk"] = ColwiseParallel()
+        plan["attention.wv"] = ColwiseParallel()
+        plan["attention.wo"] = RowwiseParallel()
+        if block.attention.q_norm is not None:
+            plan["attention.q_norm"] = per_head_parallel(head_dim=_HEADS_DIM)
+            plan["attention.k_norm"] = per_head_parallel(head_dim=_HEADS_DIM)
     if isinstance(block.feed_forward, SwiGLU):  # routed experts stay whole on each tp rank
         plan["feed_forward.w_gate"] = ColwiseParallel()
         plan["feed_forward.w_up"] = ColwiseParallel()
         plan["feed_forward.w_down"] = RowwiseParallel()
-    if block.attention.q_norm is not None:
-        plan["attention.q_norm"] = per_head_parallel(head_dim=_HEADS_DIM)
-        plan["attention.k_norm"] = per_head_parallel(head_dim=_HEADS_DIM)
     return plan
+
+
+def _hybrid(block: nn.Module) -> bool:
+    """Whether `block` is a hybrid decoder's (Gated DeltaNet or gated attention mixer)."""
+    return isinstance(block, HybridBlock)
 
 
 def parallelize_decoder(
@@ -127,8 +137,13 @@ def _routed_experts(model: nn.Module) -> list[nn.Module]:
 
 def _apply_tp(model: nn.Module, *, mesh: DeviceMesh, tp: int) -> None:
     for block in model.blocks:
-        apply_tensor_parallel(block, mesh=mesh, plan=decoder_tp_plan(block))
-        localize_heads(block.attention, attributes=("num_heads", "num_kv_heads"), tp=tp)
+        if _hybrid(block):
+            apply_hybrid_tp(block, mesh=mesh, tp=tp)
+        else:
+            localize_heads(block.attention, attributes=("num_heads", "num_kv_heads"), tp=tp)
+        plan = decoder_tp_plan(block)
+        if plan:
+            apply_tensor_parallel(block, mesh=mesh, plan=plan)
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -1,23 +1,7 @@
-"""Parallelize a Qwen3.5 model: activation checkpointing, compile and FSDP2 through the decoder
-plan (temper/models/common/parallelize.py). Its tensor-parallel plan covers GQA blocks only,
-so tp > 1 is refused here for the hybrid blocks."""
+"""Parallelize a Qwen3.5 model: the decoder plan (temper/models/common/parallelize.py), whose
+tensor-parallel split of hybrid blocks (heads of the gated attention and of the Gated
+DeltaNet) is temper/models/common/hybrid_parallel.py."""
 
-from __future__ import annotations
+from temper.models.common.parallelize import parallelize_decoder as parallelize_qwen3_5
 
-from typing import Any
-
-from torch import nn
-
-from temper.distributed.parallel_dims import ParallelDims
-from temper.models.common.parallelize import parallelize_decoder
-
-
-def parallelize_qwen3_5(
-    model: nn.Module, *, parallel_dims: ParallelDims, **kwargs: Any
-) -> nn.Module:
-    if parallel_dims.tp_enabled:
-        raise ValueError(
-            f"ParallelDims.Config.tp={parallel_dims.tp} is not supported for Qwen3.5 (hybrid "
-            "Gated DeltaNet blocks have no tensor-parallel plan); use tp=1"
-        )
-    return parallelize_decoder(model, parallel_dims=parallel_dims, **kwargs)
+__all__ = ["parallelize_qwen3_5"]
