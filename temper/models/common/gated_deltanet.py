@@ -111,8 +111,7 @@ class GatedDeltaNet(nn.Module):
 
     def _causal_conv(self, qkv_BTC: torch.Tensor) -> torch.Tensor:
         """silu(causal depthwise conv) from zero history: [B, T, C]."""
-        W = self.conv_weight.shape[-1] - 1
-        return CausalConvSilu.apply(F.pad(qkv_BTC, (0, 0, W, 0)), self.conv_weight[:, 0])
+        return CausalConvSilu.apply(qkv_BTC, self.conv_weight[:, 0], 0)
 
     def _conv_from_state(
         self,
@@ -128,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         if conv_BCW is None:
             conv_BCW = qkv_BTC.new_zeros(B, C, W)
         inputs_BXC = torch.cat((conv_BCW.transpose(1, 2).to(qkv_BTC.dtype), qkv_BTC), dim=1)
-        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0])
+        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0], W)
         if lengths_B is None:
             return out_BTC, inputs_BXC[:, T:].transpose(1, 2)
         # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BXC.
