@@ -150,23 +150,25 @@ class ChunkedDeltaRule(torch.autograd.Function):
         # The output's share of each chunk's incoming dS and d_vn, batched over all chunks;
         # the reverse loop adds the share that flows back through the later states.
         d_read_MXRV = _mm(_t(readers_MXCR), d_out)
-        d_S_out, d_vn = d_read_MXRV[:, :, :K], d_read_MXRV[:, :, K:]
+        d_S_out, d_vn_out = d_read_MXRV[:, :, :K], d_read_MXRV[:, :, K:]
         d_readers_MXCR = _mm(d_out, _t(read_MXRV))
         d_q_decayed, d_P = d_readers_MXCR[..., :K], d_readers_MXCR[..., K:]
         w = uw[..., V:]
+        # d_uw = [d_vn, -(d_vn S_in^T)]: the loop writes d_vn into its first V columns.
+        d_uw = k.new_empty(M, X, C, V + K)
+        d_vn = d_uw[..., :V]
         d_states = S_in.new_empty(M + 1, X, K, V)  # d_states[m]: gradient of S_in[m]
         d_states[M] = 0 if d_state is None else d_state
         for m in range(M - 1, -1, -1):
-            d_vn[m].baddbmm_(writers[m], d_states[m + 1])
+            d_vn_m = torch.baddbmm(d_vn_out[m], writers[m], d_states[m + 1])
+            d_vn[m] = d_vn_m
             incoming = torch.addcmul(d_S_out[m], d_states[m + 1], chunk_decay[m])
-            torch.baddbmm(incoming, _t(w[m]), d_vn[m], alpha=-1, out=d_states[m])
+            torch.baddbmm(incoming, _t(w[m]), d_vn_m, alpha=-1, out=d_states[m])
         d_next = d_states[1:]
 
         d_writers = _mm(vn, _t(d_next))
         d_chunk_decay = torch.linalg.vecdot(S_in.flatten(-2), d_next.flatten(-2))
         # [u, w] = inverse [beta v, beta k exp(G)], and w reads the state: vn = u - w S.
-        d_uw = k.new_empty(M, X, C, V + K)
-        d_uw[..., :V] = d_vn
         d_uw[..., V:] = _mm(d_vn, _t(S_in)).neg_()
         d_rhs = _mm(_t(inverse), d_uw)
         d_rhs_v, d_rhs_k = d_rhs[..., :V], d_rhs[..., V:]
