@@ -1,7 +1,8 @@
 """The gated delta rule (Gated DeltaNet's token mixer), in two forms of the same function.
 
-Shapes: B batch, T tokens, N heads (value heads; queries and keys already repeated to them),
-K key head dim, V value head dim, C chunk length, M chunks (T padded to M * C).
+Shapes: B batch, T tokens, N heads (value heads; the recurrent form takes queries and keys
+repeated to them, the chunked form also H key heads, H dividing N), K key head dim, V value
+head dim, C chunk length, M chunks (T padded to M * C).
 
 Per head the state S [K, V] evolves token by token as
 
