@@ -15,6 +15,9 @@ one H100/H200):
 - moe_block: the MoE block's forward + backward in bf16 (`F.grouped_mm`) against transformers'
   Qwen3-MoE block (bench/moe_block.py), at the bench's default config and at one layer of
   Qwen3-30B-A3B (D=2048, 128 experts, top-8, F=768, 8192 tokens).
+- gated_deltanet: one Gated DeltaNet layer's forward + backward in bf16 (bench/gated_deltanet.py)
+  against transformers' Qwen3_5GatedDeltaNet, Temper's pure path and, when
+  flash-linear-attention is installed, its fla speed wing.
 - rl_smoke: `temper train arithmetic_smoke` on CUDA in bf16, one rank; the last metrics line.
 - vllm: vLLM at the decode check's shape and batches (compiled, CUDA graphs): tokens/s, a
   weight update, and how much `sleep()` gives back; then a weight update into vLLM's own
@@ -221,6 +224,15 @@ def moe_block(shapes: Shapes) -> dict:
         repeats=10,
     )
     return {"default": default, "qwen3_30b_a3b_layer": published}
+
+
+def gated_deltanet(shapes: Shapes) -> dict:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gated_deltanet as bench
+
+    if shapes.device == "cpu":
+        return bench.run(tokens=64, repeats=1)
+    return bench.run(device="cuda", dtype="bfloat16", tokens=8192, repeats=10)
 
 
 def rl_smoke(shapes: Shapes) -> dict:
@@ -474,6 +486,7 @@ CHECKS: dict[str, Callable[[Shapes], dict]] = {
     "decode": decode,
     "train_step": train_step,
     "moe_block": moe_block,
+    "gated_deltanet": gated_deltanet,
     "rl_smoke": rl_smoke,
     "vllm": vllm,
     "vllm_lora": vllm_lora,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["environment", "gpu_tests", "sdpa_kernels", "decode", "train_step", "moe_block"]
-CHECKS += ["rl_smoke"]
+CHECKS += ["gated_deltanet", "rl_smoke"]
 CHECKS += ["vllm", "vllm_lora", "weight_sync", "summary"]
 
 
@@ -42,6 +42,7 @@ def test_the_dry_run_runs_every_check_on_cpu():
         assert by_name["vllm_lora"]["mixed_tokens_per_s"] > 0
         assert by_name["vllm"]["separate_transport"] == "ipc"  # shared memory on CPU
         assert by_name["vllm"]["separate_update_weights_s"] > 0
+    assert by_name["gated_deltanet"]["speedup"] > 0
     moe_cases = by_name["moe_block"]["cases"]
     assert [case["num_experts"] for case in moe_cases] == [4, 8]
     assert all(ratio > 0 for case in moe_cases for ratio in case["speedup_vs_eager"].values())

@@ -1,7 +1,8 @@
 """The gated delta rule (Gated DeltaNet's token mixer), in two forms of the same function.
 
-Shapes: B batch, T tokens, N heads (value heads; queries and keys already repeated to them),
-K key head dim, V value head dim, C chunk length, M chunks (T padded to M * C).
+Shapes: B batch, T tokens, N heads (value heads; the recurrent form takes queries and keys
+repeated to them, the chunked form also H key heads, H dividing N), K key head dim, V value
+head dim, C chunk length, M chunks (T padded to M * C).
 
 Per head the state S [K, V] evolves token by token as
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from temper.models.common.delta_rule_chunked import ChunkedDeltaRule
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 32
 
 
 def l2_normalize(x: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
@@ -102,7 +103,7 @@ def chunk_gated_delta_rule(
 
     q and k may come with fewer heads H than v's N (H divides N): value head n reads key head
     n // (N / H). They are normalized per key head, then repeated."""
-    B, T, H, K = k_BTHK.shape
+    B, T, _, K = k_BTHK.shape
     N, V = v_BTNV.shape[-2:]
     C = chunk_size
     pad = -T % C
@@ -111,22 +112,23 @@ def chunk_gated_delta_rule(
     k_BTHK = l2_normalize(k_BTHK.float())
 
     def fold(x_BTHY: torch.Tensor) -> torch.Tensor:
-        """[B, T, H, Y] -> fp32 [B * N, M, C, Y] (heads repeated to N, T padded), one copy."""
+        """[B, T, H, Y] -> fp32 [M, B * N, C, Y] (heads repeated to N, T padded), one copy."""
         x_BTHY = F.pad(x_BTHY.float(), (0, 0, 0, 0, 0, pad))
         H, Y = x_BTHY.shape[-2:]
-        x_BTHGY = x_BTHY[:, :, :, None].expand(B, T + pad, H, N // H, Y)
-        return x_BTHGY.permute(0, 2, 3, 1, 4).reshape(B * N, M, C, Y)
+        x_BMCHGY = x_BTHY.unflatten(1, (M, C))[:, :, :, :, None].expand(B, M, C, H, N // H, Y)
+        return x_BMCHGY.permute(1, 0, 3, 4, 2, 5).reshape(M, B * N, C, Y)
 
     def fold_heads(x_BTN: torch.Tensor) -> torch.Tensor:
-        return F.pad(x_BTN.float(), (0, 0, 0, pad)).transpose(1, 2).reshape(B * N, M, C)
+        x_BMCN = F.pad(x_BTN.float(), (0, 0, 0, pad)).unflatten(1, (M, C))
+        return x_BMCN.permute(1, 0, 3, 2).reshape(M, B * N, C)
 
     S_XKV = (
         q_BTHK.new_zeros(B * N, K, V)
         if state_BNKV is None
         else state_BNKV.reshape(B * N, K, V).float().contiguous()
     )
-    out_XMCV, S_XKV = ChunkedDeltaRule.apply(
+    out_MXCV, S_XKV = ChunkedDeltaRule.apply(
         fold(q_BTHK), fold(k_BTHK), fold(v_BTNV), fold_heads(g_BTN), fold_heads(beta_BTN), S_XKV
     )
-    out_BNTV = out_XMCV.view(B, N, M * C, V)[:, :, :T]
-    return out_BNTV.transpose(1, 2).to(v_BTNV.dtype), S_XKV.reshape(B, N, K, V)
+    out_BTNV = out_MXCV.view(M, B, N, C, V).permute(1, 0, 3, 2, 4).reshape(B, M * C, N, V)
+    return out_BTNV[:, :T].to(v_BTNV.dtype), S_XKV.reshape(B, N, K, V)

@@ -1,6 +1,6 @@
 """The chunked gated delta rule as one autograd node with a hand-written backward.
 
-Shapes: X batch rows times value heads (folded), M chunks, C chunk length, K key head dim,
+Shapes: M chunks, X batch rows times value heads (folded), C chunk length, K key head dim,
 V value head dim, Y = V + K. Everything is fp32; q and k arrive normalized (q scaled), padded
 to M * C tokens.
 
@@ -39,7 +39,7 @@ def unit_lower_inverse(L_ZCC: torch.Tensor) -> torch.Tensor:
     diagonal blocks, then doubling, [[A, 0], [B, E]]^-1 = [[A^-1, 0], [-E^-1 B A^-1, E^-1]].
     A batched solve of C x C systems runs C row sweeps per matrix; blocks of 16 and a few
     matmuls cost a fraction of that on CPU."""
-    *Z, C, _ = L_ZCC.shape
+    C = L_ZCC.shape[-1]
     L_BCC = L_ZCC.reshape(-1, C, C)
     b = min(C, _BASE_BLOCK)
     if C % b or (C // b) & (C // b - 1):  # C / b not a power of two: solve directly
@@ -75,119 +75,125 @@ def _diagonal_blocks(L_BCC: torch.Tensor, b: int) -> torch.Tensor:
     return L_BCC.view(B, n, b, n, b).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)
 
 
-def _decay_matrix(G_XMC: torch.Tensor) -> torch.Tensor:
-    """D[i, j] = exp(G_i - G_j) for j <= i, else 0: [X, M, C, C]."""
-    C = G_XMC.shape[-1]
-    causal_CC = torch.ones(C, C, dtype=torch.bool, device=G_XMC.device).tril()
-    log_decay = G_XMC[..., :, None] - G_XMC[..., None, :]
+def _decay_matrix(G_MXC: torch.Tensor) -> torch.Tensor:
+    """D[i, j] = exp(G_i - G_j) for j <= i, else 0: [M, X, C, C]."""
+    C = G_MXC.shape[-1]
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=G_MXC.device).tril()
+    log_decay = G_MXC[..., :, None] - G_MXC[..., None, :]
     return log_decay.masked_fill_(~causal_CC, -torch.inf).exp_()
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched matmul over the two leading dims (one bmm; transposed operands stay views)."""
+    return torch.bmm(a.flatten(0, 1), b.flatten(0, 1)).view(*a.shape[:-1], b.shape[-1])
+
+
+def _add_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, alpha: float = 1) -> None:
+    """out += alpha * a @ b, batched over the two leading dims, in place."""
+    out.flatten(0, 1).baddbmm_(a.flatten(0, 1), b.flatten(0, 1), alpha=alpha)
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
 class ChunkedDeltaRule(torch.autograd.Function):
-    """(out_XMCV, final state_XKV) from q_XMCK, k_XMCK, v_XMCV, g_XMC (per-token log decay),
-    beta_XMC and the incoming state_XKV, all fp32 and contiguous."""
+    """(out_MXCV, final state_XKV) from q_MXCK, k_MXCK, v_MXCV, g_MXC (per-token log decay),
+    beta_MXC and the incoming state_XKV, all fp32 and contiguous. Chunks lead (M-major), so
+    each chunk's slice of every tensor is contiguous for the loop."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, state):  # noqa: ANN001, ANN205 (autograd signature)
-        X, M, C, K = k.shape
+    def forward(ctx, q, k, v, g, beta, state):
+        M, X, C, K = k.shape
         V = v.shape[-1]
         G = g.cumsum(dim=-1)
-        decay = _decay_matrix(G)
         exp_G = G.exp()
-        kk = k @ k.transpose(-1, -2)
-        L = kk * decay * beta[..., None]
-        L.diagonal(dim1=-2, dim2=-1).zero_()
+        decay = _decay_matrix(G)
+        kk = _mm(k, _t(k))
+        L = kk * decay
+        L.mul_(beta[..., None]).diagonal(dim1=-2, dim2=-1).zero_()
         inverse = unit_lower_inverse(L)
-        rhs = torch.cat((v * beta[..., None], k * (beta * exp_G)[..., None]), dim=-1)
-        uw = inverse @ rhs
-        u, w = uw.split((V, K), dim=-1)
-        writers = (k * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)
+        rhs = k.new_empty(M, X, C, V + K)
+        torch.mul(v, beta[..., None], out=rhs[..., :V])
+        torch.mul(k, (beta * exp_G)[..., None], out=rhs[..., V:])
+        uw = _mm(inverse, rhs)
+        u, w = uw[..., :V], uw[..., V:]
+        writers = k * (G[..., -1:] - G).exp()[..., None]
         chunk_decay = exp_G[..., -1, None, None]
-        incoming, corrections = [], []
+        # What the output reads, side by side: readers [q exp(G) | P] times [S_in; vn], the
+        # incoming state and the corrections stacked along the contraction (R = K + C).
+        readers_MXCR = k.new_empty(M, X, C, K + C)
+        torch.mul(q, exp_G[..., None], out=readers_MXCR[..., :K])
+        torch.mul(_mm(q, _t(k)), decay, out=readers_MXCR[..., K:])
+        read_MXRV = k.new_empty(M, X, K + C, V)
         S = state
-        for u_m, w_m, writers_m, decay_m in zip(
-            u.unbind(1), w.unbind(1), writers.unbind(1), chunk_decay.unbind(1), strict=True
-        ):
-            incoming.append(S)
-            vn = torch.baddbmm(u_m, w_m, S, alpha=-1)
-            corrections.append(vn)
-            S = torch.baddbmm(S * decay_m, writers_m, vn)
-        S_in = torch.stack(incoming, dim=1)
-        vn = torch.stack(corrections, dim=1)
-        P = (q @ k.transpose(-1, -2)).mul_(decay)
-        out = (q * exp_G[..., None]) @ S_in
-        out.view(X * M, C, V).baddbmm_(P.view(X * M, C, C), vn.view(X * M, C, V))
-        ctx.save_for_backward(q, k, v, beta, G, decay, kk, P, inverse, uw, S_in, vn)
+        for m in range(M):
+            read_MXRV[m, :, :K] = S
+            vn = torch.baddbmm(u[m], w[m], S, alpha=-1)
+            read_MXRV[m, :, K:] = vn
+            S = torch.baddbmm(S * chunk_decay[m], _t(writers[m]), vn)
+        out = _mm(readers_MXCR, read_MXRV)
+        ctx.save_for_backward(q, k, v, beta, G, decay, kk, inverse, uw, readers_MXCR, read_MXRV)
         return out, S
 
     @staticmethod
-    def backward(ctx, d_out, d_state):  # noqa: ANN001, ANN205 (autograd signature)
-        q, k, v, beta, G, decay, kk, P, inverse, uw, S_in, vn = ctx.saved_tensors
-        X, M, C, K = k.shape
+    def backward(ctx, d_out, d_state):
+        q, k, v, beta, G, decay, kk, inverse, uw, readers_MXCR, read_MXRV = ctx.saved_tensors
+        M, X, C, K = k.shape
         V = v.shape[-1]
         exp_G = G.exp()
         exp_tail = (G[..., -1:] - G).exp()
         writers = k * exp_tail[..., None]
         chunk_decay = exp_G[..., -1, None, None]
+        P, S_in, vn = readers_MXCR[..., K:], read_MXRV[:, :, :K], read_MXRV[:, :, K:]
         d_out = d_out.contiguous()
-        # The output's share of each chunk's dvn and incoming dS, batched over all chunks.
-        d_vn_out = P.transpose(-1, -2) @ d_out
-        d_S_out = (q * exp_G[..., None]).transpose(-1, -2) @ d_out
+        # The output's share of each chunk's incoming dS and d_vn, batched over all chunks;
+        # the reverse loop adds the share that flows back through the later states.
+        d_read_MXRV = _mm(_t(readers_MXCR), d_out)
+        d_S_out, d_vn_out = d_read_MXRV[:, :, :K], d_read_MXRV[:, :, K:]
+        d_readers_MXCR = _mm(d_out, _t(read_MXRV))
+        d_q_decayed, d_P = d_readers_MXCR[..., :K], d_readers_MXCR[..., K:]
         w = uw[..., V:]
-        dS = torch.zeros_like(S_in[:, 0]) if d_state is None else d_state.contiguous()
-        d_next, d_vns = [None] * M, [None] * M
+        # d_uw = [d_vn, -(d_vn S_in^T)]: the loop writes d_vn into its first V columns.
+        d_uw = k.new_empty(M, X, C, V + K)
+        d_vn = d_uw[..., :V]
+        d_states = S_in.new_empty(M + 1, X, K, V)  # d_states[m]: gradient of S_in[m]
+        d_states[M] = 0 if d_state is None else d_state
         for m in range(M - 1, -1, -1):
-            d_next[m] = dS
-            d_vn = torch.baddbmm(d_vn_out[:, m], writers[:, m], dS)
-            d_vns[m] = d_vn
-            dS = torch.baddbmm(
-                torch.addcmul(d_S_out[:, m], dS, chunk_decay[:, m]),
-                w[:, m].transpose(-1, -2),
-                d_vn,
-                alpha=-1,
-            )
-        d_next = torch.stack(d_next, dim=1)
-        d_vn = torch.stack(d_vns, dim=1)
+            d_vn_m = torch.baddbmm(d_vn_out[m], writers[m], d_states[m + 1])
+            d_vn[m] = d_vn_m
+            incoming = torch.addcmul(d_S_out[m], d_states[m + 1], chunk_decay[m])
+            torch.baddbmm(incoming, _t(w[m]), d_vn_m, alpha=-1, out=d_states[m])
+        d_next = d_states[1:]
 
-        d_writers = vn @ d_next.transpose(-1, -2)
-        d_chunk_decay = (S_in * d_next).sum(dim=(-1, -2))
-        d_P = d_out @ vn.transpose(-1, -2)
-        d_q_decayed = d_out @ S_in.transpose(-1, -2)
-        d_uw = torch.cat((d_vn, -(d_vn @ S_in.transpose(-1, -2))), dim=-1)
-        d_rhs = inverse.transpose(-1, -2) @ d_uw
-        d_L = (d_rhs @ uw.transpose(-1, -2)).neg_().tril_(-1)
-        d_rhs_v, d_rhs_k = d_rhs.split((V, K), dim=-1)
+        d_writers = _mm(vn, _t(d_next))
+        d_chunk_decay = torch.linalg.vecdot(S_in.flatten(-2), d_next.flatten(-2))
+        # [u, w] = inverse [beta v, beta k exp(G)], and w reads the state: vn = u - w S.
+        d_uw[..., V:] = _mm(d_vn, _t(S_in)).neg_()
+        d_rhs = _mm(_t(inverse), d_uw)
+        d_rhs_v, d_rhs_k = d_rhs[..., :V], d_rhs[..., V:]
+        # d_L = -(d_rhs [u, w]^T) on the strict lower triangle; times D:
+        d_L_decayed = _mm(d_rhs, _t(uw)).tril_(-1).mul_(decay).neg_()
 
         # L = beta_i (k k^T)_ij D_ij and P = (q k^T)_ij D_ij: their gradients to k k^T, q k^T,
         # and to the decays (H = dD * D, which feeds dG by rows minus columns).
-        d_L_decayed = d_L * decay
         d_L_kk = d_L_decayed * kk
-        d_kk = d_L_decayed * beta[..., None]
+        d_kk = d_L_decayed.mul_(beta[..., None])
         d_qk = d_P * decay
-        H = d_L_kk * beta[..., None] + d_P * P
-        beta_k_exp = k * (beta * exp_G)[..., None]
-        d_q = d_qk @ k + d_q_decayed * exp_G[..., None]
-        d_k = (
-            (d_kk + d_kk.transpose(-1, -2)) @ k
-            + d_qk.transpose(-1, -2) @ q
-            + d_writers * exp_tail[..., None]
-            + d_rhs_k * (beta * exp_G)[..., None]
-        )
+        H = d_L_kk * beta[..., None]
+        H.addcmul_(d_P, P)
+        d_q = _mm(d_qk, k).addcmul_(d_q_decayed, exp_G[..., None])
+        d_k = _mm(d_kk, k)
+        _add_mm_(d_k, _t(d_kk), k)
+        _add_mm_(d_k, _t(d_qk), q)
+        d_k.addcmul_(d_writers, exp_tail[..., None]).addcmul_(d_rhs_k, (beta * exp_G)[..., None])
         d_v = d_rhs_v * beta[..., None]
-        d_beta = (
-            (d_rhs_v * v).sum(-1)
-            + (d_rhs_k * k).sum(-1) * exp_G
-            + d_L_kk.sum(-1)
-        )
-        tail = (d_writers * writers).sum(-1)
-        d_G = (
-            H.sum(-1)
-            - H.sum(-2)
-            + (d_q_decayed * q).sum(-1) * exp_G
-            - tail
-            + (d_rhs_k * beta_k_exp).sum(-1)
-        )
+        rhs_k_dot = torch.linalg.vecdot(d_rhs_k, k)
+        d_beta = torch.linalg.vecdot(d_rhs_v, v) + rhs_k_dot * exp_G + d_L_kk.sum(-1)
+        tail = torch.linalg.vecdot(d_writers, writers)
+        d_G = H.sum(-1) - H.sum(-2) - tail
+        d_G += (torch.linalg.vecdot(d_q_decayed, q) + rhs_k_dot * beta) * exp_G
         d_G[..., -1] += tail.sum(-1) + d_chunk_decay * exp_G[..., -1]
         # G is the in-chunk cumulative sum of g: g's gradient is the reverse cumulative sum.
         d_g = d_G.flip(-1).cumsum(-1).flip(-1)
-        return d_q, d_k, d_v, d_g, d_beta, dS if ctx.needs_input_grad[5] else None
+        return d_q, d_k, d_v, d_g, d_beta, d_states[0] if ctx.needs_input_grad[5] else None

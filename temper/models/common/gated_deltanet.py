@@ -12,6 +12,8 @@ Query and key heads are repeated to the value heads (head n reads key head n // 
 The layer holds no state. With no `RecurrentStates` (training, scoring) it runs the chunked form
 from zero; with one (a sampler) it continues from the states read and writes the states after
 each row's last real token, taking the recurrent form for a one-token step (recurrent.py).
+Given fla's kernels (fla_kernels.py), a CUDA forward in bf16/fp16 runs the chunked form and the
+conv from zero through them instead.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 from temper.models.common.causal_conv import CausalConvSilu
 from temper.models.common.centered_rmsnorm import GatedRMSNorm
 from temper.models.common.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from temper.models.common.fla_kernels import FlaKernels
 from temper.models.common.recurrent import RecurrentStates
 
 
@@ -38,9 +41,12 @@ class GatedDeltaNet(nn.Module):
         value_head_dim: int,
         conv_kernel: int,
         norm_eps: float,
+        kernels: FlaKernels | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.kernels = kernels
+        """fla's kernels (fla_kernels.py), used where they apply; None: the pure path."""
         self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
@@ -70,8 +76,11 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x_BTD.shape
         read = None if states is None else states.read_states(self.layer_index)
         lengths_B = None if states is None else states.lengths_B
+        fast = self.kernels is not None and self.kernels.applies(x_BTD)
         qkv_BTC = self.in_proj_qkv(x_BTD)
-        if states is None:
+        if states is None and fast and self.kernels.causal_conv1d_fn is not None:
+            conv_BTC, conv_BCW = self.kernels.causal_conv(qkv_BTC, self.conv_weight[:, 0]), None
+        elif states is None:
             conv_BTC, conv_BCW = self._causal_conv(qkv_BTC), None
         else:
             conv_BTC, conv_BCW = self._conv_from_state(
@@ -101,7 +110,8 @@ class GatedDeltaNet(nn.Module):
                 q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
             )
         else:
-            out_BTNV, state_BNKV = chunk_gated_delta_rule(
+            rule = self.kernels.chunk_rule if fast else chunk_gated_delta_rule
+            out_BTNV, state_BNKV = rule(
                 q_BTMK, k_BTMK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
             )
         if states is not None:
@@ -111,8 +121,7 @@ class GatedDeltaNet(nn.Module):
 
     def _causal_conv(self, qkv_BTC: torch.Tensor) -> torch.Tensor:
         """silu(causal depthwise conv) from zero history: [B, T, C]."""
-        W = self.conv_weight.shape[-1] - 1
-        return CausalConvSilu.apply(F.pad(qkv_BTC, (0, 0, W, 0)), self.conv_weight[:, 0])
+        return CausalConvSilu.apply(qkv_BTC, self.conv_weight[:, 0], 0)
 
     def _conv_from_state(
         self,
@@ -128,7 +137,7 @@ class GatedDeltaNet(nn.Module):
         if conv_BCW is None:
             conv_BCW = qkv_BTC.new_zeros(B, C, W)
         inputs_BXC = torch.cat((conv_BCW.transpose(1, 2).to(qkv_BTC.dtype), qkv_BTC), dim=1)
-        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0])
+        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0], W)
         if lengths_B is None:
             return out_BTC, inputs_BXC[:, T:].transpose(1, 2)
         # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BXC.

@@ -21,6 +21,11 @@ from temper.config.checks import check_range
 from temper.models.common.attention import AttentionBackend
 from temper.models.common.centered_rmsnorm import GatedRMSNorm, ZeroCenteredRMSNorm
 from temper.models.common.decoder import Decoder, DecoderConfig
+from temper.models.common.fla_kernels import (
+    LINEAR_ATTENTION_KERNELS,
+    LinearAttentionKernels,
+    load_fla_kernels,
+)
 from temper.models.common.gated_attention import GatedAttention
 from temper.models.common.gated_deltanet import GatedDeltaNet
 
@@ -51,6 +56,9 @@ class HybridDecoderConfig(DecoderConfig):
     """Width of each Gated DeltaNet query/key head."""
     linear_value_head_dim: int = 128
     """Width of each Gated DeltaNet value head."""
+    linear_attention_kernels: LinearAttentionKernels = "auto"
+    """'auto': flash-linear-attention's chunked delta rule (and causal-conv1d's conv) for
+    CUDA forwards in bf16/fp16 when installed; 'torch': always the pure-PyTorch path."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +67,11 @@ class HybridDecoderConfig(DecoderConfig):
         positive += ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
         for field in positive:
             check_range(getattr(self, field), field=f"{name}.{field}", integer=True, greater_than=0)
+        if self.linear_attention_kernels not in LINEAR_ATTENTION_KERNELS:
+            raise ValueError(
+                f"{name}.linear_attention_kernels must be one of "
+                f"{list(LINEAR_ATTENTION_KERNELS)}, got {self.linear_attention_kernels!r}"
+            )
         if self.linear_num_value_heads % self.linear_num_key_heads != 0:
             raise ValueError(
                 f"{name}.linear_num_key_heads={self.linear_num_key_heads} must divide "
@@ -183,6 +196,7 @@ class HybridBlock(nn.Module):
                 value_head_dim=config.linear_value_head_dim,
                 conv_kernel=config.linear_conv_kernel,
                 norm_eps=config.norm_eps,
+                kernels=load_fla_kernels(config.linear_attention_kernels),
             )
         self.ffn_norm = ZeroCenteredRMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = config.feed_forward(layer_index=layer_index)
