@@ -42,7 +42,7 @@ def _config(recipe: str, *, args: argparse.Namespace, dtype: str) -> RLJob.Confi
     config.seed = args.seed
     config.warmup.steps = args.warmup_steps
     config.rl.steps = args.rl_steps
-    config.rl.eval_every = 0
+    config.rl.eval_every = args.rl_steps
     config.rl.learning_rate = args.learning_rate
     config.metrics.display = "none"
     return config
