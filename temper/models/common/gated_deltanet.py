@@ -18,6 +18,8 @@ conv from zero through them instead.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,11 +66,19 @@ class GatedDeltaNet(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, *, init_std: float, generator: torch.Generator | None) -> None:
-        """This module's own parameters (not its children's), as the HF init draws them: the
-        conv normal(0, init_std), dt_bias one, A = exp(A_log) uniform in [0.01, 16]."""
+        """This module's own parameters (not its children's), for training from scratch: the
+        conv normal(0, init_std) and A = exp(A_log) uniform in [0.01, 16] as the HF init
+        draws them, and dt_bias as flash-linear-attention's and Mamba2's init set it, so that
+        softplus(dt_bias) is a step dt log-uniform in [0.001, 0.1].
+
+        HF sets dt_bias to one (it only fills weights a checkpoint lacks): the log decay
+        g = -A * softplus(a + dt_bias) then starts near -1.3 A, so most heads forget within a
+        token, and a tiny hybrid trained from random weights learns slower (docs/rl.md,
+        "A hybrid policy")."""
         nn.init.normal_(self.conv_weight, mean=0.0, std=init_std, generator=generator)
-        nn.init.ones_(self.dt_bias)
         self.A_log.uniform_(0.01, 16.0, generator=generator).log_()
+        dt = self.dt_bias.uniform_(math.log(1e-3), math.log(1e-1), generator=generator).exp_()
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
 
     def forward(
         self, x_BTD: torch.Tensor, *, states: RecurrentStates | None = None
