@@ -32,6 +32,7 @@ from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.sampler.cpu.decode_shards import DecodeShards
 from temper.sampler.cpu.fused_decoder import FusedDecoder, fusable
+from temper.sampler.cpu.hybrid_twin import FusedHybridDecoder, hybrid_fusable
 from temper.sampler.cpu.packed_linear import PackedDecoder, packing_available
 from temper.sampler.decoding import DecodeModel, Decoding, Result
 from temper.sampler.weight_source import WeightSource
@@ -154,12 +155,14 @@ class CpuDecoding(Configurable, Decoding):
     def _make_twin(self, model: nn.Module) -> DecodeModel:
         # A module that cannot be fused (LoRA-wrapped projections, another block layout)
         # decodes on its own layers: packed, or as they are.
-        fuses = self.config.fused_projections and fusable(model)
+        batch_hint = self.batch_hint if self.twin == "packed" else None
+        if self.config.fused_projections and fusable(model):
+            return FusedDecoder(model, batch_hint=batch_hint)
+        if self.config.fused_projections and hybrid_fusable(model):
+            return FusedHybridDecoder(model, batch_hint=batch_hint)
         if self.twin == "packed":
-            if fuses:
-                return FusedDecoder(model, batch_hint=self.batch_hint)
             return PackedDecoder(model, batch_hint=self.batch_hint)
-        return FusedDecoder(model) if fuses else model
+        return model
 
     @contextlib.contextmanager
     def threads(self, num_threads: int | None, *, rows: int) -> Iterator[None]:
