@@ -118,7 +118,7 @@ class _LinearAttentionLayer:
         self.C = mixer.conv_dim
         self.in_proj = _fused((mixer.in_proj_qkv, mixer.in_proj_z), batch_hint=batch_hint)
         self.gates_proj = _fused((mixer.in_proj_b, mixer.in_proj_a), batch_hint=batch_hint)
-        self.taps_JC = mixer.conv_weight.detach()[:, 0].t()
+        self.taps_JC = mixer.conv_weight.detach()[:, 0].t().contiguous()
         self.neg_A_N = -mixer.A_log.detach().float().exp()
         self.dt_bias_N = mixer.dt_bias.detach()
         self.norm_weight_V = mixer.norm.weight.detach()
