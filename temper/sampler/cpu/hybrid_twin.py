@@ -8,10 +8,12 @@ key/value heads of the full attention, H their head dim, X a fused projection's 
 A tiny hybrid model's decode step is a few hundred small ops: per Gated DeltaNet layer four
 input projections, a convolution over a concatenated window, the delta rule's gathers and
 reshapes, a state copy back into the pool. This twin runs the same arithmetic in fewer ops:
-- in_proj_qkv, in_proj_z, in_proj_b and in_proj_a are one matmul (one [C + NV + 2N, D]
-  matrix), as are the full attention's q (with its gate), k and v, and SwiGLU's gate and up;
+- in_proj_qkv and in_proj_z are one matmul, in_proj_b and in_proj_a another (fp32 GEMM
+  rounds a 4-column product differently inside a wider one; an 8-column one alike), as are
+  the full attention's q (with its gate), k and v, and SwiGLU's gate and up;
 - the delta rule's state is decayed, read and updated in place in the pool's rows (the decode
-  backend's views), and the conv window is written back with one copy;
+  backend's views, `HybridDecode`), and the conv window is written back with one copy; the
+  conv's taps are contiguous (vectorized multiply-adds, the same products and sums);
 - queries and keys are repeated to the value heads and L2-normalized together;
 - the norms' (1 + weight) scales and the decay's -exp(A_log) are computed once per twin.
 
@@ -24,8 +26,8 @@ multiply stands in for the model's [K, 1] x [1, V] matmul. Each output column of
 projection is the dot product of the separate one. So the twin's logits are bitwise the
 model's own decode step (tested in fp32, and in bf16 on packed weights).
 
-Only the one-token step with a pool backend is the twin's own; any other forward (a longer
-chunk) runs the model's code. Like the dense twin (fused_decoder.py), it holds the weights as
+Only the one-token step on the pool's rows (`HybridDecode`) is the twin's own; any other
+forward runs the model's code. Like the dense twin (fused_decoder.py), it holds the weights as
 they were when made: the CPU wing makes a new one after every `update_weights`.
 """
 
@@ -45,6 +47,7 @@ from temper.models.common.moe import MoE
 from temper.models.common.rope import rope_cos_sin
 from temper.sampler.cpu.fused_decoder import _feed_forward, _own_or_packed, _projection
 from temper.sampler.cpu.packed_linear import PackedLinear
+from temper.sampler.hybrid_backends import HybridDecode
 
 
 def hybrid_fusable(model: nn.Module) -> bool:
@@ -126,7 +129,7 @@ class _LinearAttentionLayer:
         self.out_proj = _own_or_packed(mixer.out_proj, batch_hint=batch_hint)
         self.feed_forward = _feed_forward(block.feed_forward, batch_hint=batch_hint)
 
-    def __call__(self, x_BD: torch.Tensor, states) -> torch.Tensor:
+    def __call__(self, x_BD: torch.Tensor, states: HybridDecode) -> torch.Tensor:
         B = x_BD.shape[0]
         M, N, K, V, C = self.M, self.N, self.K, self.V, self.C
         conv_BCW, state_BNKV = states.read_states(self.layer_index)  # the pool's rows (views)
@@ -228,7 +231,7 @@ class FusedHybridDecoder:
         self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor, attention: AttentionBackend
     ) -> torch.Tensor:
         model = self.model
-        if tokens_BT.shape[1] != 1 or getattr(attention, "lengths_B", True) is not None:
+        if tokens_BT.shape[1] != 1 or not isinstance(attention, HybridDecode):
             return model.hidden_states(tokens_BT, positions_BT=positions_BT, attention=attention)
         x_BTD = model.embed(tokens_BT)
         cos_B1TR, signed_sin_B1TR = rope_cos_sin(
