@@ -134,8 +134,9 @@ def test_only_plain_hybrid_models_are_fused(model):
 @pytest.mark.skipif(
     not packing_available(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU"
 )
-def test_packed_bf16_fused_hybrid_decode_is_bitwise_the_models_own():
-    model = _model(seed=5, dtype="bfloat16")
+@pytest.mark.parametrize("family", list(SIZES))
+def test_packed_bf16_fused_hybrid_decode_is_bitwise_the_models_own(family):
+    model = _model(family, seed=5, dtype="bfloat16")
     fused_engine = _engine(model)  # 'auto' packs bf16
     decoder = _decoder(fused_engine)
     assert isinstance(decoder, FusedHybridDecoder) and decoder._output is not None
