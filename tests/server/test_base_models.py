@@ -56,16 +56,16 @@ def test_an_unsupported_family_is_refused_naming_its_directory(model_dir, tmp_pa
     import json
     import shutil
 
-    other = tmp_path / "hybrid"
+    other = tmp_path / "ssm"
     shutil.copytree(model_dir, other)
     config = json.loads((other / "config.json").read_text())
-    config.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"])
+    config.update(model_type="mamba2", architectures=["Mamba2ForCausalLM"])
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as raised:
         load_base_model(str(other), trainable=True, sampler=SAMPLER, dtype="float32")
     message = str(raised.value)
     assert message.startswith(f"model directory {other}: ")
-    assert "'Qwen3_5ForCausalLM'" in message and "Qwen3MoeForCausalLM" in message
+    assert "'Mamba2ForCausalLM'" in message and "Qwen3_5ForCausalLM" in message
 
 
 def test_a_served_directory_answers_to_its_hf_repo_id(tmp_path):
