@@ -103,22 +103,13 @@ class HelperProcesses:
     def num_running(self) -> int:
         return len(self._helpers)
 
-    @property
-    def pids(self) -> list[int]:
-        """The running helpers' process ids."""
-        return [helper.process.pid for helper in self._helpers]
-
-    def plan(
-        self, requests: Sequence[SampleRequest], *, max_parts: int | None = None
-    ) -> list[range]:
-        """Consecutive request ranges, one per process (at most `max_parts`, else one per
-        process there may be); one range means: do not split.
+    def plan(self, requests: Sequence[SampleRequest]) -> list[range]:
+        """Consecutive request ranges, one per process; one range means: do not split.
 
         Each part holds at least `min_rows` samples, and the parts' sample counts are as
         even as whole requests allow."""
         rows = [request.num_samples for request in requests]
-        max_parts = self.max_helpers + 1 if max_parts is None else max_parts
-        num_parts = min(max_parts, len(rows), sum(rows) // self.min_rows)
+        num_parts = min(self.max_helpers + 1, len(rows), sum(rows) // self.min_rows)
         if self._failed or num_parts < 2:
             return [range(len(rows))]
         return _balanced_ranges(rows, num_parts)

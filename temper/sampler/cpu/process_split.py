@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from temper.api.types import SampleResponse
-from temper.sampler.cpu.core_share import CoreShare
 from temper.sampler.cpu.helper_processes import EngineConfig, HelperProcesses
 from temper.sampler.requests import OnePromptSampling, SampleRequest
 from temper.sampler.weight_source import WeightSource, WeightUpdate
@@ -92,9 +91,6 @@ class ProcessSplitSampler(OnePromptSampling):
             threads=threads,
         )
         weakref.finalize(self, self.helpers.close)
-        self.core_share = CoreShare() if cpu.processes == "auto" else None
-        """With 'auto' processes: the cores split-sized calls could have had, which bound
-        the next one's processes (core_share.py)."""
 
     # -- what callers use of an engine ---------------------------------------------------
 
@@ -150,15 +146,6 @@ class ProcessSplitSampler(OnePromptSampling):
         parts = self.helpers.plan(requests)
         if len(parts) == 1:
             return self.engine.generate(requests)
-        if self.core_share is None:
-            return self._split(requests, parts)
-        parts = self.helpers.plan(requests, max_parts=self.core_share.processes(at_most=len(parts)))
-        with self.core_share.measure(lambda: self.helpers.pids):
-            if len(parts) == 1:
-                return self.engine.generate(requests)
-            return self._split(requests, parts)
-
-    def _split(self, requests: Sequence[SampleRequest], parts: list[range]) -> list[SampleResponse]:
         # Seed and validate everything before any part starts (see helper_processes.py).
         requests = self.engine.seeded(requests)
         return self.helpers.run(
