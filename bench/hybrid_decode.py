@@ -11,9 +11,8 @@ rounding aside).
 
 Two Temper settings run in the same rounds as transformers (order alternating, medians kept):
 - `temper`: the engine's defaults (`SamplerEngine.Config()` with max_batch = the batch: on CPU
-  up to a process per core for calls of at least 32 samples, no more than the cores the
-  previous call could have had; `temper_cores_measured` is the last such measurement and
-  `temper_helpers_started` the helper processes it started);
+  up to a process per core for calls of at least 32 samples; `temper_helpers_started` is
+  the helper processes it started);
 - `temper_one_process`: the same in one process (`cpu.processes=1`; the engine's thread
   choice, one thread for this model).
 transformers runs its own PyTorch fallbacks for the gated delta rule and the causal conv (no
@@ -104,8 +103,6 @@ def run(*, batch: int, repeats: int) -> dict:
             repeats=repeats,
         )
     finally:
-        measured = getattr(split, "core_share", None)
-        cores = None if measured is None or measured.cores is None else round(measured.cores, 2)
         helpers_started = split.helpers.num_running if hasattr(split, "helpers") else 0
         for engine in engines.values():
             engine.close()
@@ -115,7 +112,6 @@ def run(*, batch: int, repeats: int) -> dict:
         **{f"{name}_tokens_per_s": round(rate, 1) for name, rate in rates.items()},
         "temper_vs_hf": round(rates["temper"] / rates["hf"], 3),
         "temper_one_process_vs_hf": round(rates["temper_one_process"] / rates["hf"], 3),
-        "temper_cores_measured": cores,
         "temper_helpers_started": helpers_started,
         **{
             f"same_tokens_{name}": (torch.tensor(outputs[name]) == hf_tokens).float().mean().item()

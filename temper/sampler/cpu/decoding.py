@@ -83,10 +83,9 @@ class CpuDecoding(Configurable, Decoding):
         engine's own and helpers started on first use, each with its own KV cache, reading
         the same weights through shared memory (see helper_processes.py). Tokens are those
         of one process (logprobs to float rounding, as with any batch composition). 'auto'
-        (the default): one per core this process may run on, and no more than the cores
-        the previous split-sized call could have had (its processes' CPU time plus the
-        machine's idle time, measured on Linux: core_share.py), so calls stay in one
-        process while other work keeps the cores busy. Only calls with at least
+        (the default): one per core this process may run on (a choice that does not depend
+        on the machine's load, so a seeded run splits its calls the same way every time).
+        Only calls with at least
         process_min_rows samples per part split, so small calls never start a helper; 1:
         never split."""
         process_min_rows: int = 16
