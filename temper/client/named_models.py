@@ -43,13 +43,21 @@ HF_REPO_IDS: Mapping[str, tuple[str, str]] = MappingProxyType(
         **{f"Qwen/Qwen3.5-{size}": ("qwen3_5", size) for size in ("4B", "9B", "27B")},
         "Qwen/Qwen3.5-35B-A3B": ("qwen3_5_moe", "35B-A3B"),
         "Qwen/Qwen3.5-397B-A17B": ("qwen3_5_moe", "397B-A17B"),
+        # Base checkpoints have their instruct models' shapes; Qwen3.6 is Qwen3.5's
+        # architecture at the same sizes (tinker-cookbook's model table gives both the same
+        # width), so its names pick the Qwen3.5 size of that name.
+        "Qwen/Qwen3.5-9B-Base": ("qwen3_5", "9B"),
+        "Qwen/Qwen3.5-35B-A3B-Base": ("qwen3_5_moe", "35B-A3B"),
+        "Qwen/Qwen3.6-27B": ("qwen3_5", "27B"),
+        "Qwen/Qwen3.6-35B-A3B": ("qwen3_5_moe", "35B-A3B"),
         "meta-llama/Llama-3.2-1B": ("llama", "1B"),
         "meta-llama/Llama-3.2-3B": ("llama", "3B"),
         "meta-llama/Llama-3.1-8B": ("llama", "8B"),
         "meta-llama/Llama-3.1-70B": ("llama", "70B"),
     }
 )
-"""HF repo id -> (family, size) of each published size (every size but `tiny`)."""
+"""HF repo id -> (family, size) of each published size (every size but `tiny`), and of the
+published checkpoints that share a size's shapes."""
 
 
 @dataclass(frozen=True, kw_only=True)

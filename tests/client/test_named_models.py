@@ -20,10 +20,21 @@ from temper.tokenizer import build_builtin_tokenizer
 from temper.trainer.engine import TrainerEngine
 
 
-def test_every_published_size_of_every_family_has_one_hf_repo_id():
+def test_every_published_size_of_every_family_has_an_hf_repo_id():
     published = {(name, size) for name, f in MODEL_FAMILIES.items() for size in f.sizes}
     published -= {(name, "tiny") for name in MODEL_FAMILIES}
-    assert sorted(HF_REPO_IDS.values()) == sorted(published)
+    assert set(HF_REPO_IDS.values()) == published
+
+
+@pytest.mark.parametrize(
+    ("name", "same_as"),
+    [
+        ("Qwen/Qwen3.6-35B-A3B", "Qwen/Qwen3.5-35B-A3B"),  # tinker-cookbook's defaults
+        ("Qwen/Qwen3.5-9B-Base", "Qwen/Qwen3.5-9B"),
+    ],
+)
+def test_checkpoints_that_share_a_sizes_shapes_name_it(name, same_as):
+    assert named_model(name, what="model").config() == named_model(same_as, what="model").config()
 
 
 @pytest.mark.parametrize(
