@@ -106,7 +106,11 @@ def empty_pretrained(
     hf_config = read_hf_config(model_dir)
     text = text_config(hf_config)
     family = family_for_hf_config(text)
-    config = family.config_from_hf(text)
+    try:
+        config = family.config_from_hf(text)
+    except ValueError as error:  # name the file: "config.json: ..." -> "DIR/config.json: ..."
+        config_path = str(Path(model_dir) / "config.json")
+        raise ValueError(str(error).replace("config.json", config_path, 1)) from None
     if is_composite(hf_config):
         files = _weight_files(Path(model_dir))
         composite = read_composite(Path(model_dir), hf_config=hf_config, family=family, files=files)

@@ -26,8 +26,8 @@ def init_model(
     Args:
         out_dir: Directory to create; it must not exist or be empty unless --overwrite.
         size: Named model size (qwen3: tiny, 0.6B, 1.7B, 4B, 8B, 14B, 32B; llama: tiny,
-                1B, 3B, 8B, 70B; qwen3_moe: tiny, 30B-A3B, 235B-A22B; qwen3_5: tiny, 4B, 9B,
-                27B; qwen3_5_moe: tiny, 35B-A3B, 397B-A17B).
+            1B, 3B, 8B, 70B; qwen3_moe: tiny, 30B-A3B, 235B-A22B; qwen3_5: tiny, 4B, 9B,
+            27B; qwen3_5_moe: tiny, 35B-A3B, 397B-A17B).
         tokenizer: Built-in vocabulary; the model's vocab_size is taken from it.
         family: Model family (qwen3, llama, qwen3_moe, qwen3_5 or qwen3_5_moe).
         dtype: Parameter dtype written to disk.

@@ -93,6 +93,12 @@ def check_hybrid_fields(hf_config: Mapping[str, Any], *, family: str) -> None:
             f"config.json: layer_types has unknown layer types {unknown}; valid: "
             f"{list(LAYER_TYPES)}"
         )
+    layer_types = hf_config.get("layer_types")
+    if layer_types and len(layer_types) != hf_config["num_hidden_layers"]:
+        raise ValueError(
+            f"config.json: layer_types has {len(layer_types)} entries; it needs one per layer "
+            f"(num_hidden_layers={hf_config['num_hidden_layers']})"
+        )
 
 
 def hybrid_fields_from_hf(hf_config: Mapping[str, Any]) -> dict[str, Any]:

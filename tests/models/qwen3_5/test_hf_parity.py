@@ -174,8 +174,12 @@ def test_unknown_layer_type_is_refused_naming_the_field():
         ),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"attn_output_gate": False}, "attn_output_gate=false is not supported"),
+        (
+            {"layer_types": ["linear_attention"] * 3},
+            r"layer_types has 3 entries; it needs one per layer \(num_hidden_layers=4\)",
+        ),
     ],
-    ids=["layer-type", "rope-type", "activation", "output-gate"],
+    ids=["layer-type", "rope-type", "activation", "output-gate", "layer-count"],
 )
 def test_unsupported_hf_config_fails_before_loading_naming_the_field(tmp_path, change, message):
     save_hf(tiny_hf_qwen3_5(), tmp_path)
@@ -183,5 +187,6 @@ def test_unsupported_hf_config_fails_before_loading_naming_the_field(tmp_path, c
     config = json.loads(config_path.read_text())
     config.update(change)
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
         load_pretrained(tmp_path)
+    assert str(raised.value).startswith(f"{config_path}: ")
