@@ -32,7 +32,8 @@ What is counted, per rank (W = world size, T trainer ranks, G generator ranks):
 - Activations (an estimate): what autograd keeps for one micro-batch of
   min(micro_batch_tokens, the rank's share of the step) tokens, per token and layer as
   measured on this model code (model_bytes.py; tests/job/test_memory_plan.py pins it;
-  a sparse layer's follow its top_k experts' width and its router, not ffn_dim);
+  a sparse layer's follow its top_k experts' width and its router, not ffn_dim; a hybrid
+  model's are counted term by term from its config, hybrid_activations.py);
   flash-style attention keeps no T x T matrix. With full activation checkpointing each block
   keeps only its input, and backward recomputes one block (the largest) at a time. The fp32
   logits of one chunk (<= 256 MiB, logprobs.py) and their log-softmax come on top.

@@ -24,8 +24,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from temper.job.hybrid_activations import hybrid_activation_bytes
 from temper.models.build import materialize, parse_dtype
 from temper.models.common.decoder import DecoderConfig
+from temper.models.common.hybrid_decoder import HybridDecoderConfig
 from temper.models.common.logprobs import DEFAULT_CHUNK_BYTES
 from temper.models.common.moe_decoder import MoEDecoderConfig
 from temper.models.lora import (
@@ -330,7 +332,12 @@ def activation_bytes(
     and, under 'bf16-mixed', without autocast's copies of the weights: `autocast_copy_bytes`):
     every block's saved tensors, or with checkpointing every block's input plus the largest
     block's saved tensors (recomputed in backward), and the final norm's. `dtype`: the
-    model's, or 'bf16-mixed' (fp32 weights under bf16 autocast)."""
+    model's, or 'bf16-mixed' (fp32 weights under bf16 autocast). A hybrid model's layers are
+    counted term by term from its config (hybrid_activations.py)."""
+    if isinstance(decoder, HybridDecoderConfig):
+        return hybrid_activation_bytes(
+            decoder, tokens=tokens, dtype=dtype, lora=lora, checkpointing=checkpointing
+        )
     if dtype == "bf16-mixed":
         # Coefficients in bytes. A block's input is the residual stream: fp32 after an fp32
         # embedding, bf16 after a LoRA base's bf16 one.

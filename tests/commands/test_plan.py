@@ -85,7 +85,7 @@ def _documented_plans() -> list[tuple[str, str]]:
 
 
 def test_the_docs_show_plans():
-    assert len(_documented_plans()) == 5
+    assert len(_documented_plans()) == 7
 
 
 @pytest.mark.parametrize(("command", "output"), _documented_plans())
