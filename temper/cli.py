@@ -105,6 +105,7 @@ def train(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int
         missing = missing_packages(invocation.config)
         if missing:  # found now, not at the setting's first use far into the run
             raise ValueError("; ".join(missing))
+        _check_model(invocation)
         # On several nodes rank 0 prepares it under torchrun (the others find it there).
         if not invocation.resume and invocation.nnodes == 1:
             config_cli.prepare_run_dir(
@@ -229,6 +230,14 @@ def _check_world_size(invocation: config_cli.TrainInvocation) -> None:
         check_ranks(world_size=invocation.nproc * invocation.nnodes)
 
 
+def _check_model(invocation: config_cli.TrainInvocation) -> None:
+    """Settings the job refuses for its model on this machine (a generator backend that
+    cannot run it), from the model's config alone: before the run directory is written."""
+    check_model = getattr(invocation.config.build(), "check_model", None)
+    if check_model is not None:
+        check_model()
+
+
 def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
     """`temper train` on one rank of a torchrun job: every rank builds and runs the job; rank 0
     prepares the run dir and writes config.json. Errors are reported on every rank."""
@@ -251,6 +260,7 @@ def _train_on_ranks(invocation: config_cli.TrainInvocation) -> int:
     try:
         ranks = Ranks.of_default_group()
         run_dir = ranks.broadcast(invocation.run_dir)
+        _check_model(invocation)  # every rank alike, before rank 0 writes the run directory
 
         def prepare() -> None:
             if not invocation.resume:

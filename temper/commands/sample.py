@@ -29,6 +29,7 @@ import tyro
 from temper.api.types import SampledSequence, SamplingParams
 from temper.checkpoint.model_source import DType, ModelSource
 from temper.client.sampler_weights import SAMPLER_FILE, load_sampler_directory
+from temper.sampler.context_limits import prompt_too_long
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import Tokenizer
 from temper.tokenizer.renderers import RendererName, build_renderer
@@ -147,8 +148,9 @@ def sample(
     context = base.model.config.max_seq_len
     if len(prompt_tokens) >= context:
         raise ValueError(
-            f"--prompt has {len(prompt_tokens)} tokens, but the model's context is {context} "
-            f"tokens, which must also leave room for one new token; shorten the prompt"
+            prompt_too_long(
+                "--prompt", num_tokens=len(prompt_tokens), context=context, holder="the model"
+            )
         )
     if len(prompt_tokens) + max_tokens > context:
         print(

@@ -22,6 +22,7 @@ from temper.generator.seam import Generator
 from temper.generator.vllm import VllmGenerator  # vLLM itself: when built
 from temper.generator.vllm_lora import VllmMultiLora
 from temper.generator.vllm_process import INSTALL_HINT
+from temper.models.common.decoder import DecoderConfig
 from temper.sampler.engine import SamplerEngine
 from temper.tokenizer import Tokenizer
 
@@ -48,6 +49,13 @@ class GeneratorChoice(Configurable):
             check_choice(
                 self.backend, field="GeneratorChoice.Config.backend", choices=("temper", "vllm")
             )
+
+        def check_model(self, model_config: DecoderConfig, *, dtype: str) -> None:
+            """Refuse, from its config alone, a model the chosen backend cannot run here in
+            `dtype` (the trainer's compute dtype, which generators decode in): jobs before
+            they write their run directory, the server before it listens."""
+            if self.backend == "vllm":
+                self.vllm.check_model(model_config, model_dtype=dtype)
 
     def __init__(self, config: Config) -> None:
         self.config = config

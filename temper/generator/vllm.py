@@ -167,6 +167,13 @@ class VllmGenerator(Configurable, OnePromptSampling):
                 self.max_lora_rank, field=f"{owner}.max_lora_rank", choices=VLLM_LORA_RANKS
             )
 
+        def check_model(self, model_config: Any, *, model_dtype: str) -> None:
+            """Refuse a model this vLLM cannot run here (a hybrid one on its CPU build,
+            vllm_hybrid.py), from its config and the dtype it is served in ('auto' takes
+            `model_dtype`): callers that know the model before building anything."""
+            dtype = model_dtype if self.dtype == "auto" else self.dtype
+            vllm_hybrid.check_platform(model_config, dtype=dtype)
+
     def __init__(
         self,
         config: Config,
@@ -191,9 +198,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self.tokenizer = tokenizer
         self._family = family_of_model(model)
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
-        if _vllm_on_cpu():  # before anything is written or started
-            family = self._family.hf_architecture
-            vllm_hybrid.check_cpu(model_config, dtype=self.dtype, family=family)
+        vllm_hybrid.check_platform(model_config, dtype=self.dtype)  # before anything starts
         self._shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
         self._version = 0
         self._broken: str | None = None  # why the engine lost its weights
@@ -548,13 +553,6 @@ def _topk(entry: Mapping[int, Any], k: int) -> TopkLogprobs:
     the sampled token, which may rank lower)."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)
     return [(token, logprob.logprob) for token, logprob in ranked if logprob.rank <= k][:k]
-
-
-def _vllm_on_cpu() -> bool:
-    """Whether the installed vLLM is its CPU build."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from temper.generator.vllm_process import vllm_on_cpu
+from temper.models.registry import family_of_config
 from temper.sampler.recurrent_pool import RecurrentPoolShape
 
 CPU_LINEAR_HEAD_DIMS = (64, 128)
@@ -64,6 +66,15 @@ def state_bytes_per_sequence(model_config: Any, *, dtype: torch.dtype) -> int:
     delta-rule states in fp32)."""
     pool = RecurrentPoolShape.for_model(model_config, num_slots=1)
     return 0 if pool is None else ALIGN_STATES_PER_LAYER * pool.bytes_per_slot(dtype)
+
+
+def check_platform(model_config: Any, *, dtype: str) -> None:
+    """Refuse a hybrid model the installed vLLM cannot run in `dtype`, from its config alone:
+    the engine calls it before it starts, and jobs and the server before any work (a
+    dense model passes without importing vLLM)."""
+    if is_hybrid(model_config) and vllm_on_cpu():
+        family = family_of_config(model_config).hf_architecture
+        check_cpu(model_config, dtype=dtype, family=family)
 
 
 def check_cpu(model_config: Any, *, dtype: str, family: str) -> None:

@@ -76,6 +76,14 @@ def import_vllm() -> Any:
     return vllm
 
 
+def vllm_on_cpu() -> bool:
+    """Whether the installed vLLM is its CPU build."""
+    import_vllm()
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 # Warnings vLLM gives for what Temper does on purpose: a built-in vocabulary has no chat
 # template to warm up, and a tied output layer has no weight of its own to reload (it is
 # rebuilt by the transfer engine: vllm_transfer.py).

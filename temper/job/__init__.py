@@ -3,7 +3,7 @@ the memory its ranks hold."""
 
 from temper.job.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from temper.job.memory_report import describe_for_rank
-from temper.job.model import ModelChoice, check_generator_ranks
+from temper.job.model import ModelChoice, check_generator_model, check_generator_ranks
 from temper.job.run_checkpoints import (
     CHECKPOINTS_DIR,
     RunCheckpoints,
@@ -17,6 +17,7 @@ __all__ = [
     "ModelChoice",
     "PlanSettings",
     "RunCheckpoints",
+    "check_generator_model",
     "check_generator_ranks",
     "describe_for_rank",
     "other_world_note",

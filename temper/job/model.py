@@ -26,6 +26,7 @@ from temper.distributed.ranks import Ranks
 from temper.generator.choice import GeneratorChoice
 from temper.generator.multi_lora import MultiLoraSampler
 from temper.generator.remote import RemoteGenerators
+from temper.job.memory_plan import model_config
 from temper.sampler.engine import SamplerEngine
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.precision import Precision, PrecisionName
@@ -146,6 +147,20 @@ class ModelChoice(Configurable):
             rank=config.lora_rank,
             seed=job_seed if config.lora_seed is None else config.lora_seed,
         )
+
+
+def check_generator_model(model: ModelChoice.Config, generator: GeneratorChoice.Config) -> None:
+    """Refuse a model the job's generator backend cannot run on this machine (vLLM's CPU build
+    and a hybrid model: generator/vllm_hybrid.py), from the model's config alone (its named
+    size, or its directory's config.json): before a job writes its run directory or builds
+    anything. The generator decodes in the trainer's compute dtype."""
+    if generator.backend == "temper":
+        return
+    try:
+        decoder = model_config(model.base_model)
+    except ValueError as error:  # named by its flag: the job's user set it there
+        raise ValueError(f"--model.base_model: {error}") from None
+    generator.check_model(decoder, dtype=model.precision.compute)
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:

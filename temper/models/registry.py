@@ -185,6 +185,16 @@ def family_for_hf_config(hf_config: Mapping[str, Any]) -> ModelFamily:
     )
 
 
+def family_of_config(config: Any) -> ModelFamily:
+    """The family of a model config (`Qwen3_5.Config`: its model class's `Config`)."""
+    for candidate in MODEL_FAMILIES.values():
+        if type(config) is candidate.model_cls.Config:
+            return candidate
+    raise TypeError(
+        f"{type(config).__qualname__} is not a Temper model config; supported: {_supported()}"
+    )
+
+
 def family_of_model(model: nn.Module) -> ModelFamily:
     for candidate in MODEL_FAMILIES.values():
         if isinstance(model, candidate.model_cls):

@@ -51,6 +51,7 @@ from temper.job import (
     CHECKPOINTS_DIR,
     ModelChoice,
     RunCheckpoints,
+    check_generator_model,
     check_generator_ranks,
     other_world_note,
     state_to_resume,
@@ -180,6 +181,7 @@ class RLJob(Configurable):
         """Train into `run_dir`; with `resume`, continue from its last checkpoint. Returns
         None on the generator ranks of a disaggregated placement (they only sample)."""
         # Before any collective or model, on every rank alike:
+        self.check_model()
         placement = self.check_ranks(world_size=Ranks.world_size_now())
         if not placement.disaggregated:
             return self._run(run_dir=Path(run_dir), resume=resume, placement=placement)
@@ -205,6 +207,12 @@ class RLJob(Configurable):
                 )
             finally:
                 remote.close()
+
+    def check_model(self) -> None:
+        """The settings refused for this model on this machine (a generator backend that
+        cannot run it), from the model's config alone: by `temper train` before it writes the
+        run directory, and by `run` before anything is built."""
+        check_generator_model(self.config.model, self.config.generator)
 
     def check_ranks(self, *, world_size: int) -> Placement:
         """The settings that depend on the number of ranks (degrees, the placement's split,

@@ -14,6 +14,7 @@ import torch
 
 from temper.api.prompt_targets import PromptTargetLogprobs, PromptTargets
 from temper.api.types import SampledSequence, SampleResponse, SamplingParams, TopkLogprobs
+from temper.sampler.context_limits import prompt_too_long
 from temper.sampler.kv_cache import SlotPrefix
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio); spreads sample indices
@@ -147,8 +148,12 @@ def validate(request: SampleRequest, *, index: int, vocab_size: int, max_seq_len
             )
     if len(request.prompt) >= max_seq_len:
         raise ValueError(
-            f"{where}: prompt has {len(request.prompt)} tokens, but the sampler's context is "
-            f"{max_seq_len} (max_seq_len), which must also leave room for one new token"
+            prompt_too_long(
+                f"{where}: prompt",
+                num_tokens=len(request.prompt),
+                context=max_seq_len,
+                holder="the sampler (max_seq_len)",
+            )
         )
     if request.num_samples < 1:
         raise ValueError(f"{where}: num_samples must be >= 1, got {request.num_samples}")

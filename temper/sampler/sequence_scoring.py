@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from temper.models.common.logprobs import forward_logprobs
+from temper.sampler.context_limits import prompt_too_long
 
 
 def score_sequences(
@@ -54,7 +55,13 @@ def check_tokens(
         raise ValueError(f"{where}: needs at least {min_len} tokens, got {len(tokens)}")
     if len(tokens) > max_seq_len:
         raise ValueError(
-            f"{where}: {len(tokens)} tokens exceed the model's max_seq_len {max_seq_len}"
+            prompt_too_long(
+                where,
+                num_tokens=len(tokens),
+                context=max_seq_len,
+                holder="the model (max_seq_len)",
+                new_token=False,
+            )
         )
     for position, token in enumerate(tokens):
         if not 0 <= int(token) < vocab_size:

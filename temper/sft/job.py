@@ -35,7 +35,13 @@ from temper.config.checks import check_range
 from temper.config.configurable import Configurable
 from temper.distributed.ranks import Ranks
 from temper.generator.choice import GeneratorChoice
-from temper.job import CHECKPOINTS_DIR, ModelChoice, RunCheckpoints, state_to_resume
+from temper.job import (
+    CHECKPOINTS_DIR,
+    ModelChoice,
+    RunCheckpoints,
+    check_generator_model,
+    state_to_resume,
+)
 from temper.job.long_lived import long_lived_objects_frozen
 from temper.models.common.moe_stats import router_metrics
 from temper.observability import MetricsLogger, PhaseTimer
@@ -175,8 +181,15 @@ class SFTJob(Configurable):
     def __init__(self, config: Config) -> None:
         self.config = config
 
+    def check_model(self) -> None:
+        """The settings refused for this model on this machine (a generator backend that
+        cannot run it), from the model's config alone: by `temper train` before it writes the
+        run directory, and by `run` before anything is built."""
+        check_generator_model(self.config.model, self.config.generator)
+
     def run(self, *, run_dir: Path, resume: bool = False) -> SFTResult:
         """Train into `run_dir`; with `resume`, continue from its last checkpoint."""
+        self.check_model()
         config, run_dir = self.config, Path(run_dir)
         storage_dir = run_dir / CHECKPOINTS_DIR
         saved = None

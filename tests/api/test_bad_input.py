@@ -381,7 +381,9 @@ SAMPLING_CASES = {
     "prompt fills the context": (
         lambda s: s.sample(ModelInput.from_ints([1] * MAX_SEQ_LEN), 1, GREEDY),
         ValueError,
-        f"prompt has {MAX_SEQ_LEN} tokens, but the sampler's context is {MAX_SEQ_LEN}",
+        rf"request 0: prompt has {MAX_SEQ_LEN} tokens; the sampler \(max_seq_len\) holds at "
+        rf"most {MAX_SEQ_LEN} tokens \(prompt \+ completion\), so a prompt may have at most "
+        rf"{MAX_SEQ_LEN - 1}",
     ),
     "prompt not a ModelInput": (
         lambda s: s.sample([1, 2], 1, GREEDY),
@@ -450,7 +452,7 @@ SAMPLING_CASES = {
     "logprobs longer than the context": (
         lambda s: s.compute_logprobs(ModelInput.from_ints([1] * (MAX_SEQ_LEN + 1))),
         ValueError,
-        f"{MAX_SEQ_LEN + 1} tokens exceed the model's max_seq_len",
+        rf"has {MAX_SEQ_LEN + 1} tokens; the model \(max_seq_len\) holds at most {MAX_SEQ_LEN}",
     ),
 }
 

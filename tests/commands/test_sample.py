@@ -104,7 +104,11 @@ def test_logprobs_table(model_dir, capsys):
         (["-n", "0"], "-n must be >= 1"),
         (["--prompt", ""], "encodes to zero tokens"),
         (["--prompt", "caf\u00e9"], "cannot encode the text"),
-        (["--prompt", "a" * 2048], "--prompt has 2048 tokens, but the model's context is 2048"),
+        (
+            ["--prompt", "a" * 2048],
+            "--prompt has 2048 tokens; the model holds at most 2048 tokens (prompt + completion), "
+            "so a prompt may have at most 2047",
+        ),
     ],
 )
 def test_bad_input_is_a_clean_error(model_dir, capsys, flags, message):

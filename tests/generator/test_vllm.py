@@ -221,7 +221,7 @@ def test_score_agrees_with_temper(backends):
     [
         ({"prompt": [1, 99]}, "outside the vocabulary"),
         ({"prompt": []}, "prompt is empty"),
-        ({"prompt": [1] * 64}, "but the sampler's context is 64"),
+        ({"prompt": [1] * 64}, "the sampler .max_seq_len. holds at most 64 tokens"),
         ({"prompt": [1, 2], "num_samples": 0}, "num_samples must be >= 1"),
         ({"prompt": [1, 2], "topk_sample_logprobs": 500}, "topk_sample_logprobs must be in"),
         ({"prompt": [1, 2], "params": SamplingParams(stop=[99])}, "stop token id 99"),

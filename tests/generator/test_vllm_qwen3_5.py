@@ -169,3 +169,19 @@ def test_weight_update_reaches_the_hybrid_layers(engine):
     tokens, logprobs = _greedy(generator)
     _check_against_full_forward(other, tokens, logprobs)
     assert generator.version == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CUDA build runs these")
+def test_train_refuses_before_the_warmup_and_writes_no_run_directory(tmp_path, capsys):
+    from temper.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["train", "sum_digits_hybrid", "--run-dir", str(run_dir), "--metrics.display", "none"]
+    assert main([*argv, "--generator.backend", "vllm"]) == 2  # a settings error, not a run's
+    captured = capsys.readouterr()
+    assert "Qwen3_5ForCausalLM" in captured.err and "vLLM's CPU build" in captured.err
+    assert "bfloat16 only, not float32" in captured.err  # CPU runs train in fp32
+    assert "linear_key_head_dim=32" in captured.err  # qwen3_5/tiny's heads
+    assert "--generator.backend temper" in captured.err
+    assert "SFT warm-up" not in captured.out  # nothing ran
+    assert not run_dir.exists()

@@ -302,7 +302,8 @@ def test_cache_memory_is_known_up_front(model):
         ({"prompt": []}, "prompt is empty"),
         (
             {"prompt": list(range(5)) * 20},
-            r"prompt has 100 tokens, but the sampler's context is 96",
+            r"prompt has 100 tokens; the sampler \(max_seq_len\) holds at most 96 tokens "
+            r"\(prompt \+ completion\), so a prompt may have at most 95",
         ),
         ({"prompt": [1], "num_samples": 0}, "num_samples must be >= 1"),
         ({"prompt": [1], "topk_sample_logprobs": -1}, "topk_sample_logprobs must be in"),

@@ -15,6 +15,8 @@ import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
+from temper.job.memory_plan import model_config
+from temper.sampler.engine import SamplerEngine
 from temper.server.http.errors import BadRequest
 from temper.server.wire import codec as wire
 from tests.server.conftest import API_KEY
@@ -343,6 +345,19 @@ def test_bad_sample_requests_are_4xx_and_the_sampler_keeps_serving(server, model
     assert post(server, "asample", json=sample_body(session)).status_code == 200
     with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
         sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, stop=[vocab])).result()
+    # A prompt that fills the sampler: the error names the verb the SDK user called.
+    limit = min(SamplerEngine.Config().max_seq_len, model_config(str(model_dir)).max_seq_len)
+    too_long = types.ModelInput.from_ints([1] * limit)
+    wording = (
+        f"prompt has {limit} tokens; the sampler holds at most {limit} tokens (prompt + "
+        f"completion), so a prompt may have at most {limit - 1}"
+    )
+    with pytest.raises(tinker.BadRequestError) as refused:
+        sampler.compute_logprobs(too_long).result()
+    assert f"compute_logprobs: {wording}" in str(refused.value)
+    with pytest.raises(tinker.BadRequestError) as refused:
+        sampler.sample(too_long, 1, greedy).result()
+    assert f"sample: {wording}" in str(refused.value)
     assert sampler.sample(prompt, 1, greedy).result().sequences[0].tokens == expected
 
 

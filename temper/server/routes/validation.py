@@ -16,6 +16,7 @@ from tinker import types as tinker_types
 from temper.api.types import Datum, ModelInput
 from temper.client.service_client import lora_config
 from temper.losses import LossSpec, get_loss, resolve_config
+from temper.sampler.context_limits import prompt_too_long
 from temper.server.http.errors import BadRequest
 from temper.server.state.base_models import BaseModel, ModelLimits
 from temper.server.state.model_memory import MIB
@@ -122,29 +123,41 @@ def _looks_valid(data: Sequence[Datum], spec: LossSpec, *, limits) -> bool:
     return bool(in_vocab and np.isfinite(np.asarray(values, dtype=np.float64)).all())
 
 
-def check_prompt(prompt: ModelInput, *, num_samples: int, limits: ModelLimits) -> None:
-    """A longer completion than fits is not an error: it stops at the limit ('length')."""
+def sdk_verb(call: SampleCall) -> str:
+    """The SDK verb an asample request comes from, for its errors: the SDK's
+    compute_logprobs sends one sample of one token with the prompt's logprobs."""
+    scoring = call.prompt_logprobs and call.num_samples == 1 and call.params.max_tokens == 1
+    return "compute_logprobs" if scoring else "sample"
+
+
+def check_prompt(prompt: ModelInput, *, num_samples: int, limits: ModelLimits, verb: str) -> None:
+    """A longer completion than fits is not an error: it stops at the limit ('length').
+    Errors name `verb`, the call the user made."""
     tokens = prompt.to_ints()
     if not tokens:
-        raise BadRequest("sample: prompt is empty")
+        raise BadRequest(f"{verb}: prompt is empty")
     bad = next((t for t in tokens if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise BadRequest(
-            f"sample: prompt token {bad} at position {tokens.index(bad)} is outside the "
+            f"{verb}: prompt token {bad} at position {tokens.index(bad)} is outside the "
             f"vocabulary; valid ids are 0..{limits.vocab_size - 1}"
         )
     if len(tokens) >= limits.max_sample_len:
         raise BadRequest(
-            f"sample: prompt has {len(tokens)} tokens; the sampler holds at most "
-            f"{limits.max_sample_len} (prompt + completion)"
+            prompt_too_long(
+                f"{verb}: prompt",
+                num_tokens=len(tokens),
+                context=limits.max_sample_len,
+                holder="the sampler",
+            )
         )
     if not 1 <= num_samples <= MAX_NUM_SAMPLES:
-        raise BadRequest(f"sample: num_samples must be in 1..{MAX_NUM_SAMPLES}, got {num_samples}")
+        raise BadRequest(f"{verb}: num_samples must be in 1..{MAX_NUM_SAMPLES}, got {num_samples}")
 
 
 def check_sample(call: SampleCall, *, limits: ModelLimits) -> None:
     """The prompt (`check_prompt`), and what else the sampler would only reject once queued."""
-    check_prompt(call.prompt, num_samples=call.num_samples, limits=limits)
+    check_prompt(call.prompt, num_samples=call.num_samples, limits=limits, verb=sdk_verb(call))
     vocab_size = limits.vocab_size
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
         value = getattr(call, name)

@@ -23,8 +23,10 @@ from pathlib import Path
 
 from temper.checkpoint.composite import text_config
 from temper.checkpoint.hf import read_hf_config
+from temper.generator.choice import GeneratorChoice
 from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
-from temper.models.registry import family_for_hf_config
+from temper.models.common.decoder import DecoderConfig
+from temper.models.registry import family_for_hf_config, family_of_config
 from temper.sampler.engine import SamplerEngine
 from temper.server.http.errors import BadRequest, NotFound
 
@@ -207,13 +209,8 @@ def load_base_model(
 ) -> BaseModel:
     """Read a model directory's config (not its weights)."""
     model_dir = Path(path).expanduser()
-    hf_config = text_config(read_hf_config(model_dir))
-    try:
-        model_family = family_for_hf_config(hf_config)
-        decoder = model_family.config_from_hf(hf_config)
-    except ValueError as error:
-        raise ValueError(f"model directory {path}: {error}") from None
-    arch = model_family.name
+    decoder = read_model_config(path)
+    arch = family_of_config(decoder).name
     # Shapes of models built on the meta device: nothing is allocated.
     plain = ModelShapes.of(decoder, lora_rank=None)
     adapted = ModelShapes.of(decoder, lora_rank=1)
@@ -236,6 +233,27 @@ def load_base_model(
             decoder, adapted, engine=sampler, dtype=dtype
         ).total,
     )
+
+
+def read_model_config(path: str) -> DecoderConfig:
+    """The model config of a directory's config.json (its text model's), or a ValueError
+    naming the directory."""
+    hf_config = text_config(read_hf_config(Path(path).expanduser()))
+    try:
+        return family_for_hf_config(hf_config).config_from_hf(hf_config)
+    except ValueError as error:
+        raise ValueError(f"model directory {path}: {error}") from None
+
+
+def check_generator(paths: list[str], *, generator: GeneratorChoice.Config, dtype: str) -> None:
+    """Refuse, at startup, a served model the generator backend cannot run on this machine in
+    `dtype` (vLLM's CPU build and a hybrid model: generator/vllm_hybrid.py), naming the
+    directory; the first request for it would fail otherwise."""
+    for path in paths:
+        try:
+            generator.check_model(read_model_config(path), dtype=dtype)
+        except ValueError as error:
+            raise ValueError(f"model directory {path}: {error}") from None
 
 
 def describe(model: BaseModel) -> dict:

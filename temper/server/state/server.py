@@ -36,6 +36,7 @@ from temper.server.state.base_models import (
     BaseModel,
     BaseModels,
     ModelLimits,
+    check_generator,
     describe,
     load_base_model,
     model_dirs,
@@ -46,6 +47,7 @@ from temper.server.state.lifetimes import EndedIds
 from temper.server.state.model_memory import ModelMemory
 from temper.server.state.sessions import SamplingSession, ServedModel, Session
 from temper.server.state.snapshots import MIB, SnapshotRetention
+from temper.trainer.precision import Precision
 
 __all__ = ["ModelLimits", "SamplingSession", "ServedModel", "Session", "TemperServer"]
 
@@ -77,6 +79,9 @@ class TemperServer(Configurable):
                 for path, trainable in dirs
             ]
         )
+        # Before the server listens: the first request would fail on the model otherwise.
+        compute = Precision.resolve(config.dtype, device=config.device).compute
+        check_generator([path for path, _ in dirs], generator=config.generator, dtype=compute)
         device_bytes = device_memory_bytes(config.device)
         budget_mb = config.model_memory_mb
         self.memory = ModelMemory(
