@@ -3,7 +3,12 @@ the memory its ranks hold."""
 
 from temper.job.memory_plan import MemoryPlan, PlanSettings, plan_memory
 from temper.job.memory_report import describe_for_rank
-from temper.job.model import ModelChoice, check_generator_model, check_generator_ranks
+from temper.job.model import (
+    ModelChoice,
+    check_generator_model,
+    check_generator_ranks,
+    model_shapes,
+)
 from temper.job.run_checkpoints import (
     CHECKPOINTS_DIR,
     RunCheckpoints,
@@ -20,6 +25,7 @@ __all__ = [
     "check_generator_model",
     "check_generator_ranks",
     "describe_for_rank",
+    "model_shapes",
     "other_world_note",
     "plan_memory",
     "state_to_resume",

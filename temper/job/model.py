@@ -27,6 +27,7 @@ from temper.generator.choice import GeneratorChoice
 from temper.generator.multi_lora import MultiLoraSampler
 from temper.generator.remote import RemoteGenerators
 from temper.job.memory_plan import model_config
+from temper.models.common.decoder import DecoderConfig
 from temper.sampler.engine import SamplerEngine
 from temper.trainer.engine import TrainerEngine
 from temper.trainer.precision import Precision, PrecisionName
@@ -156,11 +157,16 @@ def check_generator_model(model: ModelChoice.Config, generator: GeneratorChoice.
     anything. The generator decodes in the trainer's compute dtype."""
     if generator.backend == "temper":
         return
+    generator.check_model(model_shapes(model), dtype=model.precision.compute)
+
+
+def model_shapes(model: ModelChoice.Config) -> DecoderConfig:
+    """The trained model's config from its name or directory alone (nothing built); an
+    error is named by its flag, where the user set it."""
     try:
-        decoder = model_config(model.base_model)
-    except ValueError as error:  # named by its flag: the job's user set it there
+        return model_config(model.base_model)
+    except ValueError as error:
         raise ValueError(f"--model.base_model: {error}") from None
-    generator.check_model(decoder, dtype=model.precision.compute)
 
 
 def check_generator_ranks(generator: GeneratorChoice.Config, *, ranks: Ranks, field: str) -> None:

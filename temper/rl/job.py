@@ -53,11 +53,12 @@ from temper.job import (
     RunCheckpoints,
     check_generator_model,
     check_generator_ranks,
+    model_shapes,
     other_world_note,
     state_to_resume,
 )
 from temper.job.long_lived import long_lived_objects_frozen
-from temper.job.memory_plan import MemoryPlan, PlanSettings, Role, model_config, plan_memory
+from temper.job.memory_plan import MemoryPlan, PlanSettings, Role, plan_memory
 from temper.job.placement import (
     memory_plan_line,
     plan_settings,
@@ -229,7 +230,7 @@ class RLJob(Configurable):
         of `gpu_memory_gib` (`temper plan`), from the config alone: the model's shapes come
         from its named size or its directory's config.json; nothing is built."""
         placement = self.check_ranks(world_size=nnodes * nproc_per_node)
-        decoder = _model_shapes(self.config)
+        decoder = model_shapes(self.config.model)
         settings = _plan_settings(
             self.config,
             placement,
@@ -524,15 +525,6 @@ def _plan_settings(
     )
 
 
-def _model_shapes(config: RLJob.Config) -> DecoderConfig:
-    """The trained model's config from its name or directory alone (nothing built); an
-    error is named by its flag, where the user set it."""
-    try:
-        return model_config(config.model.base_model)
-    except ValueError as error:
-        raise ValueError(f"--model.base_model: {error}") from None
-
-
 def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
     """Settings that depend on the number of (trainer) ranks; raises the same error on every
     rank."""
@@ -545,7 +537,7 @@ def _check_ranks(config: RLJob.Config, *, num_ranks: int) -> None:
             "(every rank samples its own groups); use tp=1 and dp_shard/dp_replicate"
         )
     if dims.ep_enabled:  # against the model's experts: its config alone, nothing built
-        dims.check_model(_model_shapes(config))
+        dims.check_model(model_shapes(config.model))
     Ranks(rank=0, world_size=num_ranks).share(
         config.rl.prompts_per_step, field="RLJob.Config.rl.prompts_per_step"
     )
