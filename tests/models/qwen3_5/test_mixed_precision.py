@@ -55,3 +55,15 @@ def test_delta_rule_ignores_autocast(rule):
     for a, b in zip(plain, mixed, strict=True):
         assert a.dtype == b.dtype == torch.float32
         assert torch.equal(a, b)
+
+
+def test_a_mixed_precision_backward_runs_and_gives_fp32_gradients(layers):
+    layer_fp32, _ = layers
+    layer = copy.deepcopy(layer_fp32)
+    x_BTD = torch.randn(2, 40, layer.out_proj.out_features, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = layer(x_BTD).float().square().mean()
+    loss.backward()
+    for name, parameter in [("x", x_BTD), *layer.named_parameters()]:
+        assert parameter.grad.dtype == torch.float32, name
+        assert parameter.grad.isfinite().all() and parameter.grad.abs().sum() > 0, name
