@@ -13,9 +13,10 @@ Per head the state S [K, V] evolves token by token as
 with a_t = exp(g_t) (g_t <= 0 the log decay), beta_t in (0, 1) the write strength, and q, k
 L2-normalized (in fp32, eps 1e-6) with q scaled by K**-0.5. Everything runs in fp32, with
 autocast off: under a mixed-precision trainer's bf16 autocast the chunked form's batched
-matmuls would otherwise run in bf16, where the generator's decode of a bf16 copy runs the
-rule in fp32 (that made most of a bf16-mixed hybrid's extra sampler-trainer mismatch:
-docs/benchmarks.md, `hybrid_mismatch_sources.py`).
+matmuls would otherwise run in bf16, where the generator's bf16 copy runs the rule in fp32
+(one of the two sources of a bf16-mixed hybrid's extra sampler-trainer mismatch, the other
+the conv: gated_deltanet.py; docs/benchmarks.md, `hybrid_mismatch_sources.py`), and the
+chunked form's hand-written backward cannot take autocast's bf16 products.
 
 `recurrent_gated_delta_rule` is that loop, one token at a time: the sampler's decode step.
 
