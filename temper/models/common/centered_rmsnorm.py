@@ -43,5 +43,7 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normalized = self.weight * _normalize_fp32(x, eps=self.eps).to(x.dtype)
+        # The weight at x's dtype: under bf16 autocast over fp32 weights, the product is the
+        # bf16 one a bf16 model computes (gated_deltanet.py says why).
+        normalized = self.weight.to(x.dtype) * _normalize_fp32(x, eps=self.eps).to(x.dtype)
         return (normalized * F.silu(gate.float())).to(x.dtype)

@@ -11,7 +11,12 @@ Per head the state S [K, V] evolves token by token as
     o_t = S_t^T q_t
 
 with a_t = exp(g_t) (g_t <= 0 the log decay), beta_t in (0, 1) the write strength, and q, k
-L2-normalized (in fp32, eps 1e-6) with q scaled by K**-0.5. Everything runs in fp32.
+L2-normalized (in fp32, eps 1e-6) with q scaled by K**-0.5. Everything runs in fp32, with
+autocast off: under a mixed-precision trainer's bf16 autocast the chunked form's batched
+matmuls would otherwise run in bf16, where the generator's bf16 copy runs the rule in fp32
+(one of the two sources of a bf16-mixed hybrid's extra sampler-trainer mismatch, the other
+the conv: gated_deltanet.py; docs/benchmarks.md, `hybrid_mismatch_sources.py`), and the
+chunked form's hand-written backward cannot take autocast's bf16 products.
 
 `recurrent_gated_delta_rule` is that loop, one token at a time: the sampler's decode step.
 
@@ -73,6 +78,19 @@ def recurrent_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_BTNV in v's dtype, final state_BNKV fp32), one token at a time from `state_BNKV`
     (None: zeros)."""
+    with torch.autocast(v_BTNV.device.type, enabled=False):
+        return _recurrent(q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV)
+
+
+def _recurrent(
+    q_BTNK: torch.Tensor,
+    k_BTNK: torch.Tensor,
+    v_BTNV: torch.Tensor,
+    g_BTN: torch.Tensor,
+    beta_BTN: torch.Tensor,
+    *,
+    state_BNKV: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     q_BNTK, k_BNTK, v_BNTV, g_BNT, beta_BNT = _heads_first(q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN)
     B, N, T, K = k_BNTK.shape
     V = v_BNTV.shape[-1]
@@ -105,6 +123,22 @@ def chunk_gated_delta_rule(
 
     q and k may come with fewer heads H than v's N (H divides N): value head n reads key head
     n // (N / H). They are normalized per key head, then repeated."""
+    with torch.autocast(v_BTNV.device.type, enabled=False):
+        return _chunked(
+            q_BTHK, k_BTHK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV, chunk_size=chunk_size
+        )
+
+
+def _chunked(
+    q_BTHK: torch.Tensor,
+    k_BTHK: torch.Tensor,
+    v_BTNV: torch.Tensor,
+    g_BTN: torch.Tensor,
+    beta_BTN: torch.Tensor,
+    *,
+    state_BNKV: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, _, K = k_BTHK.shape
     N, V = v_BTNV.shape[-2:]
     # A sequence shorter than a chunk runs as one chunk of the next power of two (at least

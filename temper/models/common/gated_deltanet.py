@@ -14,6 +14,17 @@ from zero; with one (a sampler) it continues from the states read and writes the
 each row's last real token, taking the recurrent form for a one-token step (recurrent.py).
 Given fla's kernels (fla_kernels.py), a CUDA forward in bf16/fp16 runs the chunked form and the
 conv from zero through them instead.
+
+The parameters that no matmul reads (the conv's taps, A_log, dt_bias, the gated norm's weight)
+enter at the dtype of the projections' outputs: under a mixed-precision trainer's bf16
+autocast over fp32 weights they are rounded to bf16 and the conv multiplies and adds in bf16,
+as autocast casts the weights of the projections and as the generator's bf16 copy of the
+weights computes (and the delta rule runs with autocast off, delta_rule.py). The trainer's
+forward then computes this layer bitwise as the generator does, and the sampler-trainer
+mismatch of a hybrid policy keeps only what a dense one has: a bf16-mixed hybrid's
+`mismatch/kl` measures 0.4-0.9x a dense policy's, against 1.3-1.55x with the conv in fp32 on
+exact taps and the delta rule's products left to autocast (docs/benchmarks.md,
+`hybrid_mismatch_sources.py`). In fp32, and in a bf16 model, these casts change nothing.
 """
 
 from __future__ import annotations
@@ -89,7 +100,8 @@ class GatedDeltaNet(nn.Module):
         fast = self.kernels is not None and self.kernels.applies(x_BTD)
         qkv_BTC = self.in_proj_qkv(x_BTD)
         if states is None and fast and self.kernels.causal_conv1d_fn is not None:
-            conv_BTC, conv_BCW = self.kernels.causal_conv(qkv_BTC, self.conv_weight[:, 0]), None
+            conv_BTC = self.kernels.causal_conv(qkv_BTC, self._conv_taps(qkv_BTC))
+            conv_BCW = None
         elif states is None:
             conv_BTC, conv_BCW = self._causal_conv(qkv_BTC), None
         else:
@@ -105,8 +117,11 @@ class GatedDeltaNet(nn.Module):
         )
         v_BTNV = v_BTX.reshape(B, T, self.num_value_heads, self.value_head_dim)
         beta_BTN = self.in_proj_b(x_BTD).sigmoid()
-        # In fp32: a bf16 or fp16 exp(A_log) may overflow.
-        g_BTN = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BTD).float() + self.dt_bias)
+        # In fp32 (a bf16 or fp16 exp(A_log) may overflow), from A_log and dt_bias at the
+        # projection's dtype, as a generator's bf16 copy holds them (see the class docstring).
+        a_BTN = self.in_proj_a(x_BTD)
+        A_N = self.A_log.to(a_BTN.dtype).float().exp()
+        g_BTN = -A_N * F.softplus(a_BTN.float() + self.dt_bias.to(a_BTN.dtype))
         if lengths_B is not None:
             # beta = 0 and g = 0 leave the state unchanged over right padding.
             real_BT1 = (torch.arange(T, device=x_BTD.device) < lengths_B[:, None])[..., None]
@@ -131,7 +146,11 @@ class GatedDeltaNet(nn.Module):
 
     def _causal_conv(self, qkv_BTC: torch.Tensor) -> torch.Tensor:
         """silu(causal depthwise conv) from zero history: [B, T, C]."""
-        return CausalConvSilu.apply(qkv_BTC, self.conv_weight[:, 0], 0)
+        return CausalConvSilu.apply(qkv_BTC, self._conv_taps(qkv_BTC), 0)
+
+    def _conv_taps(self, qkv_BTC: torch.Tensor) -> torch.Tensor:
+        """The conv's weight [C, W + 1] in its inputs' dtype (the class docstring says why)."""
+        return self.conv_weight[:, 0].to(qkv_BTC.dtype)
 
     def _conv_from_state(
         self,
@@ -147,7 +166,7 @@ class GatedDeltaNet(nn.Module):
         if conv_BCW is None:
             conv_BCW = qkv_BTC.new_zeros(B, C, W)
         inputs_BXC = torch.cat((conv_BCW.transpose(1, 2).to(qkv_BTC.dtype), qkv_BTC), dim=1)
-        out_BTC = CausalConvSilu.apply(inputs_BXC, self.conv_weight[:, 0], W)
+        out_BTC = CausalConvSilu.apply(inputs_BXC, self._conv_taps(qkv_BTC), W)
         if lengths_B is None:
             return out_BTC, inputs_BXC[:, T:].transpose(1, 2)
         # Row b's last W real inputs sit at [lengths_B[b], lengths_B[b] + W) of inputs_BXC.
