@@ -9,9 +9,9 @@ Three precisions decide those bytes:
 
 - `weights`: the model's parameter dtype (fp32 for 'float32' and 'bf16-mixed' full
   fine-tuning; bf16 for 'bfloat16' and a 'bf16-mixed' LoRA base). The residual stream, each
-  norm's output and the Gated DeltaNet's conv (whose fp32 weight promotes a bf16 input) and
-  everything after it up to out_proj run in it.
-- `compute`: a matmul's output (bf16 under autocast).
+  norm's output run in it.
+- `compute`: a matmul's output (bf16 under autocast), and the Gated DeltaNet's conv (its
+  weight cast to the projection's dtype) and what follows it up to out_proj.
 - fp32 regardless: the norms' internals, the decay and its softplus, q and k normalized, the
   whole chunked delta rule (delta_rule_chunked.py saves q, k, v, beta, G, decay, kk, inverse,
   uw, readers and read, all fp32, autocast off), the gated norm's gate, the router's softmax.
@@ -79,21 +79,22 @@ def linear_attention_bytes(config: HybridDecoderConfig, precision: _Bytes) -> in
     K, V, C = config.linear_key_head_dim, config.linear_value_head_dim, CHUNK
     value_dim, conv_dim = heads * V, config.conv_dim
     projections = p.inputs(dim, readers=4)  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
-    conv = conv_dim * p.compute + conv_dim * p.weights  # its input and pre-silu output
+    # The conv's input and pre-silu output: its weight is cast to the projection's dtype.
+    conv = 2 * conv_dim * p.compute
     # beta = sigmoid(b); softplus's input, and its output the A_log gradient reads.
     gates = heads * p.compute + FP32 * heads * (1 if p.lora else 2)
     # q and k normalized in fp32: the conv's output itself when fp32 (q and k are views of
     # it), else fp32 copies of q and k; and their inverse norms.
-    normalized = FP32 * (conv_dim if p.weights == FP32 else 2 * key_heads * K)
+    normalized = FP32 * (conv_dim if p.compute == FP32 else 2 * key_heads * K)
     normalized += FP32 * 2 * key_heads
     # Per value head and token: q, k (repeated to the value heads: a copy, except with one
     # key head in a one-row batch), v, beta, G, decay/kk/inverse (C each), uw, readers
     # [q exp(G) | P], read [S_in; vn] ((K + C) x V a chunk).
     rule = FP32 * heads * (4 * K + 3 * V + 4 * C + 2 + K * V / C)
     # Gated RMSNorm: fp32 input, inverse norms, gate and silu(gate); the weighted product
-    # (and without LoRA the normalized input) in the weights' dtype.
-    gated_norm = FP32 * (3 * value_dim + heads) + value_dim * p.weights
-    gated_norm += 0 if p.lora else value_dim * p.weights
+    # (and without LoRA the normalized input) in the rule's output dtype, the compute one.
+    gated_norm = FP32 * (3 * value_dim + heads) + value_dim * p.compute
+    gated_norm += 0 if p.lora else value_dim * p.compute
     out_proj = p.inputs(value_dim, readers=1)
     return round(projections + conv + gates + normalized + rule + gated_norm + out_proj)
 

@@ -166,11 +166,8 @@ def _chunked(
         if state_BNKV is None
         else state_BNKV.reshape(B * N, K, V).float().contiguous()
     )
-    # Autocast off: under 'bf16-mixed' the node's matmuls would run in bf16, and its saved
-    # products with them; the rule is fp32 whatever the caller's precision.
-    with torch.autocast(q_BTHK.device.type, enabled=False):
-        out_MXCV, S_XKV = ChunkedDeltaRule.apply(
-            fold(q_BTHK), fold(k_BTHK), fold(v_BTNV), fold_heads(g_BTN), fold_heads(beta_BTN), S_XKV
-        )
+    out_MXCV, S_XKV = ChunkedDeltaRule.apply(  # autocast is off (chunk_gated_delta_rule)
+        fold(q_BTHK), fold(k_BTHK), fold(v_BTNV), fold_heads(g_BTN), fold_heads(beta_BTN), S_XKV
+    )
     out_BTNV = out_MXCV.view(M, B, N, C, V).permute(1, 0, 3, 2, 4).reshape(B, M * C, N, V)
     return out_BTNV[:, :T].to(v_BTNV.dtype), S_XKV.reshape(B, N, K, V)
