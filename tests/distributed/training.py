@@ -44,7 +44,16 @@ def tiny_model(*, family: str = "qwen3", **changes) -> torch.nn.Module:
     config = dataclasses.replace(
         SIZES[family]("tiny", vocab_size=VOCAB), num_layers=2, init_std=0.1, **changes
     )
-    return materialize(config, seed=0)
+    model = materialize(config, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            # The Gated DeltaNet's dt_bias as a HF checkpoint fills it (1: short memory). The
+            # from-scratch init (log-uniform small steps: long memory) leaves parameters whose
+            # gradients sit near rounding level; at these tests' Adam rate (1e-2) a sharded
+            # run's other reduction order then flips their first updates, and the runs part.
+            if name.endswith("linear_attention.dt_bias"):
+                parameter.fill_(1.0)
+    return model
 
 
 def batch(step: int) -> list[Datum]:

@@ -116,14 +116,18 @@ def chunk_gated_delta_rule(
     *,
     state_BNKV: torch.Tensor | None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    short_chunk: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out_BTNV in v's dtype, final state_BNKV fp32) over the whole sequence in chunks of
-    `chunk_size` (a shorter sequence: one chunk of the next power of two, at least
-    MIN_CHUNK_SIZE), from `state_BNKV` (None: zeros).
+    `chunk_size` (with `short_chunk`, a shorter sequence runs as one chunk of the next power
+    of two, at least MIN_CHUNK_SIZE), from `state_BNKV` (None: zeros).
 
     q and k may come with fewer heads H than v's N (H divides N): value head n reads key head
     n // (N / H). They are normalized per key head, then repeated."""
     with torch.autocast(v_BTNV.device.type, enabled=False):
+        if short_chunk:
+            length = k_BTHK.shape[1]
+            chunk_size = min(chunk_size, max(MIN_CHUNK_SIZE, 1 << (length - 1).bit_length()))
         return _chunked(
             q_BTHK, k_BTHK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV, chunk_size=chunk_size
         )
@@ -141,10 +145,9 @@ def _chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, _, K = k_BTHK.shape
     N, V = v_BTNV.shape[-2:]
-    # A sequence shorter than a chunk runs as one chunk of the next power of two (at least
-    # MIN_CHUNK_SIZE): a batch of 16-token prompts padded to 32 ran its delta rule 3-6x slower
-    # on CPU (the padded [B * N, C, C] products leave the cache).
-    C = min(chunk_size, max(MIN_CHUNK_SIZE, 1 << (T - 1).bit_length()))
+    # short_chunk: a batch of 16-token prompts padded to a 32-token chunk ran its delta rule
+    # 3-6x slower on CPU (the padded [B * N, C, C] products leave the cache).
+    C = chunk_size
     pad = -T % C
     M = (T + pad) // C
     q_BTHK = l2_normalize(q_BTHK.float()) * K**-0.5

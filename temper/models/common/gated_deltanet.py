@@ -134,10 +134,22 @@ class GatedDeltaNet(nn.Module):
             out_BTNV, state_BNKV = recurrent_gated_delta_rule(
                 q_BTNK, k_BTNK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
             )
-        else:
-            rule = self.kernels.chunk_rule if fast else chunk_gated_delta_rule
-            out_BTNV, state_BNKV = rule(
+        elif fast:
+            out_BTNV, state_BNKV = self.kernels.chunk_rule(
                 q_BTMK, k_BTMK, v_BTNV, g_BTN, beta_BTN, state_BNKV=state_BNKV
+            )
+        else:
+            # A sampler's prefill may run a short prompt as one smaller chunk; the full-sequence
+            # path (training, scoring) keeps whole chunks, so a datum's numbers do not depend
+            # on how long the other rows of its batch are.
+            out_BTNV, state_BNKV = chunk_gated_delta_rule(
+                q_BTMK,
+                k_BTMK,
+                v_BTNV,
+                g_BTN,
+                beta_BTN,
+                state_BNKV=state_BNKV,
+                short_chunk=states is not None,
             )
         if states is not None:
             states.write_states(self.layer_index, conv_BCW=conv_BCW, state_BNKV=state_BNKV)
