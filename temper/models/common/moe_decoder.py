@@ -73,6 +73,26 @@ class MoEDecoderConfig(DecoderConfig):
             norm_topk_prob=self.norm_topk_prob,
         )
 
+    def mixer_params(self) -> int:
+        """Token-mixer parameters over all layers, with each block's two norms (the
+        family's)."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not count its mixers")
+
+    def _count(self, *, active: bool) -> int:
+        blocks = self.mixer_params() + self.feed_forward_params(active=active)
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return blocks + embeddings + self.dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, every expert included (tied embeddings counted once)."""
+        return self._count(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: its top_k experts per sparse layer, and the rest."""
+        return self._count(active=True)
+
     @property
     def expert_params(self) -> int:
         """Parameters in routed experts, all layers (what expert parallelism would split)."""

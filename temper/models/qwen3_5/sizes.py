@@ -26,6 +26,16 @@ TINY_LINEAR_SHAPE = {
     "partial_rotary_factor": 0.25,
 }
 """The tiny size's Gated DeltaNet: 2 key heads and 4 value heads of 32."""
+PUBLISHED_SHAPE = {
+    "vocab_size": QWEN3_5_VOCAB_SIZE,
+    "head_dim": 256,
+    "rope_theta": 10_000_000.0,
+    "max_seq_len": 262_144,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+"""What every published Qwen3.5 size shares (dense and MoE)."""
 
 
 def _published(
@@ -38,20 +48,14 @@ def _published(
     tie: bool,
 ) -> Qwen3_5.Config:
     return Qwen3_5.Config(
-        vocab_size=QWEN3_5_VOCAB_SIZE,
+        **PUBLISHED_SHAPE,
         dim=dim,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=4,
-        head_dim=256,
         ffn_dim=ffn_dim,
         tie_embeddings=tie,
-        rope_theta=10_000_000.0,
-        max_seq_len=262_144,
-        linear_num_key_heads=16,
         linear_num_value_heads=linear_value_heads,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
     )
 
 

@@ -52,20 +52,5 @@ class Qwen3_5Moe(HybridDecoder, Configurable):
             shared = 3 * self.dim * self.ffn_dim + self.dim
             return self.num_layers * (routed + shared)
 
-        def _count(self, *, active: bool) -> int:
-            blocks = self.mixer_params() + self.feed_forward_params(active=active)
-            embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-            return blocks + embeddings + self.dim
-
-        @property
-        def num_params(self) -> int:
-            """Parameter count, every expert included (tied embeddings counted once)."""
-            return self._count(active=False)
-
-        @property
-        def num_active_params(self) -> int:
-            """Parameters one token uses: its top_k experts per layer, and the rest."""
-            return self._count(active=True)
-
     def __init__(self, config: Config) -> None:
         super().__init__(config, qk_norm=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from temper.models.common.sizes import TINY_SHAPE, named_size
-from temper.models.qwen3_5.sizes import QWEN3_5_VOCAB_SIZE, TINY_LINEAR_SHAPE
+from temper.models.qwen3_5.sizes import PUBLISHED_SHAPE, QWEN3_5_VOCAB_SIZE, TINY_LINEAR_SHAPE
 from temper.models.qwen3_5_moe.model import Qwen3_5Moe
 
 
@@ -32,22 +32,16 @@ def _published(
     linear_value_heads: int,
 ) -> Qwen3_5Moe.Config:
     return Qwen3_5Moe.Config(
-        vocab_size=QWEN3_5_VOCAB_SIZE,
+        **PUBLISHED_SHAPE,
         dim=dim,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=2,
-        head_dim=256,
         ffn_dim=moe_ffn_dim,  # the shared expert's width, equal to each routed expert's
         num_experts=num_experts,
         top_k=top_k,
         moe_ffn_dim=moe_ffn_dim,
-        rope_theta=10_000_000.0,
-        max_seq_len=262_144,
-        linear_num_key_heads=16,
         linear_num_value_heads=linear_value_heads,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
     )
 
 

@@ -29,21 +29,8 @@ class Qwen3Moe(Decoder, Configurable):
                 attention += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.dim
             return attention
 
-        def _count(self, *, active: bool) -> int:
-            blocks = self.num_layers * (self.attention_params + 2 * self.dim)
-            blocks += self.feed_forward_params(active=active)
-            embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-            return blocks + embeddings + self.dim
-
-        @property
-        def num_params(self) -> int:
-            """Parameter count, every expert included (tied embeddings counted once)."""
-            return self._count(active=False)
-
-        @property
-        def num_active_params(self) -> int:
-            """Parameters one token uses: its top_k experts per sparse layer, and the rest."""
-            return self._count(active=True)
+        def mixer_params(self) -> int:
+            return self.num_layers * (self.attention_params + 2 * self.dim)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config, qk_norm=True)
