@@ -131,34 +131,16 @@ def sample(
         base = load_sampler_directory(directory, name=str(directory), device=device, dtype=dtype)
     else:
         base = ModelSource.Config(path=str(directory), dtype=dtype, device=device).build()
-    prompt_tokens = base.tokenizer.encode(prompt)
-    if chat is not None and prompt_tokens:
-        renderer = build_renderer(chat, tokenizer=base.tokenizer)
-        prompt_tokens = renderer.generation_prompt([{"role": "user", "content": prompt}])
-        params = dataclasses.replace(params, stop=_with_chat_stop(stop, renderer.stop))
-    if not prompt_tokens:
-        raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
-    if base.tokenizer.unk_token_id in prompt_tokens:
-        unknown = sorted(set(base.tokenizer.unknown_pieces(prompt)))
-        print(
-            f"note: --prompt has text the tokenizer encodes as its unknown token (pieces not in "
-            f"the vocabulary: {unknown[:20]})",
-            file=sys.stderr,
-        )
     context = base.model.config.max_seq_len
-    if len(prompt_tokens) >= context:
-        raise ValueError(
-            prompt_too_long(
-                "--prompt", num_tokens=len(prompt_tokens), context=context, holder="the model"
-            )
-        )
-    if len(prompt_tokens) + max_tokens > context:
-        print(
-            f"note: the prompt has {len(prompt_tokens)} tokens and the model's context is "
-            f"{context}, so completions stop after at most {context - len(prompt_tokens)} "
-            f"tokens, not --max-tokens {max_tokens}",
-            file=sys.stderr,
-        )
+    prompt_tokens, params = _prompt_tokens(
+        prompt,
+        tokenizer=base.tokenizer,
+        context=context,
+        chat=chat,
+        params=params,
+        stop=stop,
+        max_tokens=max_tokens,
+    )
     engine = SamplerEngine.Config(
         max_batch=n, max_seq_len=min(context, len(prompt_tokens) + max_tokens)
     ).build(model=base.model, tokenizer=base.tokenizer)
@@ -180,6 +162,49 @@ def sample(
         logprobs=logprobs,
     )
     return 0
+
+
+def _prompt_tokens(
+    prompt: str,
+    *,
+    tokenizer: Tokenizer,
+    context: int,
+    chat: RendererName | None,
+    params: SamplingParams,
+    stop: tuple[str, ...],
+    max_tokens: int,
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's tokens (through the chat renderer with --chat, which adds its stop), checked
+    against the model's context before any work; notes on stderr for unknown pieces and for a
+    context that cuts completions short."""
+    prompt_tokens = tokenizer.encode(prompt)
+    if chat is not None and prompt_tokens:
+        renderer = build_renderer(chat, tokenizer=tokenizer)
+        prompt_tokens = renderer.generation_prompt([{"role": "user", "content": prompt}])
+        params = dataclasses.replace(params, stop=_with_chat_stop(stop, renderer.stop))
+    if not prompt_tokens:
+        raise ValueError(f"--prompt {prompt!r} encodes to zero tokens; give some text")
+    if tokenizer.unk_token_id in prompt_tokens:
+        unknown = sorted(set(tokenizer.unknown_pieces(prompt)))
+        print(
+            f"note: --prompt has text the tokenizer encodes as its unknown token (pieces not in "
+            f"the vocabulary: {unknown[:20]})",
+            file=sys.stderr,
+        )
+    if len(prompt_tokens) >= context:
+        raise ValueError(
+            prompt_too_long(
+                "--prompt", num_tokens=len(prompt_tokens), context=context, holder="the model"
+            )
+        )
+    if len(prompt_tokens) + max_tokens > context:
+        print(
+            f"note: the prompt has {len(prompt_tokens)} tokens and the model's context is "
+            f"{context}, so completions stop after at most {context - len(prompt_tokens)} "
+            f"tokens, not --max-tokens {max_tokens}",
+            file=sys.stderr,
+        )
+    return prompt_tokens, params
 
 
 def _with_chat_stop(stop: tuple[str, ...], chat_stop: list[int] | list[str]) -> list:

@@ -12,7 +12,7 @@ from temper.observability import read_metrics
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make vllm)")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STEPS = ["--rl.steps", "400", "--rl.eval_every", "100", "--eval_problems", "256"]
+STEPS = ["--rl.steps", "200", "--rl.eval_every", "100", "--eval_problems", "256"]
 
 
 def _run(tmp_path, backend: str) -> tuple[float, float, dict]:
@@ -28,9 +28,9 @@ def _run(tmp_path, backend: str) -> tuple[float, float, dict]:
 
 
 # Temper's engine on this exact command (seed 0, reproducible on one CPU type; measured on the
-# 2-core AVX2 VM CI uses): held-out 0.328 after the warm-up, 0.664 after 400 RL steps
+# 2-core AVX2 VM CI uses): held-out 0.312 after the warm-up, 0.523 after 200 RL steps
 # (tests/rl/test_job.py runs it and checks the lift).
-TEMPER_AFTER_WARMUP, TEMPER_FINAL = 0.328, 0.664
+TEMPER_AFTER_WARMUP, TEMPER_FINAL = 0.312, 0.523
 
 
 def test_rl_on_vllm_learns_like_rl_on_temper(tmp_path):
@@ -38,8 +38,8 @@ def test_rl_on_vllm_learns_like_rl_on_temper(tmp_path):
     # The warm-up trains and evaluates greedily, the same on both backends.
     assert abs(warmup - TEMPER_AFTER_WARMUP) < 0.03, warmup
     # RL samples differ (vLLM draws with its own random streams), so the runs differ as two
-    # seeds do. Measured: vLLM 0.33 -> 0.62 (Temper 0.33 -> 0.66).
-    assert final >= warmup + 0.15, (warmup, final)
+    # seeds do. Measured: vLLM 0.31 -> 0.57 (Temper 0.31 -> 0.52).
+    assert final >= warmup + 0.12, (warmup, final)
     assert abs(final - TEMPER_FINAL) < 0.15, final
     # The mismatch metrics work on either backend: vLLM's logprobs against the trainer's.
     assert rl_record["mismatch/logprob_diff_max"] < 1e-4
