@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import rich.console
 import rich.rule
@@ -28,7 +28,7 @@ import tyro
 
 from temper.api.types import SampledSequence, SamplingParams
 from temper.checkpoint.model_source import DType, ModelSource
-from temper.client.sampler_weights import SAMPLER_FILE, load_sampler_directory
+from temper.client.sampler_weights import SAMPLER_FILE, SamplerWeights, load_sampler_directory
 from temper.sampler.context_limits import prompt_too_long
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.tokenizer import Tokenizer
@@ -108,29 +108,19 @@ def sample(
         chat: Send --prompt as a user message in this chat format (the renderer a
             conversations run trained with, e.g. role_colon); its end-of-reply stop applies.
     """
-    if n is None:
-        n = 1 if temperature == 0 else 4
+    n = (1 if temperature == 0 else 4) if n is None else n
     if n < 1:
         raise ValueError(f"-n must be >= 1, got {n}")
     # Checked before the model loads, so a typo costs nothing.
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            stop=list(stop) or None,
-        )
-    except ValueError as error:  # it names the field ("top_p must ..."); say the flag
-        field, _, rest = str(error).partition(" ")
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
-    directory = model_directory(model)
-    if (directory / SAMPLER_FILE).is_file():
-        # A run's sampler weights: a HF model, or LoRA adapters over a base model.
-        base = load_sampler_directory(directory, name=str(directory), device=device, dtype=dtype)
-    else:
-        base = ModelSource.Config(path=str(directory), dtype=dtype, device=device).build()
+    params = _sampling_params(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=list(stop) or None,
+    )
+    base = _load(model, device=device, dtype=dtype)
     context = base.model.config.max_seq_len
     prompt_tokens, params = _prompt_tokens(
         prompt,
@@ -141,27 +131,45 @@ def sample(
         stop=stop,
         max_tokens=max_tokens,
     )
-    engine = SamplerEngine.Config(
-        max_batch=n, max_seq_len=min(context, len(prompt_tokens) + max_tokens)
-    ).build(model=base.model, tokenizer=base.tokenizer)
     request = SampleRequest(
         prompt=prompt_tokens,
         params=params,
         num_samples=n,
         topk_sample_logprobs=_NUM_ALTERNATIVES if logprobs else 0,
     )
+    engine = SamplerEngine.Config(
+        max_batch=n, max_seq_len=min(context, len(prompt_tokens) + max_tokens)
+    ).build(model=base.model, tokenizer=base.tokenizer)
     start = time.perf_counter()
     (response,) = engine.generate([request])
-    seconds = time.perf_counter() - start
     _print_completions(
         response.sequences,
         tokenizer=base.tokenizer,
         prompt=base.tokenizer.decode(prompt_tokens) if chat is not None else prompt,
         num_prompt_tokens=len(prompt_tokens),
-        seconds=seconds,
+        seconds=time.perf_counter() - start,
         logprobs=logprobs,
     )
     return 0
+
+
+def _sampling_params(**fields: Any) -> SamplingParams:
+    """`SamplingParams(**fields)`, its error naming the flag ("--top-p must ...") where it
+    names the field ("top_p must ...")."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:
+        field, _, rest = str(error).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+
+
+def _load(model: str, *, device: str, dtype: DType) -> SamplerWeights | ModelSource:
+    """The model (and tokenizer) `--model` names: a run's sampler weights (a HF model, or LoRA
+    adapters over a base model), or a HF model directory."""
+    directory = model_directory(model)
+    if (directory / SAMPLER_FILE).is_file():
+        return load_sampler_directory(directory, name=str(directory), device=device, dtype=dtype)
+    return ModelSource.Config(path=str(directory), dtype=dtype, device=device).build()
 
 
 def _prompt_tokens(

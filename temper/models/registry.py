@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 import torch
@@ -94,66 +94,65 @@ class ModelFamily:
             yield hf_key, tensor if slot.expert is None else tensor[slot.expert]
 
 
+def _from_adapter(
+    adapter: ModuleType,
+    *,
+    model_cls: type[nn.Module],
+    sizes: Mapping[str, Any],
+    parallelize: Callable[..., nn.Module],
+    experts: bool = False,
+) -> ModelFamily:
+    """A family whose HF names and config live in `adapter` (its state_dict_adapter module);
+    `experts`: the adapter also maps stacked expert tensors to one HF tensor per expert."""
+    expert_keys = (
+        {
+            "expert_key_to_hf": adapter.expert_key_to_hf,
+            "expert_key_from_hf": adapter.expert_key_from_hf,
+        }
+        if experts
+        else {}
+    )
+    return ModelFamily(
+        name=adapter.HF_MODEL_TYPE,
+        hf_architecture=adapter.HF_ARCHITECTURE,
+        model_cls=model_cls,
+        sizes=sizes,
+        config_from_hf=adapter.config_from_hf,
+        config_to_hf=adapter.config_to_hf,
+        key_to_hf=adapter.key_to_hf,
+        key_from_hf=adapter.key_from_hf,
+        parallelize=parallelize,
+        **expert_keys,
+    )
+
+
 MODEL_FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
     {
-        "qwen3": ModelFamily(
-            name=qwen3_adapter.HF_MODEL_TYPE,
-            hf_architecture=qwen3_adapter.HF_ARCHITECTURE,
-            model_cls=Qwen3,
-            sizes=QWEN3_SIZES,
-            config_from_hf=qwen3_adapter.config_from_hf,
-            config_to_hf=qwen3_adapter.config_to_hf,
-            key_to_hf=qwen3_adapter.key_to_hf,
-            key_from_hf=qwen3_adapter.key_from_hf,
-            parallelize=parallelize_qwen3,
+        "qwen3": _from_adapter(
+            qwen3_adapter, model_cls=Qwen3, sizes=QWEN3_SIZES, parallelize=parallelize_qwen3
         ),
-        "llama": ModelFamily(
-            name=llama_adapter.HF_MODEL_TYPE,
-            hf_architecture=llama_adapter.HF_ARCHITECTURE,
-            model_cls=Llama,
-            sizes=LLAMA_SIZES,
-            config_from_hf=llama_adapter.config_from_hf,
-            config_to_hf=llama_adapter.config_to_hf,
-            key_to_hf=llama_adapter.key_to_hf,
-            key_from_hf=llama_adapter.key_from_hf,
-            parallelize=parallelize_llama,
+        "llama": _from_adapter(
+            llama_adapter, model_cls=Llama, sizes=LLAMA_SIZES, parallelize=parallelize_llama
         ),
-        "qwen3_moe": ModelFamily(
-            name=qwen3_moe_adapter.HF_MODEL_TYPE,
-            hf_architecture=qwen3_moe_adapter.HF_ARCHITECTURE,
+        "qwen3_moe": _from_adapter(
+            qwen3_moe_adapter,
             model_cls=Qwen3Moe,
             sizes=QWEN3_MOE_SIZES,
-            config_from_hf=qwen3_moe_adapter.config_from_hf,
-            config_to_hf=qwen3_moe_adapter.config_to_hf,
-            key_to_hf=qwen3_moe_adapter.key_to_hf,
-            key_from_hf=qwen3_moe_adapter.key_from_hf,
             parallelize=parallelize_qwen3_moe,
-            expert_key_to_hf=qwen3_moe_adapter.expert_key_to_hf,
-            expert_key_from_hf=qwen3_moe_adapter.expert_key_from_hf,
+            experts=True,
         ),
-        "qwen3_5": ModelFamily(
-            name=qwen3_5_adapter.HF_MODEL_TYPE,
-            hf_architecture=qwen3_5_adapter.HF_ARCHITECTURE,
+        "qwen3_5": _from_adapter(
+            qwen3_5_adapter,
             model_cls=Qwen3_5,
             sizes=QWEN3_5_SIZES,
-            config_from_hf=qwen3_5_adapter.config_from_hf,
-            config_to_hf=qwen3_5_adapter.config_to_hf,
-            key_to_hf=qwen3_5_adapter.key_to_hf,
-            key_from_hf=qwen3_5_adapter.key_from_hf,
             parallelize=parallelize_qwen3_5,
         ),
-        "qwen3_5_moe": ModelFamily(
-            name=qwen3_5_moe_adapter.HF_MODEL_TYPE,
-            hf_architecture=qwen3_5_moe_adapter.HF_ARCHITECTURE,
+        "qwen3_5_moe": _from_adapter(
+            qwen3_5_moe_adapter,
             model_cls=Qwen3_5Moe,
             sizes=QWEN3_5_MOE_SIZES,
-            config_from_hf=qwen3_5_moe_adapter.config_from_hf,
-            config_to_hf=qwen3_5_moe_adapter.config_to_hf,
-            key_to_hf=qwen3_5_moe_adapter.key_to_hf,
-            key_from_hf=qwen3_5_moe_adapter.key_from_hf,
             parallelize=parallelize_qwen3_5_moe,
-            expert_key_to_hf=qwen3_5_moe_adapter.expert_key_to_hf,
-            expert_key_from_hf=qwen3_5_moe_adapter.expert_key_from_hf,
+            experts=True,
         ),
     }
 )

@@ -14,10 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _normalize_fp32(x: torch.Tensor, *, eps: float) -> torch.Tensor:
-    x_fp32 = x.float()
-    return x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+from temper.models.common.rmsnorm import rms_normalize_fp32
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -30,7 +27,7 @@ class ZeroCenteredRMSNorm(nn.Module):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normalize_fp32(x, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalize_fp32(x, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -45,5 +42,5 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # The weight at x's dtype: under bf16 autocast over fp32 weights, the product is the
         # bf16 one a bf16 model computes (gated_deltanet.py says why).
-        normalized = self.weight.to(x.dtype) * _normalize_fp32(x, eps=self.eps).to(x.dtype)
+        normalized = self.weight.to(x.dtype) * rms_normalize_fp32(x, eps=self.eps).to(x.dtype)
         return (normalized * F.silu(gate.float())).to(x.dtype)

@@ -13,12 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def rms_normalize(x: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, without a weight: computed in fp32, cast back to x's dtype
-    (what `RMSNorm` scales by its weight)."""
+def rms_normalize_fp32(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without a weight, in fp32 whatever x's dtype."""
     x_fp32 = x.float()
     variance = x_fp32.pow(2).mean(-1, keepdim=True)
-    return (x_fp32 * torch.rsqrt(variance + eps)).to(x.dtype)
+    return x_fp32 * torch.rsqrt(variance + eps)
+
+
+def rms_normalize(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """`rms_normalize_fp32` cast back to x's dtype (what `RMSNorm` scales by its weight)."""
+    return rms_normalize_fp32(x, eps=eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

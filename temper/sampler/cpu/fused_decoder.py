@@ -99,6 +99,14 @@ def _own_or_packed(linear: nn.Linear, *, batch_hint: int | None) -> Projection:
     return PackedLinear(linear.weight, bias=linear.bias, batch_hint=batch_hint)
 
 
+def packed_output(model: Decoder, *, batch_hint: int | None) -> PackedLinear | None:
+    """The output layer packed (the embedding when tied), or None: unpacked (no batch hint),
+    or extended by an adapter (the model's own `logits` then applies it)."""
+    if batch_hint is None or getattr(model, "output_adapter", None) is not None:
+        return None
+    return PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
+
+
 class _FusedLayer:
     def __init__(self, block: nn.Module, *, batch_hint: int | None) -> None:
         attention, feed_forward = block.attention, block.feed_forward
@@ -188,11 +196,7 @@ class FusedDecoder:
             )
         self.model = model
         self._layers = [_FusedLayer(block, batch_hint=batch_hint) for block in model.blocks]
-        # Packed: the output layer too (the embedding when tied), unless an adapter extends
-        # it (the model's own `logits` then applies the adapter).
-        self._output: PackedLinear | None = None
-        if batch_hint is not None and getattr(model, "output_adapter", None) is None:
-            self._output = PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
+        self._output = packed_output(model, batch_hint=batch_hint)
 
     def hidden_states(
         self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor, attention: AttentionBackend

@@ -45,8 +45,12 @@ from temper.models.common.gated_deltanet import GatedDeltaNet
 from temper.models.common.hybrid_decoder import HybridBlock, HybridDecoder
 from temper.models.common.moe import MoE
 from temper.models.common.rope import rope_cos_sin
-from temper.sampler.cpu.fused_decoder import _feed_forward, _own_or_packed, _projection
-from temper.sampler.cpu.packed_linear import PackedLinear
+from temper.sampler.cpu.fused_decoder import (
+    _feed_forward,
+    _own_or_packed,
+    _projection,
+    packed_output,
+)
 from temper.sampler.hybrid_backends import HybridDecode
 
 
@@ -223,9 +227,7 @@ class FusedHybridDecoder:
             else _FullAttentionLayer(block, batch_hint=batch_hint)
             for block in model.blocks
         ]
-        self._output: PackedLinear | None = None
-        if batch_hint is not None and getattr(model, "output_adapter", None) is None:
-            self._output = PackedLinear(model.output_weight_VD, batch_hint=batch_hint)
+        self._output = packed_output(model, batch_hint=batch_hint)
 
     def hidden_states(
         self, tokens_BT: torch.Tensor, *, positions_BT: torch.Tensor, attention: AttentionBackend
