@@ -192,6 +192,10 @@ class SampleResponse:
     target_prompt_logprobs: PromptTargetLogprobs | None = None
     """The logprobs of the ids asked for by `target_prompt_logprobs`, when requested: the
     request's [len(prompt) - 1, K] layout (`.to_torch()`), 0.0 in cells naming no id."""
+    prompt_cache_hit_tokens: int = 0
+    """Prompt tokens whose keys/values the sampler did not compute for this request: those
+    its prefix cache served, or the whole prompt when another request admitted with it
+    prefilled the same one. Counted once per request, whatever `num_samples`."""
 
 
 TensorDType = Literal["int64", "float32"]

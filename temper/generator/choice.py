@@ -70,7 +70,7 @@ class GeneratorChoice(Configurable):
             if engine.record_routes:  # vLLM's routed experts feed Temper's routing replay
                 vllm = replace(vllm, record_routes=True)
             return vllm.build(model=model, tokenizer=tokenizer)
-        return engine.build(model=model, tokenizer=tokenizer)
+        return within_model(engine, model).build(model=model, tokenizer=tokenizer)
 
     def adapter_sampler(
         self,
@@ -85,7 +85,9 @@ class GeneratorChoice(Configurable):
         if self.config.backend == "vllm":
             vllm = self.vllm_config(engine=engine, model_max_seq_len=model.config.max_seq_len)
             return VllmMultiLora(multi_lora, model=model, tokenizer=tokenizer, vllm=vllm)
-        return multi_lora.build(model=model, tokenizer=tokenizer, engine=engine)
+        return multi_lora.build(
+            model=model, tokenizer=tokenizer, engine=within_model(engine, model)
+        )
 
     def vllm_config(
         self, *, engine: SamplerEngine.Config, model_max_seq_len: int
@@ -98,3 +100,10 @@ class GeneratorChoice(Configurable):
             max_model_len=vllm.max_model_len or min(engine.max_seq_len, model_max_seq_len),
             max_num_seqs=vllm.max_num_seqs or engine.max_batch,
         )
+
+
+def within_model(engine: SamplerEngine.Config, model: nn.Module) -> SamplerEngine.Config:
+    """`engine` with its context cut to `model`'s own: `max_seq_len` bounds every model a
+    server or client samples, and one with a shorter context samples up to that (as vLLM's
+    `max_model_len` is cut in `vllm_config`), rather than being refused."""
+    return replace(engine, max_seq_len=min(engine.max_seq_len, model.config.max_seq_len))

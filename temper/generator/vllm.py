@@ -443,6 +443,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             target_prompt_logprobs=None
             if targets is None
             else vllm_fields.target_logprobs(output, targets),
+            prompt_cache_hit_tokens=output.num_cached_tokens or 0,
         )
 
     # -- weights and memory ---------------------------------------------------------------

@@ -119,8 +119,10 @@ class Admission:
             key = _sharing_key(state.request)
             if not state.prefilled and key in by_prompt:
                 twins[id(state)] = by_prompt[key]
+                state.prompt_cache_hit_tokens = len(state.prompt)
             elif not state.prefilled:
                 cached = self._cached_prefix(state.request)
+                state.prompt_cache_hit_tokens = 0 if cached is None else cached.length
                 new_tokens = len(state.prompt) - (cached.length if cached else 0)
                 if prefill_rows and new_tokens > budget:
                     break  # keep arrival order: later requests wait for the next round

@@ -113,6 +113,8 @@ class RequestState:
         self.prompt_logprobs: list[float | None] | None = None
         self.topk_prompt_logprobs: list[TopkLogprobs | None] | None = None
         self.target_prompt_logprobs: PromptTargetLogprobs | None = None
+        self.prompt_cache_hit_tokens = 0
+        """Prompt tokens served from the prefix cache or a twin's prefill (admission.py)."""
         self.sequences: list[SampledSequence | None] = [None] * request.num_samples
 
     @property
@@ -130,6 +132,7 @@ class RequestState:
             prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
             target_prompt_logprobs=self.target_prompt_logprobs,
+            prompt_cache_hit_tokens=self.prompt_cache_hit_tokens,
         )
 
 

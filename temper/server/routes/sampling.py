@@ -14,6 +14,7 @@ finished sequence is recorded under its `sample_sequence_ids` entry for stable_r
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import numpy as np
@@ -33,10 +34,11 @@ from temper.server.routes.validation import check_prompt_json, check_sample
 from temper.server.state.ids import new_sampling_session_id
 from temper.server.state.model_memory import OverBudget
 from temper.server.state.server import TemperServer
-from temper.server.state.sessions import SamplingSession
+from temper.server.state.sessions import SamplingCreation, SamplingSession, Session
 from temper.server.state.stability import SequenceRecord, StabilityStore
 from temper.server.wire import codec
 
+log = logging.getLogger("temper.server")
 router = api_router()
 
 
@@ -45,6 +47,45 @@ async def create_sampling_session(
     body: tinker_types.CreateSamplingSessionRequest, user: CurrentUser, server: Server
 ) -> Response:
     session = server.session(body.session_id, user=user)
+    asked = (body.base_model, body.model_path)
+    created = session.sampling_by_seq_id.get(body.sampling_session_seq_id)
+    if created is None:
+        created = SamplingCreation(
+            request=asked, sampling_session_id=asyncio.get_running_loop().create_future()
+        )
+        # Registered before the sampler loads, so a retry arriving meanwhile waits for it.
+        session.sampling_by_seq_id[body.sampling_session_seq_id] = created
+        answer = created.sampling_session_id
+        try:
+            answer.set_result(await _new_sampling_session(body, session, user, server))
+        except BaseException as error:  # a retry may try again; one waiting fails alike
+            del session.sampling_by_seq_id[body.sampling_session_seq_id]
+            if isinstance(error, Exception):
+                answer.set_exception(error)
+                answer.exception()  # marked retrieved: no retry may be waiting
+            else:
+                answer.cancel()
+            raise
+    elif created.request != asked:
+        raise BadRequest(
+            f"create_sampling_session: sampling_session_seq_id {body.sampling_session_seq_id} "
+            f"of session {body.session_id} was used for base_model={created.request[0]!r}, "
+            f"model_path={created.request[1]!r}; each sampling session needs its own seq id"
+        )
+    sampling_session_id = await asyncio.shield(created.sampling_session_id)
+    return json_response(
+        tinker_types.CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
+    )
+
+
+async def _new_sampling_session(
+    body: tinker_types.CreateSamplingSessionRequest,
+    session: Session,
+    user: User,
+    server: TemperServer,
+) -> str:
+    """A new sampling session on the base model or sampler checkpoint `body` names, its
+    sampler loaded (503 if it cannot fit, so a bad checkpoint fails here)."""
     server.check_room(user, kind="sampling sessions")
     if body.model_path is not None:
         path = server.catalog.parse(body.model_path, kind="sampler_weights", user=user)
@@ -64,12 +105,9 @@ async def create_sampling_session(
         session_id=body.session_id,
         owner=session.user,
     )
-    # Loads the sampler now (503 if it cannot fit), so a bad checkpoint fails here.
     await asyncio.to_thread(server.load_client, sampling)
     server.add_sampling_session(body.session_id, sampling)
-    return json_response(
-        tinker_types.CreateSamplingSessionResponse(sampling_session_id=sampling.sampling_session_id)
-    )
+    return sampling.sampling_session_id
 
 
 @router.get("/samplers/{sampling_session_id}")
@@ -89,7 +127,8 @@ async def asample(body: tinker_types.SampleRequest, user: User, server: TemperSe
         raise BadRequest("asample needs a sampling_session_id (from create_sampling_session)")
     sampling = server.sampling_session(body.sampling_session_id, user=user)
     call = codec.decode_sample(body)
-    check_sample(call, limits=server.base_model(sampling.base_model).limits)
+    limits = server.base_model(sampling.base_model).limits
+    check_sample(call, limits=limits)
     key = None if body.seq_id is None else (sampling.sampling_session_id, body.seq_id)
     request_id = server.scheduler.known(key)
     if request_id is not None:
@@ -112,7 +151,9 @@ async def asample(body: tinker_types.SampleRequest, user: User, server: TemperSe
         )
     request_id = server.scheduler.submit(
         lambda: started,
-        encode=_encoder(server.stability, sampling, client, call, sequence_ids),
+        encode=_encoder(
+            server.stability, sampling, client, call, sequence_ids, context=limits.max_sample_len
+        ),
         owner=sampling.owner,
         scope=sampling.session_id,
         key=key,
@@ -161,11 +202,16 @@ def _encoder(
     client: SamplingBackend | None,
     call: codec.SampleCall,
     sequence_ids: list[str],
+    *,
+    context: int,
 ) -> Callable[[SampleResponse], Answer]:
     """The wire answer of a finished sample, its sequences recorded first if asked."""
     prompt_length = call.prompt.length
 
     def encode(result: SampleResponse) -> Answer:
+        log_context_cuts(
+            result, call=call, sampling=sampling, sequence_ids=sequence_ids, context=context
+        )
         if call.record_stability_info:
             assert client is not None, "a sample that ran had a client"
             record_samples(store, result, sampling, client, call, sequence_ids)
@@ -174,6 +220,39 @@ def _encoder(
         )
 
     return encode
+
+
+def log_context_cuts(
+    result: SampleResponse,
+    *,
+    call: codec.SampleCall,
+    sampling: SamplingSession,
+    sequence_ids: list[str],
+    context: int,
+) -> None:
+    """Log the sequences that stopped at the sampler's context before `max_tokens`. The SDK
+    knows two stop reasons, 'stop' and 'length', and rejects any other, so on the wire such a
+    sequence says 'length' like one that reached `max_tokens`; this line tells them apart."""
+    max_tokens = call.params.max_tokens
+    cut = [
+        sequence_id
+        for sequence_id, sequence in zip(sequence_ids, result.sequences, strict=False)
+        if sequence.stop_reason == "length"
+        and (max_tokens is None or len(sequence.tokens) < max_tokens)
+    ]
+    if cut:
+        log.info(
+            "sample %s: %d of %d sequences stopped at the sampler's context of %d tokens "
+            "(prompt %d) on %s before max_tokens=%s; reported as stop_reason 'length' "
+            "(--sampler.max-seq-len raises the context up to the model's own)",
+            cut[0].rpartition("-")[0],
+            len(cut),
+            len(result.sequences),
+            context,
+            call.prompt.length,
+            sampling.base_model,
+            max_tokens,
+        )
 
 
 def record_samples(

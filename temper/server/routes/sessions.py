@@ -66,8 +66,10 @@ async def create_session(
         user=user.name,
         user_metadata=None if metadata is None else {k: str(v) for k, v in metadata.items()},
         display_name=body.display_name,
+        project_id=body.project_id,
     )
-    log.info("session %s of %s (sdk %s)", session_id, user.name, body.sdk_version)
+    project = "" if body.project_id is None else f", project {body.project_id!r} (not scoped)"
+    log.info("session %s of %s (sdk %s%s)", session_id, user.name, body.sdk_version, project)
     return json_response(
         tinker_types.CreateSessionResponse(
             session_id=session_id, info_message=f"Temper serving {server.served_names()}"

@@ -35,6 +35,7 @@ from temper.server.routes.common import Server, api_router
 from temper.server.routes.validation import (
     check_lora,
     check_lora_rank_fits,
+    check_optimizer_config,
     check_training_data,
     check_user_metadata,
     resolve_provenance,
@@ -69,14 +70,13 @@ async def create_model(
 ) -> Response:
     session = server.session(body.session_id, user=user)
     base = server.base_models.trainable(body.base_model)
-    if body.optimizer_config.type != "adamw":
-        raise BadRequest(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
+    check_optimizer_config(body.optimizer_config, route="create_model")
     lora = body.lora_config or tinker_types.LoraConfig(rank=32)
     full = server.config.fine_tuning == "full"
     if not full:
         check_lora(lora)
     check_user_metadata(body.user_metadata, route="create_model")
-    metadata = {key: str(value) for key, value in (body.user_metadata or {}).items()}
+    metadata = _metadata(body.user_metadata or {})
 
     def create(new_id: str) -> Created:
         backend = server.backend
@@ -179,9 +179,11 @@ async def save_weights(
     if server.catalog.exists(target) and not body.overwrite:
         raise BadRequest(f"checkpoint {target} exists already; pass overwrite=True")
     ttl_seconds = check_ttl(body.ttl_seconds)
+    check_user_metadata(body.user_metadata, route="save_weights")
 
     def saved(result) -> Answer:
         server.catalog.expiry.set_ttl(target, ttl_seconds)
+        server.catalog.metadata.set(target, body.user_metadata)
         return json_answer(tinker_types.SaveWeightsResponse(path=result.path))
 
     return queue(
@@ -200,7 +202,14 @@ async def load_weights(
 ) -> Response:
     path = server.catalog.parse(body.path, kind="weights", user=user)
     run = server.catalog.run(path.run_id, user=user)
-    server.base_model(run["base_model"])
+    base = server.base_model(run["base_model"])
+    check_optimizer_config(body.optimizer_config, route="load_weights")
+    check_user_metadata(body.user_metadata, route="load_weights")
+    if body.base_model is not None and server.base_model(body.base_model) is not base:
+        raise BadRequest(
+            f"load_weights: base_model {body.base_model!r} is not the base model {path} was "
+            f"trained on ({base.name!r}); leave base_model out or name that one"
+        )
     if body.session_id is not None:
         return _create_from_state(server, body, user=user, run=run)
     if body.model_id is None:
@@ -213,16 +222,14 @@ async def load_weights(
         verb = training.load_state_with_optimizer if body.optimizer else training.load_state
         return verb(body.path)
 
-    return queue(
-        server,
-        served,
-        load,
-        user=user,
-        encode=lambda result: json_answer(
+    def loaded(result) -> Answer:
+        if body.user_metadata is not None:
+            server.catalog.set_user_metadata(served.model_id, _metadata(body.user_metadata))
+        return json_answer(
             tinker_types.LoadWeightsResponse(path=result.path, model_id=served.model_id)
-        ),
-        seq_id=body.seq_id,
-    )
+        )
+
+    return queue(server, served, load, user=user, encode=loaded, seq_id=body.seq_id)
 
 
 @router.post("/save_weights_for_sampler")
@@ -230,8 +237,10 @@ async def save_weights_for_sampler(
     body: tinker_types.SaveWeightsForSamplerRequest, user: CurrentUser, server: Server
 ) -> Response:
     served = server.model(body.model_id, user=user)
-    # Snapshots follow the snapshot retention rules; a TTL applies to named checkpoints.
+    # Snapshots follow the snapshot retention rules; a TTL and user_metadata apply to named
+    # checkpoints (a snapshot is listed nowhere).
     ttl_seconds = check_ttl(body.ttl_seconds)
+    check_user_metadata(body.user_metadata, route="save_weights_for_sampler")
     if body.path is None:
         return _queue_snapshot(server, served, user=user, seq_id=body.seq_id)
     name = checked(body.path, field="checkpoint name")
@@ -241,6 +250,7 @@ async def save_weights_for_sampler(
 
     def saved(result) -> Answer:
         server.catalog.expiry.set_ttl(target, ttl_seconds)
+        server.catalog.metadata.set(target, body.user_metadata)
         return json_answer(tinker_types.SaveWeightsForSamplerResponseInternal(path=result.path))
 
     return queue(
@@ -278,6 +288,11 @@ def queue(
     return future_response(request_id, model_id=served.model_id)
 
 
+def _metadata(user_metadata: dict[str, Any]) -> dict[str, str]:
+    """user_metadata as a run stores it: values as text (TrainingRun.user_metadata is str)."""
+    return {key: str(value) for key, value in user_metadata.items()}
+
+
 def _encode_fwdbwd(result) -> Answer:
     return protobuf_answer(codec.encode_forward_backward_output(result))
 
@@ -305,6 +320,8 @@ def _create_from_state(
             else backend.create_training_client_from_state
         )
         training = create_from(body.path, run_id=new_id)
+        if body.user_metadata is not None:  # else the new run keeps the checkpoint run's
+            server.catalog.set_user_metadata(new_id, _metadata(body.user_metadata))
         return Created(training, tinker_types.LoadWeightsResponse(path=body.path, model_id=new_id))
 
     return _register_model(

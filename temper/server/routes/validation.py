@@ -192,6 +192,17 @@ def check_lora(config: tinker_types.LoraConfig) -> None:
         raise BadRequest(f"create_model: lora_config: {error}") from None
 
 
+def check_optimizer_config(config: tinker_types.OptimizerConfig | None, *, route: str) -> None:
+    """AdamW, or none (AdamW); any other optimizer family (Tinker's `dimuon`) is a 400 naming
+    the field: Temper trains with AdamW only (docs/server.md says why)."""
+    if config is None or config.type == "adamw":
+        return
+    raise BadRequest(
+        f"{route}: optimizer_config type {config.type!r} is not supported; this server trains "
+        "with AdamW only (optimizer_config type 'adamw', the SDK's default)"
+    )
+
+
 def check_lora_rank_fits(
     base: BaseModel,
     rank: int,

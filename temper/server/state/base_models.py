@@ -11,13 +11,17 @@ A client may name a model by its canonical name (the directory's absolute path, 
 get_info and the capabilities answer with), the string it was given as, the directory's name,
 or its parent's name and its own as a HF repo id names a model (`Qwen/Qwen3-8B` for
 /models/Qwen/Qwen3-8B, so the tinker SDK's model names find a download laid out that way); a
-name two models share is refused at startup.
+name two models share is refused at startup. A name with Tinker's variant suffix
+`:peft:<context>` (`Qwen/Qwen3.6-35B-A3B:peft:262144`, the cookbook's rl_numerics_check
+default) names the model without it: the variant selects a context length on Tinker, and here
+each model samples up to its own context (docs/server.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,9 @@ from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import family_for_hf_config, family_of_config
 from temper.sampler.engine import SamplerEngine
 from temper.server.http.errors import BadRequest, NotFound
+
+VARIANT_SUFFIX = re.compile(r":peft:\d+$")
+"""Tinker's variant suffix on a model name (`<name>:peft:<context length>`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +155,9 @@ class BaseModels:
         return self.models[0]
 
     def resolve(self, name: str) -> BaseModel:
-        """The served model called `name`; 404 naming the served ones otherwise."""
-        model = self._by_name.get(name)
+        """The served model called `name` (with or without a `:peft:NNN` variant suffix); 404
+        naming the served ones otherwise."""
+        model = self._by_name.get(name) or self._by_name.get(VARIANT_SUFFIX.sub("", name))
         if model is None:
             raise NotFound(f"base model {name!r} is not served here; {self.summary()}")
         return model

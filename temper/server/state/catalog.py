@@ -23,6 +23,7 @@ from tinker import types as tinker_types
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
 from temper.server.http.errors import BadRequest, NotFound
 from temper.server.http.users import DEFAULT_USER, User
+from temper.server.state.checkpoint_metadata import CheckpointMetadata
 from temper.server.state.expiry import CheckpointExpiry
 from temper.server.state.ids import checked
 
@@ -35,6 +36,7 @@ class CheckpointCatalog:
     def __init__(self, storage: CheckpointStorage) -> None:
         self.storage = storage
         self.expiry = CheckpointExpiry(storage)
+        self.metadata = CheckpointMetadata(storage)
 
     def parse(self, path: str, *, user: User, kind: str | None = None) -> CheckpointPath:
         """A `tinker://` path to an existing checkpoint of `user`'s (of `kind`, when given)."""
@@ -73,6 +75,11 @@ class CheckpointCatalog:
         if run.get("owner") != owner:
             self.storage.write_run(run_id, {**run, "owner": owner})
 
+    def set_user_metadata(self, run_id: str, metadata: Mapping[str, str]) -> None:
+        """Replace a run's user_metadata in its run.json (get_training_run reads it back)."""
+        run = self.storage.read_run(run_id)
+        self.storage.write_run(run_id, {**run, "user_metadata": dict(metadata)})
+
     def run_ids(self, *, user: User) -> list[str]:
         """The runs in storage `user` owns (all of them for an admin)."""
         run_ids = self.storage.run_ids()
@@ -102,6 +109,7 @@ class CheckpointCatalog:
             tinker_path=str(path),
             size_bytes=sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()),
             expires_at=self.expiry.get(path),
+            user_metadata=self.metadata.get(path),
         )
 
     def training_run(
@@ -179,6 +187,7 @@ class CheckpointCatalog:
         parsed = self.parse(path, user=user)
         self.storage.delete(parsed)
         self.expiry.set(parsed, expires_at=None)
+        self.metadata.set(parsed, None)
         return parsed
 
 

@@ -64,6 +64,10 @@ class ServerConfig(Configurable.Config):
     """A session whose client shows no sign of life (the tinker SDK heartbeats every
     10 s) for this long expires: its models, sampling sessions, snapshots and queued
     requests are released (checkpoints stay) and its ids answer 410 saying so."""
+    session_silent_s: float = 30.0
+    """A user at one of its --max-*-per-user limits first gets back what its sessions silent
+    for this long hold (three missed SDK heartbeats: a script that died): they end as if
+    expired, their models and sampling sessions released (checkpoints stay)."""
     max_sessions_per_user: int = 64
     """Most live sessions one user may hold (429 beyond, naming this setting)."""
     max_models_per_user: int = 16
@@ -184,6 +188,12 @@ class ServerConfig(Configurable.Config):
         check_range(
             self.session_timeout_s,
             field=f"{owner}.session_timeout_s",
+            greater_than=0,
+            hint="the tinker SDK heartbeats every 10 s",
+        )
+        check_range(
+            self.session_silent_s,
+            field=f"{owner}.session_silent_s",
             greater_than=0,
             hint="the tinker SDK heartbeats every 10 s",
         )

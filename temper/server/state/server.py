@@ -162,23 +162,57 @@ class TemperServer(Configurable):
     # -- per-user limits (429 naming the setting) ---------------------------------------------
 
     def check_room(self, user: User, *, kind: Held) -> None:
-        """429 if `user` holds as many `kind`s as its limit allows."""
-        config = self.config
-        if kind == "sessions":
-            owners = [session.user for session in self.sessions.values()]
-            limit, setting = config.max_sessions_per_user, "max-sessions-per-user"
-        elif kind == "models":
-            owners = [served.owner for served in self.models.values()]
-            limit, setting = config.max_models_per_user, "max-models-per-user"
-        else:
-            owners = [sampling.owner for sampling in self.sampling_sessions.values()]
-            limit = config.max_sampling_sessions_per_user
-            setting = "max-sampling-sessions-per-user"
-        if owners.count(user.name) >= limit:
+        """429 if `user` holds as many `kind`s as its limit allows, once its silent sessions
+        (`end_silent_sessions`) have let go of theirs."""
+        limit, setting = self._limit(kind)
+        if self._held(user, kind) >= limit:
+            self.end_silent_sessions(user)
+        if self._held(user, kind) >= limit:
             raise TooManyRequests(
                 f"user {user.name!r} holds {limit} live {kind}, its limit (--{setting}); "
                 "finish or release some first"
             )
+
+    def end_silent_sessions(self, user: User, *, now: float | None = None) -> list[str]:
+        """End `user`'s sessions whose client showed no sign of life for `session_silent_s`
+        (a script that died: its heartbeats stopped), as expiry would later; their ids."""
+        now = time.monotonic() if now is None else now
+        silent_s = self.config.session_silent_s
+        silent = [
+            session
+            for session in list(self.sessions.values())
+            if session.user == user.name and now - session.last_seen > silent_s
+        ]
+        for session in silent:
+            self.end_session(
+                session.session_id,
+                why=f"ended: no heartbeat for {now - session.last_seen:.0f} s "
+                f"(--session-silent-s {silent_s:g}) when its user needed room under a "
+                "--max-*-per-user limit; its checkpoints are kept",
+            )
+            log.info(
+                "session %s of %s ended early: silent, its user at a limit",
+                session.session_id,
+                user.name,
+            )
+        return [session.session_id for session in silent]
+
+    def _limit(self, kind: Held) -> tuple[int, str]:
+        config = self.config
+        if kind == "sessions":
+            return config.max_sessions_per_user, "max-sessions-per-user"
+        if kind == "models":
+            return config.max_models_per_user, "max-models-per-user"
+        return config.max_sampling_sessions_per_user, "max-sampling-sessions-per-user"
+
+    def _held(self, user: User, kind: Held) -> int:
+        if kind == "sessions":
+            owners = [session.user for session in self.sessions.values()]
+        elif kind == "models":
+            owners = [served.owner for served in self.models.values()]
+        else:
+            owners = [sampling.owner for sampling in self.sampling_sessions.values()]
+        return owners.count(user.name)
 
     def base_model(self, name: str) -> BaseModel:
         """The served base model `name` names (404 naming the served ones otherwise)."""

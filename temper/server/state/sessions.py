@@ -3,6 +3,7 @@ sessions, each with the user who owns it (server.py keeps them; lifetimes.py end
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,16 @@ class SamplingSession:
     """The user of that session."""
 
 
+@dataclass(frozen=True)
+class SamplingCreation:
+    """One create_sampling_session request of a session: what it asked for, and its answer
+    (the sampling session id) once the sampler has loaded."""
+
+    request: tuple[str | None, str | None]
+    """(base_model, model_path) as sent."""
+    sampling_session_id: asyncio.Future[str]
+
+
 @dataclass
 class Session:
     session_id: str
@@ -49,6 +60,11 @@ class Session:
     """The user whose key created it."""
     user_metadata: dict[str, str] | None = None
     display_name: str | None = None
+    project_id: str | None = None
+    """Recorded and logged only: this server has no projects (access is per user)."""
+    sampling_by_seq_id: dict[int, SamplingCreation] = field(default_factory=dict)
+    """create_sampling_session's answer per `sampling_session_seq_id`, so a retried request
+    (the SDK resends one whose answer was lost) gets the same sampling session."""
     model_ids: list[str] = field(default_factory=list)
     sampling_session_ids: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)

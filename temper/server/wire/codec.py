@@ -380,7 +380,7 @@ def model_input(value: tinker_types.ModelInput, *, where: str) -> ModelInput:
 def encode_sample_response(
     response: SampleResponse, *, call: SampleCall, prompt_length: int
 ) -> bytes:
-    message = pb.SampleResponse()
+    message = pb.SampleResponse(prompt_cache_hit_tokens=response.prompt_cache_hit_tokens)
     for sequence in response.sequences:
         wire = message.sequences.add(
             stop_reason=pb.STOP_REASON_STOP
