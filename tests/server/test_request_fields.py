@@ -142,6 +142,14 @@ def test_user_metadata_and_base_model_are_honoured(server, ben_key, service, tra
     assert run.base_model == str(model_dir.resolve())
 
 
+def test_a_live_session_at_its_users_limit_is_refused(service, training, model_dir):
+    # Ben's session holds his 2 models (the previous test's) and is alive: nothing to reclaim.
+    with pytest.raises(tinker.APIStatusError, match="--max-models-per-user") as refused:
+        service.create_lora_training_client(str(model_dir), rank=4).result()
+    assert refused.value.status_code == 429
+    assert training.get_info().model_id  # still served
+
+
 def test_project_id_is_accepted_and_logged(server, ben_key, model_dir):
     client = tinker.ServiceClient(base_url=server.base_url, api_key=ben_key, project_id="proj-7")
     client.create_sampling_client(base_model=str(model_dir)).result()  # starts the session
