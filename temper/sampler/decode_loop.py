@@ -5,10 +5,10 @@ Calls are submitted from any thread and join the batch in flight at the next dec
 meanwhile, then the next step decodes their rows beside the running ones, and a call returns
 as soon as all of its sequences are done, whatever else is still decoding.
 
-No thread of its own: the loop runs on the threads of its callers. A caller whose work is not
-done and who finds nobody driving the loop drives it (steps until its own work is done), then
-hands it to the next waiting caller, who goes on with the rows in flight. A single caller thus
-runs its call on its own thread, as a plain loop would.
+No thread of its own: the loop runs on the threads of its callers. A caller who finds nobody
+driving the loop drives it (steps until its own work is done), then hands it to the caller of
+the oldest unfinished work (waking that one thread only), who goes on with the rows in flight.
+A single caller thus runs its call on its own thread, as a plain loop would.
 
 `between_steps` is the one place where pending work enters the batch, in submission order:
 - a call joins when its `gate` (if any) lets it (a multi-LoRA sampler's gate puts the call's
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -70,11 +71,14 @@ class BatchRunner(Protocol):
 
 @dataclass(eq=False)
 class _Work:
-    """What a caller waits for: a call's responses, or a task's result."""
+    """What a caller waits for: a call's responses, or a task's result. Its caller sleeps
+    on `wake` until the work is done or the loop is handed to it (`drives`)."""
 
     done: bool = False
     error: BaseException | None = None
     result: Any = None
+    drives: bool = False
+    wake: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(eq=False)
@@ -99,7 +103,7 @@ class DecodeLoop:
     def __init__(self, runner: BatchRunner, *, max_rows: int) -> None:
         self._runner = runner
         self._max_rows = max_rows
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._pending: list[_Work] = []  # submitted, not yet joined (calls) or run (tasks)
         self._running: list[_Call] = []  # joined, some sequence still decoding
         self._driving = False
@@ -110,6 +114,12 @@ class DecodeLoop:
         """Steps run so far."""
         self.num_joined_running = 0
         """Calls that joined while other calls' rows were decoding."""
+
+    @property
+    def num_pending(self) -> int:
+        """Calls and tasks submitted that have not joined or run yet."""
+        with self._lock:
+            return len(self._pending)
 
     def generate(
         self,
@@ -137,19 +147,27 @@ class DecodeLoop:
     def _wait(self, work: _Work, *, num_threads: int | None) -> None:
         with self._lock:
             self._pending.append(work)
-            while not work.done and self._driving:
-                self._lock.wait()
-            if not work.done:
-                self._driving = True
+            if not self._driving:
+                self._driving = work.drives = True
+        if not work.drives:
+            work.wake.wait()  # done, or handed the loop
         if not work.done:
             try:
                 self._drive(work, num_threads=num_threads)
             finally:
-                with self._lock:
-                    self._driving = False
-                    self._lock.notify_all()  # the next waiting caller drives
+                self._hand_over()
         if work.error is not None:
             raise work.error
+
+    def _hand_over(self) -> None:
+        """Wake the caller of the oldest unfinished work to drive on (only that one), or
+        leave the loop idle."""
+        with self._lock:
+            successor = next((w for w in (*self._running, *self._pending) if not w.done), None)
+            self._driving = successor is not None
+            if successor is not None:
+                successor.drives = True
+                successor.wake.set()
 
     def _drive(self, work: _Work, *, num_threads: int | None) -> None:
         """Steps on this thread until `work` is done."""
@@ -159,9 +177,8 @@ class DecodeLoop:
                 self._between_steps()
                 if work.done:
                     return
-                if not self._runner.busy:
-                    with self._lock:  # only calls a gate holds back (slots pinned elsewhere)
-                        self._lock.wait(0.005)
+                if not self._runner.busy:  # only calls a gate holds back (slots pinned
+                    time.sleep(0.005)  # by scores on other threads): try again shortly
                     continue
                 try:
                     self._runner.step()
@@ -229,4 +246,4 @@ class DecodeLoop:
             if error is not None:
                 work.error = error
             work.done = True
-            self._lock.notify_all()
+        work.wake.set()

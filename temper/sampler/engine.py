@@ -28,9 +28,9 @@ Sampling is per row (temperature, top-k, top-p and seed may differ between rows)
 row's random draw depends only on its seed and how many tokens it has drawn. On CPU a row's
 logits are also the same in any batch up to float rounding (the test suite holds seeded
 tokens equal and logprobs within 1e-5), so seeded results do not depend on which other
-requests, or other calls, share it. On CUDA they can: cuBLAS picks its kernels by the number of rows (and a
-CUDA graph pads them to its bucket), so a row's logits, and at a near tie its token, move with
-the batch's size; its draws stay its own.
+requests, or other calls, share it. On CUDA they can: cuBLAS picks its kernels by the
+number of rows (and a CUDA graph pads them to its bucket), so a row's logits, and at a near
+tie its token, move with the batch's size; its draws stay its own.
 
 How a decode step runs is chosen once, when the engine is built (`self.decoding`,
 decoding.py): the model itself, on CPU the speed wing's twins and row shards
@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 import temper.sampler.sampling as sampling
-from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.api.types import SampleResponse, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.models.common.moe_stats import moe_layers
@@ -70,17 +70,18 @@ from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.recurrent_pool import RecurrentPoolShape
 from temper.sampler.requests import OnePromptSampling, RequestState, SampleRequest
+from temper.sampler.retirement import Retirement
 from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
-from temper.sampler.support import kept_ids
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
 class SamplerEngine(Configurable, OnePromptSampling):
     holds_one_version = False  # a private copy keeps an old version (client/weight_sync.py)
+    joins_running_batch = True  # calls from several threads share decode steps
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -235,6 +236,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
             adapters=self.adapters,
             routes=self.routes,
             chunk_tokens=config.prefill_chunk_tokens,
+        )
+        self.retirement = Retirement(
+            slots=self.slots, cache=self.cache, prefix_cache=self.prefix_cache, routes=self.routes
         )
         self.decoding = self._pick_decoding(model)
         self._waiting: deque[RequestState] = deque()  # joined, some sample not in a slot yet
@@ -536,105 +540,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
             stopped_B = torch.zeros_like(tokens_B, dtype=torch.bool)
         if slots.num_python_rows:
             logprobs_BV = torch.cat(draw.logprobs_BV)
-            self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
+            self.retirement.per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
         finished = torch.nonzero(done_B).flatten().tolist()
         if finished:
             stopped = stopped_B[finished].tolist()
-            self._finish([first_slot + row for row in finished], stopped=stopped)
-
-    def _per_token_python_work(
-        self,
-        first_slot: int,
-        tokens_B: torch.Tensor,
-        logprobs_BV: torch.Tensor,
-        stopped_B: torch.Tensor,
-    ) -> None:
-        """Stop strings and top-k logprobs: only for the rows that asked for them."""
-        tokens = tokens_B.tolist()
-        for row, token in enumerate(tokens):
-            owner = self.slots.owners[first_slot + row]
-            if owner.topk is not None:
-                k = owner.state.request.topk_sample_logprobs
-                ids_K, values_K = sampling.topk_logprobs(logprobs_BV[row : row + 1], k)
-                owner.topk.append(list(zip(ids_K[0].tolist(), values_K[0].tolist(), strict=True)))
-            if owner.support is not None:
-                owner.support.append(kept_ids(logprobs_BV[row]))
-            if owner.matcher is not None and owner.matcher.push(token):
-                stopped_B[row] = True
-
-    def _finish(self, finished: list[int], *, stopped: list[bool]) -> None:
-        """Hand the sequences in slots `finished` (ascending) their results, then keep the
-        active slots a prefix: the highest running sequences move down into the freed slots
-        below the new count (their state and KV rows, in one gather each)."""
-        slots = self.slots
-        finished_N = torch.tensor(finished, device=self.device)
-        counts = slots.num_generated_S[finished_N].tolist()
-        width = max(counts)
-        tokens = slots.tokens_SM[finished_N, :width].tolist()
-        logprobs = slots.logprobs_SM[finished_N, :width].tolist()
-        routes, routed = [None] * len(finished), [None] * len(finished)
-        if self.routes is not None:
-            routes = [
-                self.routes.sequence(
-                    slots.owners[slot].state.prompt_routes, slot=slot, num_generated=count
-                )
-                for slot, count in zip(finished, counts, strict=True)
-            ]
-            routed = [self.routes.routed_experts(routes_TLK) for routes_TLK in routes]
-        for slot, count, row_tokens, row_logprobs, row_stopped, row_routed in zip(
-            finished, counts, tokens, logprobs, stopped, routed, strict=True
-        ):
-            owner = slots.owners[slot]
-            owner.state.sequences[owner.sample_index] = SampledSequence(
-                tokens=row_tokens[:count],
-                logprobs=row_logprobs[:count],
-                stop_reason="stop" if row_stopped else "length",
-                topk_logprobs=owner.topk,
-                routed_experts=row_routed,
-                support=owner.support,
-            )
-            if owner.needs_python:
-                slots.num_python_rows -= 1
-        if self.prefix_cache.enabled:
-            self._keep_prefixes(finished, tokens=tokens, counts=counts, routes=routes)
-        remaining = slots.num_active - len(finished)
-        holes = [slot for slot in finished if slot < remaining]
-        if holes:
-            done = set(finished)
-            movers = [slot for slot in range(remaining, slots.num_active) if slot not in done]
-            length = int(slots.positions_S[movers].max())
-            self.cache.copy_slots(sources=movers, targets=holes, length=length)
-            if self.routes is not None:
-                count = int(slots.num_generated_S[movers].max())
-                self.routes.move(sources=movers, targets=holes, count=count)
-            slots.move(sources=movers, targets=holes)
-        slots.release_last(len(finished))
-
-    def _keep_prefixes(
-        self,
-        finished: list[int],
-        *,
-        tokens: list[list[int]],
-        counts: list[int],
-        routes: list[torch.Tensor | None],
-    ) -> None:
-        """Store the finished sequences' keys/values (recorded routes, a hybrid model's
-        recurrent states) in the prefix cache: the prompt and every sampled token but the
-        last (never fed through the model), in one gather."""
-        states = [self.slots.owners[slot].state for slot in finished]
-        sequences = [
-            [*state.prompt, *row_tokens[: count - 1]]
-            for state, row_tokens, count in zip(states, tokens, counts, strict=True)
-        ]
-        k_LFKCH, v_LFKCH = self.cache.read_prefixes(slots=finished, length=max(map(len, sequences)))
-        adapters = [state.request.adapter for state in states]
-        pool = self.cache.states
-        self.prefix_cache.store(
-            sequences,
-            adapters=adapters,
-            k_LFKCH=k_LFKCH,
-            v_LFKCH=v_LFKCH,
-            routes=None if self.routes is None else routes,
-            states=None if pool is None else pool.read(finished),  # after each whole sequence
-        )
+            self.retirement.finish([first_slot + row for row in finished], stopped=stopped)
