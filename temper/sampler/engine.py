@@ -284,8 +284,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
         barrier between decode steps: no weight changes under running rows)."""
 
         def update() -> None:
-            self.weights.update(source, version=version)
-            self.decoding.weights_changed()
+            with torch.inference_mode(False):  # as outside the loop: no inference tensors
+                self.weights.update(source, version=version)
+                self.decoding.weights_changed()
 
         self.loop.between_steps(update, barrier=True)
 
@@ -310,8 +311,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
         """Allocate the KV cache again (zeros, as when built)."""
 
         def wake_up() -> None:
-            self.cache.reacquire()
-            self.decoding.wake_up()
+            with torch.inference_mode(False):  # a cache of plain tensors, as when built
+                self.cache.reacquire()
+                self.decoding.wake_up()
 
         self.loop.between_steps(wake_up, barrier=True)
 
