@@ -54,14 +54,16 @@ class APIFuture(Generic[T]):
 
 
 class Worker:
-    """One thread that runs submitted calls in order."""
+    """One thread that runs submitted calls in order; with `max_workers` > 1, that many,
+    so that calls start in order and a later one may run while an earlier one does (a
+    sampling client whose engine lets calls join its running batch)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, max_workers: int = 1) -> None:
         # The thread takes the creator's torch thread count (pinned, so that the rounding of
         # its results does not depend on what others set meanwhile) and CUDA device (a rank's
         # own GPU, not cuda:0): threads.py.
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1,
+            max_workers=max_workers,
             thread_name_prefix=name,
             initializer=ThreadSettings.of_caller().apply,
         )

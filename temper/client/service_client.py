@@ -42,6 +42,9 @@ from temper.trainer.engine import TrainerEngine
 from temper.trainer.precision import Precision, PrecisionName
 
 DEFAULT_STORAGE = Path("~/.cache/temper/checkpoints")
+JOINING_SAMPLER_THREADS = 8
+"""Worker threads of a sampling client on an engine that lets calls join its running batch
+(more batches in flight at once than this wait for a thread)."""
 
 
 def check_device(device: str, *, named: str, instead: str) -> None:
@@ -166,7 +169,10 @@ class ServiceClient:
         generator = self.new_generator(model=weights.model, tokenizer=weights.tokenizer)
         return SamplingClient(
             snapshot=Snapshot(generator=generator, version=generator.version),
-            worker=Worker("temper-sampler"),
+            # Several threads: a batch sent while another decodes joins it in Temper's
+            # engine (sampler/decode_loop.py) instead of waiting for it (a server's shared
+            # sampler serves many users through this one client).
+            worker=Worker("temper-sampler", max_workers=_sampler_threads(generator)),
             tokenizer=weights.tokenizer,
         )
 
@@ -327,3 +333,9 @@ def lora_config(
         train_attn=train_attn,
         train_unembed=train_unembed,
     )
+
+
+def _sampler_threads(generator: Generator) -> int:
+    """Threads for a sampling client that owns `generator`: several where calls join the
+    engine's running batch (Temper's engine), one elsewhere (vLLM takes one call at a time)."""
+    return JOINING_SAMPLER_THREADS if getattr(generator, "joins_running_batch", False) else 1

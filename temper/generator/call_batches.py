@@ -1,7 +1,8 @@
 """CallBatches: calls from many threads run together, one batch at a time.
 
-A shared sampler (generator/multi_lora.py, generator/vllm_lora.py) decodes the calls of
-many clients, each on its own sampling worker thread. A call that finds no batch running
+vLLM's multi-LoRA sampler (generator/vllm_lora.py) decodes the calls of many clients, each
+on its own sampling worker thread (Temper's engine needs none of this: calls join its
+running batch, sampler/decode_loop.py). A call that finds no batch running
 leads the next one: it waits while other calls keep arriving (each within the batch window
 of the last, ten windows at most), then runs every queued call as one batch. Calls that
 arrive while a batch runs wait and form the following batch. Each call gets its own results

@@ -9,15 +9,17 @@ its own adapter.
   memory (`store_device`, the CPU by default), made when it is registered and never written
   afterwards; sampling snapshots hold one each (a few MiB, not a model).
 - Resident slots: the engine's model holds up to `max_resident_adapters` adapters on its
-  device. A batch loads the adapters it needs into free slots, else into the least recently
-  used slots of adapters it does not need (an idle adapter thus goes back to host memory
-  only, where its copy already is). A batch with more adapters than slots runs in rounds.
+  device. A call joining the engine's batch takes its adapter's resident slot, else loads it
+  between decode steps into a free slot, else into the least recently used slot that no
+  running or joining call uses (an idle adapter thus goes back to host memory only, where its
+  copy already is); with every slot in use it waits for one to free.
 - Capacity: at most `max_adapters` adapters are registered at once (live ones; an adapter
   nobody holds is forgotten); registering one more raises `AdapterCapacityError`, which
   names the setting (the server answers 429). Memory thus stays bounded; nothing OOMs.
-- Batching: `generate` calls that arrive while the engine decodes (from the sampling workers
-  of different clients) run as the next batch together; each call gets its own results or
-  its own error (a bad request fails only its call).
+- Batching: `generate` calls (from the sampling workers of different clients) join the
+  engine's running batch at its next decode step (sampler/decode_loop.py), rows of every
+  adapter in one forward; each call returns when its own sequences are done, with its own
+  results or its own error (a bad request fails only its call).
 
 `AdapterView` is the `Generator` one training client's snapshots use: this sampler plus one
 adapter version. On CPU the engine decodes on the model itself (no fused or packed twin, no
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -40,7 +43,6 @@ from torch import nn
 from temper.api.types import SampleResponse
 from temper.config.checks import check_range
 from temper.config.configurable import Configurable
-from temper.generator.call_batches import Call, CallBatches
 from temper.models.lora import LoraConfig
 from temper.models.multi_lora import install_slots, load_adapter, set_rows
 from temper.sampler.engine import SamplerEngine
@@ -91,9 +93,10 @@ class MultiLoraSampler(Configurable):
         store_device: str = "cpu"
         """Where registered adapters are kept while not resident."""
         batch_window_s: float = 0.002
-        """A call that finds the engine idle waits for calls of other clients to decode
-        with, while they keep coming within this of each other (at most ten times this;
-        calls arriving while a batch decodes join the next one anyway)."""
+        """vLLM's multi-LoRA sampler (generator/vllm_lora.py): a call that finds the engine
+        idle waits for calls of other clients to decode with, while they keep coming within
+        this of each other (at most ten times this). Temper's engine needs no window: calls
+        join its running batch at the next decode step."""
         enabled: bool = True
         """False: each LoRA client samples merged weights in a sampler of its own (a whole
         copy of the weights and a KV cache each; on CPU a single adapter decodes faster
@@ -133,12 +136,16 @@ class MultiLoraSampler(Configurable):
         self._resident: OrderedDict[int, weakref.ref[Adapter]] = (
             OrderedDict()
         )  # slot -> adapter, LRU first
-        self._engine_lock = threading.Lock()  # one batch or score at a time
-        self._batches = CallBatches[Adapter](window_s=config.batch_window_s, run=self._run)
+        self._pins: dict[int, int] = {}  # slot -> calls and scores using it (slot lock)
+        self._slot_lock = threading.Lock()
         self.num_loads = 0
         """Adapters copied into a slot so far."""
-        self.num_batches = 0
-        """Engine batches run so far (each may hold several calls)."""
+
+    @property
+    def num_batches(self) -> int:
+        """Times the engine started decoding from idle (calls that join a running batch do
+        not count)."""
+        return self.engine.loop.num_batches
 
     @property
     def vocab_size(self) -> int:
@@ -164,97 +171,79 @@ class MultiLoraSampler(Configurable):
     def generate(
         self, requests: Sequence[SampleRequest], *, adapter: Adapter
     ) -> list[SampleResponse]:
-        """`requests` sampled with `adapter`, batched with the calls that arrive meanwhile."""
-        return self._batches.call(list(requests), key=adapter)
+        """`requests` sampled with `adapter`, joining the engine's running batch."""
+        slot: list[int] = []  # the slot the call holds once it joined
+
+        def gate() -> int | None:
+            taken = self._pin(adapter)
+            if taken is not None:
+                slot.append(taken)
+            return taken
+
+        def done() -> None:
+            self._unpin(slot[0])
+
+        return self.engine.generate(requests, adapter_gate=gate, on_done=done)
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, adapter: Adapter, temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        with self._engine_lock:
-            (slot,) = self._make_resident([adapter])
+        """Full forwards on this thread (beside the decode loop, which only reads the
+        weights); the adapter is made resident between decode steps."""
+        slot = None
+        while slot is None:
+            slot = self.engine.loop.between_steps(lambda: self._pin(adapter))
+            if slot is None:
+                time.sleep(0.005)  # every slot in use by running calls
+        try:
             set_rows(self.engine.model, slot)
             return self.engine.score(sequences, temperature=temperature)
+        finally:
+            self._unpin(slot)
 
-    def _run(self, calls: list[Call[Adapter]]) -> None:
-        with self._engine_lock:
-            ready = []
-            for call in calls:  # a bad request fails its own call only
-                try:
-                    call.requests = self.engine.seeded(call.requests)
-                    ready.append(call)
-                except Exception as error:
-                    call.error = error
-            for round_calls in self._rounds(ready):
-                self._run_round(round_calls)
+    def _pin(self, adapter: Adapter) -> int | None:
+        """The slot holding `adapter`, loaded if need be, and held until `_unpin`; None when
+        every slot is in use (between decode steps, on the loop's driving thread)."""
+        with self._slot_lock:
+            slot = self._resident_slot(adapter)
+            if slot is None:
+                return None
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+            return slot
 
-    def _rounds(self, calls: list[Call[Adapter]]) -> list[list[Call[Adapter]]]:
-        """Consecutive groups of calls needing at most max_resident_adapters adapters."""
-        rounds: list[list[Call[Adapter]]] = []
-        adapters: set[int] = set()
-        for call in calls:
-            key = id(call.key)
-            if not rounds or (
-                key not in adapters and len(adapters) == self.config.max_resident_adapters
-            ):
-                rounds.append([])
-                adapters = set()
-            rounds[-1].append(call)
-            adapters.add(key)
-        return rounds
+    def _unpin(self, slot: int) -> None:
+        with self._slot_lock:
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                del self._pins[slot]
 
-    def _run_round(self, calls: list[Call[Adapter]]) -> None:
-        slots = self._make_resident([call.key for call in calls])
-        requests = [
-            dataclasses.replace(request, adapter=slot)
-            for call, slot in zip(calls, slots, strict=True)
-            for request in call.requests
-        ]
-        self.num_batches += 1
-        try:
-            responses = self.engine.generate(requests)
-        except Exception as error:
-            if len(calls) == 1:
-                calls[0].error = error
-                return
-            for call in calls:  # find whose call failed: each alone
-                self._run_round([call])
-            return
-        start = 0
-        for call in calls:
-            call.results = responses[start : start + len(call.requests)]
-            start += len(call.requests)
-
-    def _make_resident(self, adapters: list[Adapter]) -> list[int]:
-        """The slot of each adapter, loading the missing ones (under the engine lock)."""
-        wanted = {id(adapter): adapter for adapter in adapters}
-        slot_of: dict[int, int] = {}
+    def _resident_slot(self, adapter: Adapter) -> int | None:
+        """The slot of `adapter`, loading it into a free or unpinned slot (None: none is)."""
         for slot, ref in list(self._resident.items()):
             held = ref()
-            if held is None:
+            if held is None and slot not in self._pins:
                 del self._resident[slot]  # its adapter was dropped: the slot is free
-            elif id(held) in wanted:
-                slot_of[id(held)] = slot
+            elif held is adapter:
                 self._resident.move_to_end(slot)
-        for key, adapter in wanted.items():
-            if key in slot_of:
-                continue
-            slot = self._free_slot(keep=set(slot_of.values()))
-            self.engine.forget_prefixes(adapter=slot)  # they were computed with the old adapter
-            load_adapter(self.engine.model, slot, config=adapter.config, tensors=adapter.tensors)
-            self.num_loads += 1
-            self._resident[slot] = weakref.ref(adapter)
-            slot_of[key] = slot
-        return [slot_of[id(adapter)] for adapter in adapters]
+                return slot
+        slot = self._free_slot()
+        if slot is None:
+            return None
+        self.engine.forget_prefixes(adapter=slot)  # they were computed with the old adapter
+        load_adapter(self.engine.model, slot, config=adapter.config, tensors=adapter.tensors)
+        self.num_loads += 1
+        self._resident[slot] = weakref.ref(adapter)
+        return slot
 
-    def _free_slot(self, *, keep: set[int]) -> int:
+    def _free_slot(self) -> int | None:
         for slot in range(self.config.max_resident_adapters):
-            if slot not in self._resident:
+            if slot not in self._resident and slot not in self._pins:
                 return slot
         for slot in self._resident:  # least recently used first
-            if slot not in keep:
+            if slot not in self._pins:
                 del self._resident[slot]
                 return slot
-        raise AssertionError("a round needs at most max_resident_adapters slots")
+        return None
 
     def describe(self) -> str:
         return (

@@ -103,14 +103,17 @@ class Admission:
             )
         return state
 
-    def admit(self, waiting: deque[RequestState]) -> Admitted:
-        """Start waiting requests (oldest first) in free slots; at least one sample starts."""
+    def admit(self, waiting: deque[RequestState], *, budget: int) -> Admitted | None:
+        """Start waiting requests (oldest first) in free slots, prefilling prompts of at most
+        `budget` tokens in all (the first prompt of a round whatever its size while
+        `budget` is `max_prefill_tokens`: nothing decodes beside it); None if none starts."""
         starting: list[tuple[RequestState, SlotOwner]] = []  # each sample that starts now
         # (request, its first in `starting`, the cached prefix it extends)
         prefill_rows: list[tuple[RequestState, int, CachedPrefix | None]] = []
         twins: dict[int, RequestState] = {}  # a request's prompt is prefilled by its twin's
         by_prompt: dict[tuple[int, ...], RequestState] = {}  # the rows' shareable prompts
-        budget, free = self.max_prefill_tokens, self.slots.num_free
+        whole = budget >= self.max_prefill_tokens
+        free = self.slots.num_free
         for state in waiting:
             if free == 0:
                 break
@@ -124,7 +127,7 @@ class Admission:
                 cached = self._cached_prefix(state.request)
                 state.prompt_cache_hit_tokens = 0 if cached is None else cached.length
                 new_tokens = len(state.prompt) - (cached.length if cached else 0)
-                if prefill_rows and new_tokens > budget:
+                if new_tokens > budget and (prefill_rows or not whole):
                     break  # keep arrival order: later requests wait for the next round
                 budget -= new_tokens
                 prefill_rows.append((state, len(starting), cached))
@@ -135,6 +138,8 @@ class Admission:
                 starting.append((state, self._owner(state, sample_index=state.num_admitted)))
                 state.num_admitted += 1
             free -= take
+        if not starting:
+            return None
         slots = self.slots.claim(
             [owner for _, owner in starting],
             prompt_lens=[len(state.prompt) for state, _ in starting],
@@ -200,10 +205,7 @@ class Admission:
             )  # fmt: skip
         model = self.weights.model
         adapter_rows = self.adapters.rows
-        if adapter_rows is not None:
-            index = [state.request.adapter for state, _, _ in rows]
-            one = self.adapters.one
-            adapter_rows.set(one if one is not None else torch.tensor(index, device=self.device))
+        self.adapters.use([state.request.adapter for state, _, _ in rows])
         with recording(self.routes, model) as tape:
             hidden_BTD = model.hidden_states(
                 tokens_BT, positions_BT=positions_BT, attention=attention

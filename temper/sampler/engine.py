@@ -3,12 +3,19 @@
 Shapes: B rows, T tokens, D model dim, V vocab, L layers, K kv heads, H head dim.
 
 How a call to `generate` runs:
-- Every request is validated first; a bad one raises before any work is done.
+- Every request is validated first, on the caller's thread; a bad one raises before any work
+  is done, and fails only its own call.
+- The call joins the engine's decode loop (decode_loop.py), shared by every thread that calls
+  `generate`: its requests join the batch in flight at the next step (continuous batching
+  across calls), and the call returns once its own sequences are done.
 - Admission: while slots are free, waiting requests (oldest first) are prefilled together, one
   row per prompt, writing their keys/values straight into the cache. A prompt is prefilled
   once however many samples it has: its other samples copy its cached rows, and samples that
   find no free slot yet keep a copy of the prompt's cache until they start. Each sample draws
-  its first token from the prompt's last logits.
+  its first token from the prompt's last logits. While rows decode, a step prefills at most
+  `prefill_chunk_tokens` prompt tokens, and a prompt longer than that is prefilled a chunk per
+  step, at boundaries set by the prompt alone (chunked_prefill.py), so a long prompt joining
+  stalls the running rows by one chunk per step at most.
 - Decode: one forward over all active slots per step; finished sequences free their slot at
   once, and the next waiting sample takes it (continuous batching).
 - Prefix cache: a finished sequence's keys/values are kept (prefix_cache.py, up to
@@ -19,10 +26,11 @@ How a call to `generate` runs:
 
 Sampling is per row (temperature, top-k, top-p and seed may differ between rows), and each
 row's random draw depends only on its seed and how many tokens it has drawn. On CPU a row's
-logits are also the same in any batch, so seeded results do not depend on which other
-requests share it. On CUDA they can: cuBLAS picks its kernels by the number of rows (and a
-CUDA graph pads them to its bucket), so a row's logits, and at a near tie its token, move with
-the batch's size; its draws stay its own.
+logits are also the same in any batch up to float rounding (the test suite holds seeded
+tokens equal and logprobs within 1e-5), so seeded results do not depend on which other
+requests, or other calls, share it. On CUDA they can: cuBLAS picks its kernels by the
+number of rows (and a CUDA graph pads them to its bucket), so a row's logits, and at a near
+tie its token, move with the batch's size; its draws stay its own.
 
 How a decode step runs is chosen once, when the engine is built (`self.decoding`,
 decoding.py): the model itself, on CPU the speed wing's twins and row shards
@@ -34,11 +42,12 @@ Splitting calls over processes is not done here: `Config.build` wraps the engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,30 +55,33 @@ import torch
 from torch import nn
 
 import temper.sampler.sampling as sampling
-from temper.api.types import SampledSequence, SampleResponse, SamplingParams
+from temper.api.types import SampleResponse, SamplingParams
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
 from temper.models.common.moe_stats import moe_layers
 from temper.sampler.admission import Admission
+from temper.sampler.chunked_prefill import ChunkedPrefill
 from temper.sampler.cpu.decoding import CpuDecoding
 from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.cuda_graphs import CudaGraphDecoding, capture_blocker, default_buckets
+from temper.sampler.decode_loop import DecodeLoop
 from temper.sampler.decoding import DecodeModel, Decoding, Draw
 from temper.sampler.kv_cache import KVCache, KVCacheShape
 from temper.sampler.prefix_cache import PrefixCache
 from temper.sampler.recurrent_pool import RecurrentPoolShape
-from temper.sampler.requests import OnePromptSampling, SampleRequest
+from temper.sampler.requests import OnePromptSampling, RequestState, SampleRequest
+from temper.sampler.retirement import Retirement
 from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
 from temper.sampler.slots import SlotTable
-from temper.sampler.support import kept_ids
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
 
 class SamplerEngine(Configurable, OnePromptSampling):
     holds_one_version = False  # a private copy keeps an old version (client/weight_sync.py)
+    joins_running_batch = True  # calls from several threads share decode steps
 
     @dataclass(kw_only=True)
     class Config(Configurable.Config):
@@ -96,6 +108,13 @@ class SamplerEngine(Configurable, OnePromptSampling):
         cpu: CpuDecoding.Config = field(default_factory=CpuDecoding.Config)
         """The CPU speed wing (no effect on CUDA): threads, fused or packed decode twins,
         decode shards, helper processes (temper/sampler/cpu/decoding.py)."""
+        prefill_chunk_tokens: int = 512
+        """While rows decode, prompt tokens prefilled per step at most: a prompt longer than
+        this is prefilled a chunk per step (chunks end at its multiples, counted from the
+        prompt's start, alone or not: temper/sampler/chunked_prefill.py), and new prompts
+        beside rows in flight wait for a step with room. Bounds how long a joining call
+        stalls the calls already decoding. Prompts asking for prompt logprobs are prefilled
+        whole."""
         record_routes: bool = False
         """MoE models: record the experts every token was routed to and return them with
         each sequence (`SampledSequence.routed_experts`), for a trainer to replay
@@ -105,7 +124,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
 
         def __post_init__(self) -> None:
             owner = "SamplerEngine.Config"
-            for name in ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens"):
+            names = ("max_batch", "max_seq_len", "max_prefill_tokens", "max_score_tokens")
+            for name in (*names, "prefill_chunk_tokens"):
                 check_range(getattr(self, name), field=f"{owner}.{name}", at_least=1)
             check_range(
                 self.prefix_cache_mib,
@@ -208,7 +228,23 @@ class SamplerEngine(Configurable, OnePromptSampling):
             adapters=self.adapters,
             routes=self.routes,
         )
+        self.chunks = ChunkedPrefill(
+            weights=self.weights,
+            cache=self.cache,
+            prefix_cache=self.prefix_cache,
+            slots=self.slots,
+            adapters=self.adapters,
+            routes=self.routes,
+            chunk_tokens=config.prefill_chunk_tokens,
+        )
+        self.retirement = Retirement(
+            slots=self.slots, cache=self.cache, prefix_cache=self.prefix_cache, routes=self.routes
+        )
         self.decoding = self._pick_decoding(model)
+        self._waiting: deque[RequestState] = deque()  # joined, some sample not in a slot yet
+        self._decoder: DecodeModel | None = None  # the driving thread's (`session`)
+        self.loop = DecodeLoop(self, max_rows=config.max_batch)
+        """The decode loop every `generate` call joins (decode_loop.py)."""
 
     @property
     def model(self) -> nn.Module:
@@ -243,9 +279,16 @@ class SamplerEngine(Configurable, OnePromptSampling):
 
         Whoever changes the weights calls this, also after writing the module in place (an
         optimizer step on a trainer module the engine reads): copies made from the weights
-        (the CPU wing's twins, helper processes) are made again only after it."""
-        self.weights.update(source, version=version)
-        self.decoding.weights_changed()
+        (the CPU wing's twins, helper processes) are made again only after it. Calls
+        submitted before it finish on the old weights first; later ones wait for it (a
+        barrier between decode steps: no weight changes under running rows)."""
+
+        def update() -> None:
+            with torch.inference_mode(False):  # as outside the loop: no inference tensors
+                self.weights.update(source, version=version)
+                self.decoding.weights_changed()
+
+        self.loop.between_steps(update, barrier=True)
 
     def forget_prefixes(self, *, adapter: int) -> None:
         """Drop the cached prefixes of one adapter slot: a multi-LoRA sampler calls this
@@ -254,15 +297,25 @@ class SamplerEngine(Configurable, OnePromptSampling):
 
     def sleep(self) -> None:
         """Release the KV cache (with a hybrid model's recurrent states) and the prefix cache
-        until `wake_up` (the weights stay: they may be the trainer's)."""
-        self.prefix_cache.clear()
-        self.decoding.sleep()  # first: CUDA graphs' pool goes back with the cache's memory
-        self.cache.release()
+        until `wake_up` (the weights stay: they may be the trainer's); after the calls in
+        flight."""
+
+        def sleep() -> None:
+            self.prefix_cache.clear()
+            self.decoding.sleep()  # first: CUDA graphs' pool goes back with the cache's memory
+            self.cache.release()
+
+        self.loop.between_steps(sleep, barrier=True)
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (zeros, as when built)."""
-        self.cache.reacquire()
-        self.decoding.wake_up()
+
+        def wake_up() -> None:
+            with torch.inference_mode(False):  # a cache of plain tensors, as when built
+                self.cache.reacquire()
+                self.decoding.wake_up()
+
+        self.loop.between_steps(wake_up, barrier=True)
 
     def close(self) -> None:
         """Stop the decode threads (the engine stays usable: they start again if needed)."""
@@ -297,36 +350,88 @@ class SamplerEngine(Configurable, OnePromptSampling):
             return CudaGraphDecoding(self.weights, cache=self.cache, buckets=buckets)
         return Decoding()
 
-    @torch.inference_mode()  # less per-op work than no_grad; nothing made here leaves as a tensor
     def generate(
-        self, requests: Sequence[SampleRequest], *, num_threads: int | None = None
+        self,
+        requests: Sequence[SampleRequest],
+        *,
+        num_threads: int | None = None,
+        adapter_gate: Callable[[], int | None] | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> list[SampleResponse]:
-        """Run requests to completion with continuous batching; responses in request order.
-        On CPU, on `num_threads` threads if given (else `cpu.num_threads`)."""
+        """Run requests to completion with continuous batching, beside the calls of other
+        threads; responses in request order. On CPU, on `num_threads` threads if given (else
+        `cpu.num_threads`) while this thread drives the loop. `adapter_gate` (a multi-LoRA
+        sampler's): called between steps until it gives the adapter slot the requests join
+        with (None: not yet); `on_done`: called once the joined call ended."""
         states = [self.admission.start(request, index) for index, request in enumerate(requests)]
-        self.adapters.start_call(requests)
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
+        gate = None
+        if adapter_gate is not None:
+
+            def gate() -> bool:
+                slot = adapter_gate()
+                if slot is None:
+                    return False
+                for state in states:
+                    state.request = dataclasses.replace(state.request, adapter=slot)
+                return True
+
+        return self.loop.generate(states, gate=gate, on_done=on_done, num_threads=num_threads)
+
+    # -- the decode loop's runner (decode_loop.py) -----------------------------------------
+
+    @contextlib.contextmanager
+    def session(self, *, num_threads: int | None, rows: int) -> Iterator[None]:
+        """Around the steps one thread drives: inference mode (less per-op work than
+        no_grad; nothing made here leaves as a tensor) and the call's threads."""
+        with torch.inference_mode(), self.decoding.threads(num_threads, rows=rows):
+            # Made on the driving threads too: on the process's default threads a twin's
+            # copies (torch.cat) wake a second thread, whose core a helper process may be
+            # decoding on (1.9 ms vs 49 ms to build the tiny model's on a busy 2-core box).
+            self._decoder = self.decoding.decoder(self.weights)
+            try:
+                yield
+            finally:
+                self._decoder = None
+
+    def join(self, states: Sequence[RequestState]) -> None:
+        """A call's requests wait for slots (long prompts for their chunks) from now on."""
         self.prefix_cache.follow(self.weights.generation)
-        waiting = deque(states)
-        try:
-            rows = min(sum(request.num_samples for request in requests), self.config.max_batch)
-            with self.decoding.threads(num_threads, rows=rows):
-                # Made on the call's threads too: on the process's default threads a twin's
-                # copies (torch.cat) wake a second thread, whose core a helper process may be
-                # decoding on (1.9 ms vs 49 ms to build the tiny model's on a busy 2-core box).
-                decoder = self.decoding.decoder(self.weights)
-                while waiting or self.slots.num_active:
-                    if waiting and self.slots.num_free:
-                        admitted = self.admission.admit(waiting)
-                        self._draw_and_record(admitted.first_slot, admitted.logits_BV)
-                    if self.slots.num_active:
-                        self._decode_step(decoder)
-        finally:
-            # Only reached with sequences still active if a step raised; free their slots so
-            # the engine keeps serving.
-            self.slots.clear()
-        return [state.response() for state in states]
+        for state in states:
+            (self.chunks.queue if self.chunks.wants(state) else self._waiting).append(state)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.slots.num_active or self._waiting or self.chunks.busy)
+
+    def step(self) -> None:
+        """One step: a long prompt's next chunk, admission into free slots (within the
+        step's prefill budget while rows decode), then one decode step of every row."""
+        assert self._decoder is not None
+        decoding = self.slots.num_active > 0
+        budget = self.config.prefill_chunk_tokens if decoding else self.config.max_prefill_tokens
+        spent, ready = self.chunks.step()
+        if ready is not None:
+            self._waiting.append(ready)
+        if self._waiting and self.slots.num_free and spent < budget:
+            admitted = self.admission.admit(self._waiting, budget=budget - spent)
+            if admitted is not None:
+                self._draw_and_record(admitted.first_slot, admitted.logits_BV)
+        if self.slots.num_active:
+            self._decode_step(self._decoder)
+
+    def abort(self) -> None:
+        """Free every slot and drop the waiting requests (a step raised) so the engine
+        keeps serving."""
+        self.slots.clear()
+        self._waiting.clear()
+        self.chunks.abort()
+
+    def refresh(self) -> None:
+        """After work between steps (a weight update): the decoder of the weights now."""
+        if self._decoder is not None:
+            self._decoder = self.decoding.decoder(self.weights)
 
     def seeded(self, requests: Sequence[SampleRequest]) -> list[SampleRequest]:
         """`requests`, validated, with each unseeded one given the seed `generate` would draw
@@ -371,10 +476,7 @@ class SamplerEngine(Configurable, OnePromptSampling):
         """Forward and draw for active rows `rows` (slots of the same numbers)."""
         positions_B = self.slots.positions_S[rows.start : rows.stop]
         tokens_B = self.slots.last_token_S[rows.start : rows.stop]
-        if self.adapters.rows is not None:
-            one = self.adapters.one  # one slot for all: plain matmuls, no grouping
-            index = self.slots.adapter_S[rows.start : rows.stop] if one is None else one
-            self.adapters.rows.set(index)
+        self.adapters.use(self.slots.adapters[rows.start : rows.stop])
         with recording(self.routes, self.model) as tape:
             logits_BV = self.decoding.logits(
                 decoder,
@@ -440,105 +542,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
             stopped_B = torch.zeros_like(tokens_B, dtype=torch.bool)
         if slots.num_python_rows:
             logprobs_BV = torch.cat(draw.logprobs_BV)
-            self._per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
+            self.retirement.per_token_python_work(first_slot, tokens_B, logprobs_BV, stopped_B)
         done_B = stopped_B | (counts_B >= slots.max_new_S[rows])
         finished = torch.nonzero(done_B).flatten().tolist()
         if finished:
             stopped = stopped_B[finished].tolist()
-            self._finish([first_slot + row for row in finished], stopped=stopped)
-
-    def _per_token_python_work(
-        self,
-        first_slot: int,
-        tokens_B: torch.Tensor,
-        logprobs_BV: torch.Tensor,
-        stopped_B: torch.Tensor,
-    ) -> None:
-        """Stop strings and top-k logprobs: only for the rows that asked for them."""
-        tokens = tokens_B.tolist()
-        for row, token in enumerate(tokens):
-            owner = self.slots.owners[first_slot + row]
-            if owner.topk is not None:
-                k = owner.state.request.topk_sample_logprobs
-                ids_K, values_K = sampling.topk_logprobs(logprobs_BV[row : row + 1], k)
-                owner.topk.append(list(zip(ids_K[0].tolist(), values_K[0].tolist(), strict=True)))
-            if owner.support is not None:
-                owner.support.append(kept_ids(logprobs_BV[row]))
-            if owner.matcher is not None and owner.matcher.push(token):
-                stopped_B[row] = True
-
-    def _finish(self, finished: list[int], *, stopped: list[bool]) -> None:
-        """Hand the sequences in slots `finished` (ascending) their results, then keep the
-        active slots a prefix: the highest running sequences move down into the freed slots
-        below the new count (their state and KV rows, in one gather each)."""
-        slots = self.slots
-        finished_N = torch.tensor(finished, device=self.device)
-        counts = slots.num_generated_S[finished_N].tolist()
-        width = max(counts)
-        tokens = slots.tokens_SM[finished_N, :width].tolist()
-        logprobs = slots.logprobs_SM[finished_N, :width].tolist()
-        routes, routed = [None] * len(finished), [None] * len(finished)
-        if self.routes is not None:
-            routes = [
-                self.routes.sequence(
-                    slots.owners[slot].state.prompt_routes, slot=slot, num_generated=count
-                )
-                for slot, count in zip(finished, counts, strict=True)
-            ]
-            routed = [self.routes.routed_experts(routes_TLK) for routes_TLK in routes]
-        for slot, count, row_tokens, row_logprobs, row_stopped, row_routed in zip(
-            finished, counts, tokens, logprobs, stopped, routed, strict=True
-        ):
-            owner = slots.owners[slot]
-            owner.state.sequences[owner.sample_index] = SampledSequence(
-                tokens=row_tokens[:count],
-                logprobs=row_logprobs[:count],
-                stop_reason="stop" if row_stopped else "length",
-                topk_logprobs=owner.topk,
-                routed_experts=row_routed,
-                support=owner.support,
-            )
-            if owner.needs_python:
-                slots.num_python_rows -= 1
-        if self.prefix_cache.enabled:
-            self._keep_prefixes(finished, tokens=tokens, counts=counts, routes=routes)
-        remaining = slots.num_active - len(finished)
-        holes = [slot for slot in finished if slot < remaining]
-        if holes:
-            done = set(finished)
-            movers = [slot for slot in range(remaining, slots.num_active) if slot not in done]
-            length = int(slots.positions_S[movers].max())
-            self.cache.copy_slots(sources=movers, targets=holes, length=length)
-            if self.routes is not None:
-                count = int(slots.num_generated_S[movers].max())
-                self.routes.move(sources=movers, targets=holes, count=count)
-            slots.move(sources=movers, targets=holes)
-        slots.release_last(len(finished))
-
-    def _keep_prefixes(
-        self,
-        finished: list[int],
-        *,
-        tokens: list[list[int]],
-        counts: list[int],
-        routes: list[torch.Tensor | None],
-    ) -> None:
-        """Store the finished sequences' keys/values (recorded routes, a hybrid model's
-        recurrent states) in the prefix cache: the prompt and every sampled token but the
-        last (never fed through the model), in one gather."""
-        states = [self.slots.owners[slot].state for slot in finished]
-        sequences = [
-            [*state.prompt, *row_tokens[: count - 1]]
-            for state, row_tokens, count in zip(states, tokens, counts, strict=True)
-        ]
-        k_LFKCH, v_LFKCH = self.cache.read_prefixes(slots=finished, length=max(map(len, sequences)))
-        adapters = [state.request.adapter for state in states]
-        pool = self.cache.states
-        self.prefix_cache.store(
-            sequences,
-            adapters=adapters,
-            k_LFKCH=k_LFKCH,
-            v_LFKCH=v_LFKCH,
-            routes=None if self.routes is None else routes,
-            states=None if pool is None else pool.read(finished),  # after each whole sequence
-        )
+            self.retirement.finish([first_slot + row for row in finished], stopped=stopped)

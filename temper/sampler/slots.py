@@ -50,6 +50,9 @@ class SlotTable:
         self.num_python_rows = 0
         """Active slots whose owner `needs_python` (the engine counts them down as they
         finish)."""
+        self.num_reserved = 0
+        """The last slot is reserved (1) while a long prompt is prefilled into it in chunks
+        (chunked_prefill.py); no sequence is claimed into it meanwhile."""
         self.positions_S = zeros(num_slots, dtype=torch.long)
         """Cache position the slot's next input token is written to (= tokens cached)."""
         self.last_token_S = zeros(num_slots, dtype=torch.long)
@@ -69,6 +72,8 @@ class SlotTable:
         self.sort_widths: list[int] = [0] * num_slots
         """Per slot, `sampling.sampling_logprobs`' sort_width for that row alone."""
         self.has_stop_ids: list[bool] = [False] * num_slots
+        self.adapters: list[int] = [0] * num_slots
+        """Per slot, the adapter slot its sequence samples with (as `adapter_S`)."""
         self.tokens_SM = zeros(num_slots, max_new_tokens, dtype=torch.long)
         self.logprobs_SM = zeros(num_slots, max_new_tokens, dtype=torch.float32)
         self._per_slot = (
@@ -85,7 +90,17 @@ class SlotTable:
 
     @property
     def num_free(self) -> int:
-        return self.num_slots - self.num_active
+        return self.num_slots - self.num_active - self.num_reserved
+
+    def reserve_last(self) -> int:
+        """Reserve the last slot (it must be free); returns it."""
+        assert self.num_reserved == 0 and self.num_free > 0
+        self.num_reserved = 1
+        return self.num_slots - 1
+
+    def unreserve_last(self) -> None:
+        assert self.num_reserved == 1
+        self.num_reserved = 0
 
     def claim(self, owners: Sequence[SlotOwner], *, prompt_lens: Sequence[int]) -> range:
         """Put new samples in the next free slots, in order; returns their slots.
@@ -114,6 +129,7 @@ class SlotTable:
         self.stream_starts_S[rows] = sampling.stream_starts(seeds)
         self.num_generated_S[rows] = 0
         self.greedy[rows] = [p.temperature == 0 for p in params]
+        self.adapters[rows] = [owner.state.request.adapter for owner in owners]
         self.sort_widths[rows] = [sampling.row_sort_width(p) for p in params]
         stop_ids = [owner.state.stop_token_ids for owner in owners]
         self.has_stop_ids[rows] = [bool(ids) for ids in stop_ids]
@@ -138,7 +154,7 @@ class SlotTable:
         count = int(self.num_generated_S[target_N].max())
         for tensor_SM in (self.tokens_SM, self.logprobs_SM):
             tensor_SM[target_N, :count] = tensor_SM[source_N, :count]
-        for hints in (self.owners, self.greedy, self.sort_widths, self.has_stop_ids):
+        for hints in (self.owners, self.greedy, self.sort_widths, self.has_stop_ids, self.adapters):
             for source, target in zip(sources, targets, strict=True):
                 hints[target] = hints[source]
         for source in sources:
@@ -151,5 +167,6 @@ class SlotTable:
 
     def clear(self) -> None:
         self.num_active = 0
+        self.num_reserved = 0
         self.owners = [None] * self.num_slots
         self.num_python_rows = 0

@@ -9,6 +9,7 @@ resident slots run in rounds; capacity errors name the setting; concurrent calls
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import threading
 
@@ -20,6 +21,7 @@ from temper.generator.multi_lora import AdapterCapacityError, MultiLoraSampler
 from temper.models.lora import LoraConfig
 from temper.sampler.engine import SamplerEngine, SampleRequest
 from tests.models.test_multi_lora import trained_adapters
+from tests.sampler.test_decode_loop import JoinAtStep
 
 CONFIGS = [
     LoraConfig(rank=2, seed=1),
@@ -213,3 +215,28 @@ def test_a_slot_given_another_adapter_forgets_its_cached_prefixes(base_and_adapt
     next_turn = [*follow_up.prompt, *again.sequences[0].tokens, 2]
     one_slot.generate([SampleRequest(prompt=next_turn, params=params)], adapter=first)
     assert one_slot.engine.prefix_cache.num_hits == 1
+
+
+def test_a_call_of_another_adapter_joins_the_running_batch(base_and_adapters):
+    """Submitted while adapter 0's call decodes, adapter 1's call loads its adapter between
+    steps and decodes in the same steps (one batch from idle); each equals its adapter alone."""
+    base, adapters, _ = base_and_adapters
+    sampler = _sampler(base)
+    first, second = (sampler.register(config=c, tensors=t, version=0) for c, t in adapters[:2])
+    long_first = [dataclasses.replace(r, num_samples=1) for r in _requests(0)]
+    joining = JoinAtStep(sampler.engine)
+    ours = joining.run(
+        lambda: sampler.generate(long_first, adapter=first),
+        lambda: sampler.generate(_requests(1), adapter=second),
+    )
+    assert sampler.num_batches == 1 and sampler.engine.loop.num_joined_running == 1
+    assert max(joining.rows_per_step) == 2 + 4  # both adapters' rows in one step
+    for requests, (config, tensors), response in zip(
+        (long_first, _requests(1)), adapters[:2], ours, strict=True
+    ):
+        alone = _sampler(base)
+        adapter = alone.register(config=config, tensors=tensors, version=0)
+        expected = alone.generate(requests, adapter=adapter)
+        assert _tokens_and_logprobs(response)[0] == _tokens_and_logprobs(expected)[0]
+        for a, b in zip(*(_tokens_and_logprobs(r)[1] for r in (response, expected)), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -8,12 +8,18 @@ unsplit call would draw (the engine's entropy, in request order, so results are 
 decodes the first part on its engine and hands the others to `HelperProcesses`
 (helper_processes.py), whose engines are built from the same config with one process.
 
+Calls from several threads: a call that stays in one part (too small to split) joins the
+engine's decode loop like any call (sampler/decode_loop.py); calls that split take the helpers
+one at a time (their parts do not join other calls' batches), the local part of each joining
+the loop.
+
 This module does not import the engine (the engine's config imports it): it names what it
 needs of one in `LocalEngine`.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
@@ -70,6 +76,7 @@ class ProcessSplitSampler(OnePromptSampling):
     helpers started on first use)."""
 
     holds_one_version = False
+    joins_running_batch = True  # calls from several threads share decode steps
 
     def __init__(self, engine: LocalEngine, *, processes: int) -> None:
         assert processes >= 2 and engine.device.type == "cpu", "nothing to split"
@@ -91,6 +98,7 @@ class ProcessSplitSampler(OnePromptSampling):
             threads=threads,
         )
         weakref.finalize(self, self.helpers.close)
+        self._split_lock = threading.Lock()  # one split call on the helpers at a time
 
     # -- what callers use of an engine ---------------------------------------------------
 
@@ -148,6 +156,10 @@ class ProcessSplitSampler(OnePromptSampling):
             return self.engine.generate(requests)
         # Seed and validate everything before any part starts (see helper_processes.py).
         requests = self.engine.seeded(requests)
+        with self._split_lock:
+            return self._run_split(requests, parts)
+
+    def _run_split(self, requests: list[SampleRequest], parts: list[range]) -> list[SampleResponse]:
         return self.helpers.run(
             [requests[part.start : part.stop] for part in parts],
             model=self.engine.model,
