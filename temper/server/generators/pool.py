@@ -2,8 +2,9 @@
 
 Each generator rank is a `Remote`: its link, the samplers it holds (keys), its calls in
 flight and the sequences they sample. A call on a sampler goes to a live rank that holds it,
-the least loaded (fewest sequences in flight) when several do; when none does (first use, or
-its rank died) the least loaded live rank is sent the sampler's `Load` first (rank 0 keeps
+the least loaded (fewest sequences in flight) when several do, unless another rank has
+`MOVE_COST` fewer sequences in flight; when none holds it (first use, or its rank died), or
+to spread the load so, the chosen rank is sent the sampler's `Load` first (rank 0 keeps
 every live sampler's load: a snapshot's adapter or weights in host memory, a base model or
 checkpoint by name). A rank whose link closes is dead: its calls in flight are sent again,
 the same way, to another live rank (each call at most once per rank), and fail with
@@ -38,6 +39,9 @@ from temper.server.generators.messages import (
 )
 
 log = logging.getLogger("temper.server")
+MOVE_COST = 16
+"""Sequences in flight that sending a sampler to another rank counts as: a call goes to a
+rank that holds its sampler unless another one has this many fewer sequences in flight."""
 
 
 class GeneratorLost(RuntimeError):
@@ -204,8 +208,10 @@ class GeneratorPool:
                     f"no live generator rank can run this call (dead: ranks {dead}); retry "
                     "once the server's generator ranks are back (GET /api/v1/healthz)"
                 )
-            holding = [r for r in live if key in r.held]
-            return min(holding or live, key=lambda r: r.sequences_in_flight)
+            return min(
+                live,
+                key=lambda r: r.sequences_in_flight + (0 if key in r.held else MOVE_COST),
+            )
 
     def _ensure(self, remote: Remote, load: Load) -> None:
         """`remote` holds `load.key` once this returns (one load per rank and key at once)."""
