@@ -68,7 +68,9 @@ def _session(server: ServerProcess, model_dir: Path) -> dict:
     sequence = prompt + list(response.sequences[0].tokens)
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(sequence)).result()
     result["scored"] = scored
-    data = [rl_datum(prompt, seq, adv) for seq, adv in zip(response.sequences, (1.0, -0.5))]
+    data = [
+        rl_datum(prompt, seq, adv) for seq, adv in zip(response.sequences, (1.0, -0.5), strict=True)
+    ]
     result["stable"] = training.forward_backward(data, "stable_reinforce").result().metrics
     base = service.create_sampling_client(base_model=str(model_dir)).result()
     base_sample = base.sample(types.ModelInput.from_ints(prompt), 2, PARAMS).result()
