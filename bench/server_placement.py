@@ -15,7 +15,6 @@ Prints one JSON line: both configurations, sampled tokens/s of each and their ra
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import shutil
