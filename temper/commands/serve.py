@@ -71,10 +71,9 @@ def serve(argv: Sequence[str]) -> int:
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
             return 2
-        if config.placement.mode == "disaggregated":
-            generators = config.placement.generator_ranks
-            return serve_placement.start_disaggregated(argv, nproc=nproc, num_generators=generators)
-        return serve_ranks.start_ranks(argv, nproc=nproc)
+        disaggregated = config.placement.mode == "disaggregated"
+        generators = config.placement.generator_ranks if disaggregated else 0
+        return serve_ranks.start_ranks(argv, nproc=nproc, num_generators=generators)
     configure_logging(config.log_level)
     try:
         serve_placement.check_placement(config, nproc=None)

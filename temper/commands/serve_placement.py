@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Listener
 from typing import TYPE_CHECKING
 
-from temper.config.cli import without_option
 from temper.distributed import launch
 from temper.distributed.placement import Placement
 
@@ -106,11 +105,13 @@ def check_placement(config: TemperServer.Config, *, nproc: int | None) -> None:
         )
 
 
-def start_disaggregated(argv: Sequence[str], *, nproc: int, num_generators: int) -> int:
-    """Start the trainer ranks (torchrun) and the generator ranks; returns torchrun's exit code."""
-    from temper.commands.serve_ranks import NPROC, STOP_ON_STDIN_EOF
-
-    args = ["serve", *without_option(list(argv), NPROC)]
+def start_disaggregated(
+    args: Sequence[str], *, nproc: int, num_generators: int, stop_on_eof: str
+) -> int:
+    """Start the trainer ranks (torchrun, with `stop_on_eof` added: rank 0 stops when its
+    stdin closes) and the generator ranks, each on `temper ARGS`; returns torchrun's exit
+    code."""
+    args = list(args)
     num_trainers = nproc - num_generators
     env = launch.torchrun_environment(nproc=nproc)
     env.update(
@@ -121,7 +122,7 @@ def start_disaggregated(argv: Sequence[str], *, nproc: int, num_generators: int)
         }
     )
     trainers = subprocess.Popen(
-        launch.torchrun_command(nproc=num_trainers, args=[*args, STOP_ON_STDIN_EOF]),
+        launch.torchrun_command(nproc=num_trainers, args=[*args, stop_on_eof]),
         env=env,
         stdin=subprocess.PIPE,
         start_new_session=True,

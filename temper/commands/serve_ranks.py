@@ -55,8 +55,16 @@ def take_options(argv: Sequence[str]) -> tuple[int | None, bool, list[str]]:
     return nproc, stop_on_eof, without_option(args, NPROC)
 
 
-def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
-    """Run `temper serve ARGV` on `nproc` ranks of this machine; returns torchrun's exit code."""
+def start_ranks(argv: Sequence[str], *, nproc: int, num_generators: int = 0) -> int:
+    """Run `temper serve ARGV` on `nproc` ranks of this machine, the last `num_generators` of
+    them generator ranks (serve_placement.py); returns torchrun's exit code."""
+    if num_generators:
+        return serve_placement.start_disaggregated(
+            ["serve", *without_option(list(argv), NPROC)],
+            nproc=nproc,
+            num_generators=num_generators,
+            stop_on_eof=STOP_ON_STDIN_EOF,
+        )
     args = ["serve", *without_option(list(argv), NPROC), STOP_ON_STDIN_EOF]
     process = subprocess.Popen(
         launch.torchrun_command(nproc=nproc, args=args),
