@@ -31,7 +31,7 @@ def serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from temper.commands import serve_ranks
+    from temper.commands import serve_placement, serve_ranks
     from temper.config.cli import config_registry
     from temper.distributed import launch
 
@@ -50,6 +50,9 @@ def serve(argv: Sequence[str]) -> int:
     except ValueError as error:
         print(f"temper serve: error: {error}", file=sys.stderr)
         return 2
+    links = serve_placement.generator_links()
+    if links is not None and links.index is not None:  # started by --nproc as a generator
+        return serve_placement.serve_generator(config, links)
     if launch.launched_by_torchrun():
         if nproc is not None:
             print(
@@ -64,12 +67,16 @@ def serve(argv: Sequence[str]) -> int:
             check_bind(config.host, config.api_key, key_file=config.key_file)
             check_port_free(config.host, config.port)
             serve_ranks.check_one_model(config)
+            serve_placement.check_placement(config, nproc=nproc)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
             return 2
-        return serve_ranks.start_ranks(argv, nproc=nproc)
+        disaggregated = config.placement.mode == "disaggregated"
+        generators = config.placement.generator_ranks if disaggregated else 0
+        return serve_ranks.start_ranks(argv, nproc=nproc, num_generators=generators)
     configure_logging(config.log_level)
     try:
+        serve_placement.check_placement(config, nproc=None)
         check_bind(config.host, config.api_key, key_file=config.key_file)
         check_port_free(config.host, config.port)
         server = config.build()

@@ -14,6 +14,7 @@ ignore both and stop on rank 0's word (or when rank 0's connection closes).
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -22,12 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from temper.commands import serve_placement
 from temper.config.cli import without_option
 from temper.distributed import launch
 from temper.distributed.ranks import Ranks
 from temper.job.long_lived import freeze_long_lived_objects
 
 if TYPE_CHECKING:  # the server extra is imported only when serving
+    from temper.client.service_client import ServiceClient
     from temper.server import TemperServer
 
 NPROC = "--nproc"
@@ -52,8 +55,16 @@ def take_options(argv: Sequence[str]) -> tuple[int | None, bool, list[str]]:
     return nproc, stop_on_eof, without_option(args, NPROC)
 
 
-def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
-    """Run `temper serve ARGV` on `nproc` ranks of this machine; returns torchrun's exit code."""
+def start_ranks(argv: Sequence[str], *, nproc: int, num_generators: int = 0) -> int:
+    """Run `temper serve ARGV` on `nproc` ranks of this machine, the last `num_generators` of
+    them generator ranks (serve_placement.py); returns torchrun's exit code."""
+    if num_generators:
+        return serve_placement.start_disaggregated(
+            ["serve", *without_option(list(argv), NPROC)],
+            nproc=nproc,
+            num_generators=num_generators,
+            stop_on_eof=STOP_ON_STDIN_EOF,
+        )
     args = ["serve", *without_option(list(argv), NPROC), STOP_ON_STDIN_EOF]
     process = subprocess.Popen(
         launch.torchrun_command(nproc=nproc, args=args),
@@ -100,29 +111,34 @@ def check_one_model(config: TemperServer.Config) -> None:
 
 
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
-    """One rank of `temper serve` under torchrun (every rank calls this)."""
+    """One rank of `temper serve` under torchrun (every rank calls this). In a disaggregated
+    placement these are the trainer ranks (serve_placement.py starts the generator ranks)."""
     from temper.client.service_client import ServiceClient
     from temper.job import check_generator_ranks
-    from temper.server.backends.replicated import ReplicatedService, follow, replay_ranks
-    from temper.server.http.request_log import configure_logging
-    from temper.server.http.security import check_bind
+    from temper.server.backends.replicated import follow, replay_ranks
     from temper.trainer.sharding import Sharding
 
-    if config.trainer.sharding is None:  # default: FSDP over every rank
+    if config.trainer.sharding is None:  # default: FSDP over every (trainer) rank
         trainer = dataclasses.replace(config.trainer, sharding=Sharding.Config())
         config = dataclasses.replace(config, trainer=trainer)
     on_cuda = config.device.startswith("cuda")
+    links = serve_placement.generator_links()
+    disaggregated = config.placement.mode == "disaggregated"
     rank = launch.init_from_env(device_type="cuda" if on_cuda else "cpu")
     ranks = replay_ranks()
+    pids = ranks.all_gather(os.getpid())
+    listener = None
+    if disaggregated and links is not None and ranks.is_writer:
+        listener = serve_placement.listen(links)  # before any rank can fail: they connect
     service = backend = server = None
     try:
         error = None
         try:
-            check_bind(config.host, config.api_key, key_file=config.key_file)
-            check_one_model(config)
-            check_generator_ranks(
-                config.generator, ranks=ranks, field="TemperServer.Config.generator"
-            )
+            _check_rank_config(config, links=links, disaggregated=disaggregated)
+            if not disaggregated:
+                check_generator_ranks(
+                    config.generator, ranks=ranks, field="TemperServer.Config.generator"
+                )
             service = ServiceClient(
                 storage_dir=config.storage,
                 device=str(rank.device) if on_cuda else config.device,
@@ -131,10 +147,12 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
                 sampler=config.sampler_config(),
             )
             if ranks.is_writer:
-                configure_logging(config.log_level)
-                backend = ReplicatedService(service, ranks=ranks)
+                backend, health = _writer_backend(
+                    config, service, ranks=ranks, pids=pids, listener=listener, links=links
+                )
                 server = config.build(backend=backend)
-        except (ValueError, FileNotFoundError) as caught:
+                server.rank_health = health
+        except (ValueError, FileNotFoundError, RuntimeError) as caught:
             error = f"{caught}"
         errors = ranks.all_gather(error)
         if any(errors):
@@ -146,7 +164,13 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
         if not ranks.is_writer:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)  # rank 0 says when to stop
-            follow(service, ranks=ranks)
+            if disaggregated:
+                from temper.server.backends.disaggregated import PayloadReplica, follow_trainers
+
+                multi_lora = config.multi_lora.enabled
+                follow_trainers(PayloadReplica(service, ranks=ranks, multi_lora=multi_lora))
+            else:
+                follow(service, ranks=ranks)
             return 0
         try:
             _serve_http(server, ranks=ranks, stop_on_stdin_eof=stop_on_stdin_eof)
@@ -156,6 +180,55 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
     finally:
         del service, backend, server  # FSDP modules must go before the process group
         launch.shutdown()
+
+
+def _check_rank_config(config: TemperServer.Config, *, links: object, disaggregated: bool) -> None:
+    if disaggregated and links is None:
+        raise ValueError(
+            "--placement.mode disaggregated runs under `temper serve --nproc N`, which starts "
+            "the generator ranks outside torchrun (a generator rank that dies must not end "
+            "the others); under a bare torchrun use --placement.mode colocated"
+        )
+    check_one_model(config)
+
+
+def _writer_backend(
+    config: TemperServer.Config,
+    service: ServiceClient,
+    *,
+    ranks: Ranks,
+    pids: list[int],
+    listener: object,
+    links: object,
+) -> tuple[object, object]:
+    """Rank 0's backend and the health of every rank (for healthz)."""
+    from temper.server.backends.replicated import ReplicatedService
+    from temper.server.http.request_log import configure_logging
+    from temper.server.http.security import check_bind
+
+    check_bind(config.host, config.api_key, key_file=config.key_file)
+    configure_logging(config.log_level)
+    replicated = ReplicatedService(service, ranks=ranks)
+    if config.placement.mode != "disaggregated":
+
+        def trainers() -> list[dict]:
+            return [
+                {"rank": r, "role": "trainer", "pid": pid, "alive": True}
+                for r, pid in enumerate(pids)
+            ]
+
+        return replicated, trainers
+    from temper.server.backends.disaggregated import DisaggregatedService, PayloadReplica
+
+    replicated.replica = PayloadReplica(service, ranks=ranks, multi_lora=config.multi_lora.enabled)
+    pool = serve_placement.accept_generators(
+        listener,
+        links,
+        first_rank=ranks.world_size,
+        call_timeout_s=config.placement.call_timeout_s,
+    )
+    backend = DisaggregatedService(replicated, pool=pool)
+    return backend, lambda: backend.health(pids)
 
 
 def http_server(server: TemperServer, *, detail: str = "") -> Any:

@@ -63,10 +63,14 @@ def create_app(server: TemperServer) -> FastAPI:
     return app
 
 
-async def healthz(_: Request) -> Response:
+async def healthz(request: Request) -> Response:
     """Answers without a key (a plain route: the app-wide key check does not run), so a load
-    balancer can probe it; it says nothing but that the server is up."""
-    return json_response(tinker_types.HealthResponse(status="ok"))
+    balancer can probe it; it says that the server is up and, on several ranks, each rank's
+    role, pid and whether it is alive."""
+    rank_health = request.app.state.server.rank_health
+    if rank_health is None:
+        return json_response(tinker_types.HealthResponse(status="ok"))
+    return JSONResponse({"status": "ok", "ranks": rank_health()})
 
 
 def _add_error_handlers(app: FastAPI) -> None:

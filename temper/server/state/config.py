@@ -15,6 +15,7 @@ import tyro
 from temper.api.types import RoutingReplay
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
+from temper.distributed.placement import Placement
 from temper.generator.choice import GeneratorChoice
 from temper.generator.multi_lora import MultiLoraSampler
 from temper.sampler.engine import SamplerEngine
@@ -131,6 +132,10 @@ class ServerConfig(Configurable.Config):
     """One sampler per base model for its LoRA models' snapshots (Temper's engine, or one vLLM
     engine with --generator.backend vllm; adapter_room.py); a snapshot holds one version of
     its adapters."""
+    placement: Placement.Config = field(default_factory=Placement.Config)
+    """With --nproc N: 'colocated' (every rank trains, rank 0 samples) or 'disaggregated'
+    (the last `generator_ranks` ranks serve every sampling call, the others train; a
+    generator rank that dies leaves the server serving). docs/server.md "Several ranks"."""
 
     def sampler_config(self) -> SamplerEngine.Config:
         """The engines' settings: `sampler`, recording routes when the server replays them."""

@@ -17,6 +17,7 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -110,6 +111,9 @@ class TemperServer(Configurable):
         # The LoRA training models on each base model, which share its weights (counted once).
         self._shared_base_users: dict[str, set[str]] = {}
         self._shared_lock = threading.Lock()
+        self.rank_health: Callable[[], list[dict[str, Any]]] | None = None
+        """On several ranks (set by `temper serve --nproc`): each rank's role, pid and
+        whether it is alive, for healthz."""
 
     # -- lookups (each raises NotFound naming what is unknown) --------------------------------
 

@@ -1,0 +1,1 @@
+"""The generator ranks of a disaggregated server and rank 0's pool of them."""

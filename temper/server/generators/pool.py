@@ -1,0 +1,305 @@
+"""Rank 0's view of the generator ranks of a disaggregated server, and the routing of calls.
+
+Each generator rank is a `Remote`: its link, the samplers it holds (keys), its calls in
+flight and the sequences they sample. A call on a sampler goes to a live rank that holds it,
+the least loaded (fewest sequences in flight) when several do, unless another rank has
+`MOVE_COST` fewer sequences in flight; when none holds it (first use, or its rank died), or
+to spread the load so, the chosen rank is sent the sampler's `Load` first (rank 0 keeps
+every live sampler's load: a snapshot's adapter or weights in host memory, a base model or
+checkpoint by name). A rank whose link closes is dead: its calls in flight are sent again,
+the same way, to another live rank (each call at most once per rank), and fail with
+`GeneratorLost` only when no live rank is left. Every call has a deadline
+(`call_timeout_s`): past it the call fails with a TimeoutError naming the rank, whatever that
+rank does. Nothing here is a torch.distributed collective.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Listener
+from typing import Any
+
+from temper.server.generators.messages import (
+    Drop,
+    Hello,
+    Link,
+    Load,
+    Reply,
+    Request,
+    Sample,
+    Score,
+)
+
+log = logging.getLogger("temper.server")
+MOVE_COST = 16
+"""Sequences in flight that sending a sampler to another rank counts as: a call goes to a
+rank that holds its sampler unless another one has this many fewer sequences in flight."""
+
+
+class GeneratorLost(RuntimeError):
+    """No live generator rank could run the call (every one that held it died)."""
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future
+    sequences: int
+    deadline: float
+
+
+@dataclass(eq=False)
+class Remote:
+    """One generator rank as rank 0 sees it."""
+
+    index: int
+    rank: int
+    pid: int
+    link: Link
+    alive: bool = True
+    held: set[str] = field(default_factory=set)
+    sequences_in_flight: int = 0
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    loading: dict[str, threading.Lock] = field(default_factory=dict)
+
+
+class GeneratorPool:
+    def __init__(self, remotes: list[Remote], *, call_timeout_s: float) -> None:
+        self.remotes = remotes
+        self.call_timeout_s = call_timeout_s
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._routes = concurrent.futures.ThreadPoolExecutor(
+            max_workers=64, thread_name_prefix="temper-route"
+        )
+        self._closed = threading.Event()
+        for remote in remotes:
+            threading.Thread(
+                target=self._read, args=(remote,), name=f"temper-link-{remote.rank}", daemon=True
+            ).start()
+        threading.Thread(target=self._watch, name="temper-deadlines", daemon=True).start()
+
+    @classmethod
+    def accept(
+        cls,
+        listener: Listener,
+        *,
+        count: int,
+        first_rank: int,
+        call_timeout_s: float,
+        timeout_s: float,
+    ) -> GeneratorPool:
+        """Wait (at most `timeout_s`) for `count` generator ranks to connect and say hello."""
+        remotes: list[Remote | None] = [None] * count
+        arrived: queue.Queue[tuple[Hello, Link]] = queue.Queue()
+
+        def accept_all() -> None:
+            for _ in range(count):
+                try:
+                    link = Link(listener.accept())
+                    arrived.put((link.receive(), link))
+                except (OSError, EOFError, AuthenticationError):
+                    return  # the listener closed (deadline), or a stray connection
+
+        threading.Thread(target=accept_all, name="temper-accept", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        for _ in range(count):
+            try:
+                hello, link = arrived.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            assert isinstance(hello, Hello), hello
+            remotes[hello.index] = Remote(
+                index=hello.index, rank=first_rank + hello.index, pid=hello.pid, link=link
+            )
+        missing = [first_rank + i for i, remote in enumerate(remotes) if remote is None]
+        if missing:
+            raise RuntimeError(
+                f"generator ranks {missing} did not connect to rank 0 within {timeout_s:g} s "
+                "(see their output above)"
+            )
+        return cls(
+            [remote for remote in remotes if remote is not None], call_timeout_s=call_timeout_s
+        )
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def call(
+        self, load: Load, op: Sample | Score, *, sequences: int = 1
+    ) -> concurrent.futures.Future:
+        """Run `op` on a rank that holds `load`'s sampler (sending it `load` first if none
+        does); the future fails with GeneratorLost only if every live rank was tried."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._routes.submit(self._route, load, op, sequences, result, frozenset())
+        return result
+
+    def place(self, load: Load) -> None:
+        """Send `load` to the least loaded live rank now (blocks; raises its error): a bad
+        checkpoint fails when its sampling client is made, not at its first sample."""
+        remote = self._choose(load.key, tried=frozenset())
+        self._ensure(remote, load)
+
+    def drop(self, key: str) -> None:
+        """Every rank forgets `key` (its sampling client on rank 0 was released)."""
+        for remote in self.remotes:
+            with self._lock:
+                held = remote.alive and key in remote.held
+                remote.held.discard(key)
+            if held:
+                self._send(remote, Drop(key), sequences=0)
+
+    def health(self) -> list[dict[str, Any]]:
+        return [
+            {"rank": r.rank, "role": "generator", "pid": r.pid, "alive": r.alive}
+            for r in self.remotes
+        ]
+
+    def close(self) -> None:
+        self._closed.set()
+        for remote in self.remotes:
+            remote.link.close()
+        self._routes.shutdown(wait=False, cancel_futures=True)
+
+    def _route(
+        self,
+        load: Load,
+        op: Sample | Score,
+        sequences: int,
+        result: concurrent.futures.Future,
+        tried: frozenset[int],
+    ) -> None:
+        try:
+            remote = self._choose(load.key, tried=tried)
+            self._ensure(remote, load)
+            inner = self._send(remote, op, sequences=sequences)
+        except GeneratorLost as error:
+            result.set_exception(error)
+            return
+        except Exception as error:
+            result.set_exception(error)
+            return
+        tried = tried | {remote.index}
+
+        def done(inner: concurrent.futures.Future) -> None:
+            error = inner.exception()
+            if isinstance(error, GeneratorLost):  # its rank died: try another
+                log.warning("%s; sending the call to another generator rank", error)
+                self._routes.submit(self._route, load, op, sequences, result, tried)
+            elif error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(inner.result())
+
+        inner.add_done_callback(done)
+
+    def _choose(self, key: str, *, tried: frozenset[int]) -> Remote:
+        with self._lock:
+            live = [r for r in self.remotes if r.alive and r.index not in tried]
+            if not live:
+                dead = [r.rank for r in self.remotes if not r.alive]
+                raise GeneratorLost(
+                    f"no live generator rank can run this call (dead: ranks {dead}); retry "
+                    "once the server's generator ranks are back (GET /api/v1/healthz)"
+                )
+            return min(
+                live,
+                key=lambda r: r.sequences_in_flight + (0 if key in r.held else MOVE_COST),
+            )
+
+    def _ensure(self, remote: Remote, load: Load) -> None:
+        """`remote` holds `load.key` once this returns (one load per rank and key at once)."""
+        with self._lock:
+            lock = remote.loading.setdefault(load.key, threading.Lock())
+        with lock:
+            if load.key in remote.held:
+                return
+            self._send(remote, load, sequences=0).result()
+            with self._lock:
+                remote.held.add(load.key)
+
+    def _send(self, remote: Remote, op: object, *, sequences: int) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._ids)
+        with self._lock:
+            if not remote.alive:
+                future.set_exception(self._lost(remote))
+                return future
+            remote.pending[call_id] = _Pending(
+                future, sequences, deadline=time.monotonic() + self.call_timeout_s
+            )
+            remote.sequences_in_flight += sequences
+        try:
+            remote.link.send(Request(call_id, op))
+        except (OSError, ValueError):
+            self._died(remote)
+        return future
+
+    def _read(self, remote: Remote) -> None:
+        while True:
+            try:
+                reply = remote.link.receive()
+            except (EOFError, OSError, ValueError):
+                break
+            self._settle(remote, reply)
+        self._died(remote)
+
+    def _settle(self, remote: Remote, reply: Reply) -> None:
+        with self._lock:
+            pending = remote.pending.pop(reply.call_id, None)
+            if pending is None:  # past its deadline already
+                return
+            remote.sequences_in_flight -= pending.sequences
+        if reply.error is not None:
+            pending.future.set_exception(reply.error)
+        else:
+            pending.future.set_result(reply.value)
+
+    def _died(self, remote: Remote) -> None:
+        with self._lock:
+            if not remote.alive:
+                return
+            remote.alive = False
+            remote.held.clear()
+            pending = list(remote.pending.values())
+            remote.pending.clear()
+            remote.sequences_in_flight = 0
+        if not self._closed.is_set():
+            log.error(
+                "generator rank %d (pid %d) is gone: %d calls in flight go to the other "
+                "generator ranks",
+                remote.rank,
+                remote.pid,
+                len(pending),
+            )
+        for item in pending:
+            item.future.set_exception(self._lost(remote))
+
+    def _lost(self, remote: Remote) -> GeneratorLost:
+        return GeneratorLost(f"generator rank {remote.rank} (pid {remote.pid}) died")
+
+    def _watch(self, *, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """Fail the calls past their deadline (a rank that stalls without dying)."""
+        while not self._closed.wait(every_s):
+            now = clock()
+            late: list[tuple[Remote, _Pending]] = []
+            with self._lock:
+                for remote in self.remotes:
+                    for call_id, item in list(remote.pending.items()):
+                        if item.deadline < now:
+                            del remote.pending[call_id]
+                            remote.sequences_in_flight -= item.sequences
+                            late.append((remote, item))
+            for remote, item in late:
+                item.future.set_exception(
+                    TimeoutError(
+                        f"generator rank {remote.rank} did not answer a call within "
+                        f"{self.call_timeout_s:g} s (--placement.call-timeout-s)"
+                    )
+                )
