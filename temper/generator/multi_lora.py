@@ -175,6 +175,14 @@ class MultiLoraSampler(Configurable):
             set_rows(self.engine.model, slot)
             return self.engine.score(sequences, temperature=temperature)
 
+    def forget_adapter_prefixes(self, adapter: Adapter) -> None:
+        """Drop the cached prefixes of `adapter`'s slot, if it is resident (an in-flight
+        client's prefix-cache namespace ends: temper/client/inflight.py)."""
+        with self._engine_lock:
+            for slot, ref in self._resident.items():
+                if ref() is adapter:
+                    self.engine.forget_prefixes(adapter=slot)
+
     def _run(self, calls: list[Call[Adapter]]) -> None:
         with self._engine_lock:
             ready = []

@@ -38,7 +38,7 @@ import dataclasses
 import random
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -209,6 +209,9 @@ class SamplerEngine(Configurable, OnePromptSampling):
             routes=self.routes,
         )
         self.decoding = self._pick_decoding(model)
+        self.between_steps: Callable[[SamplerEngine], bool] | None = None
+        """Called at the top of each turn of the decode loop; returns whether it changed the
+        weights (an in-flight target's `WeightSwitch.between_steps`, weight_switch.py)."""
 
     @property
     def model(self) -> nn.Module:
@@ -317,6 +320,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
                 # decoding on (1.9 ms vs 49 ms to build the tiny model's on a busy 2-core box).
                 decoder = self.decoding.decoder(self.weights)
                 while waiting or self.slots.num_active:
+                    if self.between_steps is not None and self.between_steps(self):
+                        decoder = self.decoding.decoder(self.weights)
                     if waiting and self.slots.num_free:
                         admitted = self.admission.admit(waiting)
                         self._draw_and_record(admitted.first_slot, admitted.logits_BV)
