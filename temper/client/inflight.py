@@ -19,7 +19,8 @@ that moment, for the clients made before and after it. Tinker's contract
 
 Where the weights go, by the trainer's placement:
 - Temper's engine on a copy of the weights (full fine-tuning; LoRA on a private base, merged):
-  switches between decode steps.
+  switches between decode steps. The engine decodes in this process alone (on CPU, without
+  `cpu.processes` helper processes, whose copies of the weights a switch would not reach).
 - A LoRA trainer on a shared multi-LoRA sampler: the target is an adapter version of its own
   (`AdapterView`); a save registers the newer adapter, and calls started later use it (a call
   in progress finishes on the adapter it started with).
@@ -45,6 +46,7 @@ from temper.generator.multi_lora import AdapterSampler, AdapterView
 from temper.generator.seam import Generator
 from temper.models.build import materialize
 from temper.models.lora import lora_state_dict, merged_config
+from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
 from temper.sampler.weight_switch import WeightSwitch
@@ -126,6 +128,11 @@ class InflightTarget:
             merged_config(model), device=parameter.device, dtype=trainer.compute_dtype, init="empty"
         )
         generator = self._new_generator(model=copy, tokenizer=self._tokenizer)
+        if isinstance(generator, ProcessSplitSampler):
+            # Its helper processes hold copies of the weights a switch would not reach: the
+            # target decodes in this process alone.
+            generator.close()
+            generator = generator.engine
         if isinstance(generator, SamplerEngine):
             generator.between_steps = self.switch.between_steps
         return generator

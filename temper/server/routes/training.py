@@ -232,8 +232,15 @@ async def save_weights_for_sampler(
     served = server.model(body.model_id, user=user)
     # Snapshots follow the snapshot retention rules; a TTL applies to named checkpoints.
     ttl_seconds = check_ttl(body.ttl_seconds)
+    if body.path is None and body.kind == "inflight":
+        return _queue_inflight(server, served, user=user, seq_id=body.seq_id)
     if body.path is None:
         return _queue_snapshot(server, served, user=user, seq_id=body.seq_id)
+    if body.kind == "inflight":
+        raise BadRequest(
+            "kind='inflight' is for save_weights_and_get_sampling_client (no path); a named "
+            "sampler checkpoint is always a snapshot"
+        )
     name = checked(body.path, field="checkpoint name")
     target = CheckpointPath(served.model_id, "sampler_weights", name)
     if server.catalog.exists(target):
@@ -421,3 +428,38 @@ def _queue_snapshot(
         )
 
     return queue(server, served, make_snapshot, user=user, encode=snapshot, seq_id=seq_id)
+
+
+def _queue_inflight(
+    server: TemperServer, served: ServedModel, *, user: User, seq_id: int | None
+) -> Response:
+    """save_weights_and_get_sampling_client(kind='inflight'): a sampling session on the
+    model's shared in-flight target, moved to its weights as they are now
+    (temper/client/inflight.py); no snapshot retention applies (the target is one per model)."""
+    server.check_room(user, kind="sampling sessions")
+
+    def inflight(client: SamplingBackend) -> Answer:
+        sampling = SamplingSession(
+            sampling_session_id=new_sampling_session_id(),
+            client=client,
+            base_model=served.base.name,
+            model_path=None,
+            lineage=f"{served.model_id}:inflight",
+            session_id=served.session_id,
+            owner=served.owner,
+        )
+        server.add_sampling_session(served.session_id, sampling)
+        return json_answer(
+            tinker_types.SaveWeightsForSamplerResponseInternal(
+                sampling_session_id=sampling.sampling_session_id
+            )
+        )
+
+    return queue(
+        server,
+        served,
+        lambda: server.training(served).save_weights_and_get_sampling_client(kind="inflight"),
+        user=user,
+        encode=inflight,
+        seq_id=seq_id,
+    )
