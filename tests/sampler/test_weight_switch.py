@@ -12,7 +12,7 @@ import torch
 from temper.api import SamplingParams
 from temper.models import materialize, qwen3_size
 from temper.sampler.cpu.decoding import CpuDecoding
-from temper.sampler.engine import SampleRequest, SamplerEngine
+from temper.sampler.engine import SamplerEngine, SampleRequest
 from temper.sampler.weight_switch import WeightSwitch
 
 VOCAB = 31
