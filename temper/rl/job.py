@@ -115,8 +115,8 @@ class RLJob(Configurable):
         in-flight sampling target that every step's save moves on, also for the episodes
         still decoding (PipelineRL-style: temper/rl/loops.py)."""
         max_staleness: int = 1
-        """async, inflight: how many RL steps older than the trained policy the sampling weights may be
-        (0 behaves exactly like sync)."""
+        """async, inflight: how many RL steps older than the trained policy the sampling
+        weights may be (0 behaves exactly like sync)."""
         checkpoint_every: int = 0
         """Steps (warm-up and RL together) between full-state checkpoints that
         `temper train --resume` continues from; 0 = only at the end."""
