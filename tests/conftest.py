@@ -20,6 +20,7 @@ RUN_FIRST = (
     "tests/test_gpu_check.py",  # ~95 s, one test: every GPU check's dry run
     "tests/distributed/test_disaggregated_vllm.py",  # ~70 s: vLLM on its own rank
     "tests/rl/test_vllm_job.py",  # ~60 s, one test: RL on vLLM learns like RL on Temper
+    "tests/recipes/test_sum_digits_inflight.py",  # ~65 s: in-flight async GRPO must learn
     "tests/rl/test_job.py",  # ~50 s: the default recipe must learn
     "tests/distributed/test_train_nproc.py",  # ~50 s: torchrun runs
     "tests/distributed/test_sync_deadline.py",  # ~47 s: a generator rank stalled or killed

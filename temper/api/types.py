@@ -180,6 +180,10 @@ class SampledSequence:
     """With `SamplingParams.return_support`: per generated position, the token ids (ascending)
     that top-k/top-p kept in the distribution the token was drawn from; the token is one of
     them, and its logprob is normalised over exactly these."""
+    weight_versions: tuple[int, ...] | None = None
+    """In-flight sampling clients: the policy versions this sequence was decoded with, oldest
+    first (more than one when the weights were updated while it decoded:
+    temper/sampler/weight_switch.py); None from other clients (one fixed version)."""
 
 
 @dataclass(frozen=True, kw_only=True)

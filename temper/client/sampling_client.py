@@ -22,6 +22,7 @@ import torch
 from temper.api.futures import APIFuture, Worker
 from temper.api.prompt_targets import PromptTargets
 from temper.api.types import ModelInput, SampleResponse, SamplingParams, TensorData
+from temper.client.inflight import InflightSnapshot
 from temper.client.weight_sync import Snapshot
 from temper.generator.seam import Generator, score_each_alone
 from temper.sampler.requests import SampleRequest
@@ -29,7 +30,9 @@ from temper.tokenizer import Tokenizer
 
 
 class SamplingClient:
-    def __init__(self, *, snapshot: Snapshot, worker: Worker, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, *, snapshot: Snapshot | InflightSnapshot, worker: Worker, tokenizer: Tokenizer
+    ) -> None:
         self.tokenizer = tokenizer
         self._snapshot = snapshot
         self._worker = worker

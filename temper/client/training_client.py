@@ -34,6 +34,7 @@ from temper.api.types import (
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
+from temper.client.inflight import InflightTarget
 from temper.client.sampler_weights import recorded_base_model, save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
@@ -115,6 +116,9 @@ class TrainingClient:
             feed = RemoteFeed(trainer=engine, remote=remote, tokenizer=tokenizer)
         elif adapter_sampler is not None:
             feed = AdapterFeed(trainer=engine, multi_lora=adapter_sampler)
+        self._remote = remote
+        self._inflight: InflightTarget | None = None
+        """The in-flight sampling target (inflight.py), made by the first in-flight save."""
         self._weight_sync = WeightSync(
             trainer=engine,
             new_generator=service.new_generator,
@@ -209,10 +213,19 @@ class TrainingClient:
         path = CheckpointPath(self.model_id, "sampler_weights", check_name(name, field="name"))
         return self._worker.submit(self._save_sampler_weights, path)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
-        """A sampling client on the current weights (no disk write unless `name` is given)."""
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, *, kind: str = "snapshot"
+    ) -> SamplingClient:
+        """A sampling client on the current weights (no disk write unless `name` is given).
+        `kind`: 'snapshot' (these weights for as long as the client lives) or 'inflight'
+        (the training client's shared in-flight target, which later in-flight saves move on:
+        inflight.py)."""
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind must be 'snapshot' or 'inflight', got {kind!r}")
         if name is not None:
             self.save_weights_for_sampler(name).result()
+        if kind == "inflight":
+            return self._worker.submit(self._new_inflight_client).result()
         return self._worker.submit(self._new_sampling_client).result()
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
@@ -332,6 +345,28 @@ class TrainingClient:
     def _optim_step(self, params: AdamParams) -> OptimStepResponse:
         with self._weight_sync.changing():
             return self.engine.optim_step(params)
+
+    def _new_inflight_client(self) -> SamplingClient:
+        """An in-flight client, the target moved to the current weights first (on the worker,
+        so no change slips in between)."""
+        if self._remote is not None:
+            raise ValueError(
+                "kind='inflight' sampling clients are not served on the generator ranks of a "
+                "disaggregated placement; use kind='snapshot'"
+            )
+        if self._inflight is None:
+            self._inflight = InflightTarget(
+                trainer=self.engine,
+                new_generator=self.service.new_generator,
+                tokenizer=self.tokenizer,
+                adapter_sampler=self.adapter_sampler,
+            )
+        self._inflight.publish()
+        return SamplingClient(
+            snapshot=self._inflight.client(),
+            worker=self._sampler_worker,
+            tokenizer=self.tokenizer,
+        )
 
     def _new_sampling_client(self) -> SamplingClient:
         """A client on the current weights (on the worker, so no change slips in between)."""

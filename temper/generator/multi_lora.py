@@ -211,6 +211,18 @@ class MultiLoraSampler(Configurable):
             self._pins[slot] = self._pins.get(slot, 0) + 1
             return slot
 
+    def forget_adapter_prefixes(self, adapter: Adapter) -> None:
+        """Drop the cached prefixes of `adapter`'s slot, if it is resident (an in-flight
+        client's prefix-cache namespace ends: temper/client/inflight.py); between steps."""
+
+        def forget() -> None:
+            with self._slot_lock:
+                for slot, ref in self._resident.items():
+                    if ref() is adapter:
+                        self.engine.forget_prefixes(adapter=slot)
+
+        self.engine.loop.between_steps(forget)
+
     def _unpin(self, slot: int) -> None:
         with self._slot_lock:
             self._pins[slot] -= 1

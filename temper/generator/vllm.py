@@ -482,6 +482,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._llm.reset_prefix_cache()
         self._version = version
 
+    def reset_prefix_cache(self) -> None:
+        """Forget vLLM's cached prefixes (an in-flight client's namespace ends:
+        temper/client/inflight.py)."""
+        self._llm.reset_prefix_cache()
+
     def _check_complete(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         missing = sorted(self._shapes.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - self._shapes.keys())

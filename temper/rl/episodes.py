@@ -157,6 +157,8 @@ class _Episode:
     routed_experts: RoutedExperts | None = None
     support: list[list[int]] | None = None
     """The sampler's kept ids per completion token, when it returns them."""
+    versions: tuple[int, ...] | None = None
+    """The policy versions its actions were sampled with (in-flight clients only)."""
 
     @property
     def num_turns(self) -> int:
@@ -176,6 +178,7 @@ class _Episode:
                 metrics=dict(self.metrics),
                 routed_experts=self.routed_experts,
                 sampler_support=self.support,
+                weight_versions=self.versions,
             )
         metrics = dict(self.metrics)
         metrics["turns"] = float(self.num_turns)
@@ -191,6 +194,7 @@ class _Episode:
             action_mask=self.mask,
             routed_experts=self.routed_experts,
             sampler_support=self.support,
+            weight_versions=self.versions,
         )
 
 
@@ -354,6 +358,9 @@ class RunningEpisodes:
         episode.stop_reason = sequence.stop_reason
         # The last action's routes cover its whole context, so the episode's datum's too.
         episode.routed_experts = sequence.routed_experts
+        versions = getattr(sequence, "weight_versions", None)  # in-flight clients' sequences
+        if versions:
+            episode.versions = tuple(sorted({*(episode.versions or ()), *versions}))
         return action
 
     def _start_step(self, episode: _Episode, sequence: Any) -> None:

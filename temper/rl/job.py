@@ -108,13 +108,15 @@ class RLJob(Configurable):
         rl: RLSteps.Config = field(default_factory=RLSteps.Config)
         """The RL steps: how many, problems and completions per step, sampling, loss,
         learning rate, advantages, KL penalty, evaluations."""
-        mode: Literal["sync", "async"] = "sync"
+        mode: Literal["sync", "async", "inflight"] = "sync"
         """sync: sample, then train, every step. async: sample later steps while this one
         trains, from weights at most `max_staleness` steps old (the PPO / importance ratio
-        against the sampler's logprobs corrects for the lag)."""
+        against the sampler's logprobs corrects for the lag). inflight: as async, on one
+        in-flight sampling target that every step's save moves on, also for the episodes
+        still decoding (PipelineRL-style: temper/rl/loops.py)."""
         max_staleness: int = 1
-        """async: how many RL steps older than the trained policy the sampling weights may be
-        (0 behaves exactly like sync)."""
+        """async, inflight: how many RL steps older than the trained policy the sampling
+        weights may be (0 behaves exactly like sync)."""
         checkpoint_every: int = 0
         """Steps (warm-up and RL together) between full-state checkpoints that
         `temper train --resume` continues from; 0 = only at the end."""
@@ -390,6 +392,7 @@ class _RLRun:
                     max_staleness=config.max_staleness,
                     barrier=self._rl_barrier,
                     on_step_done=self._rl_step_done,
+                    kind="inflight" if config.mode == "inflight" else "snapshot",
                 )
 
     def _kl_reference(self) -> SamplingClient | None:
@@ -518,7 +521,8 @@ def _plan_settings(
         sharding=config.sharding,
         generator=config.generator,
         batch=config.rl.prompts_per_step * config.rl.group_size,
-        mode=config.mode,
+        # In-flight sampling holds one engine beside the trainer's, as async's older snapshot.
+        mode="sync" if config.mode == "sync" else "async",
         kl_reference=config.rl.kl_coef > 0,
         gpu_memory_gib=gpu_memory_gib,
         headroom=headroom,
@@ -549,7 +553,12 @@ def _check_config(config: RLJob.Config) -> None:
     name = "RLJob.Config"
     for field_name, least in (("eval_problems", 1), ("max_staleness", 0), ("checkpoint_every", 0)):
         check_range(getattr(config, field_name), field=f"{name}.{field_name}", at_least=least)
-    check_choice(config.mode, field=f"{name}.mode", choices=("sync", "async"))
+    check_choice(config.mode, field=f"{name}.mode", choices=("sync", "async", "inflight"))
+    if config.mode == "inflight" and config.placement.mode == "disaggregated":
+        raise ValueError(
+            f"{name}.mode='inflight' is not served on the generator ranks of "
+            f"{name}.placement.mode='disaggregated'; use mode='async'"
+        )
     if config.trainer.sharding is not None:
         raise ValueError(
             f"{name}.trainer.sharding is set by the loop on several ranks; configure it "

@@ -11,6 +11,13 @@ on the training worker. Old sampling clients stay valid while the trainer steps
 (copy-on-write in temper/client/), and the loss corrects for the lag with the sampler's
 logprobs (PPO / importance ratio).
 
+`run_async(kind="inflight")` (`mode="inflight"`) is PipelineRL-style: every batch samples on
+the training client's one in-flight target (temper/client/inflight.py), and each submission,
+right after an optimizer step, moves it to the newest weights, for the episodes of earlier
+batches still decoding as well (they continue on the new weights over their cached keys and
+values). The sampler's logprobs are those of the weights each token was drawn with, so the
+same loss corrects for the lag, which is shorter than with snapshots.
+
 Both submit batches in step order from the main thread, so the problem stream and sample
 seeds are the same; with `max_staleness=0` every batch is sampled right before its own step
 and the asynchronous run equals the synchronous one bitwise. After each RL step both call
@@ -22,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from temper.rl.steps import RLSteps, SubmittedStep
+from temper.rl.steps import RLSteps, SamplerKind, SubmittedStep
 
 
 def run_sync(steps: RLSteps, *, first: int, on_step_done: Callable[[int], None]) -> None:
@@ -39,8 +46,11 @@ def run_async(
     max_staleness: int,
     barrier: Callable[[int], int],
     on_step_done: Callable[[int], None],
+    kind: SamplerKind = "snapshot",
 ) -> None:
-    """RL steps `first`.. with up to `max_staleness` later batches in flight."""
+    """RL steps `first`.. with up to `max_staleness` later batches in flight. `kind`
+    'inflight' (PipelineRL-style): the batches share the in-flight target, and each
+    submission moves it to the newest weights, for the episodes still decoding too."""
     num_steps = steps.config.steps
     in_flight: deque[SubmittedStep] = deque()
     next_batch = first
@@ -51,7 +61,7 @@ def run_async(
             and next_batch - max_staleness <= rl_step
             and barrier(next_batch) <= rl_step
         ):
-            in_flight.append(steps.submit(next_batch, steps_done=rl_step))
+            in_flight.append(steps.submit(next_batch, steps_done=rl_step, kind=kind))
             next_batch += 1
         submitted = in_flight.popleft()
         assert submitted.rl_step == rl_step, (submitted.rl_step, rl_step)

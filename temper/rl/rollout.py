@@ -37,6 +37,9 @@ class Trajectory:
     datum (prompt + completion[:-1]), from the last action's sample (its context is the
     whole episode before it: earlier turns' routes come from the sampler's prefix cache, or
     from the prefill that ran them again)."""
+    weight_versions: tuple[int, ...] | None = None
+    """In-flight sampling (`RLJob.Config.mode` 'inflight'): the policy versions its tokens
+    were sampled with, oldest first (several when the weights moved while it decoded)."""
 
     @property
     def num_action_tokens(self) -> int:

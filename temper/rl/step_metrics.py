@@ -123,6 +123,20 @@ def mismatch_stats(
         stats.maximum("mismatch/logprob_diff_max", delta_N.abs().max().item())
 
 
+def inflight_stats(stats: StepStats, groups: Sequence[Sequence[Trajectory]]) -> None:
+    """In-flight sampling: the share of trajectories whose tokens span several policy
+    versions (`inflight/spanned`), and the versions per trajectory (`inflight/versions`).
+    Trajectories of other sampling clients carry none."""
+    flat = [t for group in groups for t in group if t.weight_versions]
+    if not flat:
+        return
+    spanned = sum(len(t.weight_versions or ()) > 1 for t in flat)
+    stats.mean("inflight/spanned", float(spanned), len(flat))
+    stats.mean(
+        "inflight/versions", float(sum(len(t.weight_versions or ()) for t in flat)), len(flat)
+    )
+
+
 def router_stats(stats: StepStats, outputs: Sequence[ForwardBackwardOutput]) -> None:
     """MoE policies: the trainer's router metrics (`moe/*`, models/common/moe_stats.py), each
     the mean over the step's substeps; with the sampler's routes recorded, how often the

@@ -40,6 +40,7 @@ from temper.rl.rollout import Trajectory, policy_datum
 from temper.rl.step_metrics import (
     StepStats,
     episode_stats,
+    inflight_stats,
     mismatch_stats,
     rollout_stats,
     router_stats,
@@ -47,6 +48,9 @@ from temper.rl.step_metrics import (
 from temper.tokenizer import Tokenizer
 from temper.trainer.routing_replay import ROUTING_REPLAY_CHOICES
 from temper.trainer.schedule import warmup_cosine
+
+SamplerKind = Literal["snapshot", "inflight"]
+"""Which sampling client a step's episodes use (Tinker's `SamplingClientKind`)."""
 
 
 @dataclass(frozen=True)
@@ -163,11 +167,15 @@ class RLSteps(Configurable):
         """Each request's stop tokens are its env's."""
         self._started = time.perf_counter()
 
-    def submit(self, rl_step: int, *, steps_done: int) -> SubmittedStep:
-        """Every group's episodes, started on the current weights; each rank runs its share."""
+    def submit(
+        self, rl_step: int, *, steps_done: int, kind: SamplerKind = "snapshot"
+    ) -> SubmittedStep:
+        """Every group's episodes, started on the current weights; each rank runs its share.
+        `kind` 'inflight': on the training client's in-flight target, which this save also
+        moves on for the episodes of earlier steps still decoding (client/inflight.py)."""
         config = self.config
         with self.timer.phase("sync"):
-            sampler = self.training.save_weights_and_get_sampling_client()
+            sampler = self.training.save_weights_and_get_sampling_client(kind=kind)
         groups = [
             self.source.make_group(self.rng, split="train", group_size=config.group_size)
             for _ in range(config.prompts_per_step)
@@ -195,6 +203,7 @@ class RLSteps(Configurable):
         stats = StepStats()
         rollout_stats(stats, groups)
         episode_stats(stats, groups)
+        inflight_stats(stats, groups)
         stats.values["async/staleness"] = float(submitted.rl_step - submitted.steps_done)
         with timer.phase("train"):
             self._train_on(groups, stats, adam=self._adam(submitted.rl_step))

@@ -245,6 +245,10 @@ class SamplerEngine(Configurable, OnePromptSampling):
         self._decoder: DecodeModel | None = None  # the driving thread's (`session`)
         self.loop = DecodeLoop(self, max_rows=config.max_batch)
         """The decode loop every `generate` call joins (decode_loop.py)."""
+        self.between_steps: Callable[[SamplerEngine], bool] | None = None
+        """Called at the start of each step of the decode loop, on its driving thread; returns
+        whether it changed the weights (an in-flight target's `WeightSwitch.between_steps`,
+        weight_switch.py)."""
 
     @property
     def model(self) -> nn.Module:
@@ -283,12 +287,15 @@ class SamplerEngine(Configurable, OnePromptSampling):
         submitted before it finish on the old weights first; later ones wait for it (a
         barrier between decode steps: no weight changes under running rows)."""
 
-        def update() -> None:
-            with torch.inference_mode(False):  # as outside the loop: no inference tensors
-                self.weights.update(source, version=version)
-                self.decoding.weights_changed()
+        self.loop.between_steps(lambda: self.switch_weights(source, version=version), barrier=True)
 
-        self.loop.between_steps(update, barrier=True)
+    def switch_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """`update_weights`' work, done now: only between decode steps, on the loop's driving
+        thread (a barrier task, or an in-flight switch: rows in flight then go on with the new
+        weights over the keys and values already cached)."""
+        with torch.inference_mode(False):  # as outside the loop: no inference tensors
+            self.weights.update(source, version=version)
+            self.decoding.weights_changed()
 
     def forget_prefixes(self, *, adapter: int) -> None:
         """Drop the cached prefixes of one adapter slot: a multi-LoRA sampler calls this
@@ -409,6 +416,8 @@ class SamplerEngine(Configurable, OnePromptSampling):
         """One step: a long prompt's next chunk, admission into free slots (within the
         step's prefill budget while rows decode), then one decode step of every row."""
         assert self._decoder is not None
+        if self.between_steps is not None and self.between_steps(self):
+            self._decoder = self.decoding.decoder(self.weights)
         decoding = self.slots.num_active > 0
         budget = self.config.prefill_chunk_tokens if decoding else self.config.max_prefill_tokens
         spent, ready = self.chunks.step()

@@ -19,7 +19,7 @@ from temper.trainer.sharding import Sharding
     ("fields", "message"),
     [
         ({"mode": "async", "max_staleness": -1}, "max_staleness must be >= 0, got -1"),
-        ({"mode": "eager"}, "mode must be 'sync' or 'async'"),
+        ({"mode": "eager"}, "mode must be 'sync', 'async' or 'inflight'"),
         ({"checkpoint_every": -1}, "checkpoint_every must be >= 0"),
         ({"sleep_generator": True, "mode": "async"}, "sleep_generator needs mode='sync'"),
         (

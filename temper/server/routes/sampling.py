@@ -36,6 +36,7 @@ from temper.server.state.model_memory import OverBudget
 from temper.server.state.server import TemperServer
 from temper.server.state.sessions import SamplingCreation, SamplingSession, Session
 from temper.server.state.stability import SequenceRecord, StabilityStore
+from temper.server.state.weight_versions import log_weight_versions
 from temper.server.wire import codec
 
 log = logging.getLogger("temper.server")
@@ -215,6 +216,9 @@ def _encoder(
         if call.record_stability_info:
             assert client is not None, "a sample that ran had a client"
             record_samples(store, result, sampling, client, call, sequence_ids)
+        log_weight_versions(
+            result, sampling_session_id=sampling.sampling_session_id, sequence_ids=sequence_ids
+        )
         return protobuf_answer(
             codec.encode_sample_response(result, call=call, prompt_length=prompt_length)
         )

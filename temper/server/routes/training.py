@@ -241,8 +241,15 @@ async def save_weights_for_sampler(
     # checkpoints (a snapshot is listed nowhere).
     ttl_seconds = check_ttl(body.ttl_seconds)
     check_user_metadata(body.user_metadata, route="save_weights_for_sampler")
+    if body.path is None and body.kind == "inflight":
+        return _queue_inflight(server, served, user=user, seq_id=body.seq_id)
     if body.path is None:
         return _queue_snapshot(server, served, user=user, seq_id=body.seq_id)
+    if body.kind == "inflight":
+        raise BadRequest(
+            "kind='inflight' is for save_weights_and_get_sampling_client (no path); a named "
+            "sampler checkpoint is always a snapshot"
+        )
     name = checked(body.path, field="checkpoint name")
     target = CheckpointPath(served.model_id, "sampler_weights", name)
     if server.catalog.exists(target):
@@ -438,3 +445,38 @@ def _queue_snapshot(
         )
 
     return queue(server, served, make_snapshot, user=user, encode=snapshot, seq_id=seq_id)
+
+
+def _queue_inflight(
+    server: TemperServer, served: ServedModel, *, user: User, seq_id: int | None
+) -> Response:
+    """save_weights_and_get_sampling_client(kind='inflight'): a sampling session on the
+    model's shared in-flight target, moved to its weights as they are now
+    (temper/client/inflight.py); no snapshot retention applies (the target is one per model)."""
+    server.check_room(user, kind="sampling sessions")
+
+    def inflight(client: SamplingBackend) -> Answer:
+        sampling = SamplingSession(
+            sampling_session_id=new_sampling_session_id(),
+            client=client,
+            base_model=served.base.name,
+            model_path=None,
+            lineage=f"{served.model_id}:inflight",
+            session_id=served.session_id,
+            owner=served.owner,
+        )
+        server.add_sampling_session(served.session_id, sampling)
+        return json_answer(
+            tinker_types.SaveWeightsForSamplerResponseInternal(
+                sampling_session_id=sampling.sampling_session_id
+            )
+        )
+
+    return queue(
+        server,
+        served,
+        lambda: server.training(served).save_weights_and_get_sampling_client(kind="inflight"),
+        user=user,
+        encode=inflight,
+        seq_id=seq_id,
+    )
