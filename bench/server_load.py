@@ -285,13 +285,18 @@ def report(args, *, clients: list[Client], outcome: dict, config: dict, server_l
     start, until, kill, monitor = (outcome[k] for k in ("start", "until", "kill", "monitor"))
     setup = [call for call in calls if call.start < start]
     run_calls = [call for call in calls if call.start >= start]
+    # A phase holds the calls that ran in it from start to end; the kill's phases leave out
+    # the calls in flight at the kill, which are reported on their own.
     if kill is None:
-        bounds = {"all": (start, until)}
+        bounds = {"all": (start, until, run_calls)}
     else:
-        bounds = {"before_kill": (start, kill["at"]), "after_kill": (kill["at"], until)}
+        at = kill["at"]
+        before = [call for call in run_calls if call.end <= at]
+        after = [call for call in run_calls if call.start >= at]
+        bounds = {"before_kill": (start, at, before), "after_kill": (at, until, after)}
+        held = [call for call in run_calls if call.start < at < call.end]
     phases, healthz = {}, {}
-    for name, (low, high) in bounds.items():
-        in_phase = [call for call in run_calls if low <= call.start < high]
+    for name, (low, high, in_phase) in bounds.items():
         phases[name] = phase_figures(in_phase, seconds=high - low)
         # The last phase's probes run on while the clients finish their last calls.
         probes_end = outcome["end"] if high == until else high
@@ -307,15 +312,18 @@ def report(args, *, clients: list[Client], outcome: dict, config: dict, server_l
             "pid": kill["pid"],
             "at_s": round(kill["at"] - start, 2),
             "reported_dead_after_s": kill["reported_dead_after_s"],
-            "held_calls": held_at_kill(run_calls, kill_at=kill["at"]),
+            "held_calls": held_at_kill(held),
         }
-    result_checks = checks(phases, healthz, killed=kill is not None, setup_failures=setup_failures)
+    held_calls = None if kill is None else kill["held_calls"]
+    result_checks = checks(phases, healthz, held=held_calls, setup_failures=setup_failures)
     result_checks["no_client_crashed"] = not crashed
     return {
         "bench": "server_load",
         "config": config,
         "load_average": round(os.getloadavg()[0], 2),
-        "errors": sum(phase["errors"] for phase in phases.values()) + setup_failures,
+        "errors": sum(phase["errors"] for phase in phases.values())
+        + (0 if held_calls is None else held_calls["failed"])
+        + setup_failures,
         "setup": {
             "calls": len(setup),
             "failures": setup_failures,
