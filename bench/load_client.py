@@ -1,7 +1,8 @@
 """One client of bench/server_load.py: a tinker SDK process in one role, every call on a deadline.
 
-Started as `python bench/load_client.py SPEC_JSON`. It sets up (a LoRA training model, or a
-sampling client on the second base model), prints `{"event": "ready"}`, waits for the line
+Started as `python bench/load_client.py SPEC_JSON`. It imports the SDK, waits for the line
+`set-up` on its stdin (the server answers), sets up (a LoRA training model, or a sampling
+client on the second base model), prints `{"event": "ready"}`, waits for the line
 `go UNTIL` on its stdin (UNTIL: the epoch second at which it stops starting steps), then loops
 its role's step and prints one JSON line per attempt of an SDK call to its stdout:
 `{"event": "call", "verb", "start", "end" (epoch seconds), "ok", "kind" (the error's kind or
@@ -194,6 +195,9 @@ class Client:
 
 
 def run_client(spec: dict) -> None:
+    import tinker  # noqa: F401 (imported while the server starts)
+
+    sys.stdin.readline()  # "set-up": the server answers
     client = Client(spec)
     try:
         client.set_up()

@@ -116,9 +116,11 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        for pid in [*self.tree, *descendants(self.process.pid)]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
-                os.kill(pid, signal.SIGKILL)
+        for pid in {*self.tree, *descendants(self.process.pid)}:
+            with contextlib.suppress(OSError):  # already gone
+                # A pid the system gave to another program since is left alone.
+                if b"temper" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
 
 # --- the clients --------------------------------------------------------------------------
@@ -150,8 +152,8 @@ class Client:
                 self.done = event
                 self.ready.set()  # a client whose setup failed is waited for no longer
 
-    def go(self, until: float) -> None:
-        self.process.stdin.write(f"go {until}\n")
+    def send(self, line: str) -> None:
+        self.process.stdin.write(f"{line}\n")
         self.process.stdin.flush()
 
     def stop(self) -> None:
@@ -258,7 +260,7 @@ def run(args, *, clients: list[Client], server: Server, healthz_url: str) -> dic
     monitor.thread.start()
     for client in clients:
         if client.done is None and client.ready.is_set():
-            client.go(until)
+            client.send(f"go {until}")
     kill = None
     if args.kill_generator_after is not None:
         time.sleep(max(0.0, start + args.kill_generator_after - time.time()))
@@ -444,10 +446,7 @@ def main() -> None:
         command += ["--api-key", api_key, *shlex.split(args.server_args)]
         # Held before it is ready, so that an interrupt while it starts still stops it.
         server = Server(command, log_path=root / "server.log")
-        healthz_url = f"http://127.0.0.1:{port}/api/v1/healthz"
-        server.wait_ready(healthz_url)
-        if args.kill_generator_after is not None:
-            live_generator(get_json(healthz_url, timeout_s=10))  # fails before the run
+        # The clients import the SDK while the server starts, and set up once it answers.
         roles = client_roles(args.clients, second_model=models[1] is not None)
         base_url = f"http://127.0.0.1:{port}"
         for index, role in enumerate(roles):
@@ -455,6 +454,12 @@ def main() -> None:
                 args, index=index, role=role, base_url=base_url, api_key=api_key, models=models
             )
             clients.append(start_client(index, spec, root=root))
+        healthz_url = f"{base_url}/api/v1/healthz"
+        server.wait_ready(healthz_url)
+        if args.kill_generator_after is not None:
+            live_generator(get_json(healthz_url, timeout_s=10))  # fails before the run
+        for client in clients:
+            client.send("set-up")
         outcome = run(args, clients=clients, server=server, healthz_url=healthz_url)
         shown = ["temper", *command[3:]]
         shown[shown.index("--api-key") + 1] = "<key>"
