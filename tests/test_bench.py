@@ -91,6 +91,23 @@ def test_server_overhead_without_pinning_shares_the_cores(tmp_path):
 
 
 @pytest.mark.slow
+def test_server_load_runs_every_role_without_errors_and_cleans_up(tmp_path):
+    report = run_bench("server_load.py", "--clients", "3", "--seconds", "2", tmp_path=tmp_path)
+    config = report["config"]
+    assert config["server_command"][:2] == ["temper", "serve"]
+    assert "--sample-only-model" in config["server_command"]
+    assert config["roles"] == {"rl": 1, "lora_sampler": 1, "base_sampler": 1}
+    assert report["errors"] == 0 and report["kill"] is None and report["met"]
+    verbs = report["phases"]["all"]["verbs"]
+    rl_verbs = ("save_weights_and_get_sampling_client", "forward_backward", "optim_step")
+    for verb in ("sample", "compute_logprobs", *rl_verbs):
+        assert verbs[verb]["calls"] > 0 and verbs[verb]["p99_ms"] >= verbs[verb]["p50_ms"] > 0
+    assert verbs["sample"]["tokens_per_s"] > 0
+    assert report["healthz"]["all"]["answered"] == report["healthz"]["all"]["polls"] > 0
+    assert left_behind(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_sampler_reports_engine_and_rl_job_defaults(tmp_path):
     flags = ["--quick", "--repeats", "1", "--batches", "1"]
     report = run_bench("sampler.py", *flags, tmp_path=tmp_path)
