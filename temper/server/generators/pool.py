@@ -143,8 +143,14 @@ class GeneratorPool:
     def place(self, load: Load) -> None:
         """Send `load` to the least loaded live rank now (blocks; raises its error): a bad
         checkpoint fails when its sampling client is made, not at its first sample."""
-        remote = self._choose(load.key, tried=frozenset())
-        self._ensure(remote, load)
+        tried: frozenset[int] = frozenset()
+        while True:
+            remote = self._choose(load.key, tried=tried)  # GeneratorLost when none is left
+            try:
+                self._ensure(remote, load)
+                return
+            except GeneratorLost:  # it died while loading: the next live rank
+                tried |= {remote.index}
 
     def drop(self, key: str) -> None:
         """Every rank forgets `key` (its sampling client on rank 0 was released)."""
@@ -177,15 +183,19 @@ class GeneratorPool:
     ) -> None:
         try:
             remote = self._choose(load.key, tried=tried)
-            self._ensure(remote, load)
-            inner = self._send(remote, op, sequences=sequences)
         except GeneratorLost as error:
             result.set_exception(error)
+            return
+        tried = tried | {remote.index}
+        try:
+            self._ensure(remote, load)
+            inner = self._send(remote, op, sequences=sequences)
+        except GeneratorLost:  # it died while loading the sampler: the next live rank
+            self._routes.submit(self._route, load, op, sequences, result, tried)
             return
         except Exception as error:
             result.set_exception(error)
             return
-        tried = tried | {remote.index}
 
         def done(inner: concurrent.futures.Future) -> None:
             error = inner.exception()
