@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from temper.config.cli import without_option
@@ -78,25 +77,18 @@ def start_ranks(argv: Sequence[str], *, nproc: int) -> int:
             process.stdin.close()
 
 
-def check_one_model(config: TemperServer.Config) -> None:
-    """Several ranks serve one base model: the ranks replay one backend's calls, and the
-    model memory rules (loading, releasing) run on rank 0 alone."""
-    from temper.server.state.base_models import model_dirs
+def check_models(config: TemperServer.Config) -> None:
+    """The served models' directories read, and one trainable: the ranks > 0 only train
+    (the samplers, sample-only models' included, run on rank 0)."""
+    from temper.server.state.base_models import model_dirs, read_model_config
 
     dirs = model_dirs(
         models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
     )
-    if len(dirs) > 1:
-        served = ", ".join(path for path, _ in dirs)
-        raise ValueError(
-            f"serving on several ranks (--nproc, torchrun) takes one model, got {len(dirs)}: "
-            f"{served}; serve several models in one process (without --nproc)"
-        )
-    if not dirs[0][1]:
+    if not any(trainable for _, trainable in dirs):
         raise ValueError("serving on several ranks takes a trainable model (--model DIR)")
-    from temper.checkpoint.hf import read_hf_config
-
-    read_hf_config(Path(dirs[0][0]).expanduser())
+    for path, _ in dirs:
+        read_model_config(path)
 
 
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
@@ -119,7 +111,7 @@ def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> i
         error = None
         try:
             check_bind(config.host, config.api_key, key_file=config.key_file)
-            check_one_model(config)
+            check_models(config)
             check_generator_ranks(
                 config.generator, ranks=ranks, field="TemperServer.Config.generator"
             )
