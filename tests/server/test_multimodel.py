@@ -360,4 +360,3 @@ def test_a_lora_rank_the_budget_never_holds_is_400_naming_the_largest(model_dir,
         service.close("success").result()
     finally:
         server.stop()
-
