@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,8 @@ def grader_dir(tmp_path_factory) -> Path:
     return write_model(directory, dim=96, num_layers=1, ffn_dim=96, seed=2)
 
 
-def _start(model_dir, teacher_dir, grader_dir, root: Path, *extra: str):
+def _start(*, model_dir, teacher_dir, grader_dir, root: Path, extra: tuple[str, ...] = ()):
+    root.mkdir()
     return start_server(
         model_dir,
         root / "storage",
@@ -52,12 +54,23 @@ def _start(model_dir, teacher_dir, grader_dir, root: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def ranks(model_dir, teacher_dir, grader_dir, tmp_path_factory):
-    server = _start(
-        model_dir, teacher_dir, grader_dir, tmp_path_factory.mktemp("ranks"), "--nproc", "3"
-    )
-    yield server
-    server.stop()
+def servers(model_dir, teacher_dir, grader_dir, tmp_path_factory):
+    """(the 3-rank server, a one-process one) on the same models and flags, started together."""
+    root = tmp_path_factory.mktemp("servers")
+    args = {"model_dir": model_dir, "teacher_dir": teacher_dir, "grader_dir": grader_dir}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        starting = [
+            pool.submit(_start, root=root / "ranks", extra=("--nproc", str(NUM_RANKS)), **args),
+            pool.submit(_start, root=root / "one", **args),
+        ]
+    started = [future.result() for future in starting if future.exception() is None]
+    try:
+        for future in starting:
+            future.result()  # a server that failed to start fails the test, naming why
+        yield started
+    finally:
+        for server in started:
+            server.stop()
 
 
 def _models_session(server, *, model_dir: Path, teacher_dir: Path, grader_dir: Path) -> dict:
@@ -78,8 +91,9 @@ def _models_session(server, *, model_dir: Path, teacher_dir: Path, grader_dir: P
 
 
 def test_two_models_on_three_ranks_train_and_sample_like_one_process(
-    ranks, model_dir, teacher_dir, grader_dir, tmp_path
+    servers, model_dir, teacher_dir, grader_dir
 ):
+    ranks, single = servers
     dirs = {"model_dir": model_dir, "teacher_dir": teacher_dir, "grader_dir": grader_dir}
     replayed = _models_session(ranks, **dirs)
     try:
@@ -91,19 +105,17 @@ def test_two_models_on_three_ranks_train_and_sample_like_one_process(
     service = ranks.service()
     service.create_lora_training_client(str(model_dir), rank=4).result()
     service.close("success").result()
-    log = ranks.log.read_text()
-    assert "Traceback" not in log and f"{NUM_RANKS} ranks" in log
+    ranks.process.terminate()  # every rank stops cleanly while the one process computes
 
-    single = _start(model_dir, teacher_dir, grader_dir, tmp_path)
-    try:
-        reference = _models_session(single, **dirs)
-        reference.pop("service").close("success").result()
-    finally:
-        single.stop()
+    reference = _models_session(single, **dirs)
+    reference.pop("service").close("success").result()
     for name in ("student", "teacher"):
         _assert_close(replayed[name], reference[name])
     assert replayed["student"]["losses"] != pytest.approx(replayed["teacher"]["losses"])
     assert replayed["grader"] == reference["grader"]
+    assert ranks.process.wait(timeout=120) == 0
+    log = ranks.log.read_text()
+    assert "Traceback" not in log and f"{NUM_RANKS} ranks" in log
 
 
 def _check_budget(server, held: dict, *, model_dir: Path) -> None:
@@ -124,7 +136,8 @@ def _check_budget(server, held: dict, *, model_dir: Path) -> None:
 
 def _check_released(server, model_ids: list[str]) -> None:
     """Every rank dropped each model of the ended session (rank 0's log says which did)."""
-    expected = [f"model {model_id} released on ranks [0, 1, 2]" for model_id in model_ids]
+    on_every_rank = list(range(NUM_RANKS))
+    expected = [f"model {model_id} released on ranks {on_every_rank}" for model_id in model_ids]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         log = server.log.read_text()
