@@ -154,7 +154,7 @@ def test_a_ranks_estimate_is_its_shard_as_the_plan_counts_it(teacher_dir):
 
     engine = SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=1)
     base = load_base_model(
-        str(teacher_dir), trainable=True, sampler=engine, dtype="float32", trainer_shards=3
+        str(teacher_dir), trainable=True, sampler=engine, dtype="float32", trainer_shards=NUM_RANKS
     )
     for lora_rank in (5, None):
         settings = PlanSettings(
@@ -198,7 +198,7 @@ def test_the_largest_lora_rank_on_a_sharded_trainer_is_the_last_that_fits(teache
         trainable=True,
         sampler=SamplerEngine.Config(max_batch=4, max_seq_len=64, prefix_cache_mib=1),
         dtype="float32",
-        trainer_shards=3,
+        trainer_shards=NUM_RANKS,
     )
     sharing = {"shared_base": False, "shared_sampler": False}
     for budget in (3 * 2**20, 5 * 2**20, 40 * 2**20):
