@@ -213,3 +213,18 @@ def test_several_ranks_refuse_a_sample_only_model_alone(grader_dir, capsys):
 
     assert main(["serve", "--sample-only-model", str(grader_dir), "--nproc", "2"]) == 2
     assert "several ranks takes a trainable model (--model DIR)" in capsys.readouterr().err
+
+
+def test_what_fits_no_rank_is_the_503_naming_each_ranks_budget():
+    from temper.server.state.model_memory import ModelMemory, OverBudget
+
+    memory = ModelMemory(budget_bytes=100 * 2**20, idle_seconds=60.0, per_rank=True)
+    with pytest.raises(OverBudget) as caught:
+        memory.admit(
+            "m", base_model="/m/big", what="training model m", num_bytes=200 * 2**20, pinned=True
+        )
+    assert str(caught.value) == (
+        "base model /m/big cannot be loaded: training model m needs 200.0 MiB, more than the "
+        "whole model memory budget of a rank (--model-memory-mb 100); raise --model-memory-mb"
+    )
+    assert memory.loaded() == {}
