@@ -8,8 +8,8 @@ a model) goes through one thread on rank 0, which broadcasts it as a `Call` on a
 of its own; then every rank runs it on its own copy, and rank 0 gathers every rank's outcome.
 One thread for all models keeps the trainers' collectives from ever interleaving, and every
 rank sees the calls in the order rank 0 took them (the server's per-model queues submit in
-each model's order). The models may be on different base models (every rank builds each on
-its own base); a dropped model is released on every rank, and rank 0 logs which ranks held it.
+each model's order). The models may be on different base models (every rank builds its shard of
+its base model); a dropped model is released on every rank, and rank 0 logs which ranks held it.
 
 Data parallel: each rank trains on its data-parallel share of a call's datums (contiguous,
 as even as possible; tensor-parallel ranks of one group share one). Losses are sums and the
