@@ -66,7 +66,7 @@ def serve(argv: Sequence[str]) -> int:
         try:  # refuse what every rank would refuse before starting them
             check_bind(config.host, config.api_key, key_file=config.key_file)
             check_port_free(config.host, config.port)
-            serve_ranks.check_one_model(config)
+            serve_ranks.check_models(config)
             serve_placement.check_placement(config, nproc=nproc)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from temper.commands import serve_placement
@@ -89,25 +88,25 @@ def start_ranks(argv: Sequence[str], *, nproc: int, num_generators: int = 0) -> 
             process.stdin.close()
 
 
-def check_one_model(config: TemperServer.Config) -> None:
-    """Several ranks serve one base model: the ranks replay one backend's calls, and the
-    model memory rules (loading, releasing) run on rank 0 alone."""
-    from temper.server.state.base_models import model_dirs
+def check_models(config: TemperServer.Config) -> None:
+    """The served models' directories read, and one trainable: the ranks > 0 only train
+    (the samplers, sample-only models' included, run on rank 0). The disaggregated placement
+    serves one model."""
+    from temper.server.state.base_models import model_dirs, read_model_config
 
     dirs = model_dirs(
         models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
     )
-    if len(dirs) > 1:
-        served = ", ".join(path for path, _ in dirs)
-        raise ValueError(
-            f"serving on several ranks (--nproc, torchrun) takes one model, got {len(dirs)}: "
-            f"{served}; serve several models in one process (without --nproc)"
-        )
-    if not dirs[0][1]:
+    if not any(trainable for _, trainable in dirs):
         raise ValueError("serving on several ranks takes a trainable model (--model DIR)")
-    from temper.checkpoint.hf import read_hf_config
-
-    read_hf_config(Path(dirs[0][0]).expanduser())
+    if config.placement.mode == "disaggregated" and len(dirs) > 1:
+        raise ValueError(
+            f"--placement.mode disaggregated serves one base model, got {len(dirs)}: "
+            f"{', '.join(path for path, _ in dirs)}; serve several on the colocated placement "
+            "(the default) or in one process"
+        )
+    for path, _ in dirs:
+        read_model_config(path)
 
 
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
@@ -189,7 +188,7 @@ def _check_rank_config(config: TemperServer.Config, *, links: object, disaggrega
             "the generator ranks outside torchrun (a generator rank that dies must not end "
             "the others); under a bare torchrun use --placement.mode colocated"
         )
-    check_one_model(config)
+    check_models(config)
 
 
 def _writer_backend(

@@ -85,6 +85,14 @@ class ModelShapes:
             largest_adapted_numel=max(adapted, default=0),
         )
 
+    def with_lora_rank(self, rank: int) -> ModelShapes:
+        """These shapes with the LoRA adapters at rank `rank` (the sampler's are unchanged:
+        it holds merged weights)."""
+        trainer = tuple(
+            (name, _at_rank(name, shape, rank), trained) for name, shape, trained in self.trainer
+        )
+        return dataclasses.replace(self, trainer=trainer)
+
     def shard_numel(
         self,
         num_ranks: int,

@@ -360,14 +360,3 @@ def test_a_lora_rank_the_budget_never_holds_is_400_naming_the_largest(model_dir,
         service.close("success").result()
     finally:
         server.stop()
-
-
-def test_several_ranks_refuse_several_models(model_dir, teacher_dir):
-    import subprocess
-    import sys
-
-    command = [sys.executable, "-m", "temper", "serve", "--model", str(model_dir)]
-    command += ["--model", str(teacher_dir), "--nproc", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "several ranks (--nproc, torchrun) takes one model, got 2" in result.stderr

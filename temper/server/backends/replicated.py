@@ -8,7 +8,8 @@ a model) goes through one thread on rank 0, which broadcasts it as a `Call` on a
 of its own; then every rank runs it on its own copy, and rank 0 gathers every rank's outcome.
 One thread for all models keeps the trainers' collectives from ever interleaving, and every
 rank sees the calls in the order rank 0 took them (the server's per-model queues submit in
-each model's order).
+each model's order). The models may be on different base models (every rank builds its shard of
+its base model); a dropped model is released on every rank, and rank 0 logs which ranks held it.
 
 Data parallel: each rank trains on its data-parallel share of a call's datums (contiguous,
 as even as possible; tensor-parallel ranks of one group share one). Losses are sums and the
@@ -25,6 +26,7 @@ here: the Tinker SDK computes them on the client and sends forward + forward_bac
 from __future__ import annotations
 
 import datetime
+import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.distributed.ranks import Ranks, picklable_error
 
+log = logging.getLogger("temper.server")
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 """How long ranks > 0 wait for rank 0's next call (a server may sit idle for days); a rank
 that dies still ends the wait at once (gloo reports the closed connection)."""
@@ -80,6 +83,8 @@ class _Report:
     error: BaseException | None
     part: tuple[int, ForwardBackwardOutput] | None = None
     """(data-parallel rank, outputs of its datums) for forward/forward_backward."""
+    released: bool = False
+    """For a release: this rank held the model and dropped it."""
 
 
 def replay_ranks() -> Ranks:
@@ -111,7 +116,12 @@ class Replica:
         part = None
         if error is None and call.verb in DATA_VERBS:
             part = (self.clients[call.model_id].engine.sharding.dp_rank, result)
-        reports = self.ranks.all_gather(_Report(error=picklable_error(error), part=part))
+        report = _Report(
+            error=picklable_error(error),
+            part=part,
+            released=call.verb == RELEASE and result is True,
+        )
+        reports = self.ranks.all_gather(report)
         if call.verb in CREATE_VERBS and any(report.error is not None for report in reports):
             if error is None:
                 self.clients.pop(result.model_id)
@@ -124,8 +134,7 @@ class Replica:
             self.clients[client.model_id] = client
             return client
         if call.verb == RELEASE:
-            self.clients.pop(call.model_id, None)
-            return None
+            return self.clients.pop(call.model_id, None) is not None
         client = self.clients[call.model_id]
         args = call.args
         if call.verb in DATA_VERBS:
@@ -229,6 +238,9 @@ class ReplicatedService:
         for rank, report in enumerate(reports):
             if report.error is not None:
                 raise report.error if rank == 0 else _on_rank(report.error, rank)
+        if call.verb == RELEASE:
+            released = [rank for rank, report in enumerate(reports) if report.released]
+            log.info("model %s released on ranks %s", call.model_id, released)
         if call.verb not in DATA_VERBS:
             return result
         parts: dict[int, ForwardBackwardOutput] = {}

@@ -27,12 +27,14 @@ from pathlib import Path
 
 from temper.checkpoint.composite import text_config
 from temper.checkpoint.hf import read_hf_config
+from temper.distributed.world import trainer_world
 from temper.generator.choice import GeneratorChoice
 from temper.job.model_bytes import ModelShapes, SamplerBytes, TrainerBytes
 from temper.models.common.decoder import DecoderConfig
 from temper.models.registry import family_for_hf_config, family_of_config
 from temper.sampler.engine import SamplerEngine
 from temper.server.http.errors import BadRequest, NotFound
+from temper.trainer.sharding import Sharding
 
 VARIANT_SUFFIX = re.compile(r":peft:\d+$")
 """Tinker's variant suffix on a model name (`<name>:peft:<context length>`)."""
@@ -45,6 +47,29 @@ class ModelLimits:
     """Longest training sequence."""
     max_sample_len: int
     """Longest prompt + completion a sampler holds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerShare:
+    """What one rank of a sharded trainer (--nproc) holds of a model: its FSDP shards of the
+    weights, adapters, gradients and moments, as `temper plan` counts them
+    (job/model_bytes.py: `TrainerBytes.of` over `num_ranks`, padding included)."""
+
+    shapes: ModelShapes
+    """The trainer's parameters, LoRA applied at rank 1 (`with_lora_rank` scales them)."""
+    num_ranks: int
+    """Ranks one copy of the weights is split over (the trainer's ranks / dp_replicate)."""
+    dtype: str
+
+    def held(self, *, lora_rank: int | None) -> TrainerBytes:
+        """One rank's shard of a LoRA model at `lora_rank` (frozen base, trained adapters),
+        or with None of a full fine-tuning model (every weight trained)."""
+        shard = TrainerBytes.of(
+            self.shapes.with_lora_rank(lora_rank or 0), dtype=self.dtype, num_ranks=self.num_ranks
+        )
+        if lora_rank is None:
+            return TrainerBytes(frozen=0, trained=shard.frozen)
+        return shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +94,18 @@ class BaseModel:
     lora_bytes_per_rank: int
     """Adapter parameters of rank 1 on every target (attention, MLP, unembedding), in the
     served dtype; rank R takes R times this."""
+    trainer_share: TrainerShare | None = None
+    """With a sharded trainer (--nproc), what one rank holds of a training model; None: a
+    trainer holds whole tensors (one process)."""
+
+    def trainer_bytes(self, *, lora_rank: int | None) -> TrainerBytes:
+        """What one rank's trainer holds of a training model on this base (LoRA at
+        `lora_rank`, or full fine-tuning with None): whole tensors, or its shard of them."""
+        if self.trainer_share is not None:
+            return self.trainer_share.held(lora_rank=lora_rank)
+        if lora_rank is None:
+            return TrainerBytes(frozen=0, trained=self.weights_bytes)
+        return TrainerBytes(frozen=self.weights_bytes, trained=lora_rank * self.lora_bytes_per_rank)
 
     def training_bytes(
         self,
@@ -78,23 +115,25 @@ class BaseModel:
         shared_sampler: bool = False,
         sampler_reads_trainer: bool = True,
     ) -> int:
-        """Estimate for one training model (job/model_bytes.py): what it trains (every weight
-        for full fine-tuning, else its adapters) with their gradients and AdamW moments, and
-        the sampler its snapshots read. A LoRA model's frozen base weights are shared by every
-        LoRA model on this base and counted once, as `weights_bytes` (server.py), unless not
-        `shared_base` (a sharded trainer: each model has its own); with `shared_sampler` the
-        base's multi-LoRA sampler is counted there too, and a model adds its adapters. A full
-        fine-tuning model's sampler decodes on the trainer's own tensors when
-        `sampler_reads_trainer` (one process, Temper's engine), adding only its caches."""
+        """Estimate for one training model on one rank (job/model_bytes.py): what it trains
+        (every weight for full fine-tuning, else its adapters) with their gradients and AdamW
+        moments, and the sampler its snapshots read. A sharded trainer (--nproc) holds its
+        rank's shard of all that (`trainer_bytes`), and every rank's sampler whole merged
+        weights. A LoRA model's frozen base weights are shared by every LoRA model on this base
+        and counted once, as `weights_bytes` (server.py), unless not `shared_base` (a sharded
+        trainer: each model has its own); with `shared_sampler` the base's multi-LoRA sampler
+        is counted there too, and a model adds its adapters. A full fine-tuning model's sampler
+        decodes on the trainer's own tensors when `sampler_reads_trainer` (one process,
+        Temper's engine), adding only its caches."""
+        held = self.trainer_bytes(lora_rank=lora_rank)
         if lora_rank is None:
-            trainer = TrainerBytes(frozen=0, trained=self.weights_bytes)
             sampler = self.sampler_bytes
             if sampler_reads_trainer:
                 sampler -= self.weights_bytes
-            return trainer.total + sampler
+            return held.total + sampler
+        trainer = TrainerBytes(frozen=0 if shared_base else held.frozen, trained=held.trained)
+        # A sampling snapshot's (whole) adapters, or a merged sampler of its own.
         adapters = lora_rank * self.lora_bytes_per_rank
-        trainer = TrainerBytes(frozen=0 if shared_base else self.weights_bytes, trained=adapters)
-        # A sampling snapshot's adapters, or a merged sampler of its own.
         sampler = adapters if shared_sampler else self.merged_sampler_bytes
         return trainer.total + sampler
 
@@ -120,12 +159,26 @@ class BaseModel:
         self, *, budget_bytes: int, shared_base: bool, shared_sampler: bool
     ) -> int:
         """The largest LoRA rank whose training model (`lora_model_bytes`) fits `budget_bytes`
-        with nothing else held; 0 when not even rank 1 fits."""
+        with nothing else held; 0 when not even rank 1 fits. A search, since the estimate
+        grows with the rank but not in equal steps on a sharded trainer (FSDP pads a shard of
+        an adapter's R rows to ceil(R / ranks))."""
         sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
-        fixed = self.lora_model_bytes(lora_rank=0, **sharing)
-        per_rank = self.lora_model_bytes(lora_rank=1, **sharing) - fixed
-        assert per_rank > 0, "a LoRA adapter of rank 1 holds parameters"
-        return max(0, (budget_bytes - fixed) // per_rank)
+
+        def fits(lora_rank: int) -> bool:
+            return self.lora_model_bytes(lora_rank=lora_rank, **sharing) <= budget_bytes
+
+        if not fits(1):
+            return 0
+        assert self.lora_model_bytes(lora_rank=2, **sharing) > self.lora_model_bytes(
+            lora_rank=1, **sharing
+        ), "a LoRA adapter of a higher rank holds more parameters"
+        low, high = 1, 2  # fits(low), and high is doubled until it does not fit
+        while fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
 
 
 class BaseModels:
@@ -213,9 +266,15 @@ def model_dirs(
 
 
 def load_base_model(
-    path: str, *, trainable: bool, sampler: SamplerEngine.Config, dtype: str
+    path: str,
+    *,
+    trainable: bool,
+    sampler: SamplerEngine.Config,
+    dtype: str,
+    trainer_shards: int = 1,
 ) -> BaseModel:
-    """Read a model directory's config (not its weights)."""
+    """Read a model directory's config (not its weights). `trainer_shards`: ranks a sharded
+    trainer splits one copy of a model's weights over (1: a trainer holds whole tensors)."""
     model_dir = Path(path).expanduser()
     decoder = read_model_config(path)
     arch = family_of_config(decoder).name
@@ -240,7 +299,19 @@ def load_base_model(
         merged_sampler_bytes=SamplerBytes.of_engine(
             decoder, adapted, engine=sampler, dtype=dtype
         ).total,
+        trainer_share=None
+        if trainer_shards == 1
+        else TrainerShare(shapes=adapted, num_ranks=trainer_shards, dtype=dtype),
     )
+
+
+def trainer_shards(sharding: Sharding.Config | None) -> int:
+    """Ranks a trainer with `sharding` splits one copy of a model's weights over, as `temper
+    plan` counts them: the trainer's ranks (every rank, colocated) / dp_replicate; 1
+    unsharded."""
+    if sharding is None:
+        return 1
+    return trainer_world().size // sharding.dims.dp_replicate
 
 
 def read_model_config(path: str) -> DecoderConfig:

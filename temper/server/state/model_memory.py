@@ -56,9 +56,13 @@ class ModelMemory:
         *,
         budget_bytes: int,
         idle_seconds: float,
+        per_rank: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`per_rank`: the budget is each rank's of a multi-rank server (the estimates are
+        what rank 0 holds, the most any rank does); its refusals say so."""
         self.budget_bytes = budget_bytes
+        self.budget_name = "model memory budget of a rank" if per_rank else "model memory budget"
         self.idle_seconds = idle_seconds
         self._clock = clock
         self._lock = threading.Lock()
@@ -143,7 +147,7 @@ class ModelMemory:
         if num_bytes > self.budget_bytes:  # finishing sessions cannot help
             return (
                 f"base model {base_model} cannot be loaded: {what} needs "
-                f"{num_bytes / MIB:.1f} MiB, more than the whole model memory budget "
+                f"{num_bytes / MIB:.1f} MiB, more than the whole {self.budget_name} "
                 f"(--model-memory-mb {self.budget_bytes / MIB:g}); raise --model-memory-mb"
             )
         holders = "; ".join(
@@ -152,7 +156,7 @@ class ModelMemory:
         )
         return (
             f"base model {base_model} cannot be loaded: {what} needs {num_bytes / MIB:.1f} MiB "
-            f"and the model memory budget (--model-memory-mb {self.budget_bytes / MIB:g}) "
+            f"and the {self.budget_name} (--model-memory-mb {self.budget_bytes / MIB:g}) "
             f"has {(self.budget_bytes - self._used()) / MIB:.1f} MiB free, held by "
             f"{holders or 'nothing'}; finish the sessions that hold training models, or "
             "raise --model-memory-mb"

@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from temper.api.backend import SamplingBackend, ServiceBackend, TrainingBackend
 from temper.checkpoint.storage import CheckpointStorage
@@ -41,6 +42,7 @@ from temper.server.state.base_models import (
     describe,
     load_base_model,
     model_dirs,
+    trainer_shards,
 )
 from temper.server.state.catalog import CheckpointCatalog
 from temper.server.state.config import ServerConfig
@@ -72,10 +74,15 @@ class TemperServer(Configurable):
         dirs = model_dirs(
             models=config.model, sample_only=config.sample_only_model, models_dir=config.models_dir
         )
+        shards = trainer_shards(config.trainer.sharding)
         self.base_models = BaseModels(
             [
                 load_base_model(
-                    path, trainable=trainable, sampler=config.sampler, dtype=config.dtype
+                    path,
+                    trainable=trainable,
+                    sampler=config.sampler,
+                    dtype=config.dtype,
+                    trainer_shards=shards,
                 )
                 for path, trainable in dirs
             ]
@@ -84,10 +91,10 @@ class TemperServer(Configurable):
         compute = Precision.resolve(config.dtype, device=config.device).compute
         check_generator([path for path, _ in dirs], generator=config.generator, dtype=compute)
         device_bytes = device_memory_bytes(config.device)
-        budget_mb = config.model_memory_mb
         self.memory = ModelMemory(
-            budget_bytes=device_bytes // 2 if budget_mb is None else int(budget_mb * MIB),
+            budget_bytes=model_budget_bytes(config, device_bytes=device_bytes),
             idle_seconds=config.model_idle_seconds,
+            per_rank=shards > 1,
         )
         storage = CheckpointStorage(config.storage)
         # Saves a killed server left midway; a younger one may be another server's, still saving.
@@ -488,6 +495,17 @@ def in_process_backend(config: ServerConfig, storage: CheckpointStorage) -> Serv
         generator=config.generator,
         multi_lora=config.multi_lora,
     )
+
+
+def model_budget_bytes(config: ServerConfig, *, device_bytes: int) -> int:
+    """The model memory budget of one rank (rank 0 holds the most: its shard of every
+    training model, as every rank does, and the samplers): `model_memory_mb`, or half the
+    device's memory, on CPU half the machine's RAM over the ranks that share it."""
+    if config.model_memory_mb is not None:
+        return int(config.model_memory_mb * MIB)
+    if torch.device(config.device).type == "cpu" and dist.is_initialized():
+        device_bytes //= dist.get_world_size()
+    return device_bytes // 2
 
 
 def snapshot_retention(
