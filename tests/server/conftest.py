@@ -41,7 +41,7 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=30)  # several ranks stop one after another on a busy machine
+                self.process.wait(timeout=30)  # ranks stop in turn; slow on a busy machine
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
