@@ -199,7 +199,7 @@ async def load_weights(
     body: tinker_types.LoadWeightsRequest, user: CurrentUser, server: Server
 ) -> Response:
     path = server.catalog.parse(body.path, kind="weights", user=user)
-    run = server.catalog.run(path.run_id, user=user)
+    run = server.catalog.run_of(path, user=user)
     server.base_model(run["base_model"])
     if body.session_id is not None:
         return _create_from_state(server, body, user=user, run=run)
