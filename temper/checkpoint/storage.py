@@ -3,6 +3,7 @@
     <root>/<run>/run.json                 base model, LoRA config (so a new process can resume)
     <root>/<run>/weights/<name>/          full train state (DCP), from save_state
     <root>/<run>/sampler_weights/<name>/  weights a sampler loads, from save_weights_for_sampler
+    <root>/<run>/external_weights/<name>/ a HF model or PEFT adapter, from save_weights_external
 
 Run ids and checkpoint names are restricted to a safe alphabet, so no path can escape the root.
 """
@@ -18,8 +19,8 @@ from typing import Any, Literal
 
 from temper.checkpoint.atomic import clear_interrupted
 
-CheckpointKind = Literal["weights", "sampler_weights"]
-KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights")
+CheckpointKind = Literal["weights", "sampler_weights", "external_weights"]
+KINDS: tuple[CheckpointKind, ...] = ("weights", "sampler_weights", "external_weights")
 SCHEME = "tinker://"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 

@@ -17,6 +17,11 @@ after they finished.
 Each request belongs to the user who sent it and to a session (its scope): other users'
 request ids answer 404, a user's unfinished requests are counted (`queued`, for the per-user
 limit), and when a session ends its requests are cancelled and forgotten (`drop_scope`).
+
+A client may cancel a request (`cancel`): one not started yet never runs (a queued call is
+skipped when its turn comes, a held sample is never started); one running finishes, and its
+result is dropped. Either way the request answers a failure saying it was cancelled. A sample
+request names its feed (feeds.py), which hears of it once it finished, for `retrieve_futures`.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinker import types as tinker_types
+
 from temper.api.futures import APIFuture, Worker
+from temper.server.dispatch.feeds import SamplingFeeds
 from temper.server.http.errors import NotFound, bounded, category_of
 from temper.server.http.users import User
 from temper.server.state.ids import new_request_id
@@ -46,14 +54,27 @@ class Answer:
 
     content: bytes
     media_type: str = JSON
+    failed: bool = False
+    """An error answer (`failure`)."""
+
+
+CANCELLED = "request cancelled by its client (cancel_future)"
+
+
+class _Cancelled(Exception):
+    """A queued call whose request was cancelled before its turn."""
 
 
 @dataclass
 class _Entry:
-    task: asyncio.Task[Answer]
     key: Hashable | None
     owner: str
     scope: str
+    feed: Hashable | None = None
+    task: asyncio.Task[Answer] | None = None
+    started: Any = None
+    """What `call` returned (an asyncio future that a held sample fills when it starts)."""
+    cancelled: bool = False
     finished_at: float | None = None
 
 
@@ -67,6 +88,7 @@ class Scheduler:
     _queued: dict[str, int] = field(default_factory=dict)
     """Unfinished requests per owner."""
     _last_prune: float = 0.0
+    feeds: SamplingFeeds = field(default_factory=SamplingFeeds)
 
     def submit(
         self,
@@ -77,24 +99,28 @@ class Scheduler:
         scope: str,
         queue: str | None = None,
         key: Hashable | None = None,
+        feed: Hashable | None = None,
     ) -> str:
         """Run `call` (after earlier calls of `queue`, or right now) and return the request id.
 
         `call` returns a result or an `APIFuture` (or asyncio future) of one; `encode` turns
         the result into the wire answer. `owner` (a user name) may retrieve it; `scope` (a
-        session id) ending cancels it. Without a queue, an exception from `call` itself
-        propagates to the route (the request is rejected); every later failure becomes a
-        failed future.
+        session id) ending cancels it; `feed` hears when it finished. Without a queue, an
+        exception from `call` itself propagates to the route (the request is rejected); every
+        later failure becomes a failed future.
         """
         if key is not None and key in self._by_key:
             return self._by_key[key]
         self._prune()
-        started: Any = call() if queue is None else self._dispatcher(queue).submit(call)
+        entry = _Entry(key=key, owner=owner, scope=scope, feed=feed)
+        if queue is None:
+            entry.started = call()
+        else:
+            entry.started = self._dispatcher(queue).submit(_unless_cancelled(entry, call))
         request_id = new_request_id()
-        task = asyncio.get_running_loop().create_task(self._settle(started, encode, request_id))
-        entry = _Entry(task=task, key=key, owner=owner, scope=scope)
+        entry.task = asyncio.get_running_loop().create_task(self._settle(entry, encode, request_id))
         self._queued[owner] = self._queued.get(owner, 0) + 1
-        task.add_done_callback(lambda _: self._finished(entry))
+        entry.task.add_done_callback(lambda _: self._finished(entry, request_id))
         self._entries[request_id] = entry
         if key is not None:
             self._by_key[key] = request_id
@@ -110,16 +136,41 @@ class Scheduler:
 
     async def retrieve(self, request_id: str, *, user: User, timeout: float) -> Answer | None:
         """The answer, or None if it is not ready within `timeout` seconds (long poll)."""
+        task = self._entry(request_id, user=user).task
+        assert task is not None, "an entry gets its task when it is submitted"
+        if task.done():
+            return task.result()
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        return task.result() if done else None
+
+    def cancel(self, request_id: str, *, user: User) -> None:
+        """Cancel a request (module doc); a finished one's result is dropped."""
+        entry = self._entry(request_id, user=user)
+        assert entry.task is not None, "an entry gets its task when it is submitted"
+        if entry.task.done():
+            self.forget(request_id, user=user)
+            return
+        entry.cancelled = True
+        if isinstance(entry.started, asyncio.Future) and not entry.started.done():
+            entry.started.cancel()  # a held sample: its start sees this and does nothing
+
+    def forget(self, request_id: str, *, user: User) -> None:
+        """Drop a finished request's result (its client has it); unknown ids are ignored."""
+        entry = self._entries.get(request_id)
+        if entry is None or not user.owns(entry.owner) or entry.finished_at is None:
+            return
+        del self._entries[request_id]
+        if entry.key is not None:
+            self._by_key.pop(entry.key, None)
+
+    def _entry(self, request_id: str, *, user: User) -> _Entry:
         entry = self._entries.get(request_id)
         if entry is None or not user.owns(entry.owner):
             raise NotFound(
                 f"unknown or expired request id {request_id!r} (results are kept "
                 f"{self.result_ttl_s:g} s; a request of an ended session is dropped with it)"
             )
-        if entry.task.done():
-            return entry.task.result()
-        done, _ = await asyncio.wait({entry.task}, timeout=timeout)
-        return entry.task.result() if done else None
+        return entry
 
     def close_queue(self, queue: str) -> None:
         """Forget a model's dispatcher; calls queued and not started are cancelled (their
@@ -128,17 +179,31 @@ class Scheduler:
         if dispatcher is not None:
             dispatcher.close(wait=False, cancel_pending=True)
 
-    def drop_scope(self, scope: str) -> None:
-        """Cancel and forget the requests of an ended session."""
+    def drop_scope(self, scope: str, *, sampling_session_ids: Sequence[str] = ()) -> None:
+        """Cancel and forget the requests of an ended session (and its sampling sessions'
+        feeds)."""
+        self.feeds.drop_scope(scope, sampling_session_ids=list(sampling_session_ids))
         for request_id, entry in list(self._entries.items()):
             if entry.scope == scope:
+                assert entry.task is not None, "an entry gets its task when it is submitted"
                 entry.task.cancel()
                 del self._entries[request_id]
                 if entry.key is not None:
                     self._by_key.pop(entry.key, None)
 
-    def _finished(self, entry: _Entry) -> None:
+    def _finished(self, entry: _Entry, request_id: str) -> None:
         entry.finished_at = time.monotonic()
+        assert entry.task is not None, "an entry gets its task when it is submitted"
+        if entry.feed is not None and not entry.task.cancelled():
+            answer = entry.task.result()
+            completion: tinker_types.FutureCompletion = (
+                tinker_types.FutureFailed(request_id=request_id)
+                if answer.failed
+                else tinker_types.FutureFinished(
+                    request_id=request_id, response_payload_uncompressed_size=len(answer.content)
+                )
+            )
+            self.feeds.add(entry.feed, completion, owner=entry.owner, scope=entry.scope)
         left = self._queued[entry.owner] - 1
         if left:
             self._queued[entry.owner] = left
@@ -151,20 +216,28 @@ class Scheduler:
         return self._dispatchers[queue]
 
     async def _settle(
-        self, started: Any, encode: Callable[[Any], Answer], request_id: str
+        self, entry: _Entry, encode: Callable[[Any], Answer], request_id: str
     ) -> Answer:
         try:
-            value = started
+            value = entry.started
             while isinstance(value, APIFuture | asyncio.Future):
                 value = await value
+            if entry.cancelled:
+                return failure(CANCELLED, category="user")  # it ran: its result is dropped
             return encode(value)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # this request is being dropped (its session ended)
+            if entry.cancelled:
+                return failure(CANCELLED, category="user")
             # A queued call cancelled because its model was released.
             return failure("request cancelled: its model was released", category="user")
+        except _Cancelled:
+            return failure(CANCELLED, category="user")
         except Exception as error:
+            if entry.cancelled:
+                return failure(CANCELLED, category="user")
             category = category_of(error)
             if category == "server":
                 log.exception("request %s failed", request_id)
@@ -189,4 +262,16 @@ class Scheduler:
 
 
 def failure(message: str, *, category: str) -> Answer:
-    return Answer(json.dumps({"error": bounded(message), "category": category}).encode())
+    body = json.dumps({"error": bounded(message), "category": category}).encode()
+    return Answer(body, failed=True)
+
+
+def _unless_cancelled(entry: _Entry, call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call`, skipped if its request was cancelled while it waited in its queue."""
+
+    def run() -> Any:
+        if entry.cancelled:
+            raise _Cancelled
+        return call()
+
+    return run

@@ -31,7 +31,17 @@ from temper.server.http.plain_routes import list_problems
 from temper.server.http.request_log import RequestLog
 from temper.server.http.responses import json_response
 from temper.server.http.security import current_user
-from temper.server.routes import futures, runs, sampling, sessions, training
+from temper.server.routes import (
+    checkpoints,
+    external_weights,
+    futures,
+    refused,
+    runs,
+    sampling,
+    session_search,
+    sessions,
+    training,
+)
 from temper.server.state.server import TemperServer
 
 log = logging.getLogger("temper.server")
@@ -52,12 +62,28 @@ def create_app(server: TemperServer) -> FastAPI:
     app.add_middleware(BodyLimits, data_routes_bytes=int(server.config.max_body_mb * 2**20))
     app.add_middleware(RequestLog)
     _add_error_handlers(app)
-    for routes in (sessions, training, sampling, runs):
+    # In this order: a route whose path also matches a later one's wins (session_search's
+    # /sessions/search before sessions' /sessions/{id}; checkpoints' .../publish before
+    # runs' DELETE .../checkpoints/{checkpoint_id:path}).
+    for routes in (
+        session_search,
+        sessions,
+        training,
+        external_weights,
+        sampling,
+        futures,
+        checkpoints,
+        runs,
+        refused,
+    ):
         app.include_router(routes.router)
     # First in line: matched before any router, with the app's exception handlers around them.
+    # The download route checks its URL's signature instead of a key (external_weights.py).
     app.router.routes[:0] = [
         sampling.asample_route,
         futures.retrieve_future_route,
+        futures.retrieve_futures_route,
+        external_weights.download_route,
         Route("/api/v1/healthz", healthz, methods=["GET"]),
     ]
     return app

@@ -91,7 +91,7 @@ async def set_checkpoint_ttl(
 ) -> Response:
     run_id = checked(training_run_id, field="training run id")
     ttl_seconds = check_ttl(body.ttl_seconds)
-    path = server.catalog.parse(f"tinker://{run_id}/{checkpoint_id}", user=user)
+    path = server.catalog.parse(f"tinker://{run_id}/{checkpoint_id}", user=user, owner_only=True)
     expires_at = server.catalog.expiry.set_ttl(path, ttl_seconds)
     return JSONResponse({"expires_at": None if expires_at is None else expires_at.isoformat()})
 

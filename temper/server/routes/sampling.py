@@ -23,6 +23,7 @@ from tinker import types as tinker_types
 
 from temper.api.backend import SamplingBackend
 from temper.api.types import SampleResponse
+from temper.server.dispatch.feeds import feed_target
 from temper.server.dispatch.scheduler import Answer
 from temper.server.http.errors import BadRequest
 from temper.server.http.plain_routes import plain_post
@@ -90,7 +91,7 @@ async def _new_sampling_session(
     server.check_room(user, kind="sampling sessions")
     if body.model_path is not None:
         path = server.catalog.parse(body.model_path, kind="sampler_weights", user=user)
-        run = server.catalog.run(path.run_id, user=user)
+        run = server.catalog.run_of(path, user=user)
         base = server.base_model(run["base_model"])
         model_path = str(path)
     elif body.base_model is not None:
@@ -158,6 +159,9 @@ async def asample(body: tinker_types.SampleRequest, user: User, server: TemperSe
         owner=sampling.owner,
         scope=sampling.session_id,
         key=key,
+        feed=None
+        if body.seq_id is None
+        else feed_target(sampling.sampling_session_id, body.seq_id),
     )
     sequence_ids += _sequence_ids(request_id, call)
     return future_response(request_id, sample_sequence_ids=sequence_ids)
@@ -179,6 +183,8 @@ def _starter(
     handed to `started`, which the request's future waits on."""
 
     def start() -> None:
+        if started.done():  # cancelled (cancel_future) while held: never started
+            return
         try:
             started.set_result(
                 client.sample(

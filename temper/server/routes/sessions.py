@@ -31,13 +31,19 @@ CLIENT_CONFIG = tinker_types.ClientConfigResponse(
     # One chunk at a time: arrival order is then submission order for a model's requests.
     parallel_fwdbwd_chunks=False,
     proto_compress_fwdbwd=False,
-    sample_use_retrieve_futures=False,
+    sample_use_retrieve_futures=True,
     custom_loss_server_side=False,
-    sample_join_sampling_session=False,
+    sample_join_sampling_session=True,
     sample_max_concurrent_requests=256,
 )
 """Turns off the SDK features a local server does not need (JWT exchange, parallel
-forward/backward chunks, server-side custom losses)."""
+forward/backward chunks, server-side custom losses) and on those it serves (a sampling
+client's one poller for all its samples, clone ids from join_sampling_session: futures.py)."""
+
+DYNAMIC_CONFIG = tinker_types.ClientDynamicConfigResponse(
+    refresh_interval_sec=300, sample_cancel_enabled=True
+)
+"""An abandoned sample (a timeout, a Ctrl-C) is cancelled on the server (cancel_future)."""
 
 router = api_router()
 
@@ -49,7 +55,7 @@ async def client_config() -> Response:
 
 @router.post("/client/dynamic_config")
 async def dynamic_config() -> Response:
-    return json_response(tinker_types.ClientDynamicConfigResponse(refresh_interval_sec=300))
+    return json_response(DYNAMIC_CONFIG)
 
 
 @router.post("/create_session")

@@ -201,7 +201,7 @@ async def load_weights(
     body: tinker_types.LoadWeightsRequest, user: CurrentUser, server: Server
 ) -> Response:
     path = server.catalog.parse(body.path, kind="weights", user=user)
-    run = server.catalog.run(path.run_id, user=user)
+    run = server.catalog.run_of(path, user=user)
     base = server.base_model(run["base_model"])
     check_optimizer_config(body.optimizer_config, route="load_weights")
     check_user_metadata(body.user_metadata, route="load_weights")

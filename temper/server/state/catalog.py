@@ -8,7 +8,10 @@ goes through `checked` (ids.py), so no request can address a path outside the ro
 
 Each run records its owner (the user whose session created it) in run.json; every lookup
 takes the asking user, and a run, checkpoint or path of another user's answers the same 404
-as one that does not exist. Runs saved before owners were recorded belong to `default`.
+as one that does not exist, unless the checkpoint is published (publication.py): then every
+user may read it (`parse`, `run_of`, a run's listing shows them its published checkpoints),
+and only its owner may change it (`owner_only`). Runs saved before owners were recorded
+belong to `default`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,26 @@ from tinker import types as tinker_types
 
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage
 from temper.server.http.errors import BadRequest, NotFound
-from temper.server.http.users import DEFAULT_USER, User
+from temper.server.http.users import DEFAULT_USER, SERVER, User
 from temper.server.state.checkpoint_metadata import CheckpointMetadata
+from temper.server.state.copies import CheckpointCopies
 from temper.server.state.expiry import CheckpointExpiry
+from temper.server.state.external_weights import DownloadSigner
 from temper.server.state.ids import checked
+from temper.server.state.publication import CheckpointPublication
 
-_CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+_CHECKPOINT_TYPES = {
+    "weights": "training",
+    "sampler_weights": "sampler",
+    "external_weights": "external",
+}
+_KIND_HINTS = {
+    "weights": "training state comes from save_state (tinker://<run>/weights/<name>)",
+    "sampler_weights": "sampler weights come from save_weights_for_sampler "
+    "(tinker://<run>/sampler_weights/<name>)",
+    "external_weights": "external weights come from save_weights_external "
+    "(tinker://<run>/external_weights/<name>)",
+}
 
 
 class CheckpointCatalog:
@@ -37,24 +54,35 @@ class CheckpointCatalog:
         self.storage = storage
         self.expiry = CheckpointExpiry(storage)
         self.metadata = CheckpointMetadata(storage)
+        self.publication = CheckpointPublication(storage)
+        self.copies = CheckpointCopies(storage)
+        self.downloads = DownloadSigner()
 
-    def parse(self, path: str, *, user: User, kind: str | None = None) -> CheckpointPath:
-        """A `tinker://` path to an existing checkpoint of `user`'s (of `kind`, when given)."""
+    def parse(
+        self, path: str, *, user: User, kind: str | None = None, owner_only: bool = False
+    ) -> CheckpointPath:
+        """A `tinker://` path to an existing checkpoint `user` may read (of `kind`, when
+        given): their own, or a published one unless `owner_only` (a change to it)."""
         try:
             parsed = CheckpointPath.parse(path)
         except ValueError as error:
             raise BadRequest(str(error)) from None
-        self.run(parsed.run_id, user=user)  # another user's run: 404 before any other check
+        if owner_only or not self._published(parsed):
+            self.run(parsed.run_id, user=user)  # another user's run: 404 before other checks
         if not self.exists(parsed):
             raise NotFound(f"no checkpoint at {parsed}")
         if kind is not None and parsed.kind != kind:
-            hint = {
-                "weights": "training state comes from save_state (tinker://<run>/weights/<name>)",
-                "sampler_weights": "sampler weights come from save_weights_for_sampler "
-                "(tinker://<run>/sampler_weights/<name>)",
-            }[kind]
-            raise BadRequest(f"{path} is a {parsed.kind} checkpoint; {hint}")
+            raise BadRequest(f"{path} is a {parsed.kind} checkpoint; {_KIND_HINTS[kind]}")
         return parsed
+
+    def run_of(self, path: CheckpointPath, *, user: User) -> dict[str, Any]:
+        """The run.json of the run holding `path`, a checkpoint `user` may read (`parse`)."""
+        if self._published(path):
+            return self.run(path.run_id, user=SERVER)
+        return self.run(path.run_id, user=user)
+
+    def _published(self, path: CheckpointPath) -> bool:
+        return self.publication.is_published(path) and self.exists(path)
 
     def exists(self, path: CheckpointPath) -> bool:
         return self.storage.directory(path).is_dir()
@@ -96,8 +124,16 @@ class CheckpointCatalog:
         return owned
 
     def checkpoints(self, run_id: str, *, user: User) -> list[tinker_types.Checkpoint]:
-        self.run(run_id, user=user)
-        found = [self.checkpoint(path) for path in self.storage.list(run_id)]
+        """The run's checkpoints; another user's run lists its published ones (404 if none)."""
+        try:
+            self.run(run_id, user=user)
+            paths = self.storage.list(run_id)
+        except NotFound:
+            published = self.publication.published(checked(run_id, field="training run id"))
+            paths = [p for p in self.storage.list(run_id) if f"{p.kind}/{p.name}" in published]
+            if not paths:
+                raise
+        found = [self.checkpoint(path) for path in paths]
         return sorted(found, key=lambda checkpoint: checkpoint.time)
 
     def checkpoint(self, path: CheckpointPath) -> tinker_types.Checkpoint:
@@ -110,6 +146,7 @@ class CheckpointCatalog:
             size_bytes=sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()),
             expires_at=self.expiry.get(path),
             user_metadata=self.metadata.get(path),
+            public=self.publication.is_published(path),
         )
 
     def training_run(
@@ -172,7 +209,7 @@ class CheckpointCatalog:
 
     def weights_info(self, path: str, *, user: User) -> tinker_types.WeightsInfoResponse:
         parsed = self.parse(path, user=user)
-        run = self.run(parsed.run_id, user=user)
+        run = self.run_of(parsed, user=user)
         lora = run.get("lora")
         return tinker_types.WeightsInfoResponse(
             base_model=run["base_model"],
@@ -184,10 +221,11 @@ class CheckpointCatalog:
         )
 
     def delete(self, path: str, *, user: User) -> CheckpointPath:
-        parsed = self.parse(path, user=user)
+        parsed = self.parse(path, user=user, owner_only=True)
         self.storage.delete(parsed)
         self.expiry.set(parsed, expires_at=None)
         self.metadata.set(parsed, None)
+        self.publication.set(parsed, published=False)
         return parsed
 
 

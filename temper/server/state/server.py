@@ -440,7 +440,7 @@ class TemperServer(Configurable):
             self.snapshots.drop_model(model_id)
         for sampling_session_id in session.sampling_session_ids:
             self.sampling_sessions.pop(sampling_session_id, None)
-        self.scheduler.drop_scope(session_id)
+        self.scheduler.drop_scope(session_id, sampling_session_ids=session.sampling_session_ids)
         self.stability.drop_session(session_id)
         what = f"session {session_id} {why}"
         ids = [session_id, *session.model_ids, *session.sampling_session_ids]

@@ -69,6 +69,7 @@ class Session:
     sampling_session_ids: list[str] = field(default_factory=list)
     last_seen: float = field(default_factory=time.monotonic)
     """When its client last showed it is alive (a heartbeat or a request on its ids)."""
+    created_at: datetime.datetime = field(default_factory=lambda: _now())
 
 
 def _now() -> datetime.datetime:
