@@ -166,17 +166,31 @@ def listen(links: GeneratorLinks) -> Listener:
 
 
 def accept_generators(
-    listener: Listener, links: GeneratorLinks, *, first_rank: int, call_timeout_s: float
+    listener: Listener, links: GeneratorLinks, *, config: TemperServer.Config, first_rank: int
 ) -> GeneratorPool:
+    """Rank 0: the pool of generator ranks once each connected, with its memory budget."""
+    from temper.server.generators.budget import LoadSizes, RankMemory, generator_budget_bytes
     from temper.server.generators.pool import GeneratorPool
+
+    sizes = LoadSizes.of_config(config)
+    budget_bytes = generator_budget_bytes(config, nproc=first_rank + links.count)
+
+    def memory(rank: int) -> RankMemory:
+        return RankMemory(
+            rank=rank,
+            budget_bytes=budget_bytes,
+            idle_seconds=config.model_idle_seconds,
+            sizes=sizes,
+        )
 
     try:
         return GeneratorPool.accept(
             listener,
             count=links.count,
             first_rank=first_rank,
-            call_timeout_s=call_timeout_s,
+            call_timeout_s=config.placement.call_timeout_s,
             timeout_s=CONNECT_TIMEOUT_S,
+            memory=memory,
         )
     finally:
         listener.close()

@@ -90,8 +90,8 @@ def start_ranks(argv: Sequence[str], *, nproc: int, num_generators: int = 0) -> 
 
 def check_models(config: TemperServer.Config) -> None:
     """The served models' directories read, and one trainable: the ranks > 0 only train
-    (the samplers, sample-only models' included, run on rank 0). The disaggregated placement
-    serves one model."""
+    (the samplers, sample-only models' included, run on rank 0, or on the generator ranks of
+    a disaggregated placement)."""
     from temper.server.state.base_models import model_dirs, read_model_config
 
     dirs = model_dirs(
@@ -99,12 +99,6 @@ def check_models(config: TemperServer.Config) -> None:
     )
     if not any(trainable for _, trainable in dirs):
         raise ValueError("serving on several ranks takes a trainable model (--model DIR)")
-    if config.placement.mode == "disaggregated" and len(dirs) > 1:
-        raise ValueError(
-            f"--placement.mode disaggregated serves one base model, got {len(dirs)}: "
-            f"{', '.join(path for path, _ in dirs)}; serve several on the colocated placement "
-            "(the default) or in one process"
-        )
     for path, _ in dirs:
         read_model_config(path)
 
@@ -221,10 +215,7 @@ def _writer_backend(
 
     replicated.replica = PayloadReplica(service, ranks=ranks, multi_lora=config.multi_lora.enabled)
     pool = serve_placement.accept_generators(
-        listener,
-        links,
-        first_rank=ranks.world_size,
-        call_timeout_s=config.placement.call_timeout_s,
+        listener, links, config=config, first_rank=ranks.world_size
     )
     backend = DisaggregatedService(replicated, pool=pool)
     return backend, lambda: backend.health(pids)

@@ -6,7 +6,9 @@ compute_logprobs, a base-model sampler and stable_reinforce on recorded sequence
 one-process server's numbers (the same tokens; logprobs to rounding: the trainer shards with
 FSDP on its one rank). Then a generator rank is killed under load: no call hangs, healthz
 answers and reports it, the other user's calls keep working, and a snapshot only the dead
-rank held is served again, bitwise, by the survivor.
+rank held is served again, bitwise, by the survivor. The server also serves a second
+trainable model and a sample-only one: each trains and samples on the generator ranks as on
+the one-process server with the same models.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import os
 import signal
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from tinker import types
 
 from tests.server.conftest import ServerProcess, start_server
+from tests.server.test_multimodel import write_model
 from tests.server.test_replicated import _assert_close, _train
 from tests.server.test_stable_reinforce import rl_datum
 
@@ -30,14 +34,50 @@ PARAMS = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3, stop=[])
 
 
 @pytest.fixture(scope="module")
-def disaggregated(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
+def teacher_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("models") / "teacher-digits"
+    return write_model(directory, dim=64, num_layers=2, ffn_dim=128, seed=1)
+
+
+@pytest.fixture(scope="module")
+def grader_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("models") / "grader-digits"
+    return write_model(directory, dim=96, num_layers=1, ffn_dim=96, seed=2)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: Path, teacher_dir: Path, grader_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """(the disaggregated server, a one-process one) on the same three models, started
+    together."""
     root = tmp_path_factory.mktemp("disaggregated")
-    extra = (*DISAGGREGATED, "--placement.generator_ranks", "2")
-    server = start_server(model_dir, root / "storage", root / "server.log", *extra)
-    yield server
-    server.stop()
+    models = ("--model", str(teacher_dir), "--sample-only-model", str(grader_dir))
+    placement = (*DISAGGREGATED, "--placement.generator_ranks", "2")
+
+    def start(name: str, *extra: str) -> ServerProcess:
+        return start_server(model_dir, root / name, root / f"{name}.log", *models, *extra)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        starting = [pool.submit(start, "ranks", *placement), pool.submit(start, "one")]
+    started = [future.result() for future in starting if future.exception() is None]
+    try:
+        for future in starting:
+            future.result()  # a server that failed to start fails the test, naming why
+        yield started[0], started[1]
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def single(servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    return servers[1]
 
 
 def health(server: ServerProcess) -> dict:
@@ -80,7 +120,7 @@ def _session(server: ServerProcess, model_dir: Path) -> dict:
     return result
 
 
-def test_the_sdk_on_a_disaggregated_server_matches_one_process(disaggregated, model_dir, tmp_path):
+def test_the_sdk_on_a_disaggregated_server_matches_one_process(disaggregated, single, model_dir):
     ranks = health(disaggregated)["ranks"]
     assert [(r["rank"], r["role"], r["alive"]) for r in ranks] == [
         (0, "trainer", True),
@@ -89,11 +129,7 @@ def test_the_sdk_on_a_disaggregated_server_matches_one_process(disaggregated, mo
     ]
     assert len({r["pid"] for r in ranks}) == 3
     ours = _session(disaggregated, model_dir)
-    single = start_server(model_dir, tmp_path / "one", tmp_path / "one.log")
-    try:
-        reference = _session(single, model_dir)
-    finally:
-        single.stop()
+    reference = _session(single, model_dir)
     _assert_close(ours, reference)
     for key in ("recorded_tokens", "base_tokens"):
         assert ours[key] == reference[key], key
@@ -108,6 +144,45 @@ def test_the_sdk_on_a_disaggregated_server_matches_one_process(disaggregated, mo
     assert ours["scored"][1:] == pytest.approx(reference["scored"][1:], abs=1e-5)
     for name, value in reference["stable"].items():
         assert ours["stable"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def _models_session(server: ServerProcess, *, model_dir: Path, teacher_dir: Path, grader_dir: Path):
+    """A LoRA model trained, snapshotted, sampled and scored on each trainable model, and the
+    sample-only grader sampled and scored."""
+    service = server.service()
+    result = {}
+    sequence = types.ModelInput.from_ints([1, 2, 3, 4, 5])
+    for name, directory, seed in (("student", model_dir, 1), ("teacher", teacher_dir, 2)):
+        training = service.create_lora_training_client(str(directory), rank=4, seed=seed).result()
+        result[name] = _train(training, training.get_tokenizer(), module=types)
+        snapshot = training.save_weights_and_get_sampling_client().result()
+        result[f"{name}_scored"] = snapshot.compute_logprobs(sequence).result()
+    grader = service.create_sampling_client(base_model=str(grader_dir)).result()
+    sample = grader.sample(types.ModelInput.from_ints([1, 2, 3]), 2, PARAMS).result()
+    result["grader_tokens"] = [list(seq.tokens) for seq in sample.sequences]
+    result["grader_logprobs"] = [list(seq.logprobs) for seq in sample.sequences]
+    result["grader_scored"] = grader.compute_logprobs(sequence).result()
+    service.close("success").result()
+    return result
+
+
+def test_two_models_and_a_sample_only_one_on_generator_ranks_match_one_process(
+    disaggregated, single, model_dir, teacher_dir, grader_dir
+):
+    dirs = {"model_dir": model_dir, "teacher_dir": teacher_dir, "grader_dir": grader_dir}
+    ours = _models_session(disaggregated, **dirs)
+    reference = _models_session(single, **dirs)
+    for name in ("student", "teacher"):
+        _assert_close(ours[name], reference[name])
+    assert ours["student"]["losses"] != pytest.approx(ours["teacher"]["losses"])
+    assert ours["grader_tokens"] == reference["grader_tokens"]
+    for mine, theirs in zip(ours["grader_logprobs"], reference["grader_logprobs"], strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-4, abs=1e-5)
+    for key in ("student_scored", "teacher_scored", "grader_scored"):
+        assert ours[key][0] is None
+        assert ours[key][1:] == pytest.approx(reference[key][1:], rel=1e-4, abs=1e-5), key
+    assert ours["teacher_scored"][1:] != pytest.approx(ours["student_scored"][1:])
+    assert "Traceback" not in disaggregated.log.read_text()
 
 
 def test_a_killed_generator_rank_leaves_the_server_serving(disaggregated, model_dir):

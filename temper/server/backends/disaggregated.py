@@ -202,17 +202,21 @@ class DisaggregatedService:
         self, model_path: str | None = None, base_model: str | None = None
     ) -> RemoteSampling:
         """A sampler on a checkpoint or a base model, placed on a generator rank now (so a bad
-        path fails here)."""
+        path fails here, and one that fits no generator rank's budget is the 503)."""
         if (model_path is None) == (base_model is None):
             raise ValueError("create_sampling_client takes exactly one of model_path, base_model")
         if model_path is not None:
-            parsed, _ = self.replicated.replica.service.storage.existing(model_path)
+            storage = self.replicated.replica.service.storage
+            parsed, _ = storage.existing(model_path)
             if parsed.kind != "sampler_weights":
                 raise ValueError(
                     f"{model_path} is a {parsed.kind} checkpoint; a sampling client loads "
                     "tinker://<run>/sampler_weights/<name> (from save_weights_for_sampler)"
                 )
-            load: Load = LoadCheckpoint(key=_key("checkpoint"), model_path=model_path)
+            base = storage.read_run(parsed.run_id)["base_model"]
+            load: Load = LoadCheckpoint(
+                key=_key("checkpoint"), model_path=model_path, base_model=base
+            )
         else:
             load = LoadBase(key=_key("base"), base_model=base_model)
         self.pool.place(load)

@@ -51,6 +51,8 @@ class LoadCheckpoint:
 
     key: str
     model_path: str
+    base_model: str
+    """The served base model it was trained on (what its sampler counts)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,11 @@ the least loaded (fewest sequences in flight) when several do, unless another ra
 `MOVE_COST` fewer sequences in flight; when none holds it (first use, or its rank died), or
 to spread the load so, the chosen rank is sent the sampler's `Load` first (rank 0 keeps
 every live sampler's load: a snapshot's adapter or weights in host memory, a base model or
-checkpoint by name). A rank whose link closes is dead: its calls in flight are sent again,
+checkpoint by name). Each rank has a model memory budget (budget.py): a sampler goes only to
+a rank that holds it or has room for it once the idle and least recently used base-model and
+checkpoint samplers there not in use are released (they are dropped there, and load again on
+their next call); a sampler that fits no live rank fails with the 503 one process answers
+(`OverBudget`). A rank whose link closes is dead: its calls in flight are sent again,
 the same way, to another live rank (each call at most once per rank), and fail with
 `GeneratorLost` only when no live rank is left. Every call has a deadline
 (`call_timeout_s`): past it the call fails with a TimeoutError naming the rank, whatever that
@@ -21,12 +25,14 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from typing import Any
 
+from temper.server.generators.budget import RankMemory
 from temper.server.generators.messages import (
     Drop,
     Hello,
@@ -37,6 +43,7 @@ from temper.server.generators.messages import (
     Sample,
     Score,
 )
+from temper.server.state.model_memory import OverBudget
 
 log = logging.getLogger("temper.server")
 MOVE_COST = 16
@@ -63,8 +70,12 @@ class Remote:
     rank: int
     pid: int
     link: Link
+    memory: RankMemory
     alive: bool = True
     held: set[str] = field(default_factory=set)
+    """Samplers loaded there (`memory` also counts those being loaded)."""
+    busy: Counter[str] = field(default_factory=Counter)
+    """Calls routed to each sampler there and not finished: never released meanwhile."""
     sequences_in_flight: int = 0
     pending: dict[int, _Pending] = field(default_factory=dict)
     loading: dict[str, threading.Lock] = field(default_factory=dict)
@@ -95,8 +106,10 @@ class GeneratorPool:
         first_rank: int,
         call_timeout_s: float,
         timeout_s: float,
+        memory: Callable[[int], RankMemory],
     ) -> GeneratorPool:
-        """Wait (at most `timeout_s`) for `count` generator ranks to connect and say hello."""
+        """Wait (at most `timeout_s`) for `count` generator ranks to connect and say hello;
+        `memory(rank)` is the budget of generator rank `rank`."""
         remotes: list[Remote | None] = [None] * count
         arrived: queue.Queue[tuple[Hello, Link]] = queue.Queue()
 
@@ -116,8 +129,9 @@ class GeneratorPool:
             except queue.Empty:
                 break
             assert isinstance(hello, Hello), hello
+            rank = first_rank + hello.index
             remotes[hello.index] = Remote(
-                index=hello.index, rank=first_rank + hello.index, pid=hello.pid, link=link
+                index=hello.index, rank=rank, pid=hello.pid, link=link, memory=memory(rank)
             )
         missing = [first_rank + i for i, remote in enumerate(remotes) if remote is None]
         if missing:
@@ -141,16 +155,19 @@ class GeneratorPool:
         return result
 
     def place(self, load: Load) -> None:
-        """Send `load` to the least loaded live rank now (blocks; raises its error): a bad
-        checkpoint fails when its sampling client is made, not at its first sample."""
+        """Send `load` to the least loaded live rank with room now (blocks; raises its
+        error): a bad checkpoint fails when its sampling client is made, not at its first
+        sample, and one that fits no rank's budget with OverBudget (503)."""
         tried: frozenset[int] = frozenset()
         while True:
-            remote = self._choose(load.key, tried=tried)  # GeneratorLost when none is left
+            remote = self._choose(load, tried=tried)  # GeneratorLost when none is left
             try:
                 self._ensure(remote, load)
                 return
             except GeneratorLost:  # it died while loading: the next live rank
                 tried |= {remote.index}
+            finally:
+                self._finished(remote, load.key)
 
     def drop(self, key: str) -> None:
         """Every rank forgets `key` (its sampling client on rank 0 was released)."""
@@ -158,6 +175,7 @@ class GeneratorPool:
             with self._lock:
                 held = remote.alive and key in remote.held
                 remote.held.discard(key)
+                remote.memory.release(key)
             if held:
                 self._send(remote, Drop(key), sequences=0)
 
@@ -182,8 +200,8 @@ class GeneratorPool:
         tried: frozenset[int],
     ) -> None:
         try:
-            remote = self._choose(load.key, tried=tried)
-        except GeneratorLost as error:
+            remote = self._choose(load, tried=tried)
+        except (GeneratorLost, OverBudget) as error:
             result.set_exception(error)
             return
         tried = tried | {remote.index}
@@ -191,13 +209,16 @@ class GeneratorPool:
             self._ensure(remote, load)
             inner = self._send(remote, op, sequences=sequences)
         except GeneratorLost:  # it died while loading the sampler: the next live rank
+            self._finished(remote, load.key)
             self._routes.submit(self._route, load, op, sequences, result, tried)
             return
         except Exception as error:
+            self._finished(remote, load.key)
             result.set_exception(error)
             return
 
         def done(inner: concurrent.futures.Future) -> None:
+            self._finished(remote, load.key)
             error = inner.exception()
             if isinstance(error, GeneratorLost):  # its rank died: try another
                 log.warning("%s; sending the call to another generator rank", error)
@@ -209,7 +230,10 @@ class GeneratorPool:
 
         inner.add_done_callback(done)
 
-    def _choose(self, key: str, *, tried: frozenset[int]) -> Remote:
+    def _choose(self, load: Load, *, tried: frozenset[int]) -> Remote:
+        """The rank for a call on `load`'s sampler, its memory counted there and the sampler
+        marked busy until `_finished`."""
+        key = load.key
         with self._lock:
             live = [r for r in self.remotes if r.alive and r.index not in tried]
             if not live:
@@ -218,10 +242,37 @@ class GeneratorPool:
                     f"no live generator rank can run this call (dead: ranks {dead}); retry "
                     "once the server's generator ranks are back (GET /api/v1/healthz)"
                 )
-            return min(
-                live,
+            room = [r for r in live if key in r.held or r.memory.room_for(load, keep=r.busy)]
+            if not room:
+                raise _no_room(load, live)
+            remote = min(
+                room,
                 key=lambda r: r.sequences_in_flight + (0 if key in r.held else MOVE_COST),
             )
+            released = self._admit(remote, load)
+            remote.busy[key] += 1
+            remote.memory.use(key)
+        self._drop_released(remote, released)
+        return remote
+
+    def _finished(self, remote: Remote, key: str) -> None:
+        with self._lock:
+            if remote.busy[key] > 1:
+                remote.busy[key] -= 1
+            else:
+                remote.busy.pop(key, None)
+
+    def _admit(self, remote: Remote, load: Load) -> list[str]:
+        """Count `load` in `remote`'s budget (under the lock); the samplers it released
+        there are no longer held (`_drop_released` tells the rank)."""
+        released = remote.memory.admit(load, keep=remote.busy)
+        remote.held.difference_update(released)
+        return released
+
+    def _drop_released(self, remote: Remote, keys: list[str]) -> None:
+        for key in keys:
+            log.info("generator rank %d releases sampler %s", remote.rank, key)
+            self._send(remote, Drop(key), sequences=0)
 
     def _ensure(self, remote: Remote, load: Load) -> None:
         """`remote` holds `load.key` once this returns (one load per rank and key at once)."""
@@ -230,7 +281,16 @@ class GeneratorPool:
         with lock:
             if load.key in remote.held:
                 return
-            self._send(remote, load, sequences=0).result()
+            with self._lock:  # counted again if a load before this one failed
+                released = self._admit(remote, load)
+            self._drop_released(remote, released)
+            try:
+                self._send(remote, load, sequences=0).result()
+            except BaseException:
+                with self._lock:
+                    if load.key not in remote.held:
+                        remote.memory.release(load.key)
+                raise
             with self._lock:
                 remote.held.add(load.key)
 
@@ -277,6 +337,7 @@ class GeneratorPool:
                 return
             remote.alive = False
             remote.held.clear()
+            remote.memory.clear()
             pending = list(remote.pending.values())
             remote.pending.clear()
             remote.sequences_in_flight = 0
@@ -295,8 +356,10 @@ class GeneratorPool:
         return GeneratorLost(f"generator rank {remote.rank} (pid {remote.pid}) died")
 
     def _watch(self, *, every_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
-        """Fail the calls past their deadline (a rank that stalls without dying)."""
+        """Fail the calls past their deadline (a rank that stalls without dying), and
+        release the samplers idle for --model-idle-seconds."""
         while not self._closed.wait(every_s):
+            self._release_idle()
             now = clock()
             late: list[tuple[Remote, _Pending]] = []
             with self._lock:
@@ -313,3 +376,21 @@ class GeneratorPool:
                         f"{self.call_timeout_s:g} s (--placement.call-timeout-s)"
                     )
                 )
+
+    def _release_idle(self) -> None:
+        for remote in self.remotes:
+            with self._lock:
+                if not remote.alive:
+                    continue
+                released = remote.memory.release_idle(keep=remote.busy)
+                remote.held.difference_update(released)
+            self._drop_released(remote, released)
+
+
+def _no_room(load: Load, live: list[Remote]) -> OverBudget:
+    """The 503 for a sampler that fits no live rank: the first one's refusal."""
+    refusal = live[0].memory.refusal(load)
+    if len(live) == 1:
+        return refusal
+    others = [remote.rank for remote in live[1:]]
+    return OverBudget(f"{refusal.message} (nor does generator rank(s) {others} have room)")

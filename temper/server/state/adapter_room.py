@@ -44,6 +44,11 @@ class AdapterRoom:
         process, Temper's engine; client/sampler_weights.py): it holds no copy of the weights."""
         return self.config.trainer.sharding is None and self.config.generator.backend == "temper"
 
+    def samplers_on_generator_ranks(self) -> bool:
+        """Every sampler runs on a generator rank (a disaggregated placement), whose own
+        budget counts it (server/generators/budget.py), not this process's."""
+        return self.config.placement.mode == "disaggregated"
+
     def snapshot_bytes(self, served: ServedModel) -> int | None:
         """What a snapshot of `served` holds once its weights change: its adapters on the
         multi-LoRA sampler, else None (a sampler copy: the retention's default)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from temper.server.http.errors import Unavailable
@@ -57,31 +57,42 @@ class ModelMemory:
         budget_bytes: int,
         idle_seconds: float,
         per_rank: bool = False,
+        budget_name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`per_rank`: the budget is each rank's of a multi-rank server (the estimates are
-        what rank 0 holds, the most any rank does); its refusals say so."""
+        what rank 0 holds, the most any rank does); its refusals say so. `budget_name`: what
+        the refusals call the budget instead (one generator rank's, say)."""
         self.budget_bytes = budget_bytes
-        self.budget_name = "model memory budget of a rank" if per_rank else "model memory budget"
+        if budget_name is None:
+            budget_name = "model memory budget of a rank" if per_rank else "model memory budget"
+        self.budget_name = budget_name
         self.idle_seconds = idle_seconds
         self._clock = clock
         self._lock = threading.Lock()
         self._held: dict[str, _Holder] = {}
 
     def admit(
-        self, key: str, *, base_model: str, what: str, num_bytes: int, pinned: bool
+        self,
+        key: str,
+        *,
+        base_model: str,
+        what: str,
+        num_bytes: int,
+        pinned: bool,
+        keep: Collection[str] = (),
     ) -> list[str]:
         """Count `key` (`what` on `base_model`, `num_bytes`) as held; first releases idle
-        samplers, then the least recently used samplers until it fits. Returns the released
-        keys (the caller drops their backend objects); raises OverBudget if it cannot fit."""
+        samplers, then the least recently used samplers until it fits (never those in
+        `keep`: samplers in use). Returns the released keys (the caller drops their backend
+        objects); raises OverBudget if it cannot fit."""
         with self._lock:
             assert key not in self._held, key
-            released = self._release_idle()
-            pinned_bytes = sum(h.num_bytes for h in self._held.values() if h.pinned)
-            if pinned_bytes + num_bytes > self.budget_bytes:  # releasing samplers cannot help
+            released = self._release_idle(keep=keep)
+            if not self._room_for(num_bytes, keep=keep):  # releasing samplers cannot help
                 raise OverBudget(self._refusal(base_model, what=what, num_bytes=num_bytes))
             releasable = sorted(
-                (k for k, h in self._held.items() if not h.pinned),
+                (k for k, h in self._held.items() if not h.pinned and k not in keep),
                 key=lambda k: self._held[k].last_used,
             )
             while releasable and self._used() + num_bytes > self.budget_bytes:
@@ -101,6 +112,21 @@ class ModelMemory:
                 )
             return released
 
+    def room_for(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Whether `num_bytes` more would fit once every releasable sampler not in `keep`
+        is released (`admit` would not refuse them)."""
+        with self._lock:
+            return self._room_for(num_bytes, keep=keep)
+
+    def refusal(self, base_model: str, *, what: str, num_bytes: int) -> OverBudget:
+        """The 503 `admit` answers when `what` cannot fit."""
+        with self._lock:
+            return OverBudget(self._refusal(base_model, what=what, num_bytes=num_bytes))
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._held
+
     def use(self, key: str) -> None:
         """Mark `key` used now (a sample on a shared sampler)."""
         with self._lock:
@@ -113,9 +139,14 @@ class ModelMemory:
             if key in self._held:
                 self._release(key, why="no longer used")
 
-    def release_idle(self) -> list[str]:
+    def release_idle(self, *, keep: Collection[str] = ()) -> list[str]:
         with self._lock:
-            return self._release_idle()
+            return self._release_idle(keep=keep)
+
+    def clear(self) -> None:
+        """Forget everything (what held it is gone: a generator rank that died)."""
+        with self._lock:
+            self._held.clear()
 
     def loaded(self) -> dict[str, int]:
         """Bytes held per loaded base model."""
@@ -127,12 +158,16 @@ class ModelMemory:
     def _used(self) -> int:
         return sum(holder.num_bytes for holder in self._held.values())
 
-    def _release_idle(self) -> list[str]:
+    def _room_for(self, num_bytes: int, *, keep: Collection[str]) -> bool:
+        kept = sum(h.num_bytes for k, h in self._held.items() if h.pinned or k in keep)
+        return kept + num_bytes <= self.budget_bytes
+
+    def _release_idle(self, *, keep: Collection[str] = ()) -> list[str]:
         now = self._clock()
         idle = [
             key
             for key, holder in self._held.items()
-            if not holder.pinned and now - holder.last_used > self.idle_seconds
+            if not holder.pinned and key not in keep and now - holder.last_used > self.idle_seconds
         ]
         why = f"idle for {self.idle_seconds:g} s (--model-idle-seconds)"
         return [self._release(key, why=why) for key in idle]

@@ -396,24 +396,28 @@ class TemperServer(Configurable):
         self, key: str, *, base: BaseModel, model_path: str | None = None
     ) -> SamplingBackend:
         """One backend sampling client per base model / sampler checkpoint (thread-safe),
-        built on first use within the model memory budget (503 if it cannot fit)."""
+        built on first use within the model memory budget (503 if it cannot fit; on
+        generator ranks, within theirs)."""
         with self._shared_lock:
             if key in self._shared_samplers:
                 self.memory.use(key)
                 return self._shared_samplers[key]
-            what = f"sampler of {model_path or 'the base model'}"
-            released = self.memory.admit(
-                key, base_model=base.name, what=what, num_bytes=base.sampler_bytes, pinned=False
-            )
-            for released_key in released:
-                self._shared_samplers.pop(released_key, None)
+            counted = not self.adapter_room.samplers_on_generator_ranks()
+            if counted:
+                what = f"sampler of {model_path or 'the base model'}"
+                released = self.memory.admit(
+                    key, base_model=base.name, what=what, num_bytes=base.sampler_bytes, pinned=False
+                )
+                for released_key in released:
+                    self._shared_samplers.pop(released_key, None)
             try:
                 if model_path is not None:
                     client = self.backend.create_sampling_client(model_path=model_path)
                 else:
                     client = self.backend.create_sampling_client(base_model=base.name)
             except BaseException:
-                self.memory.release(key)
+                if counted:
+                    self.memory.release(key)
                 raise
             self._shared_samplers[key] = client
             return client
