@@ -115,6 +115,11 @@ class RankMemory:
         """Whether `load` fits here once the releasable samplers not in `keep` are gone."""
         return self.memory.room_for(self._missing_bytes(load), keep=keep)
 
+    def free_for(self, load: Load) -> bool:
+        """Whether `load` fits here with nothing released."""
+        used = sum(self.memory.loaded().values())
+        return used + self._missing_bytes(load) <= self.memory.budget_bytes
+
     def admit(self, load: Load, *, keep: Collection[str]) -> list[str]:
         """Count `load` as held here (nothing if it is); returns the keys of the samplers
         released to make room (their rank must drop them). OverBudget if it cannot fit."""

@@ -7,12 +7,13 @@ the least loaded (fewest sequences in flight) when several do, unless another ra
 to spread the load so, the chosen rank is sent the sampler's `Load` first (rank 0 keeps
 every live sampler's load: a snapshot's adapter or weights in host memory, a base model or
 checkpoint by name). Each rank has a model memory budget (budget.py): a sampler goes only to
-a rank that holds it or has room for it once the idle and least recently used base-model and
-checkpoint samplers there not in use are released (they are dropped there, and load again on
-their next call); a sampler that fits no live rank fails with the 503 one process answers
-(`OverBudget`). A rank whose link closes is dead: its calls in flight are sent again,
-the same way, to another live rank (each call at most once per rank), and fail with
-`GeneratorLost` only when no live rank is left. Every call has a deadline
+a rank that holds it or has room for it, preferring those with room as they are, then those
+with room once the idle and least recently used base-model and checkpoint samplers there not
+in use are released (they are dropped there, and load again on their next call); a sampler
+that fits no live rank fails with the 503 one process answers (`OverBudget`). A rank whose
+link closes is dead: its calls in flight are sent again, the same way, to another live rank
+(each call at most once per rank), and fail with `GeneratorLost` only when no live rank is
+left. Every call has a deadline
 (`call_timeout_s`): past it the call fails with a TimeoutError naming the rank, whatever that
 rank does. Nothing here is a torch.distributed collective.
 """
@@ -245,10 +246,7 @@ class GeneratorPool:
             room = [r for r in live if key in r.held or r.memory.room_for(load, keep=r.busy)]
             if not room:
                 raise _no_room(load, live)
-            remote = min(
-                room,
-                key=lambda r: r.sequences_in_flight + (0 if key in r.held else MOVE_COST),
-            )
+            remote = min(room, key=lambda r: _preference(r, load))
             released = self._admit(remote, load)
             remote.busy[key] += 1
             remote.memory.use(key)
@@ -385,6 +383,14 @@ class GeneratorPool:
                 released = remote.memory.release_idle(keep=remote.busy)
                 remote.held.difference_update(released)
             self._drop_released(remote, released)
+
+
+def _preference(remote: Remote, load: Load) -> tuple[bool, int]:
+    """Lower is better: a rank that holds the sampler or has room without releasing any,
+    then the fewest sequences in flight (counting `MOVE_COST` for sending the sampler)."""
+    if load.key in remote.held:
+        return False, remote.sequences_in_flight
+    return not remote.memory.free_for(load), remote.sequences_in_flight + MOVE_COST
 
 
 def _no_room(load: Load, live: list[Remote]) -> OverBudget:
