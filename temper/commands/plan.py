@@ -1,5 +1,5 @@
 """`temper plan RECIPE`: the planned GPU memory of a recipe's RL job per rank, computed
-without running it.
+without running it (`temper plan serve ...`: a server's, plan_serve.py).
 
 Its settings come from the recipe's config, with the field overrides and launch options
 `temper train` takes; two options of its own describe the GPU, which the job would measure.
@@ -32,6 +32,9 @@ options below override the recipe's fields, as in `temper train`.
   --headroom H        share of it kept free for what the plan does not count: scratch and
                       fragmentation (default 0.05)
 
+`temper plan serve [SERVE FLAGS] [--nproc N] [--lora-rank R]` instead prints what each rank of
+`temper serve` holds per served model, by the estimates its model memory budget counts.
+
 --model.base_model takes a model directory or a named size: a HF repo id (Qwen/Qwen3-8B,
 meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B), FAMILY/SIZE (llama/8B) or a Qwen3 size (8B).
 Exit status: 0 when the plan fits, 1 when it does not, 2 for bad input."""
@@ -44,6 +47,10 @@ def plan(argv: Sequence[str], *, package: str = recipes.RECIPES_PACKAGE) -> int:
     does not. Raises ValueError for a bad recipe or setting, SystemExit (tyro) for `--help`
     and bad overrides."""
     args = list(argv)
+    if args[:1] == ["serve"]:
+        from temper.commands.plan_serve import plan_serve
+
+        return plan_serve(args[1:])
     recipe_arg = args.pop(0) if args and not args[0].startswith("-") else None
     options, overrides = config_cli.split_options(args, names=_OPTIONS)
     nproc, per_node = options.get("--nproc"), options.get("--nproc-per-node")

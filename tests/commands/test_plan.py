@@ -155,3 +155,56 @@ def test_a_moe_plan_shows_the_experts_bytes_per_rank(capsys):
     assert trainer == format_bytes(experts // 8 * 4) == "13.50 GiB"
     generator = _cell(out, "generator weights: routed experts, whole bfloat16")
     assert generator == format_bytes(experts * 2) == "54.00 GiB"
+
+
+def _rows(text: str) -> list[tuple[str, str, str]]:
+    """(model, item, bytes) of each row of the plan's tables in `text`."""
+    cells = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| /")
+    ]
+    return [(model, item, held) for model, item, held, _ in cells]
+
+
+def test_plan_serve_says_what_a_trainer_and_a_generator_rank_hold(tmp_path, capsys):
+    from temper.checkpoint.model_source import init_model_dir
+    from temper.server import TemperServer
+    from temper.server.state.base_models import load_base_model
+
+    student, grader = tmp_path / "student", tmp_path / "grader"
+    for seed, directory in enumerate((student, grader)):
+        init_model_dir(directory, size="tiny", tokenizer="digits", seed=seed)
+    models = ["--model", str(student), "--sample-only-model", str(grader)]
+    placement = ["--nproc", "3", "--placement.mode", "disaggregated"]
+    placement += ["--placement.generator_ranks", "2", "--lora-rank", "8"]
+    assert main(["plan", "serve", *models, "--model-memory-mb", "400", *placement]) == 0
+    out = capsys.readouterr().out
+    assert "trainer ranks: 1 (FSDP over 1); budget 400.0 MiB a rank" in out
+    assert "generator ranks: 2; budget 400.0 MiB a rank" in out
+    # The estimates the server's budgets count: a trainer rank holds the shard alone.
+    config = TemperServer.Config(model=[str(student)])
+    base = load_base_model(str(student), trainable=True, sampler=config.sampler, dtype=config.dtype)
+    trainer, generator = (_rows(part) for part in out.split("generator ranks:"))
+    shard = base.training_bytes(
+        lora_rank=8, shared_base=False, sampler_reads_trainer=False, sampler=False
+    )
+    assert trainer == [
+        (str(student), "each LoRA training model, rank 8: its shard", format_bytes(shard))
+    ]
+    sampler = format_bytes(base.sampler_bytes)  # the grader has the student's shapes
+    assert generator == [
+        (str(student), "sampler: weights, KV cache, prefix cache", sampler),
+        (str(grader), "sampler: weights, KV cache, prefix cache (sample-only)", sampler),
+        (
+            str(student),
+            "each LoRA snapshot: its adapters, rank 8 (on the sampler above)",
+            format_bytes(8 * base.lora_bytes_per_rank),
+        ),
+    ]
+    # A budget no rank's sampler fits: the server would answer 503, the plan exits 1.
+    assert main(["plan", "serve", *models, "--model-memory-mb", "100", *placement]) == 1
+    assert "verdict: does NOT fit" in capsys.readouterr().out
+    bad = ["--nproc", "3", "--placement.mode", "disaggregated", "--placement.generator_ranks", "3"]
+    assert main(["plan", "serve", *models, *bad]) == 2
+    assert "--placement.generator_ranks 3" in capsys.readouterr().err

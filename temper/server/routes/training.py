@@ -383,6 +383,7 @@ def _register_model(
             shared_base=server.adapter_room.shares_base(served),
             shared_sampler=server.adapter_room.shares_sampler(served),
             field=rank_field,
+            sampler=not server.adapter_room.samplers_on_generator_ranks(),
         )
     server.add_model(served)
     request_id = server.scheduler.submit(

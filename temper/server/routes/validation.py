@@ -211,12 +211,13 @@ def check_lora_rank_fits(
     shared_base: bool,
     shared_sampler: bool,
     field: str,
+    sampler: bool = True,
 ) -> None:
     """400 naming `field` and the largest rank that fits, for a LoRA rank whose training
     model the model memory budget could not hold even with nothing else loaded: no session
     finishing can make room for it, so it is the request's to change. A base model that does
     not fit at any rank is the server's setting at fault, and left to the budget's 503."""
-    sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+    sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler, "sampler": sampler}
     largest = base.largest_lora_rank(budget_bytes=budget_bytes, **sharing)
     if largest < 1 or rank <= largest:
         return

@@ -114,6 +114,7 @@ class BaseModel:
         shared_base: bool = True,
         shared_sampler: bool = False,
         sampler_reads_trainer: bool = True,
+        sampler: bool = True,
     ) -> int:
         """Estimate for one training model on one rank (job/model_bytes.py): what it trains
         (every weight for full fine-tuning, else its adapters) with their gradients and AdamW
@@ -124,8 +125,11 @@ class BaseModel:
         trainer: each model has its own); with `shared_sampler` the base's multi-LoRA sampler
         is counted there too, and a model adds its adapters. A full fine-tuning model's sampler
         decodes on the trainer's own tensors when `sampler_reads_trainer` (one process,
-        Temper's engine), adding only its caches."""
+        Temper's engine), adding only its caches. Without `sampler` the snapshots sample
+        elsewhere (generator ranks, server/generators/budget.py): the trainer alone."""
         held = self.trainer_bytes(lora_rank=lora_rank)
+        if not sampler:
+            return held.total
         if lora_rank is None:
             sampler = self.sampler_bytes
             if sampler_reads_trainer:
@@ -147,22 +151,27 @@ class BaseModel:
         `shared_sampler` the multi-LoRA sampler that reads them (weights and KV cache)."""
         return self.sampler_bytes if shared_sampler else self.weights_bytes
 
-    def lora_model_bytes(self, *, lora_rank: int, shared_base: bool, shared_sampler: bool) -> int:
+    def lora_model_bytes(
+        self, *, lora_rank: int, shared_base: bool, shared_sampler: bool, sampler: bool = True
+    ) -> int:
         """A LoRA training model with what it cannot do without: `training_bytes`, and the
         weights it shares with other LoRA models when it shares them (`shared_base`)."""
         shared = self.shared_bytes(shared_sampler=shared_sampler) if shared_base else 0
         return shared + self.training_bytes(
-            lora_rank=lora_rank, shared_base=shared_base, shared_sampler=shared_sampler
+            lora_rank=lora_rank,
+            shared_base=shared_base,
+            shared_sampler=shared_sampler,
+            sampler=sampler,
         )
 
     def largest_lora_rank(
-        self, *, budget_bytes: int, shared_base: bool, shared_sampler: bool
+        self, *, budget_bytes: int, shared_base: bool, shared_sampler: bool, sampler: bool = True
     ) -> int:
         """The largest LoRA rank whose training model (`lora_model_bytes`) fits `budget_bytes`
         with nothing else held; 0 when not even rank 1 fits. A search, since the estimate
         grows with the rank but not in equal steps on a sharded trainer (FSDP pads a shard of
         an adapter's R rows to ceil(R / ranks))."""
-        sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler}
+        sharing = {"shared_base": shared_base, "shared_sampler": shared_sampler, "sampler": sampler}
 
         def fits(lora_rank: int) -> bool:
             return self.lora_model_bytes(lora_rank=lora_rank, **sharing) <= budget_bytes

@@ -274,6 +274,7 @@ class TemperServer(Configurable):
                         shared_base=shares_base,
                         shared_sampler=shares_sampler,
                         sampler_reads_trainer=self.adapter_room.sampler_reads_trainer(),
+                        sampler=not self.adapter_room.samplers_on_generator_ranks(),
                     ),
                     pinned=True,
                 )
@@ -508,7 +509,10 @@ def model_budget_bytes(config: ServerConfig, *, device_bytes: int) -> int:
     if config.model_memory_mb is not None:
         return int(config.model_memory_mb * MIB)
     if torch.device(config.device).type == "cpu" and dist.is_initialized():
-        device_bytes //= dist.get_world_size()
+        ranks = dist.get_world_size()
+        if config.placement.mode == "disaggregated":  # processes of their own, not in the group
+            ranks += config.placement.generator_ranks
+        device_bytes //= ranks
     return device_bytes // 2
 
 
