@@ -80,7 +80,9 @@ def sizes(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadSize
     )
 
 
-def _pool(sizes: LoadSizes, *, budget_mb: float = BUDGET_MB) -> GeneratorPool:
+def _pool(
+    sizes: LoadSizes, *, budget_mb: float = BUDGET_MB, idle_seconds: float = 600.0
+) -> GeneratorPool:
     remotes = [
         Remote(
             index=index,
@@ -90,7 +92,7 @@ def _pool(sizes: LoadSizes, *, budget_mb: float = BUDGET_MB) -> GeneratorPool:
             memory=RankMemory(
                 rank=index + 1,
                 budget_bytes=int(budget_mb * MIB),
-                idle_seconds=600.0,
+                idle_seconds=idle_seconds,
                 sizes=sizes,
             ),
         )
@@ -221,3 +223,15 @@ def test_lora_snapshots_share_their_bases_multi_lora_sampler_on_a_rank(sizes):
     assert memory.memory.loaded()[teacher.name] == teacher.sampler_bytes + second.nbytes
     memory.release(second.key)  # the last adapter on it releases the sampler
     assert memory.memory.loaded() == {}
+
+
+def test_an_idle_sampler_is_released_on_its_rank(sizes):
+    pool = _pool(sizes, idle_seconds=0.0)
+    try:
+        student = _base(sizes, "tiny-digits")
+        pool.place(student)
+        _wait_for(lambda: Drop(student.key) in pool.remotes[0].link.ops)  # the 1 s sweep
+        assert _holders(pool) == [set(), set()]
+        assert pool.remotes[0].memory.memory.loaded() == {}
+    finally:
+        pool.close()
