@@ -202,7 +202,7 @@ class GeneratorPool:
     ) -> None:
         try:
             remote = self._choose(load, tried=tried)
-        except (GeneratorLost, OverBudget) as error:
+        except Exception as error:  # GeneratorLost, OverBudget
             result.set_exception(error)
             return
         tried = tried | {remote.index}
