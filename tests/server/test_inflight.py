@@ -20,12 +20,12 @@ GREEDY = types.SamplingParams(max_tokens=4, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def merged_server(model_dir, tmp_path_factory):
-    """LoRA models sample merged weights on Temper's engine, which switches between decode
-    steps."""
+def inflight_server(model_dir, tmp_path_factory):
+    """The default server: LoRA models sample on the shared multi-LoRA sampler, where an
+    in-flight target's call moves to a newer adapter version between decode steps (merged
+    weights switch the same way: tests/client/test_inflight_clients.py)."""
     root = tmp_path_factory.mktemp("inflight")
-    flags = ["--multi-lora.no-enabled"]
-    process = start_server(model_dir, root / "storage", root / "server.log", *flags)
+    process = start_server(model_dir, root / "storage", root / "server.log")
     yield process
     process.stop()
 
@@ -47,8 +47,8 @@ def _versions(server, sequence_id: str) -> tuple[int, ...]:
     return tuple(int(v) for v in re.search(pattern, line).group(1).split(","))
 
 
-def test_every_inflight_client_samples_the_newest_save(merged_server, model_dir):
-    service = merged_server.service()
+def test_every_inflight_client_samples_the_newest_save(inflight_server, model_dir):
+    service = inflight_server.service()
     training = service.create_lora_training_client(str(model_dir), rank=4, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompt = types.ModelInput.from_ints(tokenizer.encode("4"))
@@ -64,12 +64,12 @@ def test_every_inflight_client_samples_the_newest_save(merged_server, model_dir)
         assert tokens == expected[0]
         assert logprobs == pytest.approx(expected[1], abs=1e-5)
     response = first.sample(prompt, 1, GREEDY).result()
-    assert _versions(merged_server, response.sequences[0].sequence_id) == (1,)
+    assert _versions(inflight_server, response.sequences[0].sequence_id) == (1,)
     service.close("success").result()
 
 
-def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(merged_server, model_dir):
-    service = merged_server.service()
+def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(inflight_server, model_dir):
+    service = inflight_server.service()
     training = service.create_lora_training_client(str(model_dir), rank=4, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompt = types.ModelInput.from_ints(tokenizer.encode("4"))
@@ -83,7 +83,7 @@ def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(merged_server, mode
         _step(training, tokenizer)
         training.save_weights_and_get_sampling_client(kind="inflight").result()
         sequence = future.result().sequences[0]
-        versions = _versions(merged_server, sequence.sequence_id)
+        versions = _versions(inflight_server, sequence.sequence_id)
         assert list(versions) == sorted(set(versions)) and versions[0] >= start
         assert set(versions) <= {start, start + 1}
         start += 1
@@ -93,12 +93,12 @@ def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(merged_server, mode
     service.close("success").result()
 
 
-def test_a_named_save_refuses_kind_inflight(merged_server, model_dir):
-    service = merged_server.service()
+def test_a_named_save_refuses_kind_inflight(inflight_server, model_dir):
+    service = inflight_server.service()
     training = service.create_lora_training_client(str(model_dir), rank=4, seed=0).result()
     body = {"model_id": training.model_id, "path": "named", "kind": "inflight"}
     answer = httpx.post(
-        f"{merged_server.base_url}/api/v1/save_weights_for_sampler",
+        f"{inflight_server.base_url}/api/v1/save_weights_for_sampler",
         json=body,
         headers={"X-API-Key": API_KEY},
     )
