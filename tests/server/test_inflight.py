@@ -47,8 +47,11 @@ def _versions(server, sequence_id: str) -> tuple[int, ...]:
     return tuple(int(v) for v in re.search(pattern, line).group(1).split(","))
 
 
-def test_every_inflight_client_samples_the_newest_save(inflight_server, model_dir):
-    service = inflight_server.service()
+def every_client_samples_the_newest_save(server, model_dir) -> None:
+    """Two in-flight clients, made before and after a step, sample what a snapshot of the
+    newest save samples; the request log names the version (also on a disaggregated
+    server: tests/server/test_disaggregated.py)."""
+    service = server.service()
     training = service.create_lora_training_client(str(model_dir), rank=4, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompt = types.ModelInput.from_ints(tokenizer.encode("4"))
@@ -64,12 +67,14 @@ def test_every_inflight_client_samples_the_newest_save(inflight_server, model_di
         assert tokens == expected[0]
         assert logprobs == pytest.approx(expected[1], abs=1e-5)
     response = first.sample(prompt, 1, GREEDY).result()
-    assert _versions(inflight_server, response.sequences[0].sequence_id) == (1,)
+    assert _versions(server, response.sequences[0].sequence_id) == (1,)
     service.close("success").result()
 
 
-def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(inflight_server, model_dir):
-    service = inflight_server.service()
+def a_long_sample_spans_a_save(server, model_dir) -> None:
+    """A save made while a long sample decodes returns at once, and the sample goes on with
+    the newer weights: the request log names both versions for it."""
+    service = server.service()
     training = service.create_lora_training_client(str(model_dir), rank=4, seed=0).result()
     tokenizer = training.get_tokenizer()
     prompt = types.ModelInput.from_ints(tokenizer.encode("4"))
@@ -83,7 +88,7 @@ def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(inflight_server, mo
         _step(training, tokenizer)
         training.save_weights_and_get_sampling_client(kind="inflight").result()
         sequence = future.result().sequences[0]
-        versions = _versions(inflight_server, sequence.sequence_id)
+        versions = _versions(server, sequence.sequence_id)
         assert list(versions) == sorted(set(versions)) and versions[0] >= start
         assert set(versions) <= {start, start + 1}
         start += 1
@@ -91,6 +96,14 @@ def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(inflight_server, mo
             break
     assert versions == (start - 1, start)
     service.close("success").result()
+
+
+def test_every_inflight_client_samples_the_newest_save(inflight_server, model_dir):
+    every_client_samples_the_newest_save(inflight_server, model_dir)
+
+
+def test_a_save_while_a_long_sample_decodes_is_spanned_by_it(inflight_server, model_dir):
+    a_long_sample_spans_a_save(inflight_server, model_dir)
 
 
 def test_a_named_save_refuses_kind_inflight(inflight_server, model_dir):
