@@ -1,7 +1,8 @@
 """In-flight sampling clients (`save_weights_and_get_sampling_client(kind="inflight")`) driven by
 the official SDK: every in-flight client samples the newest in-flight save, a save returns
 while a long sample decodes and the sample goes on with the newer weights (the request log
-names the versions each sequence spanned), and a named save refuses kind='inflight'."""
+names the versions each sequence spanned), a named save refuses kind='inflight', and the
+model memory budget counts each model's in-flight target."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 from tinker import types
 
+from temper.server.state.server import ServedModel, Session, TemperServer
 from tests.server.conftest import API_KEY, start_server
 from tests.server.test_request_log import log_lines
 from tests.server.test_sdk import datum
@@ -117,3 +119,32 @@ def test_a_named_save_refuses_kind_inflight(inflight_server, model_dir):
     )
     assert answer.status_code == 400 and "kind='inflight'" in answer.text
     service.close("success").result()
+
+
+def test_an_inflight_target_counts_in_the_model_memory_budget(model_dir, tmp_path):
+    config = TemperServer.Config(model=[str(model_dir)], storage=str(tmp_path / "storage"))
+    server = TemperServer(config, backend=object())  # no model runs here
+    server.sessions["s"] = Session(session_id="s", user="default")
+    base = server.base_models.first
+    models = {}
+    for model_id, rank in (("lora", 4), ("full", None)):
+        models[model_id] = ServedModel(
+            model_id=model_id,
+            session_id="s",
+            owner="default",
+            base=base,
+            is_lora=rank is not None,
+            lora_rank=rank,
+        )
+        server.add_model(models[model_id])
+    held = server.memory.loaded()[base.name]
+    # On the multi-LoRA sampler: the adapter version decoding and a newer one offered.
+    adapters = 2 * 4 * base.lora_bytes_per_rank
+    for _ in range(2):  # counted once per model, at its first in-flight save
+        server.admit_inflight(models["lora"])
+    assert server.memory.loaded()[base.name] == held + adapters
+    server.admit_inflight(models["full"])  # a sampler copy of its own
+    assert server.memory.loaded()[base.name] == held + adapters + base.sampler_bytes
+    server.drop_model("lora")
+    server.drop_model("full")
+    assert base.name not in server.memory.loaded()

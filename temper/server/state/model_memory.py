@@ -19,8 +19,9 @@ A base model is loaded while anything on it is held (logged `base model ... load
 sampler is gone is refused with `OverBudget` (HTTP 503) naming the budget and what holds it;
 a LoRA rank the whole budget could never hold is refused before it gets here, as the
 request's error (400, `validation.check_lora_rank_fits`).
-Sampling snapshots are counted by their own budget (snapshots.py), not this one. Every method
-is thread-safe.
+A training model's in-flight sampling target (client/inflight.py) is pinned from its first
+in-flight save until the model is dropped (server.py: `admit_inflight`). Sampling snapshots
+are counted by their own budget (snapshots.py), not this one. Every method is thread-safe.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class ModelMemory:
                     self.budget_bytes / MIB,
                 )
             return released
+
+    def holds(self, key: str) -> bool:
+        with self._lock:
+            return key in self._held
 
     def use(self, key: str) -> None:
         """Mark `key` used now (a sample on a shared sampler)."""
