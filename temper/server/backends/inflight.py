@@ -44,10 +44,11 @@ class RemoteTarget:
         """Move the target to `load`'s weights (its key is the target's); a client on it."""
         assert load.key == self.key
         self._saves += 1
-        self.load = LoadInflight(load=load, save=self._saves)
-        self.pool.publish(self.load)
-        if self._saves == 1:
-            self.pool.place(self.load)  # a bad load fails the save that made it
+        inflight = LoadInflight(load=load, save=self._saves)
+        self.pool.publish(inflight)
+        if self.load is None:
+            self.pool.place(inflight)  # a bad load fails the save that made it
+        self.load = inflight
         return RemoteInflight(self, version=load.version)
 
 

@@ -20,6 +20,7 @@ newest (under the same per-rank lock, so no rank is left on an older save).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -161,19 +162,24 @@ class GeneratorPool:
     def publish(self, load: LoadInflight) -> None:
         """An in-flight target's newer save: sent now to every live rank that holds the
         target (blocks until they have it; raises a rank's error, e.g. a full multi-LoRA
-        sampler); the ranks that load it later get the newest."""
+        sampler, and the ranks that load the target later get the save before); the ranks
+        that load it later get the newest."""
         with self._lock:
+            previous = self._newest.get(load.key)
             self._newest[load.key] = load
-        for remote in self.remotes:
-            with self._key_lock(remote, load.key):
-                with self._lock:
-                    held = remote.alive and load.key in remote.held
-                if not held:
-                    continue
-                try:
-                    self._send(remote, load, sequences=0).result()
-                except GeneratorLost:  # it died: the target's next call goes elsewhere
-                    continue
+        try:
+            for remote in self.remotes:
+                with self._key_lock(remote, load.key):
+                    with self._lock:
+                        held = remote.alive and load.key in remote.held
+                    if held:  # a rank that died meanwhile is skipped: calls go elsewhere
+                        with contextlib.suppress(GeneratorLost):
+                            self._send(remote, load, sequences=0).result()
+        except BaseException:
+            with self._lock:
+                if self._newest.get(load.key) is load and previous is not None:
+                    self._newest[load.key] = previous
+            raise
 
     def drop(self, key: str) -> None:
         """Every rank forgets `key` (its sampling client on rank 0 was released)."""
