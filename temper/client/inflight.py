@@ -7,7 +7,7 @@ that moment, for the clients made before and after it. Tinker's contract
 
 - A save does not wait for samples in progress: it hands the target a copy of the weights
   (`WeightSwitch.offer`, temper/sampler/weight_switch.py) and returns; the trainer may step at
-  once. The target takes the copy before its next call, and Temper's engine also between two
+  once. The target takes the copy before its next call, and Temper's engines also between two
   decode steps of a call in progress: a sequence being decoded goes on with the newer weights
   over the keys and values computed before (the KV cache is kept).
 - A client samples on the weights saved when it was made or newer: the save that made it
@@ -21,13 +21,18 @@ Where the weights go, by the trainer's placement:
 - Temper's engine on a copy of the weights (full fine-tuning; LoRA on a private base, merged):
   switches between decode steps. The engine decodes in this process alone (on CPU, without
   `cpu.processes` helper processes, whose copies of the weights a switch would not reach).
-- A LoRA trainer on a shared multi-LoRA sampler: the target is an adapter version of its own
-  (`AdapterView`); a save registers the newer adapter, and calls started later use it (a call
-  in progress finishes on the adapter it started with).
-- vLLM: a second engine of its own for the target; a save is loaded before the target's next
+- A LoRA trainer on Temper's shared multi-LoRA sampler: the target is an adapter version of
+  its own (`AdapterView`); a save registers the newer adapter version, and the target's call
+  in progress moves to it between decode steps (generator/multi_lora.py) while the other
+  adapters' rows go on as they were.
+- vLLM (merged weights or its multi-LoRA sampler): a save is taken before the target's next
   call (Temper runs vLLM through `LLM.generate`, which decodes a batch to the end).
-- Generator ranks of a disaggregated placement: not served (the save is refused, naming
-  this).
+- Generator ranks of a disaggregated placement: each rank that serves the model holds a
+  target of its own, built and moved by the same `InflightTarget` from the weights rank 0
+  sends it (temper/server/generators/).
+
+`InflightTarget` is the target alone (it is given weights); `TrainerInflight` feeds one from a
+trainer in this process.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +54,7 @@ from temper.models.lora import lora_state_dict, merged_config
 from temper.sampler.cpu.process_split import ProcessSplitSampler
 from temper.sampler.engine import SamplerEngine
 from temper.sampler.requests import SampleRequest
+from temper.sampler.weight_source import WeightUpdate
 from temper.sampler.weight_switch import WeightSwitch
 from temper.tokenizer import Tokenizer
 from temper.trainer.engine import TrainerEngine
@@ -57,8 +63,69 @@ _namespaces = itertools.count(1)
 
 
 class InflightTarget:
-    """One training client's mutable sampling weights (see the module docstring). `publish`
-    runs on the training client's worker; reads run on its sampling worker."""
+    """One mutable sampling target: a generator that owns its weights, and the switch that
+    moves them on (see the module docstring). `publish` runs on whoever saves (a training
+    client's worker, a generator rank's link); reads run on the sampling workers."""
+
+    def __init__(self, generator: Generator) -> None:
+        """`generator`: built, holding no weights yet (the first `publish` loads them)."""
+        self.generator = generator
+        self.switch = WeightSwitch()
+        if isinstance(generator, SamplerEngine):
+            generator.between_steps = self.switch.between_steps
+        elif isinstance(generator, AdapterView):
+            generator.switch = self.switch
+        self._loaded = False
+        self._lock = threading.Lock()  # one call on the target at a time
+        self._namespace = 0  # the client whose cached prefixes the target holds
+        self.published_version = -1
+        """The policy version of the latest save (taken by the target or pending)."""
+
+    def publish(self, weights: WeightUpdate, *, version: int) -> None:
+        """Move the target to `weights` (a private copy it may keep): loaded at once by the
+        first save, offered to the switch by the later ones (an adapter version is
+        registered first, so a full multi-LoRA sampler refuses the save)."""
+        generator = self.generator
+        if not self._loaded:
+            generator.update_weights(weights, version=version)
+            self._loaded = True
+        else:
+            if isinstance(generator, AdapterView):
+                assert isinstance(weights, Mapping)
+                weights = generator.registered(weights, version=version)
+            self.switch.offer(weights, version=version)
+        self.published_version = version
+
+    def client(self, *, namespace: int | None = None) -> InflightSnapshot:
+        """What one in-flight client reads through (after `publish`); `namespace`: its
+        prefix-cache namespace, when its caller numbers them (a new one otherwise)."""
+        return InflightSnapshot(self, version=self.published_version, namespace=namespace)
+
+    @contextlib.contextmanager
+    def reading(self, namespace: int) -> Iterator[Generator]:
+        """The target's generator, newest weights taken, cached prefixes of `namespace`."""
+        assert self._loaded, "a target is read only after its first publish"
+        with self._lock:
+            generator = self.generator
+            self.switch.take(generator)
+            if namespace != self._namespace:
+                _drop_prefixes(generator)
+                self._namespace = namespace
+            yield generator
+
+
+def engine_of_its_own(generator: Generator) -> Generator:
+    """`generator` as an in-flight target decodes: a process split's engine alone (its helper
+    processes hold copies of the weights a switch would not reach)."""
+    if isinstance(generator, ProcessSplitSampler):
+        generator.close()
+        return generator.engine
+    return generator
+
+
+class TrainerInflight:
+    """A training client's in-flight target, fed from its trainer in this process. `publish`
+    runs on the training client's worker."""
 
     def __init__(
         self,
@@ -72,45 +139,15 @@ class InflightTarget:
         self._new_generator = new_generator
         self._tokenizer = tokenizer
         self._adapter_sampler = adapter_sampler
-        self._generator: Generator | None = None
-        self.switch = WeightSwitch()
-        self._lock = threading.Lock()  # one call on the target at a time
-        self._namespace = 0  # the client whose cached prefixes the target holds
-        self.published_version = -1
-        """The policy version of the latest save (taken by the target or pending)."""
+        self.target: InflightTarget | None = None
 
-    @property
-    def generator(self) -> Generator:
-        assert self._generator is not None, "a target is read only after its first publish"
-        return self._generator
-
-    def publish(self) -> int:
-        """Move the target to the trainer's current weights (see the module docstring);
-        returns their policy version."""
-        trainer = self._trainer
-        version = trainer.policy_version
-        if self._generator is None:
-            self._generator = self._build()
-            self._generator.update_weights(self._weights(), version=version)
-        else:
-            self.switch.offer(self._weights(), version=version)
-        self.published_version = version
-        return version
-
-    def client(self) -> InflightSnapshot:
-        """What one new in-flight client reads through (after `publish`)."""
-        return InflightSnapshot(self, version=self.published_version)
-
-    @contextlib.contextmanager
-    def reading(self, namespace: int) -> Iterator[Generator]:
-        """The target's generator, newest weights taken, cached prefixes of `namespace`."""
-        with self._lock:
-            generator = self.generator
-            self.switch.take(generator)
-            if namespace != self._namespace:
-                _drop_prefixes(generator)
-                self._namespace = namespace
-            yield generator
+    def publish(self) -> InflightSnapshot:
+        """Move the target to the trainer's current weights; a new client on it."""
+        if self.target is None:
+            self.target = InflightTarget(self._build())
+        version = self._trainer.policy_version
+        self.target.publish(self._weights(), version=version)
+        return self.target.client()
 
     def _build(self) -> Generator:
         trainer = self._trainer
@@ -127,15 +164,7 @@ class InflightTarget:
         copy = materialize(
             merged_config(model), device=parameter.device, dtype=trainer.compute_dtype, init="empty"
         )
-        generator = self._new_generator(model=copy, tokenizer=self._tokenizer)
-        if isinstance(generator, ProcessSplitSampler):
-            # Its helper processes hold copies of the weights a switch would not reach: the
-            # target decodes in this process alone.
-            generator.close()
-            generator = generator.engine
-        if isinstance(generator, SamplerEngine):
-            generator.between_steps = self.switch.between_steps
-        return generator
+        return engine_of_its_own(self._new_generator(model=copy, tokenizer=self._tokenizer))
 
     def _weights(self) -> dict[str, torch.Tensor]:
         """A private copy of the trainer's sampler weights, in the generator's dtype."""
@@ -156,10 +185,10 @@ class InflightSnapshot:
     same calls as weight_sync.py's `Snapshot`). `version` is the policy version saved when
     the client was made: every sample runs on it or newer."""
 
-    def __init__(self, target: InflightTarget, *, version: int) -> None:
+    def __init__(self, target: InflightTarget, *, version: int, namespace: int | None) -> None:
         self.target = target
         self.version = version
-        self.namespace = next(_namespaces)
+        self.namespace = next(_namespaces) if namespace is None else namespace
 
     @property
     def generator(self) -> Generator:

@@ -34,7 +34,7 @@ from temper.api.types import (
 )
 from temper.checkpoint.dcp import load_train_state, save_train_state
 from temper.checkpoint.storage import CheckpointPath, CheckpointStorage, check_name
-from temper.client.inflight import InflightTarget
+from temper.client.inflight import TrainerInflight
 from temper.client.sampler_weights import recorded_base_model, save_sampler_weights
 from temper.client.sampling_client import SamplingClient
 from temper.client.shared_base import SharedBase
@@ -117,7 +117,7 @@ class TrainingClient:
         elif adapter_sampler is not None:
             feed = AdapterFeed(trainer=engine, multi_lora=adapter_sampler)
         self._remote = remote
-        self._inflight: InflightTarget | None = None
+        self._inflight: TrainerInflight | None = None
         """The in-flight sampling target (inflight.py), made by the first in-flight save."""
         self._weight_sync = WeightSync(
             trainer=engine,
@@ -351,19 +351,19 @@ class TrainingClient:
         so no change slips in between)."""
         if self._remote is not None:
             raise ValueError(
-                "kind='inflight' sampling clients are not served on the generator ranks of a "
-                "disaggregated placement; use kind='snapshot'"
+                "kind='inflight' sampling clients are not served on the generator ranks of "
+                "an in-process disaggregated placement (`temper serve`'s disaggregated "
+                "placement serves them); use kind='snapshot'"
             )
         if self._inflight is None:
-            self._inflight = InflightTarget(
+            self._inflight = TrainerInflight(
                 trainer=self.engine,
                 new_generator=self.service.new_generator,
                 tokenizer=self.tokenizer,
                 adapter_sampler=self.adapter_sampler,
             )
-        self._inflight.publish()
         return SamplingClient(
-            snapshot=self._inflight.client(),
+            snapshot=self._inflight.publish(),
             worker=self._sampler_worker,
             tokenizer=self.tokenizer,
         )

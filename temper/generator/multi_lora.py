@@ -22,8 +22,14 @@ its own adapter.
   results or its own error (a bad request fails only its call).
 
 `AdapterView` is the `Generator` one training client's snapshots use: this sampler plus one
-adapter version. On CPU the engine decodes on the model itself (no fused or packed twin, no
-helper processes: those copy plain weights); on CUDA without graphs.
+adapter version. An in-flight target's view (client/inflight.py) has a `WeightSwitch`: an
+adapter version offered there while its call decodes is taken between two decode steps, the
+call's rows going on with it over the keys and values cached so far. It goes into the slot
+the call uses, in place, when no other call or score holds that slot; else into another slot,
+and the call's rows are repointed there (other calls' rows keep their slots).
+
+On CPU the engine decodes on the model itself (no fused or packed twin, no helper processes:
+those copy plain weights); on CUDA without graphs.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ from temper.config.configurable import Configurable
 from temper.models.lora import LoraConfig
 from temper.models.multi_lora import install_slots, load_adapter, set_rows
 from temper.sampler.engine import SamplerEngine
-from temper.sampler.requests import SampleRequest
+from temper.sampler.requests import RequestState, SampleRequest
 from temper.sampler.weight_source import WeightUpdate
+from temper.sampler.weight_switch import WeightSwitch
 from temper.tokenizer import Tokenizer
 
 MIB = 2**20
@@ -79,6 +86,17 @@ class Adapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(eq=False)
+class _Joined:
+    """A call in the engine's batch: its request states and the adapter slot it holds."""
+
+    states: Sequence[RequestState]
+    slot: int
+    follow: AdapterView | None
+    """An in-flight target's view whose offers the call takes between steps."""
+    switched: bool = False
 
 
 class MultiLoraSampler(Configurable):
@@ -138,6 +156,8 @@ class MultiLoraSampler(Configurable):
         )  # slot -> adapter, LRU first
         self._pins: dict[int, int] = {}  # slot -> calls and scores using it (slot lock)
         self._slot_lock = threading.Lock()
+        self._following: list[_Joined] = []  # joined calls of in-flight targets (loop thread)
+        self.engine.between_steps = self._take_offers
         self.num_loads = 0
         """Adapters copied into a slot so far."""
 
@@ -169,21 +189,76 @@ class MultiLoraSampler(Configurable):
             return adapter
 
     def generate(
-        self, requests: Sequence[SampleRequest], *, adapter: Adapter
+        self,
+        requests: Sequence[SampleRequest],
+        *,
+        adapter: Adapter,
+        follow: AdapterView | None = None,
     ) -> list[SampleResponse]:
-        """`requests` sampled with `adapter`, joining the engine's running batch."""
-        slot: list[int] = []  # the slot the call holds once it joined
+        """`requests` sampled with `adapter`, joining the engine's running batch. `follow`: an
+        in-flight target's view; the adapter versions offered to its switch while the call
+        decodes are taken between steps (see the module docstring)."""
+        joined: list[_Joined] = []  # the call, once it joined
 
-        def gate() -> int | None:
-            taken = self._pin(adapter)
-            if taken is not None:
-                slot.append(taken)
-            return taken
+        def gate(states: Sequence[RequestState]) -> int | None:
+            slot = self._pin(adapter)
+            if slot is not None:
+                joined.append(_Joined(states=states, slot=slot, follow=follow))
+                if follow is not None:
+                    self._following.append(joined[0])
+            return slot
 
         def done() -> None:
-            self._unpin(slot[0])
+            call = joined[0]
+            if call.follow is not None:
+                self._following.remove(call)
+                if call.switched:  # keys and values of two versions: never a prefix again
+                    self.engine.forget_prefixes(adapter=call.slot)
+            self._unpin(call.slot)
 
         return self.engine.generate(requests, adapter_gate=gate, on_done=done)
+
+    def _take_offers(self, engine: SamplerEngine) -> bool:
+        """The engine's hook between decode steps (on its driving thread): each following
+        call takes the newest adapter version offered to its target. Returns False: the
+        base weights stay, and the forwards read the adapter slots as they are."""
+        for call in self._following:
+            assert call.follow is not None and call.follow.switch is not None
+            switch = call.follow.switch
+            offer = switch.pop()
+            if offer is None:
+                continue
+            update, version = offer
+            assert isinstance(update, Registered) and isinstance(update.adapter, Adapter)
+            with self._slot_lock:
+                slot = self._switch_slot(call.slot, adapter=update.adapter)
+            if slot is None:  # every other slot is held by running calls: at the next step
+                switch.put_back(update, version=version)
+                continue
+            before = call.follow.version
+            call.follow.adapter = update.adapter
+            owners = engine.repoint(call.states, adapter=slot)
+            call.slot, call.switched = slot, True
+            switch.note(owners, before=before, after=version)
+        return False
+
+    def _switch_slot(self, slot: int, *, adapter: Adapter) -> int | None:
+        """Where a call holding `slot` goes on with `adapter` (slot lock held): `slot` itself,
+        loaded in place, when the call alone holds it; else another slot, pinned for the call
+        in place of `slot`; None when every other slot is held."""
+        if self._pins[slot] == 1:
+            self.engine.forget_prefixes(adapter=slot)
+            load_adapter(self.engine.model, slot, config=adapter.config, tensors=adapter.tensors)
+            self.num_loads += 1
+            self._resident[slot] = weakref.ref(adapter)
+            self._resident.move_to_end(slot)
+            return slot
+        other = self._resident_slot(adapter)
+        if other is None:
+            return None
+        self._pins[other] = self._pins.get(other, 0) + 1
+        self._release(slot)
+        return other
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, adapter: Adapter, temperature: float = 1.0
@@ -225,9 +300,12 @@ class MultiLoraSampler(Configurable):
 
     def _unpin(self, slot: int) -> None:
         with self._slot_lock:
-            self._pins[slot] -= 1
-            if not self._pins[slot]:
-                del self._pins[slot]
+            self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
 
     def _resident_slot(self, adapter: Adapter) -> int | None:
         """The slot of `adapter`, loading it into a free or unpinned slot (None: none is)."""
@@ -301,6 +379,15 @@ class AdapterSampler(Protocol):
     def describe(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class Registered:
+    """An adapter version already registered on a view's sampler, as a weight update: an
+    in-flight save registers its adapter when it is made (so a full sampler refuses the
+    save, not a later sample) and offers it to the target's switch."""
+
+    adapter: AdapterVersion
+
+
 class AdapterView:
     """The `Generator` of one LoRA trainer's snapshots: a shared sampler and one adapter
     version (replaced, not written, by `update_weights`: a version that fails to register
@@ -312,6 +399,9 @@ class AdapterView:
         self.sampler = sampler
         self.lora = config
         self.adapter: AdapterVersion | None = None
+        self.switch: WeightSwitch | None = None
+        """An in-flight target's (client/inflight.py): on Temper's multi-LoRA sampler a call
+        takes the versions offered there between decode steps; elsewhere at the next call."""
 
     @property
     def model(self) -> None:
@@ -326,7 +416,11 @@ class AdapterView:
         return self.sampler.vocab_size
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
-        """`source`: the trainer's adapter tensors (`lora_state_dict`)."""
+        """`source`: the trainer's adapter tensors (`lora_state_dict`), or a version already
+        `registered`."""
+        if isinstance(source, Registered):
+            self.adapter = source.adapter
+            return
         if not isinstance(source, Mapping):
             raise TypeError(
                 "AdapterView.update_weights takes adapter tensors by name, got "
@@ -334,7 +428,13 @@ class AdapterView:
             )
         self.adapter = self.sampler.register(config=self.lora, tensors=source, version=version)
 
+    def registered(self, tensors: Mapping[str, torch.Tensor], *, version: int) -> Registered:
+        """`tensors` registered on the sampler as a version to switch to later."""
+        return Registered(self.sampler.register(config=self.lora, tensors=tensors, version=version))
+
     def generate(self, requests: Sequence[SampleRequest]) -> list[SampleResponse]:
+        if self.switch is not None and isinstance(self.sampler, MultiLoraSampler):
+            return self.sampler.generate(requests, adapter=self._current(), follow=self)
         return self.sampler.generate(requests, adapter=self._current())
 
     def score(

@@ -74,7 +74,7 @@ from temper.sampler.retirement import Retirement
 from temper.sampler.routes import RouteRecorder, recording
 from temper.sampler.row_adapters import RowAdapters
 from temper.sampler.sequence_scoring import score_sequences
-from temper.sampler.slots import SlotTable
+from temper.sampler.slots import SlotOwner, SlotTable
 from temper.sampler.weight_source import WeightSource, WeightUpdate
 from temper.tokenizer import Tokenizer
 
@@ -362,14 +362,15 @@ class SamplerEngine(Configurable, OnePromptSampling):
         requests: Sequence[SampleRequest],
         *,
         num_threads: int | None = None,
-        adapter_gate: Callable[[], int | None] | None = None,
+        adapter_gate: Callable[[Sequence[RequestState]], int | None] | None = None,
         on_done: Callable[[], None] | None = None,
     ) -> list[SampleResponse]:
         """Run requests to completion with continuous batching, beside the calls of other
         threads; responses in request order. On CPU, on `num_threads` threads if given (else
         `cpu.num_threads`) while this thread drives the loop. `adapter_gate` (a multi-LoRA
-        sampler's): called between steps until it gives the adapter slot the requests join
-        with (None: not yet); `on_done`: called once the joined call ended."""
+        sampler's): called between steps with the call's request states until it gives the
+        adapter slot they join with (None: not yet); `on_done`: called once the joined call
+        ended."""
         states = [self.admission.start(request, index) for index, request in enumerate(requests)]
         if not self.cache.allocated:
             raise ValueError("generate: the engine sleeps (its KV cache is released); wake it up")
@@ -377,7 +378,7 @@ class SamplerEngine(Configurable, OnePromptSampling):
         if adapter_gate is not None:
 
             def gate() -> bool:
-                slot = adapter_gate()
+                slot = adapter_gate(states)
                 if slot is None:
                     return False
                 for state in states:
@@ -385,6 +386,22 @@ class SamplerEngine(Configurable, OnePromptSampling):
                 return True
 
         return self.loop.generate(states, gate=gate, on_done=on_done, num_threads=num_threads)
+
+    def repoint(self, states: Sequence[RequestState], *, adapter: int) -> list[SlotOwner]:
+        """Between decode steps, on the loop's driving thread: the sequences of `states` (a
+        joined call's) sample with adapter slot `adapter` from the next step on, in their
+        slots and waiting ones alike; the keys and values cached so far stay. Returns the
+        owners of their slots (sequences being decoded)."""
+        ours = {id(state) for state in states}
+        for state in states:
+            state.request = dataclasses.replace(state.request, adapter=adapter)
+        slots = self.slots
+        moved = [row for row in range(slots.num_active) if id(slots.owners[row].state) in ours]
+        for row in moved:
+            slots.adapters[row] = adapter
+        if moved:
+            slots.adapter_S[torch.tensor(moved, device=self.device)] = adapter
+        return [slots.owners[row] for row in moved]
 
     # -- the decode loop's runner (decode_loop.py) -----------------------------------------
 

@@ -10,6 +10,9 @@ so the trainer may step on) and returns; the generator takes them at its next ch
   top of each turn of its decode loop when the hook is set). The keys and values already in
   the KV cache stay: the next step feeds the old cache to the new weights. Only the newest
   offer is kept; an older one not yet taken is dropped.
+- between two decode steps of a multi-LoRA sampler (generator/multi_lora.py), which `pop`s
+  an offer (a registered adapter version) and moves the rows of the target's call to it,
+  `note`-ing the switch here.
 
 It also records which weight versions each sequence of the call ran under (`spans`): at each
 switch the sequences in their slots then span both versions. A sequence that starts and ends
@@ -73,21 +76,40 @@ class WeightSwitch:
         weights changed (the engine then rebuilds its step function)."""
         if self._pending is None:  # unlocked peek: the common case costs one read
             return False
+        pending = self.pop()
+        if pending is None:
+            return False
         slots = engine.slots
         before = engine.version
         active = [slots.owners[slot] for slot in range(slots.num_active)]
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return False
         weights, version = pending
         engine.switch_weights(weights, version=version)  # on the loop's thread: no barrier
-        self.num_switches += 1
-        self._call_versions.append(engine.version)
-        for owner in active:
-            spans = self._spans.setdefault((owner.state.index, owner.sample_index), [before])
-            spans.append(engine.version)
+        self.note(active, before=before, after=engine.version)
         return True
+
+    def pop(self) -> tuple[WeightUpdate, int] | None:
+        """The pending offer (weights, version), taken out of the mailbox; None if none."""
+        if self._pending is None:  # unlocked peek (see `between_steps`)
+            return None
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
+
+    def put_back(self, weights: WeightUpdate, *, version: int) -> None:
+        """A popped offer that could not be taken yet, back in the mailbox (unless a newer
+        one arrived meanwhile)."""
+        with self._lock:
+            if self._pending is None:
+                self._pending = (weights, version)
+
+    def note(self, owners: Sequence[Any], *, before: int, after: int) -> None:
+        """A switch between decode steps from weights `before` to `after`, under the sequences
+        of `owners` (the call's `SlotOwner`s in their slots then)."""
+        self.num_switches += 1
+        self._call_versions.append(after)
+        for owner in owners:
+            spans = self._spans.setdefault((owner.state.index, owner.sample_index), [before])
+            spans.append(after)
 
     def stamped(self, responses: Sequence[SampleResponse]) -> list[SampleResponse]:
         """`responses` with each sequence's `weight_versions` (see the module docstring)."""

@@ -64,32 +64,38 @@ def test_every_inflight_client_samples_the_newest_save(service, lora):
     assert (first.version, second.version) == (0, 2)
 
 
-def test_a_save_does_not_wait_for_a_sample_that_then_spans_both_versions(service):
-    client = _make(service, lora=False)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_save_does_not_wait_for_a_sample_that_then_spans_both_versions(service, lora):
+    client = _make(service, lora=lora)
     sampler = client.save_weights_and_get_sampling_client(kind="inflight")
-    target = client._inflight
-    engine = target.generator
+    target = client._inflight.target
+    # Full fine-tuning: the target's own engine; LoRA: the multi-LoRA sampler's shared one.
+    engine = target.generator.sampler.engine if lora else target.generator
     # Hold the sample in its decode loop (third turn) until the next save has returned.
     reached, saved = threading.Event(), threading.Event()
     calls = [0]
+    switch_steps = engine.between_steps
 
     def hook(engine_):
         calls[0] += 1
         if calls[0] == 3:
             reached.set()
             assert saved.wait(timeout=120), "the save waited for the sample"
-        return target.switch.between_steps(engine_)
+        return switch_steps(engine_)
 
     engine.between_steps = hook
-    params = SamplingParams(max_tokens=12, temperature=0, stop=[])
-    future = sampler.sample(ModelInput.from_ints([5, 6, 7]), 2, params)
-    assert reached.wait(timeout=120)
-    _step(client)
-    newer = client.save_weights_and_get_sampling_client(kind="inflight")
-    saved.set()
-    response = future.result()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, stop=[])
+        future = sampler.sample(ModelInput.from_ints([5, 6, 7]), 2, params)
+        assert reached.wait(timeout=120)
+        _step(client)
+        newer = client.save_weights_and_get_sampling_client(kind="inflight")
+        saved.set()
+        response = future.result()
+    finally:
+        engine.between_steps = switch_steps
     assert [s.weight_versions for s in response.sequences] == [(0, 1), (0, 1)]
-    assert target.switch.num_switches == 1 and engine.version == 1
+    assert target.switch.num_switches == 1 and target.generator.version == 1
     assert _probe(newer)[2] == (1,)
 
 
@@ -97,7 +103,7 @@ def test_each_inflight_client_is_its_own_prefix_cache_namespace(service):
     client = _make(service, lora=False)
     one = client.save_weights_and_get_sampling_client(kind="inflight")
     two = client.save_weights_and_get_sampling_client(kind="inflight")  # no step between
-    cache = client._inflight.generator.prefix_cache
+    cache = client._inflight.target.generator.prefix_cache
     params = SamplingParams(max_tokens=6, temperature=0, stop=[])
     prompt = [5, 6, 7, 8]
     tokens = one.sample(ModelInput.from_ints(prompt), 1, params).result().sequences[0].tokens

@@ -138,7 +138,7 @@ def test_chunked_prefill_decodes_the_prompt_as_a_full_forward(size_fn):
 def test_a_failing_call_fails_alone_and_the_running_one_finishes(model):
     engine = _engine(model)
 
-    def refused():
+    def refused(states):
         raise RuntimeError("no slot for you")
 
     joining = JoinAtStep(engine)

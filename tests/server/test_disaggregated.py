@@ -4,11 +4,12 @@ One trainer rank (under torchrun) and two generator ranks (processes of their ow
 by the unmodified tinker SDK: training, snapshots, sampling with prompt and top-k logprobs,
 compute_logprobs, a base-model sampler and stable_reinforce on recorded sequences give the
 one-process server's numbers (the same tokens; logprobs to rounding: the trainer shards with
-FSDP on its one rank). Then a generator rank is killed under load: no call hangs, healthz
-answers and reports it, the other user's calls keep working, and a snapshot only the dead
-rank held is served again, bitwise, by the survivor. The server also serves a second
-trainable model and a sample-only one: each trains and samples on the generator ranks as on
-the one-process server with the same models.
+FSDP on its one rank). In-flight clients sample a target the generator ranks hold, which
+each in-flight save moves on mid-sample. Then a generator rank is killed under load: no call
+hangs, healthz answers and reports it, the other user's calls keep working, and a snapshot
+only the dead rank held is served again, bitwise, by the survivor. The server also serves a
+second trainable model and a sample-only one: each trains and samples on the generator ranks
+as on the one-process server with the same models.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ import pytest
 from tinker import types
 
 from tests.server.conftest import ServerProcess, start_server
+from tests.server.test_inflight import (
+    a_long_sample_spans_a_save,
+    every_client_samples_the_newest_save,
+)
 from tests.server.test_multimodel import write_model
 from tests.server.test_replicated import _assert_close, _train
 from tests.server.test_stable_reinforce import rl_datum
@@ -183,6 +188,13 @@ def test_two_models_and_a_sample_only_one_on_generator_ranks_match_one_process(
         assert ours[key][1:] == pytest.approx(reference[key][1:], rel=1e-4, abs=1e-5), key
     assert ours["teacher_scored"][1:] != pytest.approx(ours["student_scored"][1:])
     assert "Traceback" not in disaggregated.log.read_text()
+
+
+def test_inflight_clients_sample_a_target_on_the_generator_ranks(disaggregated, model_dir):
+    """The model's in-flight target lives on the generator ranks; each in-flight save reaches
+    the ranks holding it, and a sample in progress there goes on with the newer adapter."""
+    every_client_samples_the_newest_save(disaggregated, model_dir)
+    a_long_sample_spans_a_save(disaggregated, model_dir)
 
 
 def test_a_killed_generator_rank_leaves_the_server_serving(disaggregated, model_dir):

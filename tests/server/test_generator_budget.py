@@ -19,6 +19,7 @@ from temper.server.generators.messages import (
     LoadAdapter,
     LoadBase,
     LoadCheckpoint,
+    LoadInflight,
     Reply,
     Request,
     Sample,
@@ -222,6 +223,12 @@ def test_lora_snapshots_share_their_bases_multi_lora_sampler_on_a_rank(sizes):
     memory.release(first.key)
     assert memory.memory.loaded()[teacher.name] == teacher.sampler_bytes + second.nbytes
     memory.release(second.key)  # the last adapter on it releases the sampler
+    assert memory.memory.loaded() == {}
+    # An in-flight target keeps two versions of its adapters: the one decoding and the next.
+    target = LoadInflight(load=adapter(3), save=1)
+    memory.admit(target, keep=())
+    assert memory.memory.loaded()[teacher.name] == teacher.sampler_bytes + 2 * first.nbytes
+    memory.release(target.key)
     assert memory.memory.loaded() == {}
 
 

@@ -14,7 +14,8 @@ sampler of the base) or, for full fine-tuning (or with multi-LoRA sampling off),
 merged weights in the generators' dtype. Rank 0 sends them to the least loaded generator
 rank at once and again to any other rank that needs them later (the first one died, or is
 busier than another). Base-model and sampler-checkpoint samplers travel by name; each
-generator rank loads them itself.
+generator rank loads them itself. In-flight clients (`kind="inflight"`) sample a target the
+generator ranks hold, which each in-flight save moves on (backends/inflight.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from temper.checkpoint.gather import sampler_stream
 from temper.client.service_client import ServiceClient
 from temper.client.training_client import TrainingClient
 from temper.models.lora import lora_state_dict, merged_config
+from temper.server.backends.inflight import RemoteInflight, RemoteTarget
 from temper.server.backends.replicated import (
     STOP,
     Call,
@@ -229,6 +231,14 @@ class DisaggregatedService:
         self.pool.place(load)
         return RemoteSampling(self.pool, load=load, version=load.version)
 
+    def inflight(self, training: DisaggregatedTraining) -> RemoteInflight:
+        """An in-flight client on `training`'s target, moved to its current weights."""
+        if training.inflight is None:
+            training.inflight = RemoteTarget(self.pool, key=_key(f"{training.model_id}:inflight"))
+        target = training.inflight
+        call = Call(SAMPLER_PAYLOAD, training.model_id, (target.key,))
+        return target.publish(self.replicated.submit(call).result())
+
     def health(self, trainer_pids: list[int]) -> list[dict[str, Any]]:
         trainers = [
             {"rank": rank, "role": "trainer", "pid": pid, "alive": True}
@@ -249,15 +259,21 @@ class DisaggregatedTraining:
         self.model_id = replicated.model_id
         self.replicated = replicated
         self._service = service
+        self.inflight: RemoteTarget | None = None
+        """The model's in-flight target, made by its first in-flight save."""
 
     def __getattr__(self, name: str) -> Any:
         # forward_backward, forward, optim_step, save/load state, save_weights_for_sampler,
         # get_info, get_tokenizer: as replicated.py runs them.
         return getattr(self.replicated, name)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> RemoteSampling:
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, *, kind: str = "snapshot"
+    ) -> RemoteSampling | RemoteInflight:
         if name is not None:
             self.replicated.save_weights_for_sampler(name).result()
+        if kind == "inflight":
+            return self._service.inflight(self)
         return self._service.snapshot(self.replicated)
 
     def adapter_slots(self) -> None:

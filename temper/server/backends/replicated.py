@@ -296,8 +296,16 @@ class ReplicatedTraining:
     def save_weights_for_sampler(self, name: str) -> APIFuture[SaveWeightsResponse]:
         return self._call("save_weights_for_sampler", name)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+    def save_weights_and_get_sampling_client(
+        self, name: str | None = None, *, kind: str = "snapshot"
+    ) -> SamplingClient:
         """Every rank gathers whole weights (collective); rank 0's sampler serves them."""
+        if kind == "inflight":
+            raise ValueError(
+                "kind='inflight' sampling clients are not served for a trainer sharded over "
+                "colocated ranks (--nproc without --placement.mode disaggregated); use "
+                "kind='snapshot', or the disaggregated placement"
+            )
         return self._call("save_weights_and_get_sampling_client", name).result()
 
     def get_info(self) -> Any:

@@ -12,7 +12,9 @@ job/model_bytes.py), in a `ModelMemory` per rank (state/model_memory.py):
 - a LoRA snapshot (`LoadAdapter`) counts its adapter tensors, and the multi-LoRA sampler of
   its base that every LoRA snapshot on that rank shares (the base's weights and KV cache),
   held while an adapter on it is;
-- a whole-weights snapshot (`LoadWeights`) counts its tensors and a sampler's caches.
+- a whole-weights snapshot (`LoadWeights`) counts its tensors and a sampler's caches;
+- an in-flight target (`LoadInflight`) counts as its snapshot does, with two versions of
+  its adapters (the one its calls decode on and the next).
 
 Snapshots are pinned: rank 0 drops them by the snapshot retention rules (state/snapshots.py),
 which count them in the snapshot budget as one process does. A load that fits no live rank
@@ -23,7 +25,7 @@ rank and what holds it.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +35,7 @@ from temper.server.generators.messages import (
     LoadAdapter,
     LoadBase,
     LoadCheckpoint,
+    LoadInflight,
     LoadWeights,
 )
 from temper.server.state.base_models import BaseModels, load_base_model, model_dirs
@@ -75,6 +78,13 @@ class LoadSizes:
         )
 
     def holdings(self, load: Load) -> list[Holding]:
+        if isinstance(load, LoadInflight):
+            held = self.holdings(load.load)
+            if isinstance(load.load, LoadAdapter):
+                adapters = held[-1]
+                what = f"in-flight target of {load.load.model_id}: two adapter versions"
+                held[-1] = replace(adapters, what=what, num_bytes=2 * adapters.num_bytes)
+            return held
         base = self.base_models.resolve(load.base_model)
         if isinstance(load, (LoadBase, LoadCheckpoint)):
             source = "the base model" if isinstance(load, LoadBase) else load.model_path
@@ -127,7 +137,7 @@ class RankMemory:
         added: list[str] = []
         try:
             for holding in self.sizes.holdings(load):
-                if holding.key in self.memory:
+                if self.memory.holds(holding.key):
                     continue
                 released += self.memory.admit(
                     holding.key,
@@ -142,8 +152,9 @@ class RankMemory:
             for key in added:
                 self.memory.release(key)
             raise
-        if isinstance(load, LoadAdapter):
-            shared = shared_sampler_key(self.sizes.base_models.resolve(load.base_model).name)
+        adapter = load.load if isinstance(load, LoadInflight) else load
+        if isinstance(adapter, LoadAdapter):
+            shared = shared_sampler_key(self.sizes.base_models.resolve(adapter.base_model).name)
             self._adapters.setdefault(shared, set()).add(load.key)
         return released
 
@@ -176,7 +187,7 @@ class RankMemory:
         self._adapters.clear()
 
     def _missing_bytes(self, load: Load) -> int:
-        return sum(h.num_bytes for h in self.sizes.holdings(load) if h.key not in self.memory)
+        return sum(h.num_bytes for h in self.sizes.holdings(load) if not self.memory.holds(h.key))
 
 
 def shared_sampler_key(base_model: str) -> str:

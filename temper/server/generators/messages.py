@@ -90,7 +90,22 @@ class LoadWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-Load = LoadBase | LoadCheckpoint | LoadAdapter | LoadWeights
+@dataclass(frozen=True)
+class LoadInflight:
+    """Serve, or move on, a training model's in-flight target under `key` (client/
+    inflight.py): a rank that does not hold it builds it on `load`'s weights; one that does
+    offers them to it (its call in progress takes them between decode steps). `save` counts
+    the target's in-flight saves on rank 0: a rank ignores one no newer than it holds."""
+
+    load: LoadAdapter | LoadWeights
+    save: int
+
+    @property
+    def key(self) -> str:
+        return self.load.key
+
+
+Load = LoadBase | LoadCheckpoint | LoadAdapter | LoadWeights | LoadInflight
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,8 @@ class Sample:
     key: str
     prompt: ModelInput
     options: dict[str, Any] = field(default_factory=dict)
+    namespace: int | None = None
+    """An in-flight client's prefix-cache namespace (rank 0 numbers them); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +132,8 @@ class Score:
 
     key: str
     prompt: ModelInput
+    namespace: int | None = None
+    """As `Sample.namespace`."""
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,16 @@ link closes is dead: its calls in flight are sent again, the same way, to anothe
 left. Every call has a deadline
 (`call_timeout_s`): past it the call fails with a TimeoutError naming the rank, whatever that
 rank does. Nothing here is a torch.distributed collective.
+
+An in-flight target (`LoadInflight`) is one key whose load changes: `publish` sends each
+newer one to the ranks that hold the target, and a rank that loads it later is sent the
+newest (under the same per-rank lock, so no rank is left on an older save).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -39,6 +44,7 @@ from temper.server.generators.messages import (
     Hello,
     Link,
     Load,
+    LoadInflight,
     Reply,
     Request,
     Sample,
@@ -92,6 +98,7 @@ class GeneratorPool:
             max_workers=64, thread_name_prefix="temper-route"
         )
         self._closed = threading.Event()
+        self._newest: dict[str, LoadInflight] = {}  # in-flight targets' latest saves, by key
         for remote in remotes:
             threading.Thread(
                 target=self._read, args=(remote,), name=f"temper-link-{remote.rank}", daemon=True
@@ -170,8 +177,32 @@ class GeneratorPool:
             finally:
                 self._finished(remote, load.key)
 
+    def publish(self, load: LoadInflight) -> None:
+        """An in-flight target's newer save: sent now to every live rank that holds the
+        target (blocks until they have it; raises a rank's error, e.g. a full multi-LoRA
+        sampler, and the ranks that load the target later get the save before); the ranks
+        that load it later get the newest."""
+        with self._lock:
+            previous = self._newest.get(load.key)
+            self._newest[load.key] = load
+        try:
+            for remote in self.remotes:
+                with self._key_lock(remote, load.key):
+                    with self._lock:
+                        held = remote.alive and load.key in remote.held
+                    if held:  # a rank that died meanwhile is skipped: calls go elsewhere
+                        with contextlib.suppress(GeneratorLost):
+                            self._send(remote, load, sequences=0).result()
+        except BaseException:
+            with self._lock:
+                if self._newest.get(load.key) is load and previous is not None:
+                    self._newest[load.key] = previous
+            raise
+
     def drop(self, key: str) -> None:
         """Every rank forgets `key` (its sampling client on rank 0 was released)."""
+        with self._lock:
+            self._newest.pop(key, None)
         for remote in self.remotes:
             with self._lock:
                 held = remote.alive and key in remote.held
@@ -274,12 +305,11 @@ class GeneratorPool:
 
     def _ensure(self, remote: Remote, load: Load) -> None:
         """`remote` holds `load.key` once this returns (one load per rank and key at once)."""
-        with self._lock:
-            lock = remote.loading.setdefault(load.key, threading.Lock())
-        with lock:
+        with self._key_lock(remote, load.key):
             if load.key in remote.held:
                 return
             with self._lock:  # counted again if a load before this one failed
+                load = self._newest.get(load.key, load)
                 released = self._admit(remote, load)
             self._drop_released(remote, released)
             try:
@@ -291,6 +321,11 @@ class GeneratorPool:
                 raise
             with self._lock:
                 remote.held.add(load.key)
+
+    def _key_lock(self, remote: Remote, key: str) -> threading.Lock:
+        """Held while `remote` is sent a load of `key`."""
+        with self._lock:
+            return remote.loading.setdefault(key, threading.Lock())
 
     def _send(self, remote: Remote, op: object, *, sequences: int) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()

@@ -4,7 +4,8 @@ It holds an in-process `ServiceClient` for the server's sampler settings, and un
 rank 0 chooses: base-model samplers, sampler-checkpoint samplers and training snapshots (a
 LoRA snapshot registers its adapter on the multi-LoRA sampler of its base, which every LoRA
 snapshot on that base shares; a whole-weights snapshot gets a plain model and a generator of
-its own). Base models load on first use.
+its own). Base models load on first use. In-flight targets (server/generators/inflight.py)
+are built from the same loads, and move on with each later in-flight save rank 0 sends.
 
 The link's reader (one thread) runs loads and drops in arrival order, so a call that follows
 a load on the link finds its sampler, and hands `Sample`/`Score` calls to a pool of threads:
@@ -30,13 +31,17 @@ from temper.client.shared_base import SharedBase
 from temper.client.weight_sync import Snapshot
 from temper.distributed.ranks import picklable_error
 from temper.generator.multi_lora import AdapterSampler, AdapterView
+from temper.generator.seam import Generator
 from temper.models.build import materialize, parse_dtype
+from temper.server.generators.inflight import InflightTargets
 from temper.server.generators.messages import (
     Drop,
     Link,
+    Load,
     LoadAdapter,
     LoadBase,
     LoadCheckpoint,
+    LoadInflight,
     LoadWeights,
     Reply,
     Request,
@@ -64,6 +69,7 @@ class GeneratorRank:
         self._calls = concurrent.futures.ThreadPoolExecutor(
             max_workers=MAX_CALLS, thread_name_prefix="temper-generator-call"
         )
+        self.inflight = InflightTargets(build=self._inflight_generator, worker=self._worker)
 
     def serve(self) -> None:
         """Answer rank 0 until its connection closes."""
@@ -80,6 +86,7 @@ class GeneratorRank:
         finally:
             self._calls.shutdown(wait=False, cancel_futures=True)
             self.samplers.clear()
+            self.inflight.clear()
 
     def _answer(self, request: Request) -> None:
         try:
@@ -91,17 +98,20 @@ class GeneratorRank:
 
     def _run(self, op: object) -> Any:
         if isinstance(op, Sample):
-            return self._sampler(op.key).sample(op.prompt, **op.options).result()
+            return self._sampler(op.key, op.namespace).sample(op.prompt, **op.options).result()
         if isinstance(op, Score):
-            return self._sampler(op.key).compute_logprobs(op.prompt).result()
+            return self._sampler(op.key, op.namespace).compute_logprobs(op.prompt).result()
         if isinstance(op, Drop):
             self._drop(op.key)
             return None
         return self._load(op)
 
-    def _sampler(self, key: str) -> SamplingClient:
-        with self._lock:
-            client = self.samplers.get(key)
+    def _sampler(self, key: str, namespace: int | None) -> SamplingClient:
+        if namespace is not None:
+            client = self.inflight.client(key, namespace=namespace)
+        else:
+            with self._lock:
+                client = self.samplers.get(key)
         if client is None:
             raise ValueError(
                 f"generator rank {self.index} does not hold sampler {key!r} (rank 0 reloads a "
@@ -109,8 +119,13 @@ class GeneratorRank:
             )
         return client
 
-    def _load(self, op: LoadBase | LoadCheckpoint | LoadAdapter | LoadWeights) -> None:
+    def _load(self, op: Load) -> None:
         service = self.service
+        if isinstance(op, LoadInflight):
+            self.inflight.load(op)
+            with self._lock:
+                self._owners[op.key] = op.load.model_id
+            return
         if isinstance(op, LoadBase):
             client = service.create_sampling_client(base_model=op.base_model)
         elif isinstance(op, LoadCheckpoint):
@@ -126,6 +141,18 @@ class GeneratorRank:
         log.debug("generator %d holds %s", self.index, op.key)
 
     def _adapter_client(self, op: LoadAdapter) -> SamplingClient:
+        view, shared = self._adapter_view(op)
+        view.update_weights(op.tensors, version=op.version)
+        with self._lock:  # the service holds its shared bases weakly: keep this one
+            self._bases[op.key] = shared
+        return SamplingClient(
+            snapshot=Snapshot(generator=view, version=op.version),
+            worker=self._worker(op.model_id),
+            tokenizer=shared.tokenizer,
+        )
+
+    def _adapter_view(self, op: LoadAdapter) -> tuple[AdapterView, SharedBase]:
+        """A view (no adapter yet) on the multi-LoRA sampler of `op`'s base, and that base."""
         service = self.service
         source = resolve_base_model(
             op.base_model,
@@ -142,28 +169,35 @@ class GeneratorRank:
                 tokenizer=shared.tokenizer,
             )
 
-        view = AdapterView(shared.sampler(make), config=op.lora)
-        view.update_weights(op.tensors, version=op.version)
-        with self._lock:  # the service holds its shared bases weakly: keep this one
-            self._bases[op.key] = shared
-        return SamplingClient(
-            snapshot=Snapshot(generator=view, version=op.version),
-            worker=self._worker(op.model_id),
-            tokenizer=shared.tokenizer,
-        )
+        return AdapterView(shared.sampler(make), config=op.lora), shared
 
     def _weights_client(self, op: LoadWeights) -> SamplingClient:
-        service = self.service
-        dtype = parse_dtype(service.generator_dtype)
-        model = materialize(op.model_config, device=service.device, dtype=dtype, init="empty")
+        model = self._plain_model(op)
         model.load_state_dict(op.tensors, strict=True)
         tokenizer = self._tokenizer(op.base_model)
-        generator = service.new_generator(model=model, tokenizer=tokenizer)
+        generator = self.service.new_generator(model=model, tokenizer=tokenizer)
         return SamplingClient(
             snapshot=Snapshot(generator=generator, version=op.version),
             worker=self._worker(op.model_id),
             tokenizer=tokenizer,
         )
+
+    def _plain_model(self, op: LoadWeights) -> Any:
+        """A plain model of `op.model_config` in this rank's dtype (no weights loaded yet)."""
+        service = self.service
+        dtype = parse_dtype(service.generator_dtype)
+        return materialize(op.model_config, device=service.device, dtype=dtype, init="empty")
+
+    def _inflight_generator(
+        self, op: LoadAdapter | LoadWeights
+    ) -> tuple[Generator, Tokenizer, object]:
+        """An in-flight target's generator for `op` (InflightTargets' `build`)."""
+        if isinstance(op, LoadAdapter):
+            view, shared = self._adapter_view(op)
+            return view, shared.tokenizer, shared
+        tokenizer = self._tokenizer(op.base_model)
+        generator = self.service.new_generator(model=self._plain_model(op), tokenizer=tokenizer)
+        return generator, tokenizer, None
 
     def _tokenizer(self, base_model: str) -> Tokenizer:
         with self._lock:
@@ -185,6 +219,7 @@ class GeneratorRank:
         with self._lock:
             self.samplers.pop(key, None)
             self._bases.pop(key, None)
+            self.inflight.drop(key)
             model_id = self._owners.pop(key, None)
             if model_id is not None and model_id not in self._owners.values():
                 worker = self._workers.pop(model_id, None)

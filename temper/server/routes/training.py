@@ -455,6 +455,7 @@ def _queue_inflight(
     model's shared in-flight target, moved to its weights as they are now
     (temper/client/inflight.py); no snapshot retention applies (the target is one per model)."""
     server.check_room(user, kind="sampling sessions")
+    server.admit_inflight(served)
 
     def inflight(client: SamplingBackend) -> Answer:
         sampling = SamplingSession(

@@ -19,8 +19,9 @@ A base model is loaded while anything on it is held (logged `base model ... load
 sampler is gone is refused with `OverBudget` (HTTP 503) naming the budget and what holds it;
 a LoRA rank the whole budget could never hold is refused before it gets here, as the
 request's error (400, `validation.check_lora_rank_fits`).
-Sampling snapshots are counted by their own budget (snapshots.py), not this one. Every method
-is thread-safe.
+A training model's in-flight sampling target (client/inflight.py) is pinned from its first
+in-flight save until the model is dropped (server.py: `admit_inflight`). Sampling snapshots
+are counted by their own budget (snapshots.py), not this one. Every method is thread-safe.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class ModelMemory:
         with self._lock:
             return OverBudget(self._refusal(base_model, what=what, num_bytes=num_bytes))
 
-    def __contains__(self, key: str) -> bool:
+    def holds(self, key: str) -> bool:
         with self._lock:
             return key in self._held
 

@@ -290,10 +290,38 @@ class TemperServer(Configurable):
         self.models[served.model_id] = served
         self.sessions[served.session_id].model_ids.append(served.model_id)
 
+    def admit_inflight(self, served: ServedModel) -> None:
+        """Count `served`'s in-flight target (client/inflight.py) at its first in-flight save
+        (503 if it cannot fit), held until the model is dropped: on the base's multi-LoRA
+        sampler two adapter versions (the one decoding and a newer one offered), else a
+        sampler copy of its own, as an older snapshot's. On generator ranks their budgets
+        count it (server/generators/budget.py), not this one."""
+        if self.adapter_room.samplers_on_generator_ranks():
+            return
+        key = _inflight_key(served.model_id)
+        with self._shared_lock:
+            if self.memory.holds(key):
+                return
+            base = served.base
+            if self.adapter_room.shares_sampler(served):
+                num_bytes = 2 * served.lora_rank * base.lora_bytes_per_rank
+            else:
+                num_bytes = base.sampler_copy_bytes(lora=served.is_lora)
+            released = self.memory.admit(
+                key,
+                base_model=base.name,
+                what=f"in-flight sampler of {served.model_id}",
+                num_bytes=num_bytes,
+                pinned=True,
+            )
+            for released_key in released:
+                self._shared_samplers.pop(released_key, None)
+
     def drop_model(self, model_id: str) -> None:
         served = self.models.pop(model_id, None)
         self.scheduler.close_queue(model_id)
         self.memory.release(model_id)
+        self.memory.release(_inflight_key(model_id))
         if served is not None:
             with self._shared_lock:
                 users = self._shared_base_users.get(served.base.name, set())
@@ -529,6 +557,11 @@ def snapshot_retention(
     )
     retention.log_settings()
     return retention
+
+
+def _inflight_key(model_id: str) -> str:
+    """The memory budget's key for a training model's in-flight target."""
+    return f"in-flight target of {model_id}"
 
 
 def _shared_base_key(base_model: str) -> str:
