@@ -299,9 +299,16 @@ class GeneratorPool:
         return released
 
     def _drop_released(self, remote: Remote, keys: list[str]) -> None:
+        """Tell `remote` to drop the samplers its budget released, unless a call loaded one
+        there again meanwhile (under the key's lock, so a Drop never follows that Load). A
+        key being loaded is busy, so never released: no two threads wait on each other."""
         for key in keys:
-            log.info("generator rank %d releases sampler %s", remote.rank, key)
-            self._send(remote, Drop(key), sequences=0)
+            with self._key_lock(remote, key):
+                with self._lock:
+                    loaded_again = key in remote.held
+                if not loaded_again:
+                    log.info("generator rank %d releases sampler %s", remote.rank, key)
+                    self._send(remote, Drop(key), sequences=0)
 
     def _ensure(self, remote: Remote, load: Load) -> None:
         """`remote` holds `load.key` once this returns (one load per rank and key at once)."""
