@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,51 +50,7 @@ from temper.models.lora_experts import (
     grouped_low_rank,
     swiglu_with_low_rank,
 )
-
-
-@dataclass(frozen=True)
-class _Groups:
-    """How the rows of a per-row batch group by slot."""
-
-    slots_U: torch.Tensor
-    """The used slots, ascending."""
-    dest_B: torch.Tensor
-    """Each row's place in the padded [U * N] group layout."""
-    rows_per_group: int
-    rank: int
-    """The largest rank of the used slots (the factors are cut to it)."""
-
-    @staticmethod
-    def of(index_B: torch.Tensor, *, ranks: dict[int, int]) -> _Groups:
-        slots_U, group_B, counts_U = torch.unique(index_B, return_inverse=True, return_counts=True)
-        order_B = torch.argsort(group_B, stable=True)
-        starts_U = torch.cumsum(counts_U, 0) - counts_U
-        rank_in_group_B = torch.empty_like(order_B)
-        rank_in_group_B[order_B] = torch.arange(len(order_B), device=index_B.device)
-        rank_in_group_B -= starts_U[group_B]
-        rows_per_group = int(counts_U.max())
-        rank = max(ranks.get(slot, 0) for slot in slots_U.tolist())
-        dest_B = group_B * rows_per_group + rank_in_group_B
-        return _Groups(slots_U, dest_B, rows_per_group, rank)
-
-    def low_rank(
-        self, x_BMI: torch.Tensor, lora_A_KRI: torch.Tensor, lora_B_KRO: torch.Tensor
-    ) -> torch.Tensor:
-        """Row b's (x_b @ A_k.T) @ B'_k.T for its slot k: [B, M, O]."""
-        _, positions, in_features = x_BMI.shape
-        num_used, width = len(self.slots_U), self.rows_per_group
-        grouped = x_BMI.new_zeros(num_used * width, positions, in_features)
-        grouped[self.dest_B] = x_BMI
-        grouped_UXI = grouped.view(num_used, width * positions, in_features)
-        rank = self.rank
-        if num_used == lora_A_KRI.shape[0]:  # every slot used: no gather of the factors
-            lora_A_URI, lora_B_URO = lora_A_KRI[:, :rank], lora_B_KRO[:, :rank]
-        else:
-            lora_A_URI = lora_A_KRI[self.slots_U, :rank]
-            lora_B_URO = lora_B_KRO[self.slots_U, :rank]
-        low_UXR = torch.bmm(grouped_UXI, lora_A_URI.transpose(1, 2))
-        out_UXO = torch.bmm(low_UXR, lora_B_URO)
-        return out_UXO.view(num_used * width, positions, -1)[self.dest_B]
+from temper.models.multi_lora_groups import RowGroups
 
 
 class AdapterRows:
@@ -106,10 +61,22 @@ class AdapterRows:
         self.ranks: dict[int, int] = {}
         """The rank of the adapter in each loaded slot."""
 
-    def set(self, index: int | torch.Tensor) -> None:
+    def set(
+        self, index: int | Sequence[int] | torch.Tensor, *, device: torch.device | None = None
+    ) -> None:
+        """One slot for every row (an int), or each row's slot (ints, or a [B] tensor);
+        `device`: the model's, where per-row index tensors go (default: a tensor index's)."""
         local = self._local
-        local.index = index
-        local.groups = None if isinstance(index, int) else _Groups.of(index, ranks=self.ranks)
+        if isinstance(index, int):
+            local.index, local.groups = index, None
+            return
+        if isinstance(index, torch.Tensor):
+            device = index.device if device is None else device
+            slots_B = index.tolist()
+        else:
+            slots_B = list(index)
+        local.groups = RowGroups.of(slots_B, ranks=self.ranks, device=device)
+        local.index = torch.tensor(slots_B, device=device)
 
     def index(self) -> int | torch.Tensor:
         """The one slot of every row (an int), or each row's slot (a [B] tensor)."""
@@ -134,7 +101,7 @@ class AdapterRows:
         finally:
             local.index, local.groups = saved
 
-    def groups(self) -> _Groups:
+    def groups(self) -> RowGroups:
         return self._local.groups
 
 
@@ -363,7 +330,7 @@ class MultiLoraMoE(MoE):
         # Rows come first in the block's input, so each row's tokens are consecutive in x_TD.
         slots_T = index.repeat_interleave(x_TD.shape[0] // index.shape[0])
         out_TD = torch.empty_like(x_TD)
-        for slot in torch.unique(slots_T).tolist():
+        for slot in self.rows.groups().slots:
             tokens = torch.nonzero(slots_T == slot).squeeze(1)
             with self.rows.one_slot(slot):
                 out_TD[tokens] = super().combine(
@@ -438,7 +405,8 @@ def apply_multi_lora(
         load_adapter(model, slot, config=config, tensors=tensors)
 
 
-def set_rows(model: Decoder, index: int | torch.Tensor) -> None:
+def set_rows(model: Decoder, index: int | Sequence[int] | torch.Tensor) -> None:
     """Every row of the next forwards on this thread uses slot `index` (an int), or row b
-    uses slot index[b] (a [B] tensor)."""
-    model.multi_lora_rows.set(index)
+    uses slot index[b] (ints, or a [B] tensor)."""
+    device = model.output_weight_VD.device
+    model.multi_lora_rows.set(index, device=device)
