@@ -106,49 +106,53 @@ class AdapterRows:
 
 
 class _Slots(nn.Module):
-    """K slots of one target's factors: A [K, R, I] and B'.T = (scale * B).T [K, R, O]
-    (rank-major, so cutting to a smaller rank leaves each slot's factors contiguous)."""
+    """K slots of one target's factors: A.T [K, I, R] and B'.T = (scale * B).T [K, R, O]
+    (the layouts the grouped matmuls read fastest on CPU: `multi_lora_groups.py`)."""
 
     def __init__(self, *, in_features: int, out_features: int, like: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("lora_A_KRI", like.new_zeros(0, 0, in_features), persistent=False)
+        self.register_buffer("lora_A_KIR", like.new_zeros(0, in_features, 0), persistent=False)
         self.register_buffer("lora_B_KRO", like.new_zeros(0, 0, out_features), persistent=False)
 
     def grow(self, *, num_slots: int, rank: int) -> None:
         """At least `num_slots` slots of rank `rank` (zeros added; loaded slots kept)."""
-        old_K, old_R = self.lora_A_KRI.shape[:2]
+        old_K, old_R = self.lora_B_KRO.shape[:2]
         if num_slots <= old_K and rank <= old_R:
             return
         num_slots, rank = max(num_slots, old_K), max(rank, old_R)
-        lora_A = self.lora_A_KRI.new_zeros(num_slots, rank, self.in_features)
+        lora_A = self.lora_A_KIR.new_zeros(num_slots, self.in_features, rank)
         lora_B = self.lora_B_KRO.new_zeros(num_slots, rank, self.out_features)
-        lora_A[:old_K, :old_R] = self.lora_A_KRI
+        lora_A[:old_K, :, :old_R] = self.lora_A_KIR
         lora_B[:old_K, :old_R] = self.lora_B_KRO
-        self.lora_A_KRI, self.lora_B_KRO = lora_A, lora_B
+        self.lora_A_KIR, self.lora_B_KRO = lora_A, lora_B
 
     @torch.no_grad()
     def load(self, slot: int, *, tensors: tuple[torch.Tensor, torch.Tensor] | None, scale: float):
-        self.lora_A_KRI[slot].zero_()
+        self.lora_A_KIR[slot].zero_()
         self.lora_B_KRO[slot].zero_()
         if tensors is None:
             return  # the adapter leaves this target alone
         lora_A_RI, lora_B_OR = tensors
         rank = lora_A_RI.shape[0]
-        self.lora_A_KRI[slot, :rank] = lora_A_RI
+        self.lora_A_KIR[slot, :, :rank] = lora_A_RI.T
         # B' = scale * B, formed in fp32 as merged weights are.
         self.lora_B_KRO[slot, :rank] = (lora_B_OR.float() * scale).T
 
+    @property
+    def loaded(self) -> bool:
+        return self.lora_B_KRO.shape[1] > 0
+
     def low_rank(self, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor | None:
         """The low-rank term of `x` [B, ..., I] (None while no slot is loaded)."""
-        if self.lora_A_KRI.shape[1] == 0:
+        if not self.loaded:
             return None
         slot = rows.uniform()
         if slot is not None:
             rank = rows.ranks.get(slot, 0)
-            return F.linear(x, self.lora_A_KRI[slot, :rank]) @ self.lora_B_KRO[slot, :rank]
+            return (x @ self.lora_A_KIR[slot, :, :rank]) @ self.lora_B_KRO[slot, :rank]
         x_BMI = x.reshape(x.shape[0], -1, x.shape[-1])
-        out_BMO = rows.groups().low_rank(x_BMI, self.lora_A_KRI, self.lora_B_KRO)
+        out_BMO = rows.groups().low_rank(x_BMI, self.lora_A_KIR, self.lora_B_KRO)
         return out_BMO.view(*x.shape[:-1], -1)
 
 
@@ -191,9 +195,9 @@ class MultiLoraUnembedding(nn.Module):
         if slot is None:
             raise ValueError("multi-LoRA unembedding: augment needs one slot for every row")
         rank = self.rows.ranks.get(slot, 0)
-        if self.slots.lora_A_KRI.shape[1] == 0 or rank == 0:
+        if not self.slots.loaded or rank == 0:
             return hidden_BxD, weight_VD
-        low_BxR = F.linear(hidden_BxD, self.slots.lora_A_KRI[slot, :rank])
+        low_BxR = hidden_BxD @ self.slots.lora_A_KIR[slot, :, :rank]
         return (
             torch.cat([hidden_BxD, low_BxR], -1),
             torch.cat([weight_VD, self.slots.lora_B_KRO[slot, :rank].T], -1),

@@ -74,20 +74,21 @@ class RowGroups:
         )
 
     def low_rank(
-        self, x_BMI: torch.Tensor, lora_A_KRI: torch.Tensor, lora_B_KRO: torch.Tensor
+        self, x_BMI: torch.Tensor, lora_A_KIR: torch.Tensor, lora_B_KRO: torch.Tensor
     ) -> torch.Tensor:
-        """Row b's (x_b @ A_k.T) @ B'_k.T for its slot k: [B, M, O]."""
+        """Row b's (x_b @ A_k.T) @ B'_k.T for its slot k: [B, M, O] (the factors stored
+        transposed, as `_Slots` keeps them: A.T [K, I, R], B'.T [K, R, O])."""
         num_rows, positions, in_features = x_BMI.shape
         num_used, width, rank = len(self.slots), self.width, self.rank
         x_BF = x_BMI.reshape(num_rows, positions * in_features)
         grouped_XF = x_BF if self.gather_X is None else x_BF.index_select(0, self.gather_X)
         grouped_UYI = grouped_XF.view(num_used, width * positions, in_features)
-        if num_used == lora_A_KRI.shape[0]:  # every slot used (ascending): read in place
-            lora_A_URI, lora_B_URO = lora_A_KRI[:, :rank], lora_B_KRO[:, :rank]
+        if num_used == lora_A_KIR.shape[0]:  # every slot used (ascending): read in place
+            lora_A_UIR, lora_B_URO = lora_A_KIR[..., :rank], lora_B_KRO[:, :rank]
         else:
-            lora_A_URI = lora_A_KRI[:, :rank].index_select(0, self.slots_U)
+            lora_A_UIR = lora_A_KIR[..., :rank].index_select(0, self.slots_U)
             lora_B_URO = lora_B_KRO[:, :rank].index_select(0, self.slots_U)
-        low_UYR = torch.bmm(grouped_UYI, lora_A_URI.transpose(1, 2))
+        low_UYR = torch.bmm(grouped_UYI, lora_A_UIR)
         out_UYO = torch.bmm(low_UYR, lora_B_URO)
         out_XF = out_UYO.view(num_used * width, -1)
         if self.scatter_B is not None:
