@@ -76,14 +76,17 @@ class AdapterRows:
         else:
             slots_B = list(index)
         local.groups = RowGroups.of(slots_B, ranks=self.ranks, device=device)
-        local.index = torch.tensor(slots_B, device=device)
+        local.index = None  # made when asked for (the MoE blocks)
+        local.slots_B, local.device = slots_B, device
 
     def index(self) -> int | torch.Tensor:
         """The one slot of every row (an int), or each row's slot (a [B] tensor)."""
-        index = getattr(self._local, "index", None)
-        if index is None:
+        local = self._local
+        if getattr(local, "groups", None) is None and getattr(local, "index", None) is None:
             raise RuntimeError("multi-LoRA model: call set_rows(model, index) before a forward")
-        return index
+        if local.index is None:
+            local.index = torch.tensor(local.slots_B, device=local.device)
+        return local.index
 
     def uniform(self) -> int | None:
         """The one slot of every row, or None when rows differ."""
