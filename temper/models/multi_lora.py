@@ -11,13 +11,14 @@ keeps `MoE.combine`'s argument names, with N for T and K for P).
 shared, frozen, with other clients) for a `MultiLoraLinear` and sets a `MultiLoraUnembedding`
 as its output adapter; `load_adapter(model, slot, config, tensors)` writes one adapter's
 `lora_state_dict` tensors into a slot (the slot tables grow as needed), and `set_rows(model,
-index)` says which slot each row of the next forwards uses: one int for every row, or a [B]
-tensor. The adapter scale is folded into the slot's B (B' = scale * B).
+index)` says which slot each row of the next forwards uses: one int for every row, or each
+row's (ints, or a [B] tensor). The adapter scale is folded into the slot's B (B' = scale * B).
 
 A per-row forward runs the base matmul once for all rows and the low-rank term grouped by
-slot: the rows of each used slot gathered into one padded group, two batched matmuls over
-the groups (each group with its own A and B'), and the results scattered back; the cost
-grows with the rows and the used slots' ranks, not with the slots loaded. The unembedding
+slot (multi_lora_groups.py, worked out once per `set_rows` on the host): the rows of each
+used slot gathered into one padded group, two batched matmuls over the groups (each group
+with its own A and B'), and the results gathered back; the cost grows with the rows and the
+used slots' ranks, not with the slots loaded. The unembedding
 adds its low-rank logits the same way (`logits`); `augment` (chunked logprobs, one adapter
 for every row) extends both factors of the logit product as `LoraUnembedding` does.
 

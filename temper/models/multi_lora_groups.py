@@ -58,7 +58,7 @@ class RowGroups:
             places_B.append(group[slot] * width + taken[slot])
             taken[slot] += 1
         gather_X = scatter_B = None
-        if places_B != list(range(len(places_B))) or len(places_B) != len(slots) * width:
+        if places_B != list(range(len(slots) * width)):
             rows_X = [0] * (len(slots) * width)
             for row, place in enumerate(places_B):
                 rows_X[place] = row
