@@ -1,18 +1,24 @@
 """Many LoRA clients on one base (in-process ServiceClient): memory and mixed sampling speed.
 
-For each number of clients N (--clients, default 1 4 16 64) a fresh process creates N LoRA
-training clients on one base, gives each a forward_backward + optim_step (its Adam moments
-exist) and a sampling snapshot, and reports its RSS; then every client samples the same
-share of one total batch at once (--total-batch samples of --max-tokens tokens, N clients
-x total/N samples each) for --rounds rounds, timed. Two sampling paths, same settings:
+For each number of clients N (--clients, default 1 4 16 64) a process of its own creates N
+LoRA training clients on one base, gives each a forward_backward + optim_step (its Adam
+moments exist) and a sampling snapshot, and reports its RSS; then every client samples the
+same share of one total batch at once (--total-batch samples of --max-tokens tokens, N
+clients x total/N samples each), timed over --rounds rounds. The processes of one model and
+path stay up side by side and take turns, one round each in turn (one runs at a time), so a
+change in the machine's load meets every N alike. The shared sampler holds
+--max-resident-adapters adapters on its device (default: N, so the whole total batch is in
+flight at once). Two sampling paths, same settings:
 `shared` (the base's multi-LoRA sampler: rows of every adapter in one batch, one KV cache)
 and `merged` (each client a merged-weights sampler of its own, `multi_lora.enabled=False`;
 run up to --merged-max clients, it holds a model copy and a KV cache each).
 
 Prints one JSON line: per model and path, per N: RSS MiB, marginal MiB per client beyond the
-first, tokens/s; the targets: marginal memory <= 3 x (adapter + Adam moments) bytes, and
-tokens/s with 16 clients mixed >= 80% of one client's at the same total batch (64 clients
->= 60%). Every client's call joins the engine's running batch (sampler/decode_loop.py).
+first, tokens/s (the median of the rounds' rates: by the clock, and by the process's CPU
+time, which other work on a shared machine disturbs less); the targets: marginal memory
+<= 3 x (adapter + Adam moments) bytes, and tokens/s with 16 clients mixed >= 80% of one
+client's at the same total batch (64 clients >= 60%), both ratios printed. Every client's
+call joins the engine's running batch (sampler/decode_loop.py).
 
     PYTHONPATH=$PWD python bench/multi_lora.py [--clients 1 4 16 64] [--models tiny mid]
     PYTHONPATH=$PWD python bench/multi_lora.py --clients 1 16 64 --models tiny --paths shared
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,8 +43,9 @@ MIB = 2**20
 MODELS = {"tiny": None, "mid": dict(dim=512, layers=8, ffn_dim=1536)}
 
 
-def run_case(case: dict) -> dict:
-    """One process: N clients, their memory and their mixed sampling speed."""
+def serve_case(case: dict) -> None:
+    """One process: N clients and their memory (one JSON line), then one timed round of
+    mixed sampling per 'round' line on stdin (one JSON line each) until stdin ends."""
     import torch
 
     from temper import AdamParams, Datum, ModelInput, SamplingParams, ServiceClient
@@ -46,11 +54,10 @@ def run_case(case: dict) -> dict:
 
     torch.manual_seed(0)
     sampler = SamplerEngine.Config(max_batch=case["total_batch"], max_seq_len=case["seq_len"])
-    service = ServiceClient(
-        storage_dir=case["storage"],
-        sampler=sampler,
-        multi_lora=MultiLoraSampler.Config(enabled=case["path"] == "shared"),
+    multi_lora = MultiLoraSampler.Config(
+        enabled=case["path"] == "shared", max_resident_adapters=case["max_resident_adapters"]
     )
+    service = ServiceClient(storage_dir=case["storage"], sampler=sampler, multi_lora=multi_lora)
     rss_start = rss_mib()
     clients, samplers = [], []
     tokenizer = None
@@ -84,30 +91,73 @@ def run_case(case: dict) -> dict:
         return sum(len(seq.tokens) for f in futures for seq in f.result().sequences)
 
     one_round()  # warm-up: threads, twins, slot loads
-    times, tokens = [], 0
-    for _ in range(case["rounds"]):
-        start = time.perf_counter()
-        tokens += one_round()
-        times.append(time.perf_counter() - start)
-    return {
+    report = {
         "clients": case["clients"],
         "rss_start_mib": round(rss_start, 1),
         "rss_one_client_mib": round(rss_first, 1),
         "rss_mib": round(rss_all, 1),
         "adapter_mib": round(adapter_bytes / MIB, 3),
-        "tokens_per_s": round(tokens / sum(times), 1),
         "samples_per_client": share,
     }
+    print(json.dumps(report), flush=True)
+    for _ in sys.stdin:
+        start, start_cpu = time.perf_counter(), time.process_time()
+        tokens = one_round()
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+        print(json.dumps({"tokens": tokens, "s": seconds, "cpu_s": cpu_seconds}), flush=True)
 
 
-def run_in_process(case: dict) -> dict:
-    output = subprocess.run(
-        [sys.executable, __file__, "--case", json.dumps(case)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return json.loads(output.strip().splitlines()[-1])
+class CaseProcess:
+    """A `serve_case` process: its memory report once started, then rounds on request."""
+
+    def __init__(self, case: dict) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--case", json.dumps(case)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.row = self._reply()
+        self.rates: list[float] = []
+        self.cpu_rates: list[float] = []
+
+    def _reply(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a case process exited with {self.process.wait()}")
+        return json.loads(line)
+
+    def run_round(self) -> None:
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        reply = self._reply()
+        self.rates.append(reply["tokens"] / reply["s"])
+        self.cpu_rates.append(reply["tokens"] / reply["cpu_s"])
+
+    def close(self) -> dict:
+        self.process.stdin.close()
+        if self.process.wait() != 0:
+            raise RuntimeError(f"a case process exited with {self.process.returncode}")
+        return self.row | {
+            "tokens_per_s": round(statistics.median(self.rates), 1),
+            "tokens_per_cpu_s": round(statistics.median(self.cpu_rates), 1),
+        }
+
+
+def run_side_by_side(cases: list[dict], *, rounds: int) -> list[dict]:
+    """The cases' processes up together (started one after another), rounds in turn."""
+    processes = []
+    try:
+        for case in cases:
+            processes.append(CaseProcess(case))
+        for _ in range(rounds):
+            for process in processes:
+                process.run_round()
+        return [process.close() for process in processes]
+    finally:
+        for process in processes:
+            if process.process.poll() is None:
+                process.process.kill()
 
 
 def main() -> None:
@@ -121,10 +171,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--max-resident-adapters",
+        type=int,
+        help="the shared sampler's resident adapter slots (default: the case's clients)",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(run_case(json.loads(args.case))))
+        serve_case(json.loads(args.case))
         return
     report: dict = {"bench": "multi_lora", "config": vars(args) | {"case": None}, "models": {}}
     with tempfile.TemporaryDirectory(prefix="temper-multi-lora-") as tmp:
@@ -135,29 +190,32 @@ def main() -> None:
                 write_model(Path(base), **MODELS[name])
             report["models"][name] = {}
             for path in args.paths:
-                rows = []
+                cases = []
                 for clients in args.clients:
                     if path == "merged" and clients > args.merged_max:
                         continue
-                    case = dict(
-                        base=base,
-                        path=path,
-                        clients=clients,
-                        rank=args.rank,
-                        total_batch=args.total_batch,
-                        max_tokens=args.max_tokens,
-                        seq_len=args.seq_len,
-                        rounds=args.rounds,
-                        storage=str(Path(tmp) / f"storage-{name}-{path}-{clients}"),
+                    cases.append(
+                        dict(
+                            base=base,
+                            path=path,
+                            clients=clients,
+                            rank=args.rank,
+                            total_batch=args.total_batch,
+                            max_tokens=args.max_tokens,
+                            seq_len=args.seq_len,
+                            max_resident_adapters=args.max_resident_adapters or clients,
+                            storage=str(Path(tmp) / f"storage-{name}-{path}-{clients}"),
+                        )
                     )
-                    row = run_in_process(case)
-                    if clients > 1:
+                rows = run_side_by_side(cases, rounds=args.rounds)
+                for case, row in zip(cases, rows, strict=True):
+                    row["max_resident_adapters"] = case["max_resident_adapters"]
+                    if row["clients"] > 1:
                         extra = row["rss_mib"] - row["rss_one_client_mib"]
-                        row["marginal_mib_per_client"] = round(extra / (clients - 1), 2)
+                        row["marginal_mib_per_client"] = round(extra / (row["clients"] - 1), 2)
                         # Target: <= 3 x (adapter + its two Adam moments).
                         row["marginal_target_mib"] = round(3 * 3 * row["adapter_mib"], 2)
                     print(json.dumps({name: path, **row}), file=sys.stderr)
-                    rows.append(row)
                 report["models"][name][path] = rows
             # Target: 16 clients mixed >= 80% of one client's tokens/s at the same total batch
             # (one client on the shared sampler, and on its own merged sampler).
@@ -168,9 +226,12 @@ def main() -> None:
                 if many not in shared:
                     continue
                 for label, one in (("shared", shared.get(1)), ("merged", merged.get(1))):
-                    if one is not None:
-                        report["models"][name][f"mixed{many}_over_one_{label}"] = round(
-                            shared[many]["tokens_per_s"] / one["tokens_per_s"], 3
+                    if one is None:
+                        continue
+                    for unit, key in (("", "tokens_per_s"), ("_cpu", "tokens_per_cpu_s")):
+                        ratio = shared[many][key] / one[key]
+                        report["models"][name][f"mixed{many}_over_one_{label}{unit}"] = round(
+                            ratio, 3
                         )
     print(json.dumps(report))
 

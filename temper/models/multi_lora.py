@@ -11,13 +11,14 @@ keeps `MoE.combine`'s argument names, with N for T and K for P).
 shared, frozen, with other clients) for a `MultiLoraLinear` and sets a `MultiLoraUnembedding`
 as its output adapter; `load_adapter(model, slot, config, tensors)` writes one adapter's
 `lora_state_dict` tensors into a slot (the slot tables grow as needed), and `set_rows(model,
-index)` says which slot each row of the next forwards uses: one int for every row, or a [B]
-tensor. The adapter scale is folded into the slot's B (B' = scale * B).
+index)` says which slot each row of the next forwards uses: one int for every row, or each
+row's (ints, or a [B] tensor). The adapter scale is folded into the slot's B (B' = scale * B).
 
 A per-row forward runs the base matmul once for all rows and the low-rank term grouped by
-slot: the rows of each used slot gathered into one padded group, two batched matmuls over
-the groups (each group with its own A and B'), and the results scattered back; the cost
-grows with the rows and the used slots' ranks, not with the slots loaded. The unembedding
+slot (multi_lora_groups.py, worked out once per `set_rows` on the host): the rows of each
+used slot gathered into one padded group, two batched matmuls over the groups (each group
+with its own A and B'), and the results gathered back; the cost grows with the rows and the
+used slots' ranks, not with the slots loaded. The unembedding
 adds its low-rank logits the same way (`logits`); `augment` (chunked logprobs, one adapter
 for every row) extends both factors of the logit product as `LoraUnembedding` does.
 
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,51 +51,7 @@ from temper.models.lora_experts import (
     grouped_low_rank,
     swiglu_with_low_rank,
 )
-
-
-@dataclass(frozen=True)
-class _Groups:
-    """How the rows of a per-row batch group by slot."""
-
-    slots_U: torch.Tensor
-    """The used slots, ascending."""
-    dest_B: torch.Tensor
-    """Each row's place in the padded [U * N] group layout."""
-    rows_per_group: int
-    rank: int
-    """The largest rank of the used slots (the factors are cut to it)."""
-
-    @staticmethod
-    def of(index_B: torch.Tensor, *, ranks: dict[int, int]) -> _Groups:
-        slots_U, group_B, counts_U = torch.unique(index_B, return_inverse=True, return_counts=True)
-        order_B = torch.argsort(group_B, stable=True)
-        starts_U = torch.cumsum(counts_U, 0) - counts_U
-        rank_in_group_B = torch.empty_like(order_B)
-        rank_in_group_B[order_B] = torch.arange(len(order_B), device=index_B.device)
-        rank_in_group_B -= starts_U[group_B]
-        rows_per_group = int(counts_U.max())
-        rank = max(ranks.get(slot, 0) for slot in slots_U.tolist())
-        dest_B = group_B * rows_per_group + rank_in_group_B
-        return _Groups(slots_U, dest_B, rows_per_group, rank)
-
-    def low_rank(
-        self, x_BMI: torch.Tensor, lora_A_KRI: torch.Tensor, lora_B_KRO: torch.Tensor
-    ) -> torch.Tensor:
-        """Row b's (x_b @ A_k.T) @ B'_k.T for its slot k: [B, M, O]."""
-        _, positions, in_features = x_BMI.shape
-        num_used, width = len(self.slots_U), self.rows_per_group
-        grouped = x_BMI.new_zeros(num_used * width, positions, in_features)
-        grouped[self.dest_B] = x_BMI
-        grouped_UXI = grouped.view(num_used, width * positions, in_features)
-        rank = self.rank
-        if num_used == lora_A_KRI.shape[0]:  # every slot used: no gather of the factors
-            lora_A_URI, lora_B_URO = lora_A_KRI[:, :rank], lora_B_KRO[:, :rank]
-        else:
-            lora_A_URI = lora_A_KRI[self.slots_U, :rank]
-            lora_B_URO = lora_B_KRO[self.slots_U, :rank]
-        low_UXR = torch.bmm(grouped_UXI, lora_A_URI.transpose(1, 2))
-        out_UXO = torch.bmm(low_UXR, lora_B_URO)
-        return out_UXO.view(num_used * width, positions, -1)[self.dest_B]
+from temper.models.multi_lora_groups import RowGroups
 
 
 class AdapterRows:
@@ -106,17 +62,32 @@ class AdapterRows:
         self.ranks: dict[int, int] = {}
         """The rank of the adapter in each loaded slot."""
 
-    def set(self, index: int | torch.Tensor) -> None:
+    def set(
+        self, index: int | Sequence[int] | torch.Tensor, *, device: torch.device | None = None
+    ) -> None:
+        """One slot for every row (an int), or each row's slot (ints, or a [B] tensor);
+        `device`: the model's, where per-row index tensors go (default: a tensor index's)."""
         local = self._local
-        local.index = index
-        local.groups = None if isinstance(index, int) else _Groups.of(index, ranks=self.ranks)
+        if isinstance(index, int):
+            local.index, local.groups = index, None
+            return
+        if isinstance(index, torch.Tensor):
+            device = index.device if device is None else device
+            slots_B = index.tolist()
+        else:
+            slots_B = list(index)
+        local.groups = RowGroups.of(slots_B, ranks=self.ranks, device=device)
+        local.index = None  # made when asked for (the MoE blocks)
+        local.slots_B, local.device = slots_B, device
 
     def index(self) -> int | torch.Tensor:
         """The one slot of every row (an int), or each row's slot (a [B] tensor)."""
-        index = getattr(self._local, "index", None)
-        if index is None:
+        local = self._local
+        if getattr(local, "groups", None) is None and getattr(local, "index", None) is None:
             raise RuntimeError("multi-LoRA model: call set_rows(model, index) before a forward")
-        return index
+        if local.index is None:
+            local.index = torch.tensor(local.slots_B, device=local.device)
+        return local.index
 
     def uniform(self) -> int | None:
         """The one slot of every row, or None when rows differ."""
@@ -134,54 +105,58 @@ class AdapterRows:
         finally:
             local.index, local.groups = saved
 
-    def groups(self) -> _Groups:
+    def groups(self) -> RowGroups:
         return self._local.groups
 
 
 class _Slots(nn.Module):
-    """K slots of one target's factors: A [K, R, I] and B'.T = (scale * B).T [K, R, O]
-    (rank-major, so cutting to a smaller rank leaves each slot's factors contiguous)."""
+    """K slots of one target's factors: A.T [K, I, R] and B'.T = (scale * B).T [K, R, O]
+    (the layouts the grouped matmuls read fastest on CPU: `multi_lora_groups.py`)."""
 
     def __init__(self, *, in_features: int, out_features: int, like: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("lora_A_KRI", like.new_zeros(0, 0, in_features), persistent=False)
+        self.register_buffer("lora_A_KIR", like.new_zeros(0, in_features, 0), persistent=False)
         self.register_buffer("lora_B_KRO", like.new_zeros(0, 0, out_features), persistent=False)
 
     def grow(self, *, num_slots: int, rank: int) -> None:
         """At least `num_slots` slots of rank `rank` (zeros added; loaded slots kept)."""
-        old_K, old_R = self.lora_A_KRI.shape[:2]
+        old_K, old_R = self.lora_B_KRO.shape[:2]
         if num_slots <= old_K and rank <= old_R:
             return
         num_slots, rank = max(num_slots, old_K), max(rank, old_R)
-        lora_A = self.lora_A_KRI.new_zeros(num_slots, rank, self.in_features)
+        lora_A = self.lora_A_KIR.new_zeros(num_slots, self.in_features, rank)
         lora_B = self.lora_B_KRO.new_zeros(num_slots, rank, self.out_features)
-        lora_A[:old_K, :old_R] = self.lora_A_KRI
+        lora_A[:old_K, :, :old_R] = self.lora_A_KIR
         lora_B[:old_K, :old_R] = self.lora_B_KRO
-        self.lora_A_KRI, self.lora_B_KRO = lora_A, lora_B
+        self.lora_A_KIR, self.lora_B_KRO = lora_A, lora_B
 
     @torch.no_grad()
     def load(self, slot: int, *, tensors: tuple[torch.Tensor, torch.Tensor] | None, scale: float):
-        self.lora_A_KRI[slot].zero_()
+        self.lora_A_KIR[slot].zero_()
         self.lora_B_KRO[slot].zero_()
         if tensors is None:
             return  # the adapter leaves this target alone
         lora_A_RI, lora_B_OR = tensors
         rank = lora_A_RI.shape[0]
-        self.lora_A_KRI[slot, :rank] = lora_A_RI
+        self.lora_A_KIR[slot, :, :rank] = lora_A_RI.T
         # B' = scale * B, formed in fp32 as merged weights are.
         self.lora_B_KRO[slot, :rank] = (lora_B_OR.float() * scale).T
 
+    @property
+    def loaded(self) -> bool:
+        return self.lora_B_KRO.shape[1] > 0
+
     def low_rank(self, x: torch.Tensor, rows: AdapterRows) -> torch.Tensor | None:
         """The low-rank term of `x` [B, ..., I] (None while no slot is loaded)."""
-        if self.lora_A_KRI.shape[1] == 0:
+        if not self.loaded:
             return None
         slot = rows.uniform()
         if slot is not None:
             rank = rows.ranks.get(slot, 0)
-            return F.linear(x, self.lora_A_KRI[slot, :rank]) @ self.lora_B_KRO[slot, :rank]
+            return (x @ self.lora_A_KIR[slot, :, :rank]) @ self.lora_B_KRO[slot, :rank]
         x_BMI = x.reshape(x.shape[0], -1, x.shape[-1])
-        out_BMO = rows.groups().low_rank(x_BMI, self.lora_A_KRI, self.lora_B_KRO)
+        out_BMO = rows.groups().low_rank(x_BMI, self.lora_A_KIR, self.lora_B_KRO)
         return out_BMO.view(*x.shape[:-1], -1)
 
 
@@ -224,9 +199,9 @@ class MultiLoraUnembedding(nn.Module):
         if slot is None:
             raise ValueError("multi-LoRA unembedding: augment needs one slot for every row")
         rank = self.rows.ranks.get(slot, 0)
-        if self.slots.lora_A_KRI.shape[1] == 0 or rank == 0:
+        if not self.slots.loaded or rank == 0:
             return hidden_BxD, weight_VD
-        low_BxR = F.linear(hidden_BxD, self.slots.lora_A_KRI[slot, :rank])
+        low_BxR = hidden_BxD @ self.slots.lora_A_KIR[slot, :, :rank]
         return (
             torch.cat([hidden_BxD, low_BxR], -1),
             torch.cat([weight_VD, self.slots.lora_B_KRO[slot, :rank].T], -1),
@@ -363,7 +338,7 @@ class MultiLoraMoE(MoE):
         # Rows come first in the block's input, so each row's tokens are consecutive in x_TD.
         slots_T = index.repeat_interleave(x_TD.shape[0] // index.shape[0])
         out_TD = torch.empty_like(x_TD)
-        for slot in torch.unique(slots_T).tolist():
+        for slot in self.rows.groups().slots:
             tokens = torch.nonzero(slots_T == slot).squeeze(1)
             with self.rows.one_slot(slot):
                 out_TD[tokens] = super().combine(
@@ -438,7 +413,8 @@ def apply_multi_lora(
         load_adapter(model, slot, config=config, tensors=tensors)
 
 
-def set_rows(model: Decoder, index: int | torch.Tensor) -> None:
+def set_rows(model: Decoder, index: int | Sequence[int] | torch.Tensor) -> None:
     """Every row of the next forwards on this thread uses slot `index` (an int), or row b
-    uses slot index[b] (a [B] tensor)."""
-    model.multi_lora_rows.set(index)
+    uses slot index[b] (ints, or a [B] tensor)."""
+    device = model.output_weight_VD.device
+    model.multi_lora_rows.set(index, device=device)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
 
 from temper.models.multi_lora import AdapterRows
@@ -31,4 +30,4 @@ class RowAdapters:
         if all(adapter == first for adapter in adapters):
             self.rows.set(first)
         else:
-            self.rows.set(torch.tensor(adapters, device=self._device))
+            self.rows.set(adapters, device=self._device)
