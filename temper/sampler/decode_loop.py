@@ -170,24 +170,38 @@ class DecodeLoop:
                 successor.wake.set()
 
     def _drive(self, work: _Work, *, num_threads: int | None) -> None:
-        """Steps on this thread until `work` is done."""
-        rows = min(self._max_rows, sum(getattr(w, "num_samples", 0) for w in self._pending))
-        with self._runner.session(num_threads=num_threads, rows=max(rows, 1)):
-            while not work.done:
-                self._between_steps()
-                if work.done:
-                    return
-                if not self._runner.busy:  # only calls a gate holds back (slots pinned
-                    time.sleep(0.005)  # by scores on other threads): try again shortly
-                    continue
-                try:
-                    self._runner.step()
-                    self.num_steps += 1
-                except BaseException as error:
-                    self._runner.abort()
-                    self._complete(self._running, error=error)
-                    continue
-                self._complete([call for call in self._running if call.finished()])
+        """Steps on this thread until `work` is done. The session (the CPU threads a step
+        runs on, chosen by the rows in flight) is entered again when the rows more than
+        double: calls that joined a small call's batch then decode on the threads their
+        rows call for."""
+        while not work.done:
+            rows = self._rows_in_flight()
+            with self._runner.session(num_threads=num_threads, rows=rows):
+                self._steps(work, until_rows=2 * rows)
+
+    def _steps(self, work: _Work, *, until_rows: int) -> None:
+        while not work.done:
+            self._between_steps()
+            if work.done or self._rows_in_flight() > until_rows:
+                return
+            if not self._runner.busy:  # only calls a gate holds back (slots pinned
+                time.sleep(0.005)  # by scores on other threads): try again shortly
+                continue
+            try:
+                self._runner.step()
+                self.num_steps += 1
+            except BaseException as error:
+                self._runner.abort()
+                self._complete(self._running, error=error)
+                continue
+            self._complete([call for call in self._running if call.finished()])
+
+    def _rows_in_flight(self) -> int:
+        """Sequences of the running and waiting calls, at most a batch (at least 1)."""
+        with self._lock:
+            calls = [*self._running, *self._pending]
+        samples = sum(getattr(call, "num_samples", 0) for call in calls)
+        return max(1, min(self._max_rows, samples))
 
     def _between_steps(self) -> None:
         """Pending work in submission order: calls join, tasks run (see the module
