@@ -3,6 +3,7 @@ it), GPU tests skipped without a GPU, and the longest test files first."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -50,6 +51,18 @@ def pytest_configure(config: pytest.Config) -> None:
     # asks the driver for devices, which reads the variable once.
     if not selects_gpu_tests(config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    # Off while test modules are imported: they and what they import (torch, transformers,
+    # vLLM: over 700,000 objects) make no cyclic garbage worth a pass, and each full collection
+    # walks them all (a third of the collection's CPU time, measured: 10.3 s -> 6.8 s).
+    gc.disable()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
