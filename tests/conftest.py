@@ -23,7 +23,6 @@ RUN_FIRST = (
     "tests/rl/test_vllm_job.py",  # ~60 s, one test: RL on vLLM learns like RL on Temper
     "tests/rl/test_job.py",  # ~50 s: the default recipe must learn
     "tests/distributed/test_train_nproc.py",  # ~50 s: torchrun runs
-    "tests/distributed/test_sync_deadline.py",  # ~47 s: a generator rank stalled or killed
     "tests/recipes/test_sum_digits_moe.py",  # ~45 s: a tiny MoE must learn
     "tests/recipes/test_sum_digits_hybrid.py",  # ~40 s: a tiny hybrid must learn with RL
 )
