@@ -3,7 +3,9 @@ it), GPU tests skipped without a GPU, and the longest test files first."""
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,7 +25,6 @@ RUN_FIRST = (
     "tests/recipes/test_sum_digits_inflight.py",  # ~65 s: in-flight async GRPO must learn
     "tests/rl/test_job.py",  # ~50 s: the default recipe must learn
     "tests/distributed/test_train_nproc.py",  # ~50 s: torchrun runs
-    "tests/distributed/test_sync_deadline.py",  # ~47 s: a generator rank stalled or killed
     "tests/recipes/test_sum_digits_moe.py",  # ~45 s: a tiny MoE must learn
     "tests/recipes/test_sum_digits_hybrid.py",  # ~40 s: a tiny hybrid must learn with RL
 )
@@ -51,6 +52,18 @@ def pytest_configure(config: pytest.Config) -> None:
     # asks the driver for devices, which reads the variable once.
     if not selects_gpu_tests(config.getoption("markexpr") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    # Off while test modules are imported: they and what they import (torch, transformers,
+    # vLLM: over 700,000 objects) make no cyclic garbage worth a pass, and each full collection
+    # walks them all (a third of the collection's CPU time, measured: 10.3 s -> 6.8 s).
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

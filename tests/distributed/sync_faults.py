@@ -16,13 +16,11 @@ import os
 import time
 from pathlib import Path
 
-import torch.multiprocessing as mp
-
 from temper.distributed import weight_transfer
 from temper.generator import generator_rank
 from temper.rl.job import RLJob
 from tests.distributed.rl_runs import skip_plots
-from tests.distributed.spawn import _entry, free_port
+from tests.distributed.spawn import free_port, rank_processes
 
 FAULT_VERSION = 3
 """The sync after the first checkpoint (the warm-up's 2 steps and RL step 0)."""
@@ -111,13 +109,10 @@ def run_until_failure(
     fault's record (None: the job ended before the fault; with the generator rank's child
     processes: `record_children`), each rank's result (None: it left none), and the generator's
     exit code."""
-    context = mp.get_context("spawn")
-    port = free_port()
     args = (config, run_dir, out, kind, stall_s, record_children)
-    processes = [
-        context.Process(target=_entry, args=(rank, faulty_rank, world_size, port, out, args))
-        for rank in range(world_size)
-    ]
+    processes = rank_processes(
+        faulty_rank, world_size=world_size, port=free_port(), out_dir=out, args=args
+    )
     for process in processes:
         process.start()
     deadline = time.monotonic() + 240

@@ -12,13 +12,11 @@ import os
 import re
 import time
 
-import torch.multiprocessing as mp
-
 from temper.distributed.placement import Placement
 from temper.generator import generator_rank, remote
 from temper.rl.job import RLJob
 from tests.distributed.rl_runs import skip_plots
-from tests.distributed.spawn import _entry, free_port, spawn
+from tests.distributed.spawn import free_port, rank_processes, spawn
 from tests.rl.conftest import comparable_metrics, tiny_rl_config
 
 CALLS_BEFORE_DYING = 3  # the warm-up's evaluation, RL steps 0 and 1 (2 trainer ranks' calls)
@@ -64,12 +62,9 @@ def test_a_dead_generator_rank_stops_the_job_with_its_name_and_the_run_resumes(t
     run_dir = tmp_path / "run"
     out_dir = tmp_path / "dying"
     out_dir.mkdir()
-    context = mp.get_context("spawn")
-    port = free_port()
-    processes = [
-        context.Process(target=_entry, args=(rank, _dying_run, 3, port, out_dir, (run_dir,)))
-        for rank in range(3)
-    ]
+    processes = rank_processes(
+        _dying_run, world_size=3, port=free_port(), out_dir=out_dir, args=(run_dir,)
+    )
     for process in processes:
         process.start()
     for process in processes:
