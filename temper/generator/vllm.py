@@ -68,6 +68,7 @@ from temper.generator.vllm_process import (
     import_vllm,
     shut_down,
 )
+from temper.generator.vllm_steps import VllmSteps
 from temper.generator.vllm_transports import (
     TRANSPORT_CHOICES,
     TransportChoice,
@@ -181,8 +182,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         model: nn.Module,
         tokenizer: Tokenizer | None = None,
         lora: LoraSlots | None = None,
+        join_window_s: float = 0.0,
     ) -> None:
-        """`lora`: serve LoRA adapters on `model` (generator/vllm_lora.py builds it so)."""
+        """`lora`: serve LoRA adapters on `model` (generator/vllm_lora.py builds it so);
+        `join_window_s`: how long a call that finds the engine idle waits for others to start
+        with (vllm_steps.py)."""
         vllm = import_vllm()
         from temper.generator import vllm_transfer  # registers its engine with vLLM
 
@@ -231,6 +235,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
         if self._inline:
             self._inline_engines.add(self._llm, moe=moe)
         self._v2 = vllm_fields.runs_v2(self._llm)
+        # Every use of the engine goes through its stepping: calls join the running batch.
+        self._steps = VllmSteps(self._llm, window_s=join_window_s)
         self._transfer = vllm_transfer.VllmTransfer(
             self._llm,
             transport=self._transport_name,
@@ -293,6 +299,16 @@ class VllmGenerator(Configurable, OnePromptSampling):
         return self._version
 
     @property
+    def num_batches(self) -> int:
+        """Times the engine started decoding from idle (vllm_steps.py)."""
+        return self._steps.num_batches
+
+    @property
+    def num_steps(self) -> int:
+        """vLLM engine steps run so far, for every call together."""
+        return self._steps.num_steps
+
+    @property
     def transport(self) -> str:
         """The path new weights take into vLLM (vllm_transports.py)."""
         return self._transport_name
@@ -318,11 +334,8 @@ class VllmGenerator(Configurable, OnePromptSampling):
         vllm = import_vllm()
         prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [self._params(request) for request in requests]
-        outputs = self._llm.generate(
-            prompts,
-            params,
-            lora_request=None if adapters is None else list(adapters),
-            use_tqdm=False,
+        outputs = self._steps.generate(
+            prompts, params, lora_requests=None if adapters is None else list(adapters)
         )
         return [self._response(r, out) for r, out in zip(requests, outputs, strict=True)]
 
@@ -349,7 +362,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         params = vllm.SamplingParams(
             max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False
         )
-        outputs = self._llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+        outputs = self._steps.generate(
+            prompts,
+            [params] * len(prompts),
+            lora_requests=None if adapter is None else [adapter] * len(prompts),
+        )
         return [
             torch.tensor(_actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
             for out in outputs
@@ -450,12 +467,12 @@ class VllmGenerator(Configurable, OnePromptSampling):
 
     def add_adapter(self, adapter: Any) -> None:
         """Load a vLLM `LoRARequest` into every engine of the group (it reads the files)."""
-        if not self._llm.llm_engine.add_lora(adapter):
+        if not self._steps.exclusive(lambda: self._llm.llm_engine.add_lora(adapter)):
             raise RuntimeError(f"vLLM did not load LoRA adapter {adapter.lora_name!r}")
 
     def remove_adapter(self, lora_id: int) -> None:
         """Drop a loaded adapter from vLLM's caches (a no-op for one it evicted itself)."""
-        self._llm.llm_engine.remove_lora(lora_id)
+        self._steps.exclusive(lambda: self._llm.llm_engine.remove_lora(lora_id))
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
         """Load new weights into the running engine (Temper parameter names). A module or a
@@ -472,20 +489,20 @@ class VllmGenerator(Configurable, OnePromptSampling):
             source = source.items()
         named = self._hf_named(iter(source))
         try:
-            self._transfer.update(named, version=version)
+            self._steps.exclusive(lambda: self._transfer.update(named, version=version))
         except Exception as error:
             # vLLM reloads in place: weights it had not reached are gone, and its reload
             # machinery cannot run again on this engine.
             self._broken = f"an update_weights failed part-way ({error})"
             raise
         # Cached prefixes hold keys and values computed with the old weights.
-        self._llm.reset_prefix_cache()
+        self._steps.exclusive(self._llm.reset_prefix_cache)
         self._version = version
 
     def reset_prefix_cache(self) -> None:
         """Forget vLLM's cached prefixes (an in-flight client's namespace ends:
         temper/client/inflight.py)."""
-        self._llm.reset_prefix_cache()
+        self._steps.exclusive(self._llm.reset_prefix_cache)
 
     def _check_complete(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         missing = sorted(self._shapes.keys() - state_dict.keys())
@@ -519,15 +536,17 @@ class VllmGenerator(Configurable, OnePromptSampling):
         worker (vllm_readback.py), since this backend keeps no copy of them. For checks on
         small models."""
         self._check_weights()
-        return vllm_readback.read_weights(self._llm, family=self._family, shapes=self._shapes)
+        return self._steps.exclusive(
+            lambda: vllm_readback.read_weights(self._llm, family=self._family, shapes=self._shapes)
+        )
 
     def sleep(self) -> None:
         self._check_can_sleep()
-        self._llm.sleep(level=SLEEP_LEVELS[self.config.sleep])
+        self._steps.exclusive(lambda: self._llm.sleep(level=SLEEP_LEVELS[self.config.sleep]))
 
     def wake_up(self) -> None:
         self._check_can_sleep()
-        self._llm.wake_up()
+        self._steps.exclusive(self._llm.wake_up)
 
     def _check_can_sleep(self) -> None:
         if not torch.cuda.is_available():

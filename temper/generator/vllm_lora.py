@@ -23,8 +23,10 @@ clients decode in one vLLM batch.
   directory, which lives as long as the version, when a request needs it.
 - `max_resident_adapters` is vLLM's `max_loras`: vLLM's scheduler admits requests of at most
   that many adapters into one step, and the others wait for a later one.
-- Calls that arrive while the engine decodes run as the next batch together
-  (call_batches.py); a bad request fails only its own call.
+- Calls join the batch vLLM is decoding at its next step, each request with its adapter's
+  `LoRARequest` (vllm_steps.py), and return as soon as their own requests finish; a call that
+  finds the engine idle waits `batch_window_s` for calls of other clients to start with. A
+  call vLLM refuses fails alone.
 
 Not provided: `store_device` (vLLM keeps loaded adapters in host memory itself) and MoE
 expert adapters (refused at `register` if vLLM cannot load them).
@@ -48,7 +50,6 @@ from torch import nn
 
 from temper.api.types import SampleResponse
 from temper.checkpoint.peft import save_peft_adapter_tensors
-from temper.generator.call_batches import Call, CallBatches
 from temper.generator.multi_lora import MultiLoraSampler, check_capacity
 from temper.generator.vllm import VllmGenerator
 from temper.generator.vllm_arguments import LoraSlots
@@ -98,19 +99,24 @@ class VllmMultiLora:
             max_cpu_loras=config.max_adapters,
             max_lora_rank=vllm.max_lora_rank,
         )
-        self.engine = VllmGenerator(vllm, model=model, tokenizer=tokenizer, lora=slots)
+        self.engine = VllmGenerator(
+            vllm, model=model, tokenizer=tokenizer, lora=slots, join_window_s=config.batch_window_s
+        )
         self._directory = tempfile.TemporaryDirectory(prefix="temper-vllm-lora-")
         self._live: weakref.WeakSet[VllmAdapter] = weakref.WeakSet()
         self._registry_lock = threading.Lock()
-        self._engine_lock = threading.Lock()  # vLLM's engine: one batch, score or load at a time
+        self._load_lock = threading.Lock()  # one adapter load or removal at a time
         self._dropped: list[Any] = []  # requests of versions nobody holds (list.append: atomic)
         self._next_id = 1  # vLLM's adapter ids start at 1
         self._shapes: dict[LoraConfig, dict[str, tuple[int, ...]]] = {}
-        self._batches = CallBatches[VllmAdapter](window_s=config.batch_window_s, run=self._run)
         self.num_loads = 0
         """Adapter versions loaded into vLLM so far."""
-        self.num_batches = 0
-        """vLLM `generate` calls run so far (each may hold several calls)."""
+
+    @property
+    def num_batches(self) -> int:
+        """Times vLLM's engine started decoding from idle (calls that join its running batch
+        do not count)."""
+        return self.engine.num_batches
 
     @property
     def vocab_size(self) -> int:
@@ -126,7 +132,7 @@ class VllmMultiLora:
     ) -> VllmAdapter:
         """A new adapter version, written and loaded into vLLM (see the module docstring)."""
         self._check_tensors(config, tensors)
-        with self._engine_lock:
+        with self._load_lock:
             self._forget_dropped()
             with self._registry_lock:
                 check_capacity(held=len(self._live), config=self.config)
@@ -198,17 +204,23 @@ class VllmMultiLora:
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(directory))
 
     def _forget_dropped(self) -> None:
-        """Remove the versions nobody holds from vLLM and disk (under the engine lock)."""
+        """Remove the versions nobody holds from vLLM and disk (under the load lock)."""
         while self._dropped:
             request = self._dropped.pop()
             self.engine.remove_adapter(request.lora_int_id)
             shutil.rmtree(request.lora_path, ignore_errors=True)
 
+    def _forget_dropped_now(self) -> None:
+        if self._dropped:
+            with self._load_lock:
+                self._forget_dropped()
+
     def generate(
         self, requests: Sequence[SampleRequest], *, adapter: VllmAdapter
     ) -> list[SampleResponse]:
-        """`requests` sampled with `adapter`, batched with the calls that arrive meanwhile."""
-        return self._batches.call(list(requests), key=adapter)
+        """`requests` sampled with `adapter`, in vLLM's running batch with other calls."""
+        self._forget_dropped_now()
+        return self.engine.generate(requests, adapters=[adapter.request] * len(requests))
 
     def score(
         self,
@@ -217,32 +229,8 @@ class VllmMultiLora:
         adapter: VllmAdapter,
         temperature: float = 1.0,
     ) -> list[torch.Tensor]:
-        with self._engine_lock:
-            self._forget_dropped()
-            return self.engine.score(sequences, temperature=temperature, adapter=adapter.request)
-
-    def _run(self, calls: list[Call[VllmAdapter]]) -> None:
-        with self._engine_lock:
-            self._forget_dropped()
-            self._run_batch(calls)
-
-    def _run_batch(self, calls: list[Call[VllmAdapter]]) -> None:
-        requests = [request for call in calls for request in call.requests]
-        adapters = [call.key.request for call in calls for _ in call.requests]
-        self.num_batches += 1
-        try:
-            responses = self.engine.generate(requests, adapters=adapters)
-        except Exception as error:
-            if len(calls) == 1:
-                calls[0].error = error
-                return
-            for call in calls:  # find whose call failed: each alone
-                self._run_batch([call])
-            return
-        start = 0
-        for call in calls:
-            call.results = responses[start : start + len(call.requests)]
-            start += len(call.requests)
+        self._forget_dropped_now()
+        return self.engine.score(sequences, temperature=temperature, adapter=adapter.request)
 
     def describe(self) -> str:
         return (

@@ -9,6 +9,8 @@ import collections
 import dataclasses
 import math
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -156,6 +158,34 @@ def test_a_seed_gives_the_same_samples_whatever_shares_the_batch(backends):
     unseeded = SamplingParams(max_tokens=8, temperature=1.0, stop=[])
     draws = vllm.generate([SampleRequest(prompt=PROMPTS[0], params=unseeded, num_samples=6)])
     assert len({tuple(s.tokens) for s in draws[0].sequences}) > 1
+
+
+def test_a_call_joins_the_batch_another_thread_is_decoding(backends):
+    vllm, _, _ = backends
+    long = [SampleRequest(prompt=PROMPTS[2], params=SamplingParams(max_tokens=48, seed=3, stop=[]))]
+    short = [
+        SampleRequest(prompt=PROMPTS[1], params=SamplingParams(max_tokens=4, seed=4, stop=[])),
+        SampleRequest(prompt=PROMPTS[0], params=SamplingParams(max_tokens=3, temperature=0)),
+    ]
+    alone = vllm.generate(long), vllm.generate(short)
+    finished: list[str] = []
+    results: dict[str, list] = {}
+
+    def run(name, requests):
+        results[name] = vllm.generate(requests)
+        finished.append(name)
+
+    steps_before = vllm.num_steps
+    first = threading.Thread(target=run, args=("long", long))
+    first.start()
+    while vllm.num_steps == steps_before and first.is_alive():  # the long call is decoding
+        time.sleep(0.001)
+    run("short", short)  # from this thread, while the long call decodes
+    first.join()
+    # The short call shared the long one's steps and returned before it.
+    assert finished == ["short", "long"]
+    assert vllm.num_steps - steps_before < 48 + 4
+    assert (results["long"], results["short"]) == alone
 
 
 def test_stops_map_to_temper_semantics(backends):
