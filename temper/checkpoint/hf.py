@@ -48,7 +48,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def missing_model_files(model_dir: Path) -> list[str]:
     """Names of the files a loadable model directory lacks (empty when complete)."""
     if not model_dir.is_dir():
-        return [f"{model_dir} (the directory itself)"]
+        return ["the directory itself (no such directory)"]
     missing = [] if (model_dir / CONFIG_FILE).is_file() else [CONFIG_FILE]
     index_path = model_dir / WEIGHTS_INDEX
     if index_path.is_file():

@@ -25,6 +25,7 @@ what does not), 1 when not, 2 for bad input.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -214,7 +215,22 @@ def plan_text(roles: list[Role], *, budget_bytes: int) -> tuple[str, bool]:
             fits &= not item.required or item.num_bytes <= budget_bytes
             table.add_row(item.model, item.what, format_bytes(item.num_bytes), str(count))
         console.print(table)
-    verdict = "fits" if fits else "does NOT fit (the server answers 503 for what does not)"
-    console.print(f"verdict: {verdict}")
+    console.print(f"verdict: {_verdict(roles, fits=fits)}")
     lines = [line.rstrip() for line in out.getvalue().splitlines()]
     return "\n".join(line for line in lines if line), fits
+
+
+def _verdict(roles: list[Role], *, fits: bool) -> str:
+    """'fits', or the largest item that fits no rank and the settings that make it fit."""
+    if fits:
+        return "fits"
+    from temper.job.memory_report import format_bytes
+
+    required = [item for role in roles for item in role.items if item.required]
+    largest = max(required, key=lambda item: item.num_bytes)
+    smaller = ", or lower --sampler.max-batch (its KV cache)" if "sampler" in largest.what else ""
+    return (
+        f"does NOT fit (the server answers 503 for what does not): {largest.model}'s "
+        f"{largest.what.partition(':')[0]} needs {format_bytes(largest.num_bytes)}; raise "
+        f"--model-memory-mb to at least {math.ceil(largest.num_bytes / 2**20)}{smaller}"
+    )

@@ -67,6 +67,7 @@ def serve(argv: Sequence[str]) -> int:
             check_bind(config.host, config.api_key, key_file=config.key_file)
             check_port_free(config.host, config.port)
             serve_ranks.check_models(config)
+            serve_ranks.check_generator_backend(config, nproc=nproc)
             serve_placement.check_placement(config, nproc=nproc)
         except (ValueError, FileNotFoundError) as error:
             print(f"temper serve: error: {error}", file=sys.stderr)
@@ -83,5 +84,5 @@ def serve(argv: Sequence[str]) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"temper serve: error: {error}", file=sys.stderr)
         return 2
-    serve_ranks.http_server(server).run()
+    serve_ranks.run_until_stopped(serve_ranks.http_server(server))
     return 0

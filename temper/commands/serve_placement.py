@@ -242,8 +242,20 @@ def serve_generator(config: TemperServer.Config, links: GeneratorLinks) -> int:
 
 
 def _close_on_eof(link: object) -> None:
-    sys.stdin.buffer.read()
+    wait_for_stdin_eof()
     link.close()
+
+
+def wait_for_stdin_eof() -> None:
+    """Block until stdin closes (the command's word to stop), reading its file descriptor
+    directly: a daemon thread blocked in `sys.stdin.buffer.read()` holds the buffered reader's
+    lock, and a process that ends before its stdin closes (a generator rank whose link rank 0
+    closed first) then aborts in interpreter shutdown with `Fatal Python error:
+    _enter_buffered_busy`. A raw `os.read` takes no lock of Python's."""
+    descriptor = sys.stdin.fileno()
+    with contextlib.suppress(OSError):
+        while os.read(descriptor, 65536):
+            pass
 
 
 def _close_stdin(process: subprocess.Popen) -> None:

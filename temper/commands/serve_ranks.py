@@ -103,6 +103,17 @@ def check_models(config: TemperServer.Config) -> None:
         read_model_config(path)
 
 
+def check_generator_backend(config: TemperServer.Config, *, nproc: int) -> None:
+    """Colocated, rank 0 samples inside the process group, where the vLLM backend cannot run
+    (temper/job/model.py, `check_generator_ranks`): refused before torchrun starts."""
+    colocated = config.placement.mode != "disaggregated"
+    if colocated and nproc > 1 and config.generator.backend == "vllm":
+        raise ValueError(
+            f"--generator.backend vllm runs in one process, not on the {nproc} colocated "
+            "ranks of --nproc: use --generator.backend temper with --nproc, or drop --nproc"
+        )
+
+
 def serve_on_ranks(config: TemperServer.Config, *, stop_on_stdin_eof: bool) -> int:
     """One rank of `temper serve` under torchrun (every rank calls this). In a disaggregated
     placement these are the trainer ranks (serve_placement.py starts the generator ranks)."""
@@ -259,14 +270,31 @@ def freeze_startup_objects() -> None:
 
 def _serve_http(server: TemperServer, *, ranks: Ranks, stop_on_stdin_eof: bool) -> None:
     """Rank 0: the HTTP server, until SIGINT/SIGTERM (or stdin closes, if asked)."""
-    uvicorn_server = http_server(server, detail=f"{ranks.world_size} ranks")
+    placement = server.config.placement
+    detail = f"{ranks.world_size} ranks"
+    if placement.mode == "disaggregated":
+        detail = (
+            f"{_count(ranks.world_size, 'trainer rank')}, "
+            f"{_count(placement.generator_ranks, 'generator rank')}"
+        )
+    uvicorn_server = http_server(server, detail=detail)
     if stop_on_stdin_eof:
         threading.Thread(target=_stop_on_eof, args=(uvicorn_server,), daemon=True).start()
-    # uvicorn re-raises the signal that stopped it once it has shut down; with the default
-    # handlers that would kill rank 0 before it tells the other ranks to stop.
+    run_until_stopped(uvicorn_server)
+
+
+def run_until_stopped(uvicorn_server: Any) -> None:
+    """Serve until SIGINT/SIGTERM, then return. uvicorn re-raises the signal that stopped it
+    once it has shut down; with the default handlers that would end one process with a
+    KeyboardInterrupt traceback (or exit status -15) after a clean shutdown, and kill rank 0
+    of several before it tells the other ranks to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _ignore)
     uvicorn_server.run()
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -274,5 +302,5 @@ def _ignore(signum: int, frame: object) -> None:
 
 
 def _stop_on_eof(uvicorn_server: Any) -> None:
-    sys.stdin.buffer.read()
+    serve_placement.wait_for_stdin_eof()
     uvicorn_server.should_exit = True

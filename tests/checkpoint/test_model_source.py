@@ -75,8 +75,12 @@ def test_transformers_loads_the_model_directory(model_dir):
 def test_missing_files_are_listed(tmp_path, model_dir):
     with pytest.raises(FileNotFoundError, match=r"missing: config\.json, model\.safetensors"):
         load_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match="the directory itself"):
-        load_pretrained(tmp_path / "nowhere")
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError) as missing:
+        load_pretrained(nowhere)
+    assert str(missing.value) == (
+        f"model directory {nowhere} is missing: the directory itself (no such directory)"
+    )
 
 
 def test_unsupported_architecture_is_named(tmp_path, model_dir):

@@ -204,7 +204,9 @@ def test_plan_serve_says_what_a_trainer_and_a_generator_rank_hold(tmp_path, caps
     ]
     # A budget no rank's sampler fits: the server would answer 503, the plan exits 1.
     assert main(["plan", "serve", *models, "--model-memory-mb", "100", *placement]) == 1
-    assert "verdict: does NOT fit" in capsys.readouterr().out
+    verdict = capsys.readouterr().out.rpartition("verdict: ")[2]
+    assert verdict.startswith(f"does NOT fit (the server answers 503 for what does not): {student}")
+    assert f"sampler needs {sampler}; raise --model-memory-mb to at least" in verdict
     bad = ["--nproc", "3", "--placement.mode", "disaggregated", "--placement.generator_ranks", "3"]
     assert main(["plan", "serve", *models, *bad]) == 2
     assert "--placement.generator_ranks 3" in capsys.readouterr().err

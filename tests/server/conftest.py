@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,9 +38,9 @@ class ServerProcess:
     def rest(self, api_key: str = API_KEY):
         return tinker.RestClient(base_url=self.base_url, api_key=api_key)
 
-    def stop(self) -> None:
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout=30)  # ranks stop in turn; slow on a busy machine
             except subprocess.TimeoutExpired:

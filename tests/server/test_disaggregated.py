@@ -230,6 +230,20 @@ def test_a_killed_generator_rank_leaves_the_server_serving(disaggregated, model_
         service.close("success").result()
 
 
+def test_sigterm_stops_every_rank_cleanly(disaggregated):
+    """Last on this server: SIGTERM to the command ends every rank (the trainer ranks, the
+    generator ranks, the one killed above aside) with exit status 0 and nothing aborted."""
+    pids = [rank["pid"] for rank in health(disaggregated)["ranks"] if rank["alive"]]
+    disaggregated.stop()
+    log = disaggregated.log.read_text()
+    assert disaggregated.process.returncode == 0, log[-4000:]
+    assert "Fatal Python error" not in log and "exception calling callback" not in log
+    assert "1 trainer rank, 2 generator ranks" in log  # the startup line
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_a_placement_that_does_not_fit_is_refused_before_starting(model_dir, capsys):
     from temper.cli import main
 

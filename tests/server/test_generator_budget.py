@@ -242,3 +242,27 @@ def test_an_idle_sampler_is_released_on_its_rank(sizes):
         assert pool.remotes[0].memory.memory.loaded() == {}
     finally:
         pool.close()
+
+
+def test_a_call_cancelled_while_its_rank_samples_is_dropped_quietly(sizes, caplog):
+    """cancel_future on a sample a generator rank is running: the rank finishes it and its
+    answer is dropped (no error raised in the link's reader, the sampler not left busy)."""
+    pool = _pool(sizes)
+    try:
+        student = _base(sizes, "tiny-digits")
+        pool.place(student)
+        for remote in pool.remotes:
+            remote.link.release.clear()
+        running = pool.call(student, Sample(student.key, prompt=None))
+        _wait_for(lambda: any(remote.busy for remote in pool.remotes))
+        assert running.cancel()
+        for remote in pool.remotes:
+            remote.link.release.set()
+        _wait_for(lambda: not any(remote.busy for remote in pool.remotes))
+        # A rank's replies are handled one after another: once the next call on that rank
+        # answers, the first one's answer has been handled.
+        pool.call(student, Sample(student.key, prompt=None)).result(timeout=10)
+        assert "exception calling callback" not in caplog.text
+        assert running.cancelled()
+    finally:
+        pool.close()

@@ -196,7 +196,9 @@ def test_serve_nproc_2_through_the_sdk_matches_one_process(model_dir, tmp_path):
     assert replayed["saved"] == pytest.approx(reference["saved"], rel=1e-4)
 
 
-def test_serve_nproc_refuses_bad_values_and_a_missing_model_before_starting(tmp_path, capsys):
+def test_serve_nproc_refuses_bad_values_and_a_missing_model_before_starting(
+    model_dir, tmp_path, capsys
+):
     from temper.cli import main
 
     for value in ("0", "two"):
@@ -206,3 +208,8 @@ def test_serve_nproc_refuses_bad_values_and_a_missing_model_before_starting(tmp_
     assert "missing" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--nproc", "2", "--host", "0.0.0.0"]) == 2
     assert "requires --key-file FILE" in capsys.readouterr().err
+    from tests.server.conftest import free_port
+
+    vllm = ["--generator.backend", "vllm", "--port", str(free_port())]
+    assert main(["serve", "--model", str(model_dir), "--nproc", "2", *vllm]) == 2
+    assert "--generator.backend vllm runs in one process" in capsys.readouterr().err

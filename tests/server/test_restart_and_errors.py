@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import httpx
 import numpy as np
 import pytest
@@ -145,7 +147,10 @@ def test_checkpoints_load_after_a_restart(model_dir, tmp_path):
         expected_tokens = sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
         service.close("success").result()
     finally:
-        first.stop()
+        first.stop(signal.SIGINT)  # a Ctrl-C
+    # uvicorn re-raises the signal after its clean shutdown: the command stops quietly.
+    assert first.process.returncode == 0, first.log.read_text()
+    assert "Traceback" not in first.log.read_text()
 
     second = start_server(model_dir, storage, tmp_path / "second.log")
     try:
@@ -159,6 +164,7 @@ def test_checkpoints_load_after_a_restart(model_dir, tmp_path):
         service.close("success").result()
     finally:
         second.stop()
+    assert second.process.returncode == 0, second.log.read_text()
 
 
 def test_non_loopback_needs_an_api_key_and_full_fine_tuning(model_dir, tmp_path):

@@ -58,6 +58,18 @@ MOVE_COST = 16
 rank that holds its sampler unless another one has this many fewer sequences in flight."""
 
 
+def _answer(
+    result: concurrent.futures.Future, *, value: Any = None, error: BaseException | None = None
+) -> None:
+    """Answer a call's future, unless its client cancelled it meanwhile (cancel_future):
+    a cancelled call's answer is dropped."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+
 class GeneratorLost(RuntimeError):
     """No live generator rank could run the call (every one that held it died)."""
 
@@ -231,10 +243,12 @@ class GeneratorPool:
         result: concurrent.futures.Future,
         tried: frozenset[int],
     ) -> None:
+        if result.cancelled():  # its client cancelled it (cancel_future) before it was sent
+            return
         try:
             remote = self._choose(load, tried=tried)
         except Exception as error:  # GeneratorLost, OverBudget
-            result.set_exception(error)
+            _answer(result, error=error)
             return
         tried = tried | {remote.index}
         try:
@@ -246,7 +260,7 @@ class GeneratorPool:
             return
         except Exception as error:
             self._finished(remote, load.key)
-            result.set_exception(error)
+            _answer(result, error=error)
             return
 
         def done(inner: concurrent.futures.Future) -> None:
@@ -256,9 +270,9 @@ class GeneratorPool:
                 log.warning("%s; sending the call to another generator rank", error)
                 self._routes.submit(self._route, load, op, sequences, result, tried)
             elif error is not None:
-                result.set_exception(error)
+                _answer(result, error=error)
             else:
-                result.set_result(inner.result())
+                _answer(result, value=inner.result())
 
         inner.add_done_callback(done)
 

@@ -127,7 +127,8 @@ class ServerConfig(Configurable.Config):
     """Temper's sampling engine (generator backend 'temper')."""
     generator: GeneratorChoice.Config = field(default_factory=GeneratorChoice.Config)
     """The generator backend: Temper's engine (set up by `sampler`) or vLLM (set up by
-    `generator.vllm`; one process only, not with --nproc)."""
+    `generator.vllm`): in one process, or on each generator rank of a disaggregated
+    placement; not on colocated --nproc ranks."""
     multi_lora: MultiLoraSampler.Config = field(default_factory=MultiLoraSampler.Config)
     """One sampler per base model for its LoRA models' snapshots (Temper's engine, or one vLLM
     engine with --generator.backend vllm; adapter_room.py); a snapshot holds one version of
