@@ -244,6 +244,11 @@ class Scheduler:
             else:
                 log.info("request %s failed: %s", request_id, error)
             return failure(f"{type(error).__name__}: {error}", category=category)
+        finally:
+            # The answer is encoded: holding what the call returned (a sampling client, say)
+            # would keep it alive, and what it holds (a snapshot's adapter), until the result
+            # expires.
+            entry.started = None
 
     def _prune(self) -> None:
         now = time.monotonic()
