@@ -29,20 +29,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(eq=False)
-class _Work:
-    """What a caller waits for; it sleeps on `wake` until done or handed the engine."""
-
-    done: bool = False
-    error: BaseException | None = None
-    result: Any = None
-    drives: bool = False
-    wake: threading.Event = field(default_factory=threading.Event)
+from temper.sampler.decode_loop import Work
 
 
 @dataclass(eq=False)
-class _Call(_Work):
+class _Call(Work):
     prompts: Sequence[Any] = ()
     params: Sequence[Any] = ()
     lora_requests: Sequence[Any] | None = None
@@ -54,7 +45,7 @@ class _Call(_Work):
 
 
 @dataclass(eq=False)
-class _Task(_Work):
+class _Task(Work):
     fn: Callable[[], Any] = lambda: None
 
 
@@ -65,7 +56,7 @@ class VllmSteps:
         self._llm = llm
         self._window_s = window_s
         self._lock = threading.Lock()  # the fields below
-        self._pending: list[_Work] = []  # submitted, not yet added (calls) or run (tasks)
+        self._pending: list[Work] = []  # submitted, not yet added (calls) or run (tasks)
         self._running: list[_Call] = []  # added, some request unfinished
         self._owners: dict[str, _Call] = {}  # external request id -> its call
         self._driving = False
@@ -94,7 +85,7 @@ class VllmSteps:
         self._wait(task)
         return task.result
 
-    def _wait(self, work: _Work) -> None:
+    def _wait(self, work: Work) -> None:
         with self._lock:
             self._pending.append(work)
             if not self._driving:
@@ -117,7 +108,7 @@ class VllmSteps:
                 successor.drives = True
                 successor.wake.set()
 
-    def _drive(self, work: _Work) -> None:
+    def _drive(self, work: Work) -> None:
         while not work.done:
             if not self._running:
                 self._gather_callers()
@@ -210,7 +201,7 @@ class VllmSteps:
             for call in failed:
                 self._settle(call, error=error)
 
-    def _settle(self, work: _Work, *, error: BaseException | None = None) -> None:
+    def _settle(self, work: Work, *, error: BaseException | None = None) -> None:
         with self._lock:
             if error is not None:
                 work.error = error

@@ -70,7 +70,7 @@ class BatchRunner(Protocol):
 
 
 @dataclass(eq=False)
-class _Work:
+class Work:
     """What a caller waits for: a call's responses, or a task's result. Its caller sleeps
     on `wake` until the work is done or the loop is handed to it (`drives`)."""
 
@@ -82,7 +82,7 @@ class _Work:
 
 
 @dataclass(eq=False)
-class _Call(_Work):
+class _Call(Work):
     states: list[RequestState] = field(default_factory=list)
     gate: Gate | None = None
     on_done: Callable[[], None] | None = None
@@ -94,7 +94,7 @@ class _Call(_Work):
 
 
 @dataclass(eq=False)
-class _Task(_Work):
+class _Task(Work):
     fn: Callable[[], Any] = lambda: None
     barrier: bool = False
 
@@ -104,7 +104,7 @@ class DecodeLoop:
         self._runner = runner
         self._max_rows = max_rows
         self._lock = threading.Lock()
-        self._pending: list[_Work] = []  # submitted, not yet joined (calls) or run (tasks)
+        self._pending: list[Work] = []  # submitted, not yet joined (calls) or run (tasks)
         self._running: list[_Call] = []  # joined, some sequence still decoding
         self._driving = False
         self.num_batches = 0
@@ -144,7 +144,7 @@ class DecodeLoop:
         self._wait(task, num_threads=None)
         return task.result
 
-    def _wait(self, work: _Work, *, num_threads: int | None) -> None:
+    def _wait(self, work: Work, *, num_threads: int | None) -> None:
         with self._lock:
             self._pending.append(work)
             if not self._driving:
@@ -169,7 +169,7 @@ class DecodeLoop:
                 successor.drives = True
                 successor.wake.set()
 
-    def _drive(self, work: _Work, *, num_threads: int | None) -> None:
+    def _drive(self, work: Work, *, num_threads: int | None) -> None:
         """Steps on this thread until `work` is done. The session (the CPU threads a step
         runs on, chosen by the rows in flight) is entered again when the rows more than
         double: calls that joined a small call's batch then decode on the threads their
@@ -179,7 +179,7 @@ class DecodeLoop:
             with self._runner.session(num_threads=num_threads, rows=rows):
                 self._steps(work, until_rows=2 * rows)
 
-    def _steps(self, work: _Work, *, until_rows: int) -> None:
+    def _steps(self, work: Work, *, until_rows: int) -> None:
         while not work.done:
             self._between_steps()
             if work.done or self._rows_in_flight() > until_rows:
@@ -253,7 +253,7 @@ class DecodeLoop:
                 call.on_done()
             self._settle(call, error=error)
 
-    def _settle(self, work: _Work, *, error: BaseException | None = None) -> None:
+    def _settle(self, work: Work, *, error: BaseException | None = None) -> None:
         with self._lock:
             if work in self._pending:
                 self._pending.remove(work)

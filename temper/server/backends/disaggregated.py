@@ -151,17 +151,10 @@ class RemoteSampling:
         topk_sample_logprobs: int = 0,
         target_prompt_logprobs: PromptTargets | None = None,
     ) -> APIFuture[SampleResponse]:
-        options = dict(
-            num_samples=num_samples,
-            sampling_params=sampling_params,
-            include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-            target_prompt_logprobs=target_prompt_logprobs,
-        )
+        options = dict(locals())  # the SamplingBackend.sample arguments, by name
+        del options["self"], options["prompt"]
         op = Sample(self._load.key, prompt=prompt, options=options)
-        sequences = num_samples if isinstance(num_samples, int) else 1
-        return APIFuture(self._pool.call(self._load, op, sequences=sequences))
+        return APIFuture(self._pool.call(self._load, op, sequences=op.num_sequences))
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         return APIFuture(self._pool.call(self._load, Score(self._load.key, prompt=prompt)))

@@ -76,18 +76,10 @@ class RemoteInflight:
         topk_sample_logprobs: int = 0,
         target_prompt_logprobs: PromptTargets | None = None,
     ) -> APIFuture[SampleResponse]:
-        options = dict(
-            num_samples=num_samples,
-            sampling_params=sampling_params,
-            include_prompt_logprobs=include_prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt_logprobs,
-            topk_sample_logprobs=topk_sample_logprobs,
-            target_prompt_logprobs=target_prompt_logprobs,
-        )
-        key = self._target.key
-        op = Sample(key, prompt=prompt, options=options, namespace=self.namespace)
-        sequences = num_samples if isinstance(num_samples, int) else 1
-        return APIFuture(self._pool.call(self._newest(), op, sequences=sequences))
+        options = dict(locals())  # the SamplingBackend.sample arguments, by name
+        del options["self"], options["prompt"]
+        op = Sample(self._target.key, prompt=prompt, options=options, namespace=self.namespace)
+        return APIFuture(self._pool.call(self._newest(), op, sequences=op.num_sequences))
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
         op = Score(self._target.key, prompt=prompt, namespace=self.namespace)

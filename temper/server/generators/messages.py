@@ -125,6 +125,12 @@ class Sample:
     namespace: int | None = None
     """An in-flight client's prefix-cache namespace (rank 0 numbers them); None otherwise."""
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences it decodes (what a rank's load counts)."""
+        num_samples = self.options.get("num_samples", 1)
+        return num_samples if isinstance(num_samples, int) else 1
+
 
 @dataclass(frozen=True)
 class Score:
