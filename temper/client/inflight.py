@@ -7,9 +7,10 @@ that moment, for the clients made before and after it. Tinker's contract
 
 - A save does not wait for samples in progress: it hands the target a copy of the weights
   (`WeightSwitch.offer`, temper/sampler/weight_switch.py) and returns; the trainer may step at
-  once. The target takes the copy before its next call, and Temper's engines also between two
-  decode steps of a call in progress: a sequence being decoded goes on with the newer weights
-  over the keys and values computed before (the KV cache is kept).
+  once. The target takes the copy before its next call, and also between two decode steps of a
+  call in progress (Temper's engines; vLLM between two engine steps): a sequence being
+  decoded goes on with the newer weights over the keys and values computed before (the KV
+  cache is kept).
 - A client samples on the weights saved when it was made or newer: the save that made it
   offered them before the client existed, and every call takes a pending offer first.
 - Each client is a prefix-cache namespace of its own: the target's cached prefixes are
@@ -25,8 +26,10 @@ Where the weights go, by the trainer's placement:
   its own (`AdapterView`); a save registers the newer adapter version, and the target's call
   in progress moves to it between decode steps (generator/multi_lora.py) while the other
   adapters' rows go on as they were.
-- vLLM (merged weights or its multi-LoRA sampler): a save is taken before the target's next
-  call (Temper runs vLLM through `LLM.generate`, which decodes a batch to the end).
+- vLLM with merged weights: an engine of its own, which takes a save between two engine steps
+  (generator/vllm.py's hook on its step driver, generator/vllm_steps.py), its running
+  requests' KV cache kept. vLLM's multi-LoRA sampler: a save is taken before the target's
+  next call.
 - Generator ranks of a disaggregated placement: each rank that serves the model holds a
   target of its own, built and moved by the same `InflightTarget` from the weights rank 0
   sends it (temper/server/generators/).
@@ -75,6 +78,8 @@ class InflightTarget:
             generator.between_steps = self.switch.between_steps
         elif isinstance(generator, AdapterView):
             generator.switch = self.switch
+        elif hasattr(generator, "requests_in_flight"):  # vLLM (generator/vllm.py)
+            generator.between_steps = self.switch.between_vllm_steps
         self._loaded = False
         self._lock = threading.Lock()  # one call on the target at a time
         self._namespace = 0  # the client whose cached prefixes the target holds

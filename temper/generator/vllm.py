@@ -39,7 +39,7 @@ import os
 import random
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -237,6 +237,11 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._v2 = vllm_fields.runs_v2(self._llm)
         # Every use of the engine goes through its stepping: calls join the running batch.
         self._steps = VllmSteps(self._llm, window_s=join_window_s)
+        self._steps.between_steps = self._before_step
+        self._stale_prefixes = False  # cached blocks computed with older weights remain
+        self.between_steps: Callable[[VllmGenerator], Any] | None = None
+        """Run between two engine steps on the stepping thread (an in-flight target's
+        `WeightSwitch.between_vllm_steps`, which calls `switch_weights`)."""
         self._transfer = vllm_transfer.VllmTransfer(
             self._llm,
             transport=self._transport_name,
@@ -475,10 +480,26 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self._steps.exclusive(lambda: self._llm.llm_engine.remove_lora(lora_id))
 
     def update_weights(self, source: WeightUpdate, *, version: int) -> None:
-        """Load new weights into the running engine (Temper parameter names). A module or a
-        state dict is checked whole first (a bad one changes nothing); a stream of (name,
-        tensor) pairs is checked as it passes: a bad one fails part-way, and vLLM, which
-        reloads in place, is then left without weights (the generator refuses all calls)."""
+        """Load new weights into the running engine (Temper parameter names), between two
+        steps of the calls decoding. A module or a state dict is checked whole first (a bad
+        one changes nothing); a stream of (name, tensor) pairs is checked as it passes: a bad
+        one fails part-way, and vLLM, which reloads in place, is then left without weights
+        (the generator refuses all calls)."""
+        self._load(source, version=version, run=self._steps.exclusive)
+
+    def switch_weights(self, source: WeightUpdate, *, version: int) -> None:
+        """`update_weights` from the `between_steps` hook, on the stepping thread itself (a
+        queued task would wait for this thread). The requests decoding keep their KV cache
+        and go on with the new weights."""
+        self._load(source, version=version, run=lambda fn: fn())
+
+    def requests_in_flight(self) -> list[int]:
+        """Positions in the running call of its requests still decoding (vllm_steps.py)."""
+        return self._steps.unfinished()
+
+    def _load(
+        self, source: WeightUpdate, *, version: int, run: Callable[[Callable[[], Any]], Any]
+    ) -> None:
         self._check_weights()
         if isinstance(source, nn.Module):
             source = source.state_dict()
@@ -489,15 +510,30 @@ class VllmGenerator(Configurable, OnePromptSampling):
             source = source.items()
         named = self._hf_named(iter(source))
         try:
-            self._steps.exclusive(lambda: self._transfer.update(named, version=version))
+            run(lambda: self._transfer.update(named, version=version))
         except Exception as error:
             # vLLM reloads in place: weights it had not reached are gone, and its reload
             # machinery cannot run again on this engine.
             self._broken = f"an update_weights failed part-way ({error})"
             raise
-        # Cached prefixes hold keys and values computed with the old weights.
-        self._steps.exclusive(self._llm.reset_prefix_cache)
+        # Cached prefixes hold keys and values computed with the old weights. vLLM resets
+        # its prefix cache only when no request holds blocks; else it is reset before the
+        # next request is added once none runs (`_before_step`).
+        self._stale_prefixes = True
+        run(self._forget_stale_prefixes)
         self._version = version
+
+    def _forget_stale_prefixes(self) -> None:
+        if self._llm.reset_prefix_cache():
+            self._stale_prefixes = False
+
+    def _before_step(self) -> None:
+        """VllmSteps' hook: stale prefixes go once no call runs, then the switch is offered
+        its chance (on the stepping thread)."""
+        if self._stale_prefixes and not self._steps.num_running:
+            self._forget_stale_prefixes()
+        if self.between_steps is not None:
+            self.between_steps(self)
 
     def reset_prefix_cache(self) -> None:
         """Forget vLLM's cached prefixes (an in-flight client's namespace ends:

@@ -6,8 +6,10 @@ finished. `LLM.generate` adds one call's requests and steps until all of them fi
 the calls of every thread share the stepping instead. Between two steps the driving thread
 adds the requests of the calls that arrived meanwhile (`LLM.enqueue`, each call with its own
 `LoRARequest`s) and runs the tasks queued (adapter loads, weight updates: every other use of
-the engine, in submission order); a call returns as soon as all of its requests have
-finished, its outputs in the order of its prompts, whatever else is still decoding.
+the engine, in submission order), after the `between_steps` hook (an in-flight target's weight
+switch, which runs here directly: a task would wait for the thread running it); a call
+returns as soon as all of its requests have finished, its outputs in the order of its
+prompts, whatever else is still decoding.
 
 No thread of its own, as sampler/decode_loop.py: a caller who finds nobody stepping steps
 until its own work is done, then hands the engine to the caller of the oldest unfinished
@@ -67,6 +69,10 @@ class VllmSteps:
         count)."""
         self.num_joined_running = 0
         """Calls added while other calls' requests were decoding."""
+        self.between_steps: Callable[[], None] | None = None
+        """Run on the stepping thread before each step, ahead of the calls and tasks that
+        arrived (generator/vllm.py's weight switch); an error fails the calls in flight and
+        those waiting to be added."""
 
     def generate(
         self, prompts: Sequence[Any], params: Sequence[Any], *, lora_requests: Sequence[Any] | None
@@ -133,7 +139,31 @@ class VllmSteps:
         with self._lock:
             return len(self._pending)
 
+    @property
+    def num_running(self) -> int:
+        """Calls added whose requests have not all finished."""
+        with self._lock:
+            return len(self._running)
+
+    def unfinished(self) -> list[int]:
+        """Positions in their call of the requests still decoding (a target that runs one
+        call at a time: the positions in that call)."""
+        with self._lock:
+            running = list(self._running)
+        return [
+            index
+            for call in running
+            for index, request_id in enumerate(call.order)
+            if request_id not in call.outputs
+        ]
+
     def _between_steps(self) -> None:
+        if self.between_steps is not None:
+            try:
+                self.between_steps()
+            except BaseException as error:
+                self._fail_running(error, waiting=True)
+                return
         with self._lock:
             pending, self._pending = self._pending, []
         for work in pending:
@@ -189,16 +219,21 @@ class VllmSteps:
                     self._running.remove(call)
                 self._settle(call)
 
-    def _fail_running(self, error: BaseException) -> None:
-        """A step raised: every call in flight fails with its error, their requests go."""
+    def _fail_running(self, error: BaseException, *, waiting: bool = False) -> None:
+        """A step raised: every call in flight fails with its error, their requests go;
+        `waiting`: the calls not added yet fail too (tasks stay queued)."""
+        unadded: list[Work] = []
         with self._lock:
             failed, self._running = self._running, []
             self._owners.clear()
+            if waiting:
+                unadded = [work for work in self._pending if isinstance(work, _Call)]
+                self._pending = [work for work in self._pending if not isinstance(work, _Call)]
         added = [request_id for call in failed for request_id in call.added]
         try:
             self._llm.llm_engine.abort_request(added, internal=True)
         finally:
-            for call in failed:
+            for call in [*failed, *unadded]:
                 self._settle(call, error=error)
 
     def _settle(self, work: Work, *, error: BaseException | None = None) -> None:

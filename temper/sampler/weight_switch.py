@@ -10,6 +10,10 @@ so the trainer may step on) and returns; the generator takes them at its next ch
   top of each turn of its decode loop when the hook is set). The keys and values already in
   the KV cache stay: the next step feeds the old cache to the new weights. Only the newest
   offer is kept; an older one not yet taken is dropped.
+- between two engine steps of vLLM (`between_vllm_steps`, generator/vllm.py's hook on its
+  step driver, generator/vllm_steps.py): the same, over vLLM's KV cache; the requests still
+  decoding then are noted by their position in the call, all samples of a request together
+  (a sample that finished before its siblings is reported with their versions too).
 - between two decode steps of a multi-LoRA sampler (generator/multi_lora.py), which `pop`s
   an offer (a registered adapter version) and moves the rows of the target's call to it,
   `note`-ing the switch here.
@@ -39,6 +43,7 @@ class WeightSwitch:
         self._pending: tuple[WeightUpdate, int] | None = None
         self._call_versions: list[int] = []
         self._spans: dict[tuple[int, int], list[int]] = {}
+        self._request_spans: dict[int, list[int]] = {}  # by request, every sample (vLLM)
         self.num_switches = 0
         """Switches taken between decode steps (not at a call's start)."""
 
@@ -69,6 +74,7 @@ class WeightSwitch:
         """A call starts on weights `version` (after `take`)."""
         self._call_versions = [version]
         self._spans = {}
+        self._request_spans = {}
 
     def between_steps(self, engine: Any) -> bool:
         """Called by `SamplerEngine.generate` between decode steps: take a pending offer into
@@ -85,6 +91,23 @@ class WeightSwitch:
         weights, version = pending
         engine.switch_weights(weights, version=version)  # on the loop's thread: no barrier
         self.note(active, before=before, after=engine.version)
+        return True
+
+    def between_vllm_steps(self, generator: Any) -> bool:
+        """Called by a vLLM generator between engine steps, on its stepping thread: take a
+        pending offer (`switch_weights`: no task queue, no barrier) and note it against the
+        requests still decoding; returns whether the weights changed."""
+        pending = self.pop()
+        if pending is None:
+            return False
+        before = generator.version
+        decoding = generator.requests_in_flight()
+        weights, version = pending
+        generator.switch_weights(weights, version=version)
+        self.num_switches += 1
+        self._call_versions.append(generator.version)
+        for index in decoding:
+            self._request_spans.setdefault(index, [before]).append(generator.version)
         return True
 
     def pop(self) -> tuple[WeightUpdate, int] | None:
@@ -118,7 +141,7 @@ class WeightSwitch:
         for index, response in enumerate(responses):
             sequences = []
             for sample, sequence in enumerate(response.sequences):
-                spans = self._spans.get((index, sample))
+                spans = self._spans.get((index, sample)) or self._request_spans.get(index)
                 versions = _first_version(spans, whole_call)
                 sequences.append(dataclasses.replace(sequence, weight_versions=versions))
             out.append(dataclasses.replace(response, sequences=sequences))

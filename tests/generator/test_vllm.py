@@ -391,3 +391,51 @@ def test_building_leaves_the_process_threads_and_random_state_alone():
         torch.set_num_threads(threads)
     finally:
         vllm.close()
+
+
+def test_a_switch_between_engine_steps_keeps_the_kv_and_decodes_on(backends):
+    """An offer taken between two vLLM engine steps of a running call: the tokens before it
+    are the old weights' alone, the ones after are the new weights' over the same prefix,
+    and the sequence reports both versions. The new weights negate the final norm's scale
+    (the keys and values do not depend on it), so the greedy argmax flips while the old
+    cache stays valid for them: their continuation equals a fresh decode on the new weights."""
+    from temper.sampler.weight_switch import WeightSwitch
+
+    vllm, _, model = backends
+    old = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    new = dict(old, **{"norm.weight": -old["norm.weight"]})
+    prompt = [(3 * i + 1) % 10 + 1 for i in range(20)]
+    greedy = SamplingParams(max_tokens=16, temperature=0, stop=[])
+    (alone,) = vllm.generate([SampleRequest(prompt=prompt, params=greedy)])
+    before, switch_at = vllm.version, 4
+    switch = WeightSwitch()
+    first_step = vllm.num_steps
+    stale_at_switch = []
+
+    def offer_after_four_steps(generator):
+        if generator.num_steps == first_step + switch_at and not switch.num_switches:
+            switch.offer(new, version=before + 1)
+        if switch.between_vllm_steps(generator):
+            stale_at_switch.append(generator._stale_prefixes)
+
+    vllm.between_steps = offer_after_four_steps
+    try:
+        switch.begin_call(version=before)
+        (spanned,) = switch.stamped(vllm.generate([SampleRequest(prompt=prompt, params=greedy)]))
+        vllm.between_steps = None
+        tokens = spanned.sequences[0].tokens
+        assert switch.num_switches == 1 and vllm.version == before + 1
+        assert tokens[:switch_at] == alone.sequences[0].tokens[:switch_at]
+        assert tokens[switch_at:] != alone.sequences[0].tokens[switch_at:]
+        rest = dataclasses.replace(greedy, max_tokens=16 - switch_at)
+        (fresh,) = vllm.generate([SampleRequest(prompt=prompt + tokens[:switch_at], params=rest)])
+        assert tokens[switch_at:] == fresh.sequences[0].tokens
+        assert spanned.sequences[0].weight_versions == (before, before + 1)
+        # vLLM refuses to reset its prefix cache while the request holds blocks; the reset
+        # happens before the next request is added, so no block computed with the old
+        # weights serves it (vLLM's CPU blocks are larger than this model's context, so no
+        # prefix is ever cached here to observe a hit).
+        assert stale_at_switch == [True] and not vllm._stale_prefixes
+    finally:
+        vllm.between_steps = None
+        vllm.update_weights(old, version=before)
