@@ -47,7 +47,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from temper.api.types import SampledSequence, SampleResponse, TopkLogprobs
+from temper.api.types import SampleResponse
 from temper.checkpoint.hf import save_pretrained
 from temper.config.checks import check_choice, check_range
 from temper.config.configurable import Configurable
@@ -68,6 +68,7 @@ from temper.generator.vllm_process import (
     import_vllm,
     shut_down,
 )
+from temper.generator.vllm_responses import actual_logprobs, response_of
 from temper.generator.vllm_steps import VllmSteps
 from temper.generator.vllm_transports import (
     TRANSPORT_CHOICES,
@@ -342,7 +343,12 @@ class VllmGenerator(Configurable, OnePromptSampling):
         outputs = self._steps.generate(
             prompts, params, lora_requests=None if adapters is None else list(adapters)
         )
-        return [self._response(r, out) for r, out in zip(requests, outputs, strict=True)]
+        return [
+            response_of(
+                r, out, num_experts=self._num_experts, record_routes=self.config.record_routes
+            )
+            for r, out in zip(requests, outputs, strict=True)
+        ]
 
     def score(
         self, sequences: Sequence[Sequence[int]], *, temperature: float = 1.0, adapter: Any = None
@@ -373,7 +379,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
             lora_requests=None if adapter is None else [adapter] * len(prompts),
         )
         return [
-            torch.tensor(_actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
+            torch.tensor(actual_logprobs(out.prompt_logprobs, out.prompt_token_ids)[1:])
             for out in outputs
         ]
 
@@ -423,50 +429,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
         )
         fields |= vllm_fields.request_fields(request, v2=self._v2)
         return import_vllm().SamplingParams(**fields)
-
-    def _response(self, request: SampleRequest, output: Any) -> SampleResponse:
-        prompt_logprobs = topk_prompt = None
-        if request.prompt_logprobs:
-            prompt_logprobs = _actual_logprobs(output.prompt_logprobs, request.prompt)
-        if request.topk_prompt_logprobs:
-            topk_prompt = [
-                None if entry is None else _topk(entry, request.topk_prompt_logprobs)
-                for entry in output.prompt_logprobs
-            ]
-        k = request.topk_sample_logprobs
-        sequences = []
-        # vLLM returns a request's samples in completion order; their index is their order.
-        for completion in sorted(output.outputs, key=lambda completion: completion.index):
-            tokens = list(completion.token_ids)
-            sequences.append(
-                SampledSequence(
-                    tokens=tokens,
-                    logprobs=[
-                        entry[token].logprob
-                        for entry, token in zip(completion.logprobs, tokens, strict=True)
-                    ],
-                    stop_reason="stop" if completion.finish_reason == "stop" else "length",
-                    topk_logprobs=[_topk(e, k) for e in completion.logprobs] if k else None,
-                    **vllm_fields.sequence_fields(
-                        completion,
-                        request=request,
-                        num_experts=self._num_experts,
-                        record_routes=self.config.record_routes,
-                    ),
-                )
-            )
-        if len(sequences) < request.num_samples:  # greedy: one sample, see the docstring
-            sequences = sequences * request.num_samples
-        targets = request.target_prompt_logprobs
-        return SampleResponse(
-            sequences=sequences,
-            prompt_logprobs=prompt_logprobs,
-            topk_prompt_logprobs=topk_prompt,
-            target_prompt_logprobs=None
-            if targets is None
-            else vllm_fields.target_logprobs(output, targets),
-            prompt_cache_hit_tokens=output.num_cached_tokens or 0,
-        )
 
     # -- weights and memory ---------------------------------------------------------------
 
@@ -601,19 +563,6 @@ class VllmGenerator(Configurable, OnePromptSampling):
         its model directory."""
         self._release()
         self._directory.cleanup()
-
-
-def _actual_logprobs(entries: Sequence[Any], tokens: Sequence[int]) -> list[float | None]:
-    """Each position's logprob of the token actually there (None at position 0)."""
-    pairs = zip(entries[1:], tokens[1:], strict=True)
-    return [None, *(entry[token].logprob for entry, token in pairs)]
-
-
-def _topk(entry: Mapping[int, Any], k: int) -> TopkLogprobs:
-    """The k most likely tokens of one position, most likely first (vLLM's dict also holds
-    the sampled token, which may rank lower)."""
-    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
-    return [(token, logprob.logprob) for token, logprob in ranked if logprob.rank <= k][:k]
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:
