@@ -194,12 +194,7 @@ class VllmGenerator(Configurable, OnePromptSampling):
         self.config = config
         model_config = model.config
         self.vocab_size = model_config.vocab_size
-        self.max_seq_len = config.max_model_len or model_config.max_seq_len
-        if self.max_seq_len > model_config.max_seq_len:
-            raise ValueError(
-                f"VllmGenerator.Config.max_model_len={self.max_seq_len} exceeds the model's "
-                f"max_seq_len={model_config.max_seq_len}"
-            )
+        self.max_seq_len = _max_seq_len(config, model_config=model_config)
         self.tokenizer = tokenizer
         self._family = family_of_model(model)
         self.dtype = config.dtype if config.dtype != "auto" else dtype_name(_dtype_of(model))
@@ -571,3 +566,14 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
 
 def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def _max_seq_len(config: VllmGenerator.Config, *, model_config: Any) -> int:
+    """The engine's context: the config's `max_model_len`, at most the model's."""
+    max_seq_len = config.max_model_len or model_config.max_seq_len
+    if max_seq_len > model_config.max_seq_len:
+        raise ValueError(
+            f"VllmGenerator.Config.max_model_len={max_seq_len} exceeds the model's "
+            f"max_seq_len={model_config.max_seq_len}"
+        )
+    return max_seq_len
