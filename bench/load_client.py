@@ -30,6 +30,8 @@ import sys
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from soak_client import importance_sampling_data
+
 RETRYABLE_STATUSES = {408, 409, 429}
 
 
@@ -101,24 +103,6 @@ def sampled_tokens(result) -> int:
 def random_prompt(rng: random.Random, spec: dict) -> list[int]:
     low, high = spec["first_token"], spec["vocab_size"]
     return [rng.randrange(low, high) for _ in range(spec["prompt_tokens"])]
-
-
-def importance_sampling_data(types, prompt: list[int], sequences) -> list:
-    """Datums for one group: reward = fraction of sampled tokens equal to prompt[0]."""
-    rewards_G = [sum(t == prompt[0] for t in s.tokens) / max(1, len(s.tokens)) for s in sequences]
-    mean = sum(rewards_G) / len(rewards_G)
-    pad = [0.0] * (len(prompt) - 1)
-    data = []
-    for sequence, reward in zip(sequences, rewards_G, strict=True):
-        tokens = [*prompt, *sequence.tokens]
-        loss_fn_inputs = {
-            "target_tokens": tokens[1:],
-            "logprobs": pad + list(sequence.logprobs),
-            "advantages": pad + [reward - mean] * len(sequence.tokens),
-        }
-        model_input = types.ModelInput.from_ints(tokens[:-1])
-        data.append(types.Datum(model_input=model_input, loss_fn_inputs=loss_fn_inputs))
-    return data
 
 
 class Client:

@@ -35,7 +35,7 @@ def timed(route: str, call):
 
 def importance_sampling_data(types, prompt: list[int], sequences) -> list:
     """Datums for one group: reward = fraction of sampled tokens equal to prompt[0]."""
-    rewards_G = [sum(t == prompt[0] for t in s.tokens) / len(s.tokens) for s in sequences]
+    rewards_G = [sum(t == prompt[0] for t in s.tokens) / max(1, len(s.tokens)) for s in sequences]
     mean = sum(rewards_G) / len(rewards_G)
     pad = [0.0] * (len(prompt) - 1)
     data = []

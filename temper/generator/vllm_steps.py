@@ -25,13 +25,12 @@ own engine process (the `LLM` steps its engine-core client the same way).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from temper.sampler.decode_loop import Work
+from temper.sampler.decode_loop import CallerDriven, Work
 
 
 @dataclass(eq=False)
@@ -51,17 +50,16 @@ class _Task(Work):
     fn: Callable[[], Any] = lambda: None
 
 
-class VllmSteps:
+class VllmSteps(CallerDriven):
     """Steps one `vllm.LLM` for the calls of every thread (see the module docstring)."""
 
     def __init__(self, llm: Any, *, window_s: float = 0.0) -> None:
+        super().__init__()
         self._llm = llm
         self._window_s = window_s
-        self._lock = threading.Lock()  # the fields below
         self._pending: list[Work] = []  # submitted, not yet added (calls) or run (tasks)
         self._running: list[_Call] = []  # added, some request unfinished
-        self._owners: dict[str, _Call] = {}  # external request id -> its call
-        self._driving = False
+        self._owners: dict[str, _Call] = {}  # external request id -> its call (under _lock)
         self.num_steps = 0
         """Engine steps run so far."""
         self.num_batches = 0
@@ -90,29 +88,6 @@ class VllmSteps:
         task = _Task(fn=fn)
         self._wait(task)
         return task.result
-
-    def _wait(self, work: Work) -> None:
-        with self._lock:
-            self._pending.append(work)
-            if not self._driving:
-                self._driving = work.drives = True
-        if not work.drives:
-            work.wake.wait()  # done, or handed the engine
-        if not work.done:
-            try:
-                self._drive(work)
-            finally:
-                self._hand_over()
-        if work.error is not None:
-            raise work.error
-
-    def _hand_over(self) -> None:
-        with self._lock:
-            successor = next((w for w in (*self._running, *self._pending) if not w.done), None)
-            self._driving = successor is not None
-            if successor is not None:
-                successor.drives = True
-                successor.wake.set()
 
     def _drive(self, work: Work) -> None:
         while not work.done:

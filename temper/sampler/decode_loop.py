@@ -99,14 +99,57 @@ class _Task(Work):
     barrier: bool = False
 
 
-class DecodeLoop:
+class CallerDriven:
+    """Work submitted from any thread and driven by the threads of its callers: the first
+    caller who finds nobody driving drives (`_drive`, the subclass's) until its own work is
+    done, then hands over to the caller of the oldest unfinished work, waking that thread
+    only. `_pending` holds work not yet taken in, `_running` calls taken in and not done;
+    both are the subclass's to move, under `_lock`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[Any] = []
+        self._running: list[Any] = []
+        self._driving = False
+
+    def _drive(self, work: Work, **options: Any) -> None:
+        raise NotImplementedError
+
+    def _wait(self, work: Work, **options: Any) -> None:
+        """Submit `work` and return once it is done (driving meanwhile if handed the
+        loop); raises its error. `options` go to `_drive`."""
+        with self._lock:
+            self._pending.append(work)
+            if not self._driving:
+                self._driving = work.drives = True
+        if not work.drives:
+            work.wake.wait()  # done, or handed the loop
+        if not work.done:
+            try:
+                self._drive(work, **options)
+            finally:
+                self._hand_over()
+        if work.error is not None:
+            raise work.error
+
+    def _hand_over(self) -> None:
+        """Wake the caller of the oldest unfinished work to drive on (only that one), or
+        leave the loop idle."""
+        with self._lock:
+            successor = next((w for w in (*self._running, *self._pending) if not w.done), None)
+            self._driving = successor is not None
+            if successor is not None:
+                successor.drives = True
+                successor.wake.set()
+
+
+class DecodeLoop(CallerDriven):
     def __init__(self, runner: BatchRunner, *, max_rows: int) -> None:
+        super().__init__()
         self._runner = runner
         self._max_rows = max_rows
-        self._lock = threading.Lock()
         self._pending: list[Work] = []  # submitted, not yet joined (calls) or run (tasks)
         self._running: list[_Call] = []  # joined, some sequence still decoding
-        self._driving = False
         self.num_batches = 0
         """Times the loop started decoding from idle (calls joining a running batch do not
         count)."""
@@ -143,31 +186,6 @@ class DecodeLoop:
         task = _Task(fn=fn, barrier=barrier)
         self._wait(task, num_threads=None)
         return task.result
-
-    def _wait(self, work: Work, *, num_threads: int | None) -> None:
-        with self._lock:
-            self._pending.append(work)
-            if not self._driving:
-                self._driving = work.drives = True
-        if not work.drives:
-            work.wake.wait()  # done, or handed the loop
-        if not work.done:
-            try:
-                self._drive(work, num_threads=num_threads)
-            finally:
-                self._hand_over()
-        if work.error is not None:
-            raise work.error
-
-    def _hand_over(self) -> None:
-        """Wake the caller of the oldest unfinished work to drive on (only that one), or
-        leave the loop idle."""
-        with self._lock:
-            successor = next((w for w in (*self._running, *self._pending) if not w.done), None)
-            self._driving = successor is not None
-            if successor is not None:
-                successor.drives = True
-                successor.wake.set()
 
     def _drive(self, work: Work, *, num_threads: int | None) -> None:
         """Steps on this thread until `work` is done. The session (the CPU threads a step
